@@ -1,0 +1,53 @@
+#include "allocator/arena.h"
+
+#include <string>
+
+#include "backing/errors.h"
+
+namespace statepager {
+
+Arena::Arena(uintptr_t base, size_t bytes) : base_(base), size_(bytes) { free_[base] = bytes; }
+
+uintptr_t Arena::allocate(size_t bytes, size_t align) {
+  if (bytes == 0) throw UsageError("Arena::allocate: zero bytes");
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    const uintptr_t start = (it->first + align - 1) & ~(uintptr_t(align) - 1);
+    const uintptr_t end = it->first + it->second;
+    if (start + bytes > end) continue;
+    const uintptr_t range_start = it->first;
+    free_.erase(it);
+    if (start > range_start) free_[range_start] = start - range_start;
+    if (start + bytes < end) free_[start + bytes] = end - (start + bytes);
+    used_[start] = bytes;
+    allocated_bytes_ += bytes;
+    return start;
+  }
+  throw OutOfMemoryError("the pager's address arena (" + std::to_string(size_ >> 30) +
+                         " GiB) has no free range of " + std::to_string(bytes) +
+                         " bytes: create the Pager with a larger arena_bytes");
+}
+
+void Arena::free(uintptr_t addr) {
+  auto used = used_.find(addr);
+  if (used == used_.end()) throw UsageError("Arena::free: address was not allocated here");
+  uintptr_t start = addr;
+  size_t len = used->second;
+  used_.erase(used);
+  allocated_bytes_ -= len;
+  auto next = free_.lower_bound(start);
+  if (next != free_.end() && next->first == start + len) {
+    len += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      len += prev->second;
+      free_.erase(prev);
+    }
+  }
+  free_[start] = len;
+}
+
+}  // namespace statepager

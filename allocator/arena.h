@@ -1,0 +1,37 @@
+// Arena: first-fit allocator of address ranges inside one reservation.
+//
+// The arena hands out ranges; it never touches memory. Neighbouring allocations are
+// neighbours in the address space, so small tensors share pages.
+//
+// Thread-safety: none; the Pool serializes calls.
+// Errors: allocate() throws OutOfMemoryError when no free range is large enough;
+// free() of an address that was not allocated throws UsageError.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+
+namespace statepager {
+
+class Arena {
+ public:
+  Arena(uintptr_t base, size_t bytes);
+
+  // Returns the start of a free range of `bytes`, aligned to `align` (a power of two).
+  uintptr_t allocate(size_t bytes, size_t align);
+  void free(uintptr_t addr);
+
+  uintptr_t base() const { return base_; }
+  size_t size() const { return size_; }
+  size_t allocated_bytes() const { return allocated_bytes_; }
+
+ private:
+  uintptr_t base_;
+  size_t size_;
+  size_t allocated_bytes_ = 0;
+  std::map<uintptr_t, size_t> free_;  // start -> length, coalesced
+  std::map<uintptr_t, size_t> used_;  // start -> length
+};
+
+}  // namespace statepager

@@ -1,0 +1,85 @@
+// Device: what the pool needs from a memory system, and nothing more (LevelDB's Env).
+//
+// Two implementations: HostDevice (mmap reservations, memfd pages; CPU tensors and CI)
+// and CudaDevice (CUDA driver VMM: cuMemAddressReserve, cuMemCreate, cuMemMap). Both give
+// the same semantics: a reserved range has a stable address and no memory behind it;
+// map() puts one physical page at an address; touching an unmapped address is fatal
+// (SIGSEGV on the host, an illegal-address error that kills the CUDA context on the GPU).
+//
+// Copies between device memory and staging (pinned host memory from alloc_staging) run on
+// two queues, one per direction, in submission order. record() returns a fence that
+// is_done() reports once every copy queued before it on that queue has finished.
+//
+// Thread-safety: every method may be called from any thread; implementations serialize
+// what they must. Errors: OutOfMemoryError when create_page() finds no memory,
+// DeviceError for anything else the driver refuses (backing/errors.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace statepager {
+
+using PageHandle = uint64_t;
+using Fence = uint64_t;
+
+enum class CopyQueue { kToHost = 0, kToDevice = 1 };
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual std::string name() const = 0;      // "cpu" or "cuda:N"
+  virtual size_t granularity() const = 0;    // page sizes and addresses are multiples of it
+
+  // Address space: reserve() returns `bytes` of address space with nothing mapped.
+  virtual uintptr_t reserve(size_t bytes) = 0;
+  virtual void unreserve(uintptr_t base, size_t bytes) = 0;
+
+  // Physical pages: create_page() returns one page of `bytes` (OutOfMemoryError if none).
+  virtual PageHandle create_page(size_t bytes) = 0;
+  virtual void release_page(PageHandle page, size_t bytes) = 0;
+
+  // Mapping: a whole page at a granularity-aligned address inside a reservation.
+  // unmap() must only be called once no queued copy or kernel can still touch the range.
+  virtual void map(uintptr_t addr, size_t bytes, PageHandle page) = 0;
+  virtual void unmap(uintptr_t addr, size_t bytes) = 0;
+
+  // Staging memory: pinned host memory, aligned to 4 KiB, usable by the copy queues.
+  virtual void* alloc_staging(size_t bytes) = 0;
+  virtual void free_staging(void* ptr, size_t bytes) = 0;
+
+  // Copies and fills, queued in order on their queue.
+  virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes) = 0;         // kToHost
+  virtual void copy_to_device(uintptr_t dst, const void* src, size_t bytes) = 0; // kToDevice
+  virtual void fill_zero(uintptr_t dst, size_t bytes) = 0;                       // kToDevice
+
+  // Makes later work on `queue` wait for all work queued so far on the caller's stream
+  // `stream` (a cudaStream_t as an integer; 0 = the legacy default stream). No-op on host.
+  virtual void wait_for_stream(CopyQueue queue, uintptr_t stream) = 0;
+
+  // Fences: record() marks the current end of `queue`; is_done() polls; release_fence()
+  // returns it once the caller no longer needs it. wait() blocks until it is done.
+  virtual Fence record(CopyQueue queue) = 0;
+  virtual bool is_done(Fence fence) = 0;
+  virtual void wait(Fence fence) = 0;
+  virtual void release_fence(Fence fence) = 0;
+
+  // Bytes of physical memory the device has free (driver's view; host: MemAvailable).
+  virtual size_t free_memory() = 0;
+};
+
+// The host backend. `granularity` defaults to the OS page size.
+std::unique_ptr<Device> make_host_device();
+
+// The CUDA backend for device `ordinal`. Loads libcuda.so.1 at run time, so a build
+// without a GPU or driver still loads; throws DeviceError naming the cause when the
+// driver or the device is missing.
+std::unique_ptr<Device> make_cuda_device(int ordinal);
+
+// True when a CUDA driver and at least one device are present.
+bool cuda_available();
+
+}  // namespace statepager

@@ -1,0 +1,527 @@
+#include "allocator/pager.h"
+
+#include <algorithm>
+#include <csignal>
+#include <cstring>
+
+#include "backing/errors.h"
+
+namespace statepager {
+
+namespace {
+
+constexpr size_t kFileAlign = UringFile::kAlignment;
+constexpr size_t kAddressAlign = 4096;
+
+size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// One device<->staging copy inside a chunk.
+struct Piece {
+  size_t staging_offset;
+  uintptr_t addr;
+  size_t bytes;
+};
+
+// One I/O request: a contiguous, aligned range of the store file.
+struct Chunk {
+  uint64_t file_offset = 0;
+  size_t file_bytes = 0;
+  std::vector<Piece> pieces;
+};
+
+}  // namespace
+
+struct Job {
+  bool out = false;
+  std::vector<ExtentId> extents;       // the extents this bucket moves
+  std::vector<Residency> before;       // their states before (restored on failure)
+  std::vector<std::pair<uintptr_t, size_t>> zero_fills;
+  std::vector<Chunk> chunks;
+  uint64_t file_end = 0;               // page-out: the file must be allocated this far
+  size_t next_chunk = 0;
+  size_t chunks_in_flight = 0;
+  bool started = false;
+  std::optional<Fence> zero_fence;
+  uint64_t bytes_moved = 0;
+  uint64_t requests = 0;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+struct Pager::Extent {
+  uintptr_t addr;
+  size_t bytes;
+  uint64_t file_offset;
+  size_t file_bytes;
+  Residency state = Residency::kZero;
+};
+
+struct Pager::Slot {
+  unsigned index = 0;
+  char* buf = nullptr;
+  Job* job = nullptr;
+  const Chunk* chunk = nullptr;
+  std::optional<Fence> copy;  // set while a device copy for this slot is queued
+};
+
+Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
+    : device_(std::move(device)),
+      options_(std::move(options)),
+      pool_(*device_, options_.pool),
+      file_space_(kFileAlign, size_t(1) << 60) {
+  if (options_.io_block_bytes == 0 || options_.io_block_bytes % kFileAlign != 0 ||
+      options_.io_depth == 0) {
+    throw UsageError("io_block_bytes must be a positive multiple of 4096 and io_depth >= 1");
+  }
+  // A file-size limit must surface as EFBIG on the write, not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
+  dir_ = std::make_unique<StoreDir>(options_.directory);
+  file_ = std::make_unique<UringFile>(dir_->file("state.bin"),
+                                      UringFile::Options{options_.io_depth, options_.try_direct});
+  char* staging = static_cast<char*>(
+      device_->alloc_staging(size_t(options_.io_depth) * options_.io_block_bytes));
+  for (unsigned i = 0; i < options_.io_depth; i++) {
+    Slot slot;
+    slot.index = i;
+    slot.buf = staging + size_t(i) * options_.io_block_bytes;
+    slots_.push_back(slot);
+  }
+  try {
+    file_->register_buffers({iovec{staging, slots_.size() * options_.io_block_bytes}});
+  } catch (const Error&) {
+    // Registration needs RLIMIT_MEMLOCK headroom; unregistered I/O is correct, just slower.
+  }
+  counters_.direct_io = file_->direct();
+  io_thread_ = std::thread([this] { run_io_thread(); });
+}
+
+Pager::~Pager() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+const std::string& Pager::file_path() const { return file_->path(); }
+
+void Pager::check_open_locked() const {
+  if (closed_) throw UsageError("this Pager is closed: create a new one");
+}
+
+Pager::Extent& Pager::extent_locked(ExtentId id) {
+  auto it = extents_.find(id);
+  if (it == extents_.end()) throw UsageError("unknown extent " + std::to_string(id));
+  return *it->second;
+}
+
+const Pager::Extent& Pager::extent_locked(ExtentId id) const {
+  return const_cast<Pager*>(this)->extent_locked(id);
+}
+
+ExtentId Pager::create(size_t bytes) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  auto extent = std::make_unique<Extent>();
+  extent->bytes = bytes;
+  extent->file_bytes = align_up(std::max<size_t>(bytes, 1), kFileAlign);
+  extent->addr = pool_.allocate(std::max<size_t>(bytes, 1), kAddressAlign);
+  try {
+    extent->file_offset = file_space_.allocate(extent->file_bytes, kFileAlign);
+  } catch (...) {
+    pool_.free(extent->addr);
+    throw;
+  }
+  const ExtentId id = next_id_++;
+  by_address_[extent->addr] = id;
+  extents_[id] = std::move(extent);
+  return id;
+}
+
+void Pager::release(ExtentId id) {
+  std::unique_lock lock(mu_);
+  // A tensor may die while its bucket is in flight: let the bucket finish first.
+  done_cv_.wait(lock, [&] {
+    const Residency s = extent_locked(id).state;
+    return s != Residency::kPagingIn && s != Residency::kPagingOut;
+  });
+  Extent& e = extent_locked(id);
+  if (e.state == Residency::kResident && !closed_) pool_.unref(e.addr, e.bytes);
+  pool_.free(e.addr);
+  file_space_.free(e.file_offset);
+  by_address_.erase(e.addr);
+  extents_.erase(id);
+}
+
+uintptr_t Pager::address(ExtentId id) const {
+  std::unique_lock lock(mu_);
+  return extent_locked(id).addr;
+}
+
+size_t Pager::size(ExtentId id) const {
+  std::unique_lock lock(mu_);
+  return extent_locked(id).bytes;
+}
+
+Residency Pager::residency(ExtentId id) const {
+  std::unique_lock lock(mu_);
+  return extent_locked(id).state;
+}
+
+std::optional<ExtentId> Pager::find(uintptr_t addr) const {
+  std::unique_lock lock(mu_);
+  auto it = by_address_.find(addr);
+  if (it == by_address_.end()) return std::nullopt;
+  return it->second;
+}
+
+Ticket Pager::page_in(const std::vector<ExtentId>& bucket) { return submit(bucket, false, 0); }
+
+Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream) {
+  return submit(bucket, true, stream);
+}
+
+// Maps the pages under [addr, addr + bytes). At the budget, waits for page-outs in flight
+// to return pages; with none in flight the budget is simply too small.
+void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes) {
+  while (true) {
+    try {
+      pool_.ref(addr, bytes);
+      return;
+    } catch (const OutOfMemoryError&) {
+      if (outs_in_flight_ == 0) throw;
+      done_cv_.wait(lock);
+    }
+  }
+}
+
+Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  auto job = std::make_shared<Job>();
+  job->out = out;
+  std::vector<ExtentId> ids = bucket;
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  for (ExtentId id : ids) {
+    const Residency s = extent_locked(id).state;
+    if (s == Residency::kPagingIn || s == Residency::kPagingOut) {
+      throw UsageError("extent " + std::to_string(id) +
+                       " is already being paged by another bucket: wait for that bucket first");
+    }
+    if (out ? s == Residency::kResident : s != Residency::kResident) job->extents.push_back(id);
+  }
+  if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
+  for (ExtentId id : job->extents) {
+    Extent& e = extent_locked(id);
+    job->before.push_back(e.state);
+    if (!out && e.state == Residency::kZero) job->zero_fills.emplace_back(e.addr, e.bytes);
+    e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
+  }
+  if (!out) {
+    size_t mapped = 0;
+    try {
+      for (; mapped < job->extents.size(); mapped++) {
+        const Extent& e = extent_locked(job->extents[mapped]);
+        ref_pages_locked(lock, e.addr, e.bytes);
+      }
+    } catch (...) {
+      for (size_t i = 0; i < job->extents.size(); i++) {
+        Extent& e = extent_locked(job->extents[i]);
+        if (i < mapped) pool_.unref(e.addr, e.bytes);
+        e.state = job->before[i];
+      }
+      done_cv_.notify_all();
+      throw;
+    }
+  }
+  plan_chunks(*job);
+  if (job->extents.empty()) {
+    job->done = true;
+    return job;
+  }
+  queue_.push_back(job);
+  if (out) outs_in_flight_++;
+  work_cv_.notify_one();
+  return job;
+}
+
+// Cuts the bucket's file ranges into requests of at most io_block_bytes. Extents that are
+// neighbours in the file share a request.
+void Pager::plan_chunks(Job& job) {
+  std::vector<const Extent*> moved;
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    const Extent& e = extent_locked(job.extents[i]);
+    if (job.out || job.before[i] == Residency::kFile) moved.push_back(&e);
+  }
+  std::sort(moved.begin(), moved.end(),
+            [](const Extent* a, const Extent* b) { return a->file_offset < b->file_offset; });
+  const size_t block = options_.io_block_bytes;
+  Chunk chunk;
+  auto flush = [&] {
+    if (chunk.file_bytes > 0) job.chunks.push_back(std::move(chunk));
+    chunk = Chunk{};
+  };
+  for (const Extent* e : moved) {
+    size_t pos = 0;
+    while (pos < e->bytes) {
+      const uint64_t at = e->file_offset + pos;
+      if (chunk.file_bytes == block || (chunk.file_bytes > 0 && chunk.file_offset + chunk.file_bytes != at)) {
+        flush();
+      }
+      if (chunk.file_bytes == 0) chunk.file_offset = at;
+      const size_t n = std::min(block - chunk.file_bytes, e->bytes - pos);
+      chunk.pieces.push_back(Piece{chunk.file_bytes, e->addr + pos, n});
+      chunk.file_bytes += align_up(n, kFileAlign);
+      pos += n;
+    }
+    job.file_end = std::max<uint64_t>(job.file_end, e->file_offset + e->file_bytes);
+    job.bytes_moved += e->bytes;
+  }
+  flush();
+}
+
+void Pager::wait(const Ticket& ticket) {
+  std::unique_lock lock(mu_);
+  done_cv_.wait(lock, [&] { return ticket->done; });
+  if (ticket->error) std::rethrow_exception(ticket->error);
+}
+
+bool Pager::is_done(const Ticket& ticket) const {
+  std::unique_lock lock(mu_);
+  return ticket->done;
+}
+
+PagerStats Pager::stats() const {
+  std::unique_lock lock(mu_);
+  PagerStats s = counters_;
+  s.mapped_bytes = pool_.mapped_bytes();
+  s.peak_mapped_bytes = pool_.pages().peak_in_use_bytes();
+  s.cached_bytes = pool_.pages().cached_bytes();
+  s.budget_bytes = pool_.pages().budget_bytes();
+  s.page_bytes = pool_.page_bytes();
+  s.extents = extents_.size();
+  for (const auto& [id, e] : extents_) {
+    if (e->state == Residency::kResident) s.resident_bytes += e->bytes;
+  }
+  return s;
+}
+
+void Pager::reset_peak() {
+  std::unique_lock lock(mu_);
+  pool_.pages().reset_peak();
+}
+
+void Pager::close() {
+  std::unique_lock lock(mu_);
+  if (closed_) return;
+  closed_ = true;
+  done_cv_.wait(lock, [&] { return queue_.empty(); });
+  stopping_ = true;
+  work_cv_.notify_all();
+  lock.unlock();
+  if (io_thread_.joinable()) io_thread_.join();
+  lock.lock();
+  for (auto& [id, e] : extents_) {
+    if (e->state == Residency::kResident) pool_.unref(e->addr, e->bytes);
+    e->state = Residency::kZero;
+  }
+  pool_.trim();
+  if (!slots_.empty()) {
+    device_->free_staging(slots_[0].buf, slots_.size() * options_.io_block_bytes);
+    slots_.clear();
+  }
+  file_.reset();
+  dir_->remove();
+}
+
+// ---- I/O thread ----------------------------------------------------------------------
+
+void Pager::run_io_thread() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    if (queue_.empty()) {
+      if (stopping_) return;
+      work_cv_.wait(lock);
+      continue;
+    }
+    if (!advance(lock)) {
+      // Only device copies are pending: poll them again shortly.
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      lock.lock();
+    }
+  }
+}
+
+// One round of the pipeline: start buckets, hand free slots to the oldest buckets,
+// move finished copies on to I/O and finished I/O on to copies, complete buckets.
+// Called with the lock held; drops it around device and file calls.
+bool Pager::advance(std::unique_lock<std::mutex>& lock) {
+  std::vector<Ticket> jobs(queue_.begin(), queue_.end());
+  lock.unlock();
+  bool progressed = false;
+  bool copies_pending = false;
+  for (const Ticket& job : jobs) {
+    if (job->started) continue;
+    job->started = true;
+    progressed = true;
+    try {
+      if (job->out && job->file_end > file_allocated_) {
+        file_->allocate(job->file_end);
+        file_allocated_ = job->file_end;
+      }
+      for (auto [addr, bytes] : job->zero_fills) device_->fill_zero(addr, bytes);
+      if (!job->zero_fills.empty()) job->zero_fence = device_->record(CopyQueue::kToDevice);
+    } catch (...) {
+      job->error = std::current_exception();
+    }
+  }
+  for (Slot& slot : slots_) {
+    if (slot.job) continue;
+    for (const Ticket& job : jobs) {
+      if (job->error || job->next_chunk == job->chunks.size()) continue;
+      slot.job = job.get();
+      slot.chunk = &job->chunks[job->next_chunk++];
+      job->chunks_in_flight++;
+      start_chunk(slot);
+      progressed = true;
+      break;
+    }
+  }
+  for (Slot& slot : slots_) {
+    if (!slot.copy) continue;
+    try {
+      if (!device_->is_done(*slot.copy)) {
+        copies_pending = true;
+        continue;
+      }
+    } catch (...) {
+      slot.job->error = std::current_exception();
+    }
+    device_->release_fence(*slot.copy);
+    slot.copy.reset();
+    progressed = true;
+    if (slot.job->out && !slot.job->error) {
+      file_->submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
+                                       slot.chunk->file_offset, 0});
+    } else {
+      finish_slot(slot, 0, 0);
+    }
+  }
+  std::vector<UringFile::Completion> done;
+  if (file_->in_flight() > 0) {
+    const int64_t timeout_us = progressed ? 0 : copies_pending ? 20 : 500;
+    file_->reap(&done, timeout_us);
+  }
+  for (const auto& c : done) {
+    progressed = true;
+    Slot& slot = slots_[c.tag];
+    if (c.error == 0 && !slot.job->out && !slot.job->error) {
+      try {
+        for (const Piece& p : slot.chunk->pieces) {
+          device_->copy_to_device(p.addr, slot.buf + p.staging_offset, p.bytes);
+        }
+        slot.copy = device_->record(CopyQueue::kToDevice);
+        continue;
+      } catch (...) {
+        slot.job->error = std::current_exception();
+      }
+    }
+    finish_slot(slot, c.error, c.offset);
+  }
+  lock.lock();
+  for (const Ticket& job : jobs) {
+    const bool issued_all = job->error || job->next_chunk == job->chunks.size();
+    if (!job->started || job->chunks_in_flight > 0 || !issued_all) continue;
+    if (job->zero_fence) {
+      if (!device_->is_done(*job->zero_fence)) continue;
+      device_->release_fence(*job->zero_fence);
+      job->zero_fence.reset();
+    }
+    complete(*job);
+    progressed = true;
+  }
+  return progressed;
+}
+
+void Pager::start_chunk(Slot& slot) {
+  const Chunk& chunk = *slot.chunk;
+  try {
+    if (slot.job->out) {
+      size_t at = 0;
+      for (const Piece& p : chunk.pieces) {
+        std::memset(slot.buf + at, 0, p.staging_offset - at);  // padding between extents
+        device_->copy_to_host(slot.buf + p.staging_offset, p.addr, p.bytes);
+        at = p.staging_offset + p.bytes;
+      }
+      std::memset(slot.buf + at, 0, chunk.file_bytes - at);
+      slot.copy = device_->record(CopyQueue::kToHost);
+    } else {
+      file_->submit(UringFile::Request{slot.index, false, slot.buf, chunk.file_bytes,
+                                       chunk.file_offset, 0});
+    }
+  } catch (...) {
+    slot.job->error = std::current_exception();
+    finish_slot(slot, 0, 0);
+  }
+}
+
+void Pager::finish_slot(Slot& slot, int error, uint64_t offset) {
+  Job& job = *slot.job;
+  if (error != 0 && !job.error) {
+    try {
+      if (error == ENODATA) {
+        throw CorruptStoreError("store file " + file_->path() + " is truncated at offset " +
+                                std::to_string(offset) +
+                                ": it holds fewer bytes than were paged out there. The store "
+                                "was changed outside statepager; its state is lost.");
+      }
+      throw_io_error(error, job.out ? "page-out write" : "page-in read", file_->path(), offset);
+    } catch (...) {
+      job.error = std::current_exception();
+    }
+  }
+  if (job.out) {
+    counters_.write_requests++;
+  } else {
+    counters_.read_requests++;
+  }
+  job.chunks_in_flight--;
+  slot.job = nullptr;
+  slot.chunk = nullptr;
+}
+
+// Under the lock: the bucket's extents take their new state (or get their old one back).
+void Pager::complete(Job& job) {
+  const bool ok = !job.error;
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    Extent& e = extent_locked(job.extents[i]);
+    if (job.out) {
+      e.state = ok ? Residency::kFile : Residency::kResident;
+      if (ok) pool_.unref(e.addr, e.bytes);
+    } else {
+      e.state = ok ? Residency::kResident : job.before[i];
+      if (!ok) pool_.unref(e.addr, e.bytes);
+    }
+  }
+  if (ok) {
+    const uint64_t file_bytes = job.bytes_moved;
+    if (job.out) {
+      counters_.bytes_written += file_bytes;
+      counters_.write_requests += job.requests;
+      counters_.buckets_out++;
+    } else {
+      counters_.bytes_read += file_bytes;
+      counters_.read_requests += job.requests;
+      counters_.buckets_in++;
+      for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
+    }
+  }
+  if (job.out) outs_in_flight_--;
+  job.done = true;
+  queue_.erase(std::find_if(queue_.begin(), queue_.end(),
+                            [&](const Ticket& t) { return t.get() == &job; }));
+  done_cv_.notify_all();
+}
+
+}  // namespace statepager

@@ -1,0 +1,147 @@
+// Pager: tensors' bytes as extents of a Pool, paged between the device and one store file.
+//
+// An extent is a range of the pool's arena that holds one tensor's bytes. Its state is
+// ZERO (never written: page-in fills zeros and reads nothing), FILE (its bytes are at
+// rest in the store file) or RESIDENT (mapped and current). Each extent has its own
+// 4 KiB-aligned range in the store file, so no two extents ever share a disk block and
+// I/O never needs read-modify-write; extents adjacent in the file are moved in one
+// request.
+//
+// page_in() and page_out() take a bucket (a set of extents) and return a Ticket at once;
+// an I/O thread moves the bytes through pinned staging slots (device copy <-> io_uring),
+// many buckets and many requests in flight. page_out() first orders itself after the
+// work already queued on the caller's stream. A failed page-out leaves every extent of
+// its bucket resident and intact; a failed page-in leaves them as they were.
+//
+// Ownership: the Pager owns its Device, Pool, store directory and file. Extent addresses
+// stay valid (reserved) until the Pager is destroyed, also after close().
+// Thread-safety: all public methods may be called from any thread.
+// Errors: typed statepager errors (backing/errors.h); wait() rethrows a bucket's error.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "allocator/arena.h"
+#include "allocator/device.h"
+#include "allocator/pool.h"
+#include "backing/store_dir.h"
+#include "backing/uring_file.h"
+
+namespace statepager {
+
+struct PagerOptions {
+  std::string directory;                    // the store directory (exclusive, wiped)
+  PoolOptions pool;
+  unsigned io_depth = 32;                   // staging slots = I/O requests in flight
+  size_t io_block_bytes = size_t(1) << 20;  // bytes per request (multiple of 4 KiB)
+  bool try_direct = true;                   // O_DIRECT where the filesystem allows it
+};
+
+enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut };
+
+using ExtentId = uint64_t;
+
+struct PagerStats {
+  size_t mapped_bytes = 0;        // physical bytes mapped into the arena now
+  size_t peak_mapped_bytes = 0;   // high-water mark of mapped_bytes (reset_peak)
+  size_t cached_bytes = 0;        // unmapped physical pages kept for reuse
+  size_t budget_bytes = 0;
+  size_t page_bytes = 0;
+  size_t extents = 0;
+  size_t resident_bytes = 0;      // bytes of RESIDENT extents
+  uint64_t bytes_read = 0;        // from the store file
+  uint64_t bytes_written = 0;
+  uint64_t read_requests = 0;
+  uint64_t write_requests = 0;
+  uint64_t zero_filled_bytes = 0; // ZERO extents paged in without I/O
+  uint64_t buckets_in = 0;
+  uint64_t buckets_out = 0;
+  bool direct_io = false;
+};
+
+struct Job;
+using Ticket = std::shared_ptr<Job>;
+
+class Pager {
+ public:
+  Pager(std::unique_ptr<Device> device, PagerOptions options);
+  ~Pager();
+  Pager(const Pager&) = delete;
+  Pager& operator=(const Pager&) = delete;
+
+  // A new extent of `bytes` in ZERO state: address reserved, nothing mapped, no file I/O.
+  ExtentId create(size_t bytes);
+  // Forgets an extent: unmaps its pages if resident, frees its address and file range.
+  void release(ExtentId id);
+
+  uintptr_t address(ExtentId id) const;
+  size_t size(ExtentId id) const;
+  Residency residency(ExtentId id) const;
+  std::optional<ExtentId> find(uintptr_t addr) const;  // extent starting at addr
+
+  // Buckets. Extents already in the requested state are skipped; an extent being paged
+  // by another bucket is a UsageError. `stream`: see the class comment.
+  Ticket page_in(const std::vector<ExtentId>& bucket);
+  Ticket page_out(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
+  void wait(const Ticket& ticket);      // rethrows the bucket's error
+  bool is_done(const Ticket& ticket) const;
+
+  PagerStats stats() const;
+  void reset_peak();
+  Device& device() { return *device_; }
+  const std::string& file_path() const;
+
+  // Waits for all buckets, unmaps everything, stops the I/O thread and deletes the
+  // store directory. Idempotent; later calls other than release() throw UsageError.
+  void close();
+
+ private:
+  struct Extent;
+  struct Slot;
+  Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream);
+  void plan_chunks(Job& job);
+  void run_io_thread();
+  bool advance(std::unique_lock<std::mutex>& lock);
+  void start_chunk(Slot& slot);
+  void finish_slot(Slot& slot, int error, uint64_t offset);
+  void complete(Job& job);
+  void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
+  Extent& extent_locked(ExtentId id);
+  const Extent& extent_locked(ExtentId id) const;
+  void check_open_locked() const;
+
+  std::unique_ptr<Device> device_;
+  PagerOptions options_;
+  Pool pool_;
+  Arena file_space_;
+  std::unique_ptr<StoreDir> dir_;
+  std::unique_ptr<UringFile> file_;
+  std::vector<Slot> slots_;
+  uint64_t file_allocated_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;   // wakes the I/O thread
+  std::condition_variable done_cv_;   // wakes waiters
+  std::unordered_map<ExtentId, std::unique_ptr<Extent>> extents_;
+  std::unordered_map<uintptr_t, ExtentId> by_address_;
+  ExtentId next_id_ = 1;
+  std::deque<Ticket> queue_;          // buckets not finished, in submission order
+  size_t outs_in_flight_ = 0;         // page-out buckets queued or running
+  PagerStats counters_;
+  bool closed_ = false;
+  bool stopping_ = false;
+  std::thread io_thread_;
+};
+
+}  // namespace statepager

@@ -1,0 +1,97 @@
+#include "allocator/pool.h"
+
+#include <string>
+
+#include "backing/errors.h"
+
+namespace statepager {
+
+namespace {
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+}  // namespace
+
+Pool::Pool(Device& device, PoolOptions options)
+    : device_(device),
+      page_bytes_(options.page_bytes),
+      arena_(device.reserve(round_up(options.arena_bytes, options.page_bytes)),
+             round_up(options.arena_bytes, options.page_bytes)),
+      pages_(device, options.page_bytes, options.budget_bytes, options.keep_bytes) {
+  if (page_bytes_ == 0 || page_bytes_ % device.granularity() != 0) {
+    device.unreserve(arena_.base(), arena_.size());
+    throw UsageError("page_bytes must be a positive multiple of " + device.name() +
+                     "'s granularity (" + std::to_string(device.granularity()) + " bytes)");
+  }
+}
+
+Pool::~Pool() {
+  for (auto& [index, entry] : table_) {
+    device_.unmap(arena_.base() + index * page_bytes_, page_bytes_);
+    pages_.release(entry.page);
+  }
+  table_.clear();
+  pages_.trim();
+  device_.unreserve(arena_.base(), arena_.size());
+}
+
+uintptr_t Pool::allocate(size_t bytes, size_t align) { return arena_.allocate(bytes, align); }
+
+void Pool::free(uintptr_t addr) { arena_.free(addr); }
+
+bool Pool::contains(uintptr_t addr, size_t bytes) const {
+  return addr >= arena_.base() && addr + bytes <= arena_.base() + arena_.size();
+}
+
+size_t Pool::end_page(uintptr_t addr, size_t bytes) const {
+  return (addr - arena_.base() + bytes + page_bytes_ - 1) / page_bytes_;
+}
+
+void Pool::ref(uintptr_t addr, size_t bytes) {
+  const size_t first = first_page(addr), end = end_page(addr, bytes);
+  for (size_t i = first; i < end; i++) {
+    auto it = table_.find(i);
+    if (it != table_.end()) {
+      it->second.refs++;
+      continue;
+    }
+    std::optional<PageHandle> page;
+    try {
+      page = pages_.acquire();
+      if (!page) {
+        throw OutOfMemoryError("the pager's page budget (" +
+                               std::to_string(pages_.budget_bytes() >> 20) +
+                               " MiB) is used up: page out other tensors first, or raise "
+                               "the budget");
+      }
+      device_.map(arena_.base() + i * page_bytes_, page_bytes_, *page);
+    } catch (...) {
+      if (page) pages_.release(*page);
+      for (size_t j = first; j < i; j++) drop(j);
+      throw;
+    }
+    table_[i] = Entry{*page, 1};
+  }
+}
+
+void Pool::unref(uintptr_t addr, size_t bytes) {
+  const size_t first = first_page(addr), end = end_page(addr, bytes);
+  for (size_t i = first; i < end; i++) drop(i);
+}
+
+void Pool::drop(size_t index) {
+  auto it = table_.find(index);
+  if (it == table_.end()) throw UsageError("Pool::unref: page is not mapped");
+  if (--it->second.refs > 0) return;
+  device_.unmap(arena_.base() + index * page_bytes_, page_bytes_);
+  pages_.release(it->second.page);
+  table_.erase(it);
+}
+
+bool Pool::is_mapped(uintptr_t addr, size_t bytes) const {
+  const size_t first = first_page(addr), end = end_page(addr, bytes);
+  for (size_t i = first; i < end; i++) {
+    if (!table_.count(i)) return false;
+  }
+  return true;
+}
+
+}  // namespace statepager

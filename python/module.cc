@@ -1,0 +1,161 @@
+// statepager._C: the C++ core as seen from Python. Tensors are built over pool extents
+// with torch::from_blob; their deleter releases the extent, and holds the Pager alive.
+#include <torch/extension.h>
+
+#include <memory>
+
+#include "allocator/device.h"
+#include "allocator/pager.h"
+#include "backing/errors.h"
+
+namespace py = pybind11;
+using namespace statepager;
+
+namespace {
+
+struct PyPager {
+  std::shared_ptr<Pager> pager;
+  torch::Device device{torch::kCPU};
+
+  ExtentId extent_of(const torch::Tensor& t) const {
+    auto id = pager->find(reinterpret_cast<uintptr_t>(t.storage().data()));
+    if (!id) {
+      throw UsageError("tensor of shape " + std::to_string(t.numel()) +
+                       " elements was not created by this Pager: create it with "
+                       "Pager.empty()/empty_like() or inside Pager.scope()");
+    }
+    return *id;
+  }
+
+  std::vector<ExtentId> extents_of(const std::vector<torch::Tensor>& tensors) const {
+    std::vector<ExtentId> ids;
+    ids.reserve(tensors.size());
+    for (const auto& t : tensors) ids.push_back(extent_of(t));
+    return ids;
+  }
+};
+
+std::unique_ptr<Device> make_device(const std::string& name) {
+  const torch::Device d(name);
+  if (d.is_cpu()) return make_host_device();
+  if (d.is_cuda()) return make_cuda_device(d.has_index() ? d.index() : 0);
+  throw UsageError("device '" + name + "' is not supported: use 'cpu' or 'cuda[:N]'");
+}
+
+// Job is opaque outside the core; Python holds it through this box.
+struct PyTicket {
+  Ticket ticket;
+};
+
+const char* residency_name(Residency r) {
+  switch (r) {
+    case Residency::kZero: return "zero";
+    case Residency::kFile: return "file";
+    case Residency::kResident: return "resident";
+    case Residency::kPagingIn: return "paging_in";
+    case Residency::kPagingOut: return "paging_out";
+  }
+  return "?";
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "statepager core (C++): Pager over a virtual-memory pool and an io_uring store";
+
+  auto base = py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<UsageError>(m, "UsageError", base.ptr());
+  auto io = py::register_exception<IoError>(m, "StoreIOError", base.ptr());
+  py::register_exception<NoSpaceError>(m, "NoSpaceError", io.ptr());
+  py::register_exception<StorePermissionError>(m, "StorePermissionError", io.ptr());
+  py::register_exception<CorruptStoreError>(m, "CorruptStoreError", base.ptr());
+  py::register_exception<StoreBusyError>(m, "StoreBusyError", base.ptr());
+  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", base.ptr());
+  py::register_exception<DeviceError>(m, "DeviceError", base.ptr());
+
+  m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
+
+  py::class_<PyTicket>(m, "Ticket");
+
+  py::class_<PyPager>(m, "Pager")
+      .def(py::init([](const std::string& directory, const std::string& device,
+                       size_t page_bytes, size_t budget_bytes, size_t keep_bytes,
+                       size_t arena_bytes, unsigned io_depth, size_t io_block_bytes,
+                       bool try_direct) {
+             PagerOptions o;
+             o.directory = directory;
+             o.pool.page_bytes = page_bytes;
+             o.pool.budget_bytes = budget_bytes;
+             o.pool.keep_bytes = keep_bytes;
+             o.pool.arena_bytes = arena_bytes;
+             o.io_depth = io_depth;
+             o.io_block_bytes = io_block_bytes;
+             o.try_direct = try_direct;
+             auto pager = std::make_shared<Pager>(make_device(device), std::move(o));
+             return PyPager{std::move(pager), torch::Device(device)};
+           }),
+           py::arg("directory"), py::arg("device"), py::arg("page_bytes"),
+           py::arg("budget_bytes"), py::arg("keep_bytes"), py::arg("arena_bytes"),
+           py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"))
+      .def("empty",
+           [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar) {
+             int64_t numel = 1;
+             for (int64_t s : shape) numel *= s;
+             const size_t bytes = size_t(numel) * c10::elementSize(scalar);
+             const ExtentId id = self.pager->create(bytes);
+             std::shared_ptr<Pager> keep = self.pager;
+             auto deleter = [keep, id](void*) { keep->release(id); };
+             return torch::from_blob(reinterpret_cast<void*>(self.pager->address(id)), shape,
+                                     deleter, torch::TensorOptions().dtype(scalar).device(self.device));
+           })
+      .def("page_in",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
+             return PyTicket{self.pager->page_in(self.extents_of(tensors))};
+           })
+      .def("page_out",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream) {
+             return PyTicket{self.pager->page_out(self.extents_of(tensors), stream)};
+           },
+           py::arg("tensors"), py::arg("stream") = 0)
+      .def("wait",
+           [](PyPager& self, const PyTicket& t) {
+             py::gil_scoped_release release;
+             self.pager->wait(t.ticket);
+           })
+      .def("is_done", [](PyPager& self, const PyTicket& t) { return self.pager->is_done(t.ticket); })
+      .def("residency",
+           [](PyPager& self, const torch::Tensor& t) {
+             return residency_name(self.pager->residency(self.extent_of(t)));
+           })
+      .def("owns", [](PyPager& self, const torch::Tensor& t) {
+             return self.pager->find(reinterpret_cast<uintptr_t>(t.storage().data())).has_value();
+           })
+      .def("stats",
+           [](PyPager& self) {
+             const PagerStats s = self.pager->stats();
+             py::dict d;
+             d["mapped_bytes"] = s.mapped_bytes;
+             d["peak_mapped_bytes"] = s.peak_mapped_bytes;
+             d["cached_bytes"] = s.cached_bytes;
+             d["budget_bytes"] = s.budget_bytes;
+             d["page_bytes"] = s.page_bytes;
+             d["extents"] = s.extents;
+             d["resident_bytes"] = s.resident_bytes;
+             d["bytes_read"] = s.bytes_read;
+             d["bytes_written"] = s.bytes_written;
+             d["read_requests"] = s.read_requests;
+             d["write_requests"] = s.write_requests;
+             d["zero_filled_bytes"] = s.zero_filled_bytes;
+             d["buckets_in"] = s.buckets_in;
+             d["buckets_out"] = s.buckets_out;
+             d["direct_io"] = s.direct_io;
+             return d;
+           })
+      .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
+      .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })
+      .def_property_readonly("file_path", [](PyPager& self) { return self.pager->file_path(); })
+      .def("close", [](PyPager& self) {
+        py::gil_scoped_release release;
+        self.pager->close();
+      });
+}

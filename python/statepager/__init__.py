@@ -1,0 +1,40 @@
+"""statepager: optimizer state in a paged virtual-memory pool, streamed to NVMe files.
+
+Tensors created by a Pager keep their address and identity for life; their physical
+memory exists only while they are resident. See README.md for usage.
+"""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from statepager._C import (  # noqa: F401
+    CorruptStoreError,
+    DeviceError,
+    Error,
+    NoSpaceError,
+    OutOfMemoryError,
+    StoreBusyError,
+    StoreIOError,
+    StorePermissionError,
+    UsageError,
+    cuda_available,
+)
+from statepager.pager import PageHandle, Pager  # noqa: F401
+from statepager.stream import StepStats, StreamedOptimizer  # noqa: F401
+from statepager.optim import PagedAdamW  # noqa: F401
+
+__all__ = [
+    "Pager",
+    "PageHandle",
+    "PagedAdamW",
+    "StepStats",
+    "StreamedOptimizer",
+    "cuda_available",
+    "Error",
+    "UsageError",
+    "StoreIOError",
+    "NoSpaceError",
+    "StorePermissionError",
+    "CorruptStoreError",
+    "StoreBusyError",
+    "OutOfMemoryError",
+    "DeviceError",
+]

@@ -1,0 +1,78 @@
+"""PagedAdamW: mixed-precision AdamW whose fp32 masters and moments live in a Pager."""
+from __future__ import annotations
+
+import torch
+
+from statepager.pager import MiB, Pager
+
+
+class PagedAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of a bf16/fp16 model, all state in `pager`.
+
+    The model's parameters stay where they are. Each step streams the masters and
+    moments bucket by bucket: the bucket's grads are upcast (fp32 grads are used as they
+    are), AdamW steps the masters, and the model parameters get the updated masters,
+    rounded to their dtype. Construction fills the masters bucket by bucket, so the
+    pager never holds more than one bucket of them.
+    """
+
+    def __init__(self, params, *, pager: Pager, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, amsgrad=False, foreach=None, fused=None,
+                 bucket_size: int = 256 * MiB, depth: int = 3, log_steps: bool = False):
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self._model_of: dict[int, torch.nn.Parameter] = {}
+        master_groups = []
+        for group in groups:
+            masters = []
+            for p in group["params"]:
+                m = pager.empty(p.shape, dtype=torch.float32)
+                m.requires_grad_(p.requires_grad)
+                self._model_of[id(m)] = p
+                masters.append(m)
+            master_groups.append({**group, "params": masters})
+        self._fill_masters(pager, [m for g in master_groups for m in g["params"]], bucket_size)
+        super().__init__(master_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, foreach=foreach, fused=fused)
+        self.binding = pager.attach(self, bucket_size=bucket_size, depth=depth,
+                                    log_steps=log_steps, before_bucket=self._load_grads,
+                                    after_bucket=self._store_params)
+
+    def _fill_masters(self, pager: Pager, masters, bucket_size: int) -> None:
+        bucket, nbytes = [], 0
+        for m in masters + [None]:
+            if m is None or (bucket and nbytes + m.numel() * 4 > bucket_size):
+                pager.page_in(bucket)
+                with torch.no_grad():
+                    for b in bucket:
+                        b.copy_(self._model_of[id(b)])
+                pager.page_out(bucket)
+                bucket, nbytes = [], 0
+            if m is not None:
+                bucket.append(m)
+                nbytes += m.numel() * 4
+
+    def model_param(self, master: torch.Tensor) -> torch.nn.Parameter:
+        return self._model_of[id(master)]
+
+    def _load_grads(self, masters) -> None:
+        for m in masters:
+            g = self._model_of[id(m)].grad
+            m.grad = None if g is None else g if g.dtype == torch.float32 else g.float()
+
+    @torch.no_grad()
+    def _store_params(self, masters) -> None:
+        for m in masters:
+            if m.grad is not None:
+                self._model_of[id(m)].copy_(m)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._model_of.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()

@@ -1,0 +1,143 @@
+"""Pager: the user-facing object. Policy lives here; the byte moving is in C++ (_C)."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from statepager import _C
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class PageHandle:
+    """A bucket being paged in or out. wait() blocks until it is done and raises its error."""
+
+    def __init__(self, pager: "Pager", ticket):
+        self._pager = pager
+        self._ticket = ticket
+
+    def wait(self) -> None:
+        self._pager._core.wait(self._ticket)
+
+    def done(self) -> bool:
+        return self._pager._core.is_done(self._ticket)
+
+
+class Pager:
+    """Tensors whose bytes live in a paged pool and, when not resident, in a store file.
+
+    directory: the store directory; exclusive to this Pager (a second one is refused),
+        wiped on start, deleted by close().
+    device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory).
+    page_size: bytes per physical page; a multiple of the device granularity.
+    hbm_budget: physical bytes the pool may hold at once (None: unbounded).
+    keep: unmapped physical bytes kept for reuse instead of being returned.
+    io_depth, io_block: I/O requests in flight and bytes per request.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        device: str | torch.device = "cpu",
+        *,
+        page_size: int = 32 * MiB,
+        hbm_budget: int | None = None,
+        keep: int = 0,
+        arena_size: int = 1 << 40,
+        io_depth: int = 32,
+        io_block: int = 1 * MiB,
+        direct_io: bool = True,
+    ):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        budget = hbm_budget if hbm_budget is not None else (1 << 63)
+        self._core = _C.Pager(
+            str(directory), str(self.device), page_size, budget, keep, arena_size,
+            io_depth, io_block, direct_io,
+        )
+        self.directory = str(directory)
+
+    # -- tensors ---------------------------------------------------------------------
+
+    def empty(self, *shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A deferred tensor: address reserved, no memory and no I/O until page_in()."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+            shape = tuple(shape[0])
+        return self._core.empty(list(shape), dtype)
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        return self.empty(t.shape, dtype=t.dtype)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self._core.owns(t)
+
+    def residency(self, t: torch.Tensor) -> str:
+        """'zero', 'file', 'resident', 'paging_in' or 'paging_out'."""
+        return self._core.residency(t)
+
+    def is_resident(self, t: torch.Tensor) -> bool:
+        return self.residency(t) == "resident"
+
+    # -- paging ----------------------------------------------------------------------
+
+    def page_in_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
+        return PageHandle(self, self._core.page_in(list(tensors)))
+
+    def page_out_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
+        """Pages out after the work already queued on the current stream."""
+        return PageHandle(self, self._core.page_out(list(tensors), self._stream()))
+
+    def page_in(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
+        self.page_in_async(_as_list(tensors)).wait()
+
+    def page_out(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
+        self.page_out_async(_as_list(tensors)).wait()
+
+    def _stream(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- optimizers ------------------------------------------------------------------
+
+    def attach(self, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
+               log_steps: bool = False, before_bucket=None, after_bucket=None):
+        """Streams `optimizer`'s state through this pager: its state tensors (and its
+        parameters, when this pager owns them) live here, and step() pages each bucket
+        of about `bucket_size` bytes in, steps it, and pages it out, with `depth`
+        buckets resident or in flight at most. Returns the StreamedOptimizer binding;
+        its `.last` holds the last step's StepStats."""
+        from statepager.stream import StreamedOptimizer
+
+        return StreamedOptimizer(self, optimizer, bucket_size=bucket_size, depth=depth,
+                                 log_steps=log_steps, before_bucket=before_bucket,
+                                 after_bucket=after_bucket)
+
+    # -- state -----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return self._core.stats()
+
+    def reset_peak(self) -> None:
+        self._core.reset_peak()
+
+    @property
+    def file_path(self) -> str:
+        return self._core.file_path
+
+    def close(self) -> None:
+        """Waits for paging to finish, drops all state and deletes the store directory."""
+        self._core.close()
+
+    def __enter__(self) -> "Pager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _as_list(tensors) -> list:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)

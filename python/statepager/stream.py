@@ -1,0 +1,322 @@
+"""The bucket-streamed optimizer step: Pager.attach(optimizer).
+
+An attached optimizer keeps its per-parameter state tensors (and its parameters, when
+they are fp32 masters the pager owns) in the pager. step() walks buckets of parameters:
+each bucket is paged in, stepped by the optimizer's own algorithm on just those
+parameters, and paged out, while the next bucket is read and the previous one written.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+log = logging.getLogger("statepager")
+
+MiB = 1 << 20
+
+
+@dataclass
+class StepStats:
+    """What one step did. Times are host wall-clock seconds."""
+
+    step: int = 0
+    buckets: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    wait_in_seconds: float = 0.0    # stalled waiting for a bucket's page-in
+    compute_seconds: float = 0.0    # the optimizer's own step on the buckets
+    wait_out_seconds: float = 0.0   # stalled waiting for page-outs (window or final flush)
+    peak_mapped_bytes: int = 0
+
+    @property
+    def overlap(self) -> float:
+        """Share of the step not spent waiting for I/O."""
+        stalled = self.wait_in_seconds + self.wait_out_seconds
+        return 1.0 - stalled / self.seconds if self.seconds > 0 else 1.0
+
+    @property
+    def gbps(self) -> float:
+        return (self.bytes_read + self.bytes_written) / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass
+class Bucket:
+    params: list
+    tensors: list = field(default_factory=list)  # paged tensors: state (+ pager-owned params)
+    nbytes: int = 0
+
+
+BucketHook = Callable[[Sequence[torch.Tensor]], None]
+
+
+class StreamedOptimizer:
+    """The binding between one optimizer and one pager (returned by Pager.attach)."""
+
+    def __init__(self, pager, optimizer: torch.optim.Optimizer, *, bucket_size: int,
+                 depth: int, log_steps: bool, before_bucket: BucketHook | None,
+                 after_bucket: BucketHook | None):
+        if depth < 2:
+            raise ValueError("depth must be at least 2 (one bucket stepping, one in flight)")
+        if getattr(optimizer, "_statepager", None) is not None:
+            raise ValueError("this optimizer is already attached to a Pager")
+        self.pager = pager
+        self.optimizer = optimizer
+        self.bucket_size = bucket_size
+        self.depth = depth
+        self.log_steps = log_steps
+        self.before_bucket = before_bucket
+        self.after_bucket = after_bucket
+        self.last = StepStats()
+        self._steps = 0
+        self._raw_step = _raw_step_function(optimizer)
+        self._precreate_state()
+        self.buckets = self._plan()
+        self._adopt_existing_state()
+        optimizer._statepager = self
+        step = torch.optim.Optimizer.profile_hook_step(_paged_step)
+        # LR schedulers wrap step() to notice it ran; ours sets the same flag
+        # (_opt_called), so mark it the way theirs is marked.
+        step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.state_dict = types.MethodType(_paged_state_dict, optimizer)
+        optimizer.load_state_dict = types.MethodType(_paged_load_state_dict, optimizer)
+
+    # -- setup ---------------------------------------------------------------------
+
+    def _params(self):
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    yield group, p
+
+    def _precreate_state(self) -> None:
+        """Adam and AdamW state, created exactly as their first step would, but deferred:
+        the moments are ZERO extents, so the first step reads nothing for them."""
+        opt = self.optimizer
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            return  # other optimizers create their state in their first step; adopted then
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        for group, p in self._params():
+            state = opt.state[p]
+            if len(state) != 0:
+                continue
+            if group["capturable"] or group["fused"]:
+                state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]),
+                                            device=p.device)
+            else:
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            for name in names:
+                state[name] = self.pager.empty_like(p)
+
+    def _paged_tensors(self, p) -> list:
+        """The tensors of parameter p that live in the pager."""
+        out = [v for v in self.optimizer.state[p].values() if _is_paged_state(v, p, self.pager)]
+        if self.pager.owns(p):
+            out.append(p)
+        return out
+
+    def _plan(self) -> list[Bucket]:
+        buckets, cur = [], Bucket(params=[])
+        for _, p in self._params():
+            nbytes = p.numel() * 4 * 3  # planned as fp32 main + two moments until state exists
+            state = self._paged_tensors(p)
+            if state:
+                nbytes = sum(t.numel() * t.element_size() for t in state)
+            if cur.params and cur.nbytes + nbytes > self.bucket_size:
+                buckets.append(cur)
+                cur = Bucket(params=[])
+            cur.params.append(p)
+            cur.nbytes += nbytes
+        if cur.params:
+            buckets.append(cur)
+        for b in buckets:
+            b.tensors = [t for p in b.params for t in self._paged_tensors(p)]
+        return buckets
+
+    def _adopt_existing_state(self) -> None:
+        """State that already exists in ordinary memory moves into the pager, bucket by bucket."""
+        for b in self.buckets:
+            if self._adopt(b):
+                b.tensors = [t for p in b.params for t in self._paged_tensors(p)]
+                self.pager.page_out(b.tensors)
+
+    def _adopt(self, bucket: Bucket) -> bool:
+        """Moves the bucket's state tensors that are not in the pager into it (resident)."""
+        moved = False
+        for p in bucket.params:
+            state = self.optimizer.state[p]
+            for name, v in list(state.items()):
+                if _is_param_shaped(v, p) and not self.pager.owns(v):
+                    paged = self.pager.empty_like(v)
+                    self.pager.page_in(paged)
+                    paged.copy_(v)
+                    state[name] = paged
+                    moved = True
+        return moved
+
+    # -- the step ------------------------------------------------------------------
+
+    def step_buckets(self) -> None:
+        pager, buckets, n = self.pager, self.buckets, len(self.buckets)
+        stats = StepStats(step=self._steps + 1, buckets=n)
+        before = pager.stats()
+        pager.reset_peak()
+        t_start = time.perf_counter()
+        ahead = max(1, self.depth - 2)
+        ins = {j: pager.page_in_async(buckets[j].tensors) for j in range(min(ahead + 1, n))}
+        outs = collections.deque()
+        for i, b in enumerate(buckets):
+            t0 = time.perf_counter()
+            ins.pop(i).wait()
+            t1 = time.perf_counter()
+            self._step_bucket(b)
+            t2 = time.perf_counter()
+            stats.wait_in_seconds += t1 - t0
+            stats.compute_seconds += t2 - t1
+            outs.append(pager.page_out_async(b.tensors))
+            j = i + ahead + 1
+            if j < n:
+                t0 = time.perf_counter()
+                while len(outs) + len(ins) >= self.depth:
+                    outs.popleft().wait()
+                stats.wait_out_seconds += time.perf_counter() - t0
+                ins[j] = pager.page_in_async(buckets[j].tensors)
+        t0 = time.perf_counter()
+        for h in outs:
+            h.wait()
+        t_end = time.perf_counter()
+        stats.wait_out_seconds += t_end - t0
+        stats.seconds = t_end - t_start
+        after = pager.stats()
+        stats.bytes_read = after["bytes_read"] - before["bytes_read"]
+        stats.bytes_written = after["bytes_written"] - before["bytes_written"]
+        stats.peak_mapped_bytes = after["peak_mapped_bytes"]
+        self._steps += 1
+        self.last = stats
+        if self.log_steps:
+            log.info("statepager step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s "
+                     "(%.2f GB/s; waited in %.3f s, out %.3f s; compute %.3f s; overlap %.0f%%; "
+                     "peak mapped %.1f MiB)", stats.step, n, stats.bytes_read / 1e6,
+                     stats.bytes_written / 1e6, stats.seconds, stats.gbps,
+                     stats.wait_in_seconds, stats.wait_out_seconds, stats.compute_seconds,
+                     100 * stats.overlap, stats.peak_mapped_bytes / MiB)
+
+    def _step_bucket(self, bucket: Bucket) -> None:
+        if self.before_bucket:
+            self.before_bucket(bucket.params)
+        members = set(map(id, bucket.params))
+        saved = [g["params"] for g in self.optimizer.param_groups]
+        try:
+            for g in self.optimizer.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) in members]
+            self._raw_step(self.optimizer)
+        finally:
+            for g, params in zip(self.optimizer.param_groups, saved):
+                g["params"] = params
+        if self._adopt(bucket):  # state the optimizer created lazily in this step
+            bucket.tensors = [t for p in bucket.params for t in self._paged_tensors(p)]
+        if self.after_bucket:
+            self.after_bucket(bucket.params)
+
+    def state_in_buckets(self):
+        """Yields each bucket with its tensors resident; pages it out again afterwards."""
+        for b in self.buckets:
+            self.pager.page_in(b.tensors)
+            try:
+                yield b
+            finally:
+                self.pager.page_out(b.tensors)
+
+
+def _raw_step_function(optimizer) -> Callable:
+    """The optimizer's algorithm without the hook wrapper (hooks run once, around buckets)."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step)
+
+
+def _is_param_shaped(v, p) -> bool:
+    return isinstance(v, torch.Tensor) and v.shape == p.shape and v.device == p.device and v.dim() > 0
+
+
+def _is_paged_state(v, p, pager) -> bool:
+    return isinstance(v, torch.Tensor) and pager.owns(v)
+
+
+def _paged_step(self, closure=None):
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    self._opt_called = True  # what LR schedulers check; their step wrapper is replaced
+    self._statepager.step_buckets()
+    return loss
+
+
+def _params_in_order(optimizer) -> list:
+    """Parameters in the order torch's state_dict numbers them."""
+    seen, out = set(), []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _paged_state_dict(self):
+    """torch's state_dict, with paged state copied out bucket by bucket to host memory."""
+    binding: StreamedOptimizer = self._statepager
+    copies = {}
+    for b in binding.state_in_buckets():
+        for p in b.params:
+            for name, v in self.state[p].items():
+                if binding.pager.owns(v):
+                    copies[(id(p), name)] = v.to("cpu", copy=True)
+    sd = type(self).state_dict(self)
+    params = _params_in_order(self)
+    for i, st in sd["state"].items():
+        for name in st:
+            st[name] = copies.get((id(params[i]), name), st[name])
+    return sd
+
+
+def _paged_load_state_dict(self, state_dict):
+    """torch's load_state_dict for everything but the paged state, which is copied into
+    the pager bucket by bucket (never all of it on the device at once)."""
+    binding: StreamedOptimizer = self._statepager
+    pager = binding.pager
+    params = _params_in_order(self)
+    paged, rest = {}, {}
+    for i, st in state_dict["state"].items():
+        rest[i] = {}
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == params[i].shape:
+                paged[(id(params[i]), name)] = v
+            else:
+                rest[i][name] = v
+    old = {(id(p), name): v for p in params for name, v in self.state[p].items() if pager.owns(v)}
+    type(self).load_state_dict(self, {"state": rest, "param_groups": state_dict["param_groups"]})
+    for b in binding.buckets:
+        pager.page_in(b.tensors)
+        for p in b.params:
+            for (pid, name), v in paged.items():
+                if pid != id(p):
+                    continue
+                t = old.get((pid, name))
+                if t is None:
+                    t = pager.empty_like(p)
+                    pager.page_in(t)
+                t.copy_(v)
+                self.state[p][name] = t
+        b.tensors = [t for p in b.params for t in binding._paged_tensors(p)]
+        pager.page_out(b.tensors)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Every test: set up, then the GoogleTest suite (ctest) and the pytest suites.
+# GPU tests skip with a reason on machines without a GPU. A suite that runs no test fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PYTHON=${PYTHON:-python3}
+ctest --test-dir build/cpp --output-on-failure --no-tests=error
+# Run from outside the checkout so the installed package (with its extension) is tested.
+ROOT=$PWD
+cd /tmp
+$PYTHON -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/python" "$ROOT/tests/gpu"

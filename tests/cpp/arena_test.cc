@@ -1,0 +1,30 @@
+#include "allocator/arena.h"
+
+#include <gtest/gtest.h>
+
+#include "backing/errors.h"
+
+namespace statepager {
+namespace {
+
+TEST(Arena, AllocatesAlignedNeighboursAndCoalesces) {
+  Arena arena(1 << 20, 1 << 20);
+  const uintptr_t a = arena.allocate(100, 4096);
+  const uintptr_t b = arena.allocate(5000, 4096);
+  EXPECT_EQ(a % 4096, 0u);
+  EXPECT_EQ(b, a + 4096);  // neighbours stay neighbours
+  arena.free(a);
+  arena.free(b);
+  EXPECT_EQ(arena.allocated_bytes(), 0u);
+  EXPECT_EQ(arena.allocate(1 << 20, 4096), uintptr_t(1) << 20);  // coalesced back to one range
+}
+
+TEST(Arena, ExhaustionAndBadFreeAreTypedErrors) {
+  Arena arena(4096, 8192);
+  arena.allocate(8192, 4096);
+  EXPECT_THROW(arena.allocate(1, 1), OutOfMemoryError);
+  EXPECT_THROW(arena.free(12345), UsageError);
+}
+
+}  // namespace
+}  // namespace statepager

@@ -1,0 +1,179 @@
+// CudaDevice against the Device contract. Skipped where there is no GPU.
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "allocator/device.h"
+#include "backing/errors.h"
+
+namespace statepager {
+namespace {
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+void fill_random(void* dst, size_t bytes, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto* p = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < bytes; i++) p[i] = static_cast<uint8_t>(rng());
+}
+
+void drain(Device& dev, CopyQueue queue) {
+  Fence f = dev.record(queue);
+  dev.wait(f);
+  dev.release_fence(f);
+}
+
+// Writes `bytes` from `staging` to `addr`, waits, then reads them back into `out`.
+void round_trip(Device& dev, uintptr_t addr, const void* staging, void* out, size_t bytes) {
+  dev.copy_to_device(addr, staging, bytes);
+  drain(dev, CopyQueue::kToDevice);
+  std::memset(out, 0xAB, bytes);
+  dev.copy_to_host(out, addr, bytes);
+  drain(dev, CopyQueue::kToHost);
+}
+
+TEST(CudaDevice, CopiesAreBitExact) {
+  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto dev = make_cuda_device(0);
+  EXPECT_EQ(dev->name(), "cuda:0");
+  const size_t g = dev->granularity();
+  ASSERT_GT(g, 0u);
+
+  uintptr_t base = dev->reserve(2 * g);
+  ASSERT_EQ(base % g, 0u);
+  PageHandle page = dev->create_page(g);
+  dev->map(base, g, page);
+  auto* in = static_cast<uint8_t*>(dev->alloc_staging(g));
+  auto* out = static_cast<uint8_t*>(dev->alloc_staging(g));
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(in) % 4096, 0u);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(out) % 4096, 0u);
+
+  fill_random(in, g, 1);
+  dev->wait_for_stream(CopyQueue::kToDevice, 0);
+  dev->wait_for_stream(CopyQueue::kToHost, 0);
+  round_trip(*dev, base, in, out, g);
+  EXPECT_EQ(std::memcmp(in, out, g), 0);
+
+  dev->free_staging(out, g);
+  dev->free_staging(in, g);
+  dev->unmap(base, g);
+  dev->release_page(page, g);
+  dev->unreserve(base, 2 * g);
+}
+
+TEST(CudaDevice, FillZero) {
+  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto dev = make_cuda_device(0);
+  const size_t g = dev->granularity();
+  uintptr_t base = dev->reserve(g);
+  PageHandle page = dev->create_page(g);
+  dev->map(base, g, page);
+  auto* buf = static_cast<uint8_t*>(dev->alloc_staging(g));
+
+  fill_random(buf, g, 2);
+  dev->copy_to_device(base, buf, g);
+  dev->fill_zero(base, g);  // same queue: runs after the copy
+  drain(*dev, CopyQueue::kToDevice);
+  std::memset(buf, 0xAB, g);
+  dev->copy_to_host(buf, base, g);
+  drain(*dev, CopyQueue::kToHost);
+  std::vector<uint8_t> zeros(g, 0);
+  EXPECT_EQ(std::memcmp(buf, zeros.data(), g), 0);
+
+  dev->free_staging(buf, g);
+  dev->unmap(base, g);
+  dev->release_page(page, g);
+  dev->unreserve(base, g);
+}
+
+TEST(CudaDevice, FenceIsDoneAfterWait) {
+  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto dev = make_cuda_device(0);
+  for (CopyQueue queue : {CopyQueue::kToHost, CopyQueue::kToDevice}) {
+    Fence a = dev->record(queue);
+    Fence b = dev->record(queue);
+    EXPECT_NE(a, b);
+    dev->wait(b);
+    EXPECT_TRUE(dev->is_done(b));
+    EXPECT_TRUE(dev->is_done(a));  // recorded earlier on the same queue
+    dev->release_fence(a);
+    dev->release_fence(b);
+  }
+}
+
+TEST(CudaDevice, RemapKeepsAddressAndPageContents) {
+  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto dev = make_cuda_device(0);
+  const size_t g = dev->granularity();
+  uintptr_t base = dev->reserve(g);
+  PageHandle a = dev->create_page(g);
+  PageHandle b = dev->create_page(g);
+  auto* data_a = static_cast<uint8_t*>(dev->alloc_staging(g));
+  auto* data_b = static_cast<uint8_t*>(dev->alloc_staging(g));
+  auto* out = static_cast<uint8_t*>(dev->alloc_staging(g));
+  fill_random(data_a, g, 3);
+  fill_random(data_b, g, 4);
+
+  dev->map(base, g, a);
+  round_trip(*dev, base, data_a, out, g);
+  EXPECT_EQ(std::memcmp(out, data_a, g), 0);
+  dev->unmap(base, g);
+
+  dev->map(base, g, b);  // same address, different memory
+  round_trip(*dev, base, data_b, out, g);
+  EXPECT_EQ(std::memcmp(out, data_b, g), 0);
+  dev->unmap(base, g);
+
+  dev->map(base, g, a);  // page a kept its bytes while unmapped
+  dev->copy_to_host(out, base, g);
+  drain(*dev, CopyQueue::kToHost);
+  EXPECT_EQ(std::memcmp(out, data_a, g), 0);
+  dev->unmap(base, g);
+
+  dev->free_staging(out, g);
+  dev->free_staging(data_b, g);
+  dev->free_staging(data_a, g);
+  dev->release_page(b, g);
+  dev->release_page(a, g);
+  dev->unreserve(base, g);
+}
+
+TEST(CudaDevice, AbsurdPageThrows) {
+  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto dev = make_cuda_device(0);
+  const size_t bytes = round_up(size_t{1} << 40, dev->granularity());  // 1 TiB
+  try {
+    PageHandle page = dev->create_page(bytes);
+    dev->release_page(page, bytes);
+    FAIL() << "create_page(1 TiB) succeeded";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_STRNE(e.what(), "");
+  } catch (const Error& e) {  // a DeviceError is acceptable too
+    EXPECT_STRNE(e.what(), "");
+  }
+}
+
+TEST(CudaDevice, FreeMemoryTracksPages) {
+  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto dev = make_cuda_device(0);
+  const size_t page_bytes = round_up(size_t{64} << 20, dev->granularity());
+  const size_t count = (size_t{1} << 30) / page_bytes;
+  const size_t total = count * page_bytes;
+  const size_t slack = total / 4;  // other processes may allocate or free meanwhile
+
+  const size_t before = dev->free_memory();
+  std::vector<PageHandle> pages;
+  for (size_t i = 0; i < count; i++) pages.push_back(dev->create_page(page_bytes));
+  const size_t held = dev->free_memory();
+  EXPECT_LT(held + total - slack, before);
+
+  for (PageHandle p : pages) dev->release_page(p, page_bytes);
+  const size_t after = dev->free_memory();
+  EXPECT_GT(after, held + total - slack);
+}
+
+}  // namespace
+}  // namespace statepager

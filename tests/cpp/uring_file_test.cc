@@ -1,0 +1,389 @@
+#include "backing/uring_file.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backing/errors.h"
+
+namespace statepager {
+namespace {
+
+constexpr size_t kPage = UringFile::kAlignment;
+
+// A fresh directory under `base`, deleted with everything in it.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& base = "/tmp") {
+    std::string templ = base + "/statepager_uring_XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp in " + base);
+    path_ = templ;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using AlignedBuf = std::unique_ptr<char, FreeDeleter>;
+
+AlignedBuf aligned_buf(size_t bytes) {
+  return AlignedBuf(static_cast<char*>(std::aligned_alloc(kPage, bytes)));
+}
+
+void fill_random(char* p, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t v = rng();
+    std::memcpy(p + i, &v, std::min<size_t>(8, n - i));
+  }
+}
+
+// Whether `dir` accepts O_DIRECT, found independently of UringFile.
+bool filesystem_accepts_direct(const std::string& dir) {
+  const std::string path = dir + "/direct_probe";
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0644);
+  if (fd < 0) return false;
+  AlignedBuf block = aligned_buf(kPage);
+  std::memset(block.get(), 0, kPage);
+  const bool ok = ::pwrite(fd, block.get(), kPage, 0) == static_cast<ssize_t>(kPage);
+  ::close(fd);
+  ::unlink(path.c_str());
+  return ok;
+}
+
+// Runs `fn` in a forked child and returns its exit code (fn's result, 99 on an exception,
+// 128 + signal when killed). Rings and files are created inside the child.
+int run_in_child(const std::function<int()>& fn) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 99;
+    try {
+      code = fn();
+    } catch (...) {
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + WTERMSIG(status);
+}
+
+// Submits all requests, keeping the queue full, and returns every completion.
+std::vector<UringFile::Completion> run_all(UringFile& f,
+                                           const std::vector<UringFile::Request>& requests) {
+  std::vector<UringFile::Completion> done;
+  size_t next = 0;
+  while (done.size() < requests.size()) {
+    while (next < requests.size() && f.in_flight() < f.queue_depth()) f.submit(requests[next++]);
+    const size_t before = done.size();
+    const size_t n = f.reap(&done, -1);
+    EXPECT_EQ(n, done.size() - before);
+    if (n == 0) {
+      ADD_FAILURE() << "reap(-1) returned nothing with " << f.in_flight() << " in flight";
+      break;
+    }
+  }
+  return done;
+}
+
+void expect_all_ok(const std::vector<UringFile::Completion>& done,
+                   const std::vector<UringFile::Request>& requests) {
+  ASSERT_EQ(done.size(), requests.size());
+  std::set<uint64_t> tags;
+  for (const auto& c : done) {
+    ASSERT_LT(c.tag, requests.size());
+    EXPECT_EQ(c.error, 0) << "tag " << c.tag << ": " << std::strerror(c.error);
+    EXPECT_EQ(c.offset, requests[c.tag].offset) << "tag " << c.tag;
+    tags.insert(c.tag);
+  }
+  EXPECT_EQ(tags.size(), requests.size()) << "a request completed twice";
+}
+
+// Writes random data with many requests in flight (in shuffled order), reads it back the
+// same way, and checks it against both the source and a plain pread of the file.
+void round_trip(const std::string& dir, bool registered, bool try_direct, bool expect_direct) {
+  UringFile f(dir + "/data", UringFile::Options{16, try_direct});
+  EXPECT_EQ(f.direct(), expect_direct);
+
+  // 300 chunks of 1 to 4 pages, laid out back to back.
+  std::mt19937_64 rng(registered ? 1 : 2);
+  std::vector<std::pair<uint64_t, size_t>> chunks;
+  uint64_t total = 0;
+  for (int i = 0; i < 300; ++i) {
+    const size_t len = (1 + rng() % 4) * kPage;
+    chunks.emplace_back(total, len);
+    total += len;
+  }
+  AlignedBuf src = aligned_buf(total);
+  AlignedBuf dst = aligned_buf(total);
+  fill_random(src.get(), total, 42);
+  std::memset(dst.get(), 0, total);
+  if (registered) f.register_buffers({{src.get(), total}, {dst.get(), total}});
+
+  std::shuffle(chunks.begin(), chunks.end(), rng);
+  std::vector<UringFile::Request> writes, reads;
+  for (const auto& [off, len] : chunks) {
+    writes.push_back({writes.size(), true, src.get() + off, len, off, registered ? 0 : -1});
+  }
+  std::shuffle(chunks.begin(), chunks.end(), rng);
+  for (const auto& [off, len] : chunks) {
+    reads.push_back({reads.size(), false, dst.get() + off, len, off, registered ? 1 : -1});
+  }
+
+  expect_all_ok(run_all(f, writes), writes);
+  f.sync();
+  EXPECT_EQ(f.size(), total);
+  expect_all_ok(run_all(f, reads), reads);
+  EXPECT_EQ(f.in_flight(), 0u);
+  EXPECT_EQ(std::memcmp(src.get(), dst.get(), total), 0) << "data read back differs";
+
+  // Independent check that each chunk landed at its own offset.
+  std::vector<char> plain(total);
+  int fd = ::open((dir + "/data").c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::pread(fd, plain.data(), total, 0), static_cast<ssize_t>(total));
+  ::close(fd);
+  EXPECT_EQ(std::memcmp(src.get(), plain.data(), total), 0) << "file contents differ";
+}
+
+TEST(UringFile, RoundTripUnregisteredBuffers) {
+  TempDir dir;
+  round_trip(dir.path(), false, true, filesystem_accepts_direct(dir.path()));
+}
+
+TEST(UringFile, RoundTripRegisteredBuffers) {
+  TempDir dir;
+  round_trip(dir.path(), true, true, filesystem_accepts_direct(dir.path()));
+}
+
+// tmpfs refuses O_DIRECT before Linux 6.6 and accepts it since: either way the mode must
+// match what the filesystem does.
+TEST(UringFile, RoundTripOnTmpfsMatchesItsDirectSupport) {
+  TempDir dir("/dev/shm");
+  const bool direct = filesystem_accepts_direct(dir.path());
+  round_trip(dir.path(), false, true, direct);
+  std::filesystem::remove(dir.file("data"));
+  round_trip(dir.path(), true, true, direct);
+}
+
+TEST(UringFile, BufferedWhenDirectNotTried) {
+  TempDir dir;
+  round_trip(dir.path(), false, false, false);
+  std::filesystem::remove(dir.file("data"));
+  round_trip(dir.path(), true, false, false);
+}
+
+// ramfs refuses O_DIRECT at open(). Mounting one needs a private mount namespace, which
+// needs CAP_SYS_ADMIN; the test is skipped without it.
+TEST(UringFile, FallsBackToBufferedWhereDirectIsRefused) {
+  TempDir dir;
+  const int code = run_in_child([&] {
+    if (::unshare(CLONE_NEWNS) != 0) return 77;
+    if (::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return 77;
+    if (::mount("none", dir.path().c_str(), "ramfs", 0, nullptr) != 0) return 77;
+    if (filesystem_accepts_direct(dir.path())) return 77;  // a ramfs that takes O_DIRECT
+    round_trip(dir.path(), false, true, false);
+    round_trip(dir.path(), true, true, false);
+    return ::testing::Test::HasFailure() ? 1 : 0;
+  });
+  if (code == 77) GTEST_SKIP() << "cannot mount a ramfs here";
+  EXPECT_EQ(code, 0);
+}
+
+class UringFileEof : public ::testing::TestWithParam<bool> {};
+
+TEST_P(UringFileEof, ReadPastEndGivesEnodata) {
+  TempDir dir;
+  UringFile f(dir.file("data"), UringFile::Options{4, GetParam()});
+  AlignedBuf buf = aligned_buf(4 * kPage);
+  fill_random(buf.get(), 2 * kPage, 7);
+  const std::vector<UringFile::Request> write = {{0, true, buf.get(), 2 * kPage, 0, -1}};
+  expect_all_ok(run_all(f, write), write);
+
+  AlignedBuf in = aligned_buf(4 * kPage);
+  std::memset(in.get(), 0, 4 * kPage);
+  auto done = run_all(f, {{5, false, in.get(), 4 * kPage, 0, -1},
+                     {6, false, in.get() + 3 * kPage, kPage, 4 * kPage, -1}});
+  ASSERT_EQ(done.size(), 2u);
+  std::sort(done.begin(), done.end(), [](auto& a, auto& b) { return a.tag < b.tag; });
+  EXPECT_EQ(done[0].tag, 5u);
+  EXPECT_EQ(done[0].error, ENODATA);
+  EXPECT_EQ(done[0].offset, 2 * kPage);
+  EXPECT_EQ(std::memcmp(in.get(), buf.get(), 2 * kPage), 0) << "the part before EOF was read";
+  EXPECT_EQ(done[1].tag, 6u);
+  EXPECT_EQ(done[1].error, ENODATA);
+  EXPECT_EQ(done[1].offset, 4 * kPage);
+
+  // A file whose size is not a multiple of the alignment stops exactly at its end.
+  ASSERT_EQ(::truncate(dir.file("data").c_str(), 5000), 0);
+  done = run_all(f, {{0, false, in.get(), 2 * kPage, 0, -1}});
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].error, ENODATA);
+  EXPECT_EQ(done[0].offset, 5000u);
+}
+
+INSTANTIATE_TEST_SUITE_P(DirectAndBuffered, UringFileEof, ::testing::Bool());
+
+TEST(UringFile, SubmitBeyondQueueDepthThrowsUsageError) {
+  TempDir dir;
+  UringFile f(dir.file("data"), UringFile::Options{2, true});
+  EXPECT_EQ(f.queue_depth(), 2u);
+  AlignedBuf buf = aligned_buf(3 * kPage);
+  std::memset(buf.get(), 1, 3 * kPage);
+  f.submit({0, true, buf.get(), kPage, 0, -1});
+  f.submit({1, true, buf.get() + kPage, kPage, kPage, -1});
+  EXPECT_EQ(f.in_flight(), 2u);
+  EXPECT_THROW(f.submit({2, true, buf.get() + 2 * kPage, kPage, 2 * kPage, -1}), UsageError);
+  EXPECT_EQ(f.in_flight(), 2u);
+
+  std::vector<UringFile::Completion> done;
+  while (done.size() < 2) ASSERT_GT(f.reap(&done, -1), 0u);
+  EXPECT_EQ(f.in_flight(), 0u);
+  f.submit({2, true, buf.get() + 2 * kPage, kPage, 2 * kPage, -1});  // room again
+  while (done.size() < 3) ASSERT_GT(f.reap(&done, -1), 0u);
+  for (const auto& c : done) EXPECT_EQ(c.error, 0);
+  EXPECT_EQ(f.size(), 3 * kPage);
+}
+
+TEST(UringFile, RejectsMisalignedAndUnregisteredRequests) {
+  TempDir dir;
+  UringFile f(dir.file("data"), UringFile::Options{4, true});
+  AlignedBuf buf = aligned_buf(2 * kPage);
+  EXPECT_THROW(f.submit({0, true, buf.get() + 1, kPage, 0, -1}), UsageError);
+  EXPECT_THROW(f.submit({0, true, buf.get(), 100, 0, -1}), UsageError);
+  EXPECT_THROW(f.submit({0, true, buf.get(), kPage, 100, -1}), UsageError);
+  EXPECT_THROW(f.submit({0, true, buf.get(), 0, 0, -1}), UsageError);
+  EXPECT_THROW(f.submit({0, true, buf.get(), kPage, 0, 0}), UsageError);  // nothing registered
+  f.register_buffers({{buf.get(), kPage}});
+  EXPECT_THROW(f.submit({0, true, buf.get(), 2 * kPage, 0, 0}), UsageError);  // overruns it
+  EXPECT_EQ(f.in_flight(), 0u);
+}
+
+TEST(UringFile, ReapWithNothingInFlightReturnsZero) {
+  TempDir dir;
+  UringFile f(dir.file("data"), UringFile::Options{});
+  std::vector<UringFile::Completion> done;
+  EXPECT_EQ(f.reap(&done, 0), 0u);
+  EXPECT_EQ(f.reap(&done, 1000), 0u);
+  EXPECT_EQ(f.reap(&done, -1), 0u);  // must not wait forever
+  EXPECT_TRUE(done.empty());
+}
+
+TEST(UringFile, OpenKeepsExistingContents) {
+  TempDir dir;
+  std::vector<char> data(5000);
+  fill_random(data.data(), data.size(), 3);
+  {
+    int fd = ::open(dir.file("data").c_str(), O_WRONLY | O_CREAT, 0644);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::write(fd, data.data(), data.size()), 5000);
+    ::close(fd);
+  }
+  UringFile f(dir.file("data"), UringFile::Options{});
+  EXPECT_EQ(f.size(), 5000u) << "the O_DIRECT probe must not change the size";
+  AlignedBuf in = aligned_buf(kPage);
+  auto done = run_all(f, {{0, false, in.get(), kPage, 0, -1}});
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].error, 0);
+  EXPECT_EQ(std::memcmp(in.get(), data.data(), kPage), 0);
+}
+
+TEST(UringFile, AllocateReservesSpace) {
+  TempDir dir;
+  UringFile f(dir.file("data"), UringFile::Options{});
+  f.allocate(1 << 20);
+  EXPECT_EQ(f.size(), 1u << 20);
+  struct stat st;
+  ASSERT_EQ(::stat(dir.file("data").c_str(), &st), 0);
+  EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, 1u << 20);
+  f.allocate(kPage);  // smaller: nothing changes
+  EXPECT_EQ(f.size(), 1u << 20);
+  f.allocate(2 << 20);
+  EXPECT_EQ(f.size(), 2u << 20);
+}
+
+TEST(UringFile, OpenFailureNamesThePath) {
+  const std::string path = "/nonexistent_statepager_dir/data";
+  try {
+    UringFile f(path, UringFile::Options{});
+    FAIL() << "opening " << path << " succeeded";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_number(), ENOENT);
+    EXPECT_EQ(e.path(), path);
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}
+
+// RLIMIT_FSIZE stands in for a full filesystem: fallocate and writes past it fail with
+// EFBIG. Runs in a child so the limit does not leak into the test process.
+TEST(UringFile, FileSizeLimitGivesNoSpaceErrorAndEfbig) {
+  TempDir dir;
+  constexpr uint64_t kLimit = 1 << 20;
+  for (bool try_direct : {true, false}) {
+    SCOPED_TRACE(try_direct ? "direct" : "buffered");
+    const std::string path = dir.file(try_direct ? "direct" : "buffered");
+    const int code = run_in_child([&] {
+      std::signal(SIGXFSZ, SIG_IGN);
+      rlimit lim{};
+      if (::getrlimit(RLIMIT_FSIZE, &lim) != 0) return 10;
+      lim.rlim_cur = kLimit;
+      if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) return 10;
+
+      UringFile f(path, UringFile::Options{4, try_direct});
+      f.allocate(kLimit / 2);
+      try {
+        f.allocate(2 * kLimit);
+        return 11;  // no error
+      } catch (const NoSpaceError& e) {
+        if (e.error_number() != EFBIG) return 12;
+        if (e.path() != path) return 13;
+      }
+
+      AlignedBuf buf = aligned_buf(2 * kPage);
+      std::memset(buf.get(), 5, 2 * kPage);
+      // Entirely past the limit.
+      auto done = run_all(f, {{0, true, buf.get(), kPage, kLimit, -1}});
+      if (done.size() != 1 || done[0].error != EFBIG) return 14;
+      if (done[0].offset != kLimit) return 15;
+      // Straddling it: the first page is written, the failure is reported at the limit.
+      done = run_all(f, {{1, true, buf.get(), 2 * kPage, kLimit - kPage, -1}});
+      if (done.size() != 1 || done[0].error != EFBIG) return 16;
+      if (done[0].offset != kLimit) return 17;
+      if (f.size() != kLimit) return 18;
+      return 0;
+    });
+    EXPECT_EQ(code, 0) << "10: setrlimit failed, 11: allocate did not throw, 12: not EFBIG, "
+                          "13: wrong path, 14/16: write did not fail with EFBIG, 15/17: wrong "
+                          "offset, 18: wrong size, 99: unexpected exception";
+  }
+}
+
+}  // namespace
+}  // namespace statepager

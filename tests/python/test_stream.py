@@ -1,0 +1,209 @@
+"""The bucket-streamed step on the host backend: bit-exact parity with the unpaged
+optimizer, bounded memory, state_dict round trips, PagedAdamW."""
+import copy
+
+import pytest
+import torch
+
+from statepager import PagedAdamW, Pager
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(37, 301), torch.nn.GELU(), torch.nn.LayerNorm(301),
+        torch.nn.Linear(301, 129), torch.nn.GELU(), torch.nn.Linear(129, 7))
+    return model.to(dtype)
+
+
+def groups(model):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    no_decay = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0,
+                                                     "lr": 2e-3}]
+
+
+def train(model, opt, sched, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 37, generator=gen).to(next(model.parameters()).dtype)
+        y = torch.randn(16, 7, generator=gen).to(x.dtype)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+OPTIMIZERS = {
+    "adamw-fused": lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True),
+    "adamw-foreach": lambda g: torch.optim.AdamW(g, lr=1e-3, foreach=True),
+    "adam-foreach": lambda g: torch.optim.Adam(g, lr=1e-3, foreach=True, weight_decay=0.01),
+    "adam-loop-amsgrad": lambda g: torch.optim.Adam(g, lr=1e-3, foreach=False, amsgrad=True),
+    "sgd-momentum": lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_parity_with_unpaged_optimizer(store_dir, name):
+    ref_model, model = make_model(), make_model()
+    ref_opt, opt = OPTIMIZERS[name](groups(ref_model)), OPTIMIZERS[name](groups(model))
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        # 100 KB buckets split the 160 KB of state of the first layer's group unevenly.
+        binding = pager.attach(opt, bucket_size=100 * KiB, depth=3)
+        assert len(binding.buckets) >= 3
+        ref_losses = train(ref_model, ref_opt, ref_sched, 12)
+        losses = train(model, opt, sched, 12)
+        assert losses == ref_losses
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        for b in binding.buckets:
+            assert all(pager.residency(t) == "file" for t in b.tensors)
+        for (pa, pb) in zip(ref_model.parameters(), model.parameters()):
+            sa, sb = ref_opt.state[pa], opt.state[pb]
+            assert sa.keys() == sb.keys()
+            pager.page_in([v for v in sb.values() if pager.owns(v)])
+            for k in sa:
+                assert torch.equal(sa[k], sb[k]), k
+        assert binding.last.bytes_read > 0 and binding.last.bytes_written > 0
+
+
+def test_adam_moments_are_deferred_until_first_step(store_dir):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        binding = pager.attach(opt, bucket_size=64 * KiB)
+        assert pager.stats()["mapped_bytes"] == 0
+        train(model, opt, None, 1)
+        assert binding.last.bytes_read == 0  # first step: zero moments, nothing read
+        train(model, opt, None, 1)
+        moment_bytes = sum(2 * 4 * p.numel() for p in model.parameters())
+        assert binding.last.bytes_read == moment_bytes
+        assert binding.last.bytes_written == moment_bytes
+
+
+def test_step_memory_bounded_by_depth_times_bucket(store_dir):
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    page = 64 * KiB
+    with Pager(store_dir, page_size=page) as pager:
+        binding = pager.attach(opt, bucket_size=600 * KiB, depth=3)
+        train_steps = 3
+        x = torch.randn(8, 256)
+        for _ in range(train_steps):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        largest = max(b.nbytes for b in binding.buckets)
+        total = sum(b.nbytes for b in binding.buckets)
+        assert len(binding.buckets) >= 6
+        bound = 3 * (largest + 2 * page)
+        assert 0 < binding.last.peak_mapped_bytes <= bound < total
+
+
+def test_state_dict_round_trip_and_resume(store_dir, tmp_path):
+    ref_model, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(groups(ref_model), lr=1e-3)
+    opt = torch.optim.AdamW(groups(model), lr=1e-3)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        pager.attach(opt, bucket_size=100 * KiB)
+        train(ref_model, ref_opt, None, 5)
+        train(model, opt, None, 5)
+        sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+        assert sd["param_groups"] == ref_sd["param_groups"]
+        for i in ref_sd["state"]:
+            for k in ref_sd["state"][i]:
+                assert torch.equal(sd["state"][i][k], ref_sd["state"][i][k])
+        torch.save({"model": model.state_dict(), "opt": sd}, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    model2 = make_model(seed=5)
+    model2.load_state_dict(ckpt["model"])
+    opt2 = torch.optim.AdamW(groups(model2), lr=1e-3)
+    with Pager(store_dir + "-2", page_size=64 * KiB) as pager:
+        pager.attach(opt2, bucket_size=100 * KiB)
+        opt2.load_state_dict(ckpt["opt"])
+        assert pager.stats()["mapped_bytes"] == 0
+        assert train(model2, opt2, None, 4, seed=9) == train(ref_model, ref_opt, None, 4, seed=9)
+        for a, b in zip(ref_model.parameters(), model2.parameters()):
+            assert torch.equal(a, b)
+
+
+def reference_mixed_precision(model, steps, **kw):
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, **kw)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 37, generator=gen).bfloat16()
+        y = torch.randn(16, 7, generator=gen).bfloat16()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        for p in model.parameters():
+            p.grad = None
+        loss.backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses, masters, opt
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_paged_adamw_matches_mixed_precision_reference(store_dir, fused):
+    ref_model, model = make_model(dtype=torch.bfloat16), make_model(dtype=torch.bfloat16)
+    ref_losses, ref_masters, ref_opt = reference_mixed_precision(
+        ref_model, 10, lr=1e-3, weight_decay=0.05, fused=fused)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, weight_decay=0.05,
+                         fused=fused, bucket_size=90 * KiB)
+        assert pager.stats()["mapped_bytes"] == 0
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(10):
+            x = torch.randn(16, 37, generator=gen).bfloat16()
+            y = torch.randn(16, 7, generator=gen).bfloat16()
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses == ref_losses
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        masters = [m for g in opt.param_groups for m in g["params"]]
+        pager.page_in(masters)
+        for a, b in zip(ref_masters, masters):
+            assert torch.equal(a, b)
+        for a, b in zip(ref_masters, masters):
+            pager.page_in([opt.state[b]["exp_avg"], opt.state[b]["exp_avg_sq"]])
+            assert torch.equal(ref_opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+            assert torch.equal(ref_opt.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"])
+
+
+def test_attach_twice_is_refused(store_dir):
+    opt = torch.optim.AdamW(make_model().parameters())
+    with Pager(store_dir) as pager:
+        pager.attach(opt)
+        with pytest.raises(ValueError, match="already attached"):
+            pager.attach(opt)
+
+
+def test_step_log_line(store_dir, caplog):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        pager.attach(opt, bucket_size=100 * KiB, log_steps=True)
+        with caplog.at_level("INFO", logger="statepager"):
+            train(model, opt, None, 2)
+    lines = [r.getMessage() for r in caplog.records if "statepager step" in r.getMessage()]
+    assert len(lines) == 2 and "GB/s" in lines[1]
