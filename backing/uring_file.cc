@@ -212,7 +212,8 @@ void UringFile::register_buffers(const std::vector<iovec>& buffers) {
   Impl& m = *impl_;
   if (!m.registered.empty()) throw UsageError("UringFile::register_buffers: called twice");
   if (buffers.empty()) return;
-  int ret = io_uring_register_buffers(&m.ring, buffers.data(), static_cast<unsigned>(buffers.size()));
+  const auto count = static_cast<unsigned>(buffers.size());
+  int ret = io_uring_register_buffers(&m.ring, buffers.data(), count);
   if (ret < 0) throw_io_error(-ret, "io_uring_register_buffers", m.path, 0);
   m.registered = buffers;
 }
@@ -269,7 +270,9 @@ size_t UringFile::reap(std::vector<Completion>* out, int64_t timeout_us) {
       ret = io_uring_wait_cqe_timeout(&m.ring, &cqe, &ts);
     }
     if (ret == -ETIME) break;
-    if (ret < 0 && ret != -EINTR && ret != -EAGAIN) throw_io_error(-ret, "io_uring_wait_cqe", m.path, 0);
+    if (ret < 0 && ret != -EINTR && ret != -EAGAIN) {
+      throw_io_error(-ret, "io_uring_wait_cqe", m.path, 0);
+    }
     n += m.drain(out);
   }
   return n;

@@ -43,8 +43,13 @@ def bench_store(args) -> dict:
     block = parse_size(args.io_block)
     os.makedirs(args.dir, exist_ok=True)
     store = os.path.join(args.dir, "statepager-bench")
-    result = {"size_bytes": size, "io_depth": args.io_depth, "io_block": block}
-    with Pager(store, device=args.device, io_depth=args.io_depth, io_block=block) as pager:
+    result = {"size_bytes": size, "io_depth": args.io_depth, "io_block": block,
+              "cold_pages": args.cold}
+    # The pool keeps its physical pages (steady state: no page creation in the timed part,
+    # as in a training loop), unless --cold asks for fresh pages on every page-in.
+    keep = 0 if args.cold else size + 64 * MiB
+    with Pager(store, device=args.device, io_depth=args.io_depth, io_block=block,
+               keep=keep) as pager:
         # Buckets of tensors of mixed sizes (not multiples of 4 KiB), as optimizer state is.
         gen = torch.Generator().manual_seed(0)
         buckets, total = [], 0
@@ -101,7 +106,8 @@ def bench_store(args) -> dict:
 def print_store(r: dict) -> None:
     print(f"store bench: {r['size_bytes'] / 2**30:.2f} GiB in {r['tensors']} tensors, "
           f"{r['buckets']} buckets, io_depth {r['io_depth']}, block {r['io_block'] // MiB} MiB, "
-          f"direct_io={r['direct_io']}")
+          f"direct_io={r['direct_io']}, "
+          f"{'fresh pages on every page-in' if r['cold_pages'] else 'pages recycled by the pool'}")
     for way in ("write", "read"):
         line = f"  {way:5s} statepager {r[way + '_gbps']:6.2f} GB/s"
         if r.get("fio_" + way + "_gbps"):
@@ -124,6 +130,8 @@ def main(argv=None) -> int:
     store.add_argument("--io-depth", type=int, default=32)
     store.add_argument("--io-block", default="1M")
     store.add_argument("--device", default="cpu")
+    store.add_argument("--cold", action="store_true",
+                       help="release physical pages on page-out (measures page creation too)")
     store.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what == "store":
