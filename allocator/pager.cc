@@ -306,6 +306,21 @@ PagerStats Pager::stats() const {
   return s;
 }
 
+std::vector<ExtentId> Pager::resident_extents() const {
+  std::unique_lock lock(mu_);
+  std::vector<ExtentId> ids;
+  for (const auto& [id, e] : extents_) {
+    if (e->state == Residency::kResident) ids.push_back(id);
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+void Pager::trim() {
+  std::unique_lock lock(mu_);
+  pool_.trim();
+}
+
 void Pager::reset_peak() {
   std::unique_lock lock(mu_);
   pool_.pages().reset_peak();

@@ -97,6 +97,11 @@ class Pager {
   void wait(const Ticket& ticket);      // rethrows the bucket's error
   bool is_done(const Ticket& ticket) const;
 
+  // Extents now resident (for pause/resume: page these out, later back in).
+  std::vector<ExtentId> resident_extents() const;
+  // Returns the page pool's cached pages to the device.
+  void trim();
+
   PagerStats stats() const;
   void reset_peak();
   Device& device() { return *device_; }

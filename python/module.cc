@@ -7,6 +7,7 @@
 #include "allocator/device.h"
 #include "allocator/pager.h"
 #include "backing/errors.h"
+#include "backing/raw_io.h"
 
 namespace py = pybind11;
 using namespace statepager;
@@ -58,6 +59,25 @@ const char* residency_name(Residency r) {
   return "?";
 }
 
+// Pages `ids` in or out in buckets of about `bucket_bytes`, all buckets in flight at once.
+void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
+  std::vector<Ticket> tickets;
+  std::vector<ExtentId> bucket;
+  size_t bytes = 0;
+  auto submit = [&] {
+    if (!bucket.empty()) tickets.push_back(out ? pager.page_out(bucket) : pager.page_in(bucket));
+    bucket.clear();
+    bytes = 0;
+  };
+  for (ExtentId id : ids) {
+    bucket.push_back(id);
+    bytes += pager.size(id);
+    if (bytes >= bucket_bytes) submit();
+  }
+  submit();
+  for (const Ticket& t : tickets) pager.wait(t);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -76,6 +96,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
 
   py::class_<PyTicket>(m, "Ticket");
+
+  m.def(
+      "measure_raw_io",
+      [](const std::string& dir, uint64_t bytes, size_t block, unsigned depth, bool read,
+         bool write) {
+        RawIoResult r;
+        {
+          py::gil_scoped_release release;
+          r = measure_raw_io(dir, bytes, block, depth, read, write);
+        }
+        return py::dict(py::arg("read_gbps") = r.read_gbps, py::arg("write_gbps") = r.write_gbps,
+                        py::arg("seconds") = r.seconds);
+      },
+      py::arg("dir"), py::arg("bytes"), py::arg("block"), py::arg("depth"), py::arg("read"),
+      py::arg("write"),
+      "Raw sequential bandwidth of the store's io_uring engine, read and/or write at once");
 
   py::class_<PyPager>(m, "Pager")
       .def(py::init([](const std::string& directory, const std::string& device,
@@ -150,6 +186,20 @@ PYBIND11_MODULE(_C, m) {
              d["buckets_out"] = s.buckets_out;
              d["direct_io"] = s.direct_io;
              return d;
+           })
+      .def("pause",
+           [](PyPager& self, size_t bucket_bytes) {
+             // Everything resident goes out, then the cached pages go back to the device.
+             py::gil_scoped_release release;
+             const std::vector<ExtentId> ids = self.pager->resident_extents();
+             page_all(*self.pager, ids, bucket_bytes, true);
+             self.pager->trim();
+             return ids;
+           })
+      .def("resume",
+           [](PyPager& self, const std::vector<ExtentId>& ids, size_t bucket_bytes) {
+             py::gil_scoped_release release;
+             page_all(*self.pager, ids, bucket_bytes, false);
            })
       .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })

@@ -59,6 +59,7 @@ class Pager:
             io_depth, io_block, direct_io,
         )
         self.directory = str(directory)
+        self._paused = None
 
     # -- tensors ---------------------------------------------------------------------
 
@@ -100,6 +101,22 @@ class Pager:
         if self.device.type != "cuda":
             return 0
         return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- sleep / wake ----------------------------------------------------------------
+
+    def pause(self, bucket_size: int = 256 * MiB) -> None:
+        """Pages out everything resident and returns all physical memory to the device
+        (e.g. to lend the GPU to an inference engine). resume() brings it back."""
+        if self._paused is not None:
+            raise _C.UsageError("this Pager is already paused: call resume() first")
+        self._paused = self._core.pause(bucket_size)
+
+    def resume(self, bucket_size: int = 256 * MiB) -> None:
+        """Pages back in, bit-exact and at the same addresses, what pause() paged out."""
+        if self._paused is None:
+            raise _C.UsageError("this Pager is not paused")
+        self._core.resume(self._paused, bucket_size)
+        self._paused = None
 
     # -- optimizers ------------------------------------------------------------------
 

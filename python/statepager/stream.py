@@ -94,8 +94,7 @@ class StreamedOptimizer:
     def _params(self):
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad:
-                    yield group, p
+                yield group, p
 
     def _precreate_state(self) -> None:
         """Adam and AdamW state, created exactly as their first step would, but deferred:

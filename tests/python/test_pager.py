@@ -231,3 +231,24 @@ def test_tensor_outliving_close_can_be_freed(store_dir):
     del t  # the deleter runs after close without error
     with pytest.raises(statepager.UsageError, match="closed"):
         p.empty(10)
+
+
+def test_pause_resume_bit_exact_same_addresses(store_dir):
+    with Pager(store_dir, page_size=64 * KiB, keep=1 * MiB) as p:
+        ts = [p.empty(n) for n in (10, 70_000, 300_001, 5)]
+        cold = p.empty(1000)  # never paged in: stays zero/deferred across pause
+        p.page_in(ts)
+        refs = [torch.randn(t.shape) for t in ts]
+        for t, r in zip(ts, refs):
+            t.copy_(r)
+        ptrs = [t.data_ptr() for t in ts]
+        p.pause()
+        s = p.stats()
+        assert s["mapped_bytes"] == 0 and s["cached_bytes"] == 0
+        assert all(p.residency(t) == "file" for t in ts) and p.residency(cold) == "zero"
+        with pytest.raises(statepager.UsageError, match="already paused"):
+            p.pause()
+        p.resume()
+        assert [t.data_ptr() for t in ts] == ptrs
+        assert all(torch.equal(t, r) for t, r in zip(ts, refs))
+        assert p.residency(cold) == "zero"

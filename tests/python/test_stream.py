@@ -8,14 +8,15 @@ import torch
 from statepager import PagedAdamW, Pager
 
 KiB, MiB = 1 << 10, 1 << 20
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def make_model(seed=0, dtype=torch.float32):
+def make_model(seed=0, dtype=torch.float32, device="cpu"):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(37, 301), torch.nn.GELU(), torch.nn.LayerNorm(301),
         torch.nn.Linear(301, 129), torch.nn.GELU(), torch.nn.Linear(129, 7))
-    return model.to(dtype)
+    return model.to(dtype=dtype, device=device)
 
 
 def groups(model):
@@ -28,9 +29,10 @@ def groups(model):
 def train(model, opt, sched, steps, seed=1):
     gen = torch.Generator().manual_seed(seed)
     losses = []
+    p0 = next(model.parameters())
     for _ in range(steps):
-        x = torch.randn(16, 37, generator=gen).to(next(model.parameters()).dtype)
-        y = torch.randn(16, 7, generator=gen).to(x.dtype)
+        x = torch.randn(16, 37, generator=gen).to(dtype=p0.dtype, device=p0.device)
+        y = torch.randn(16, 7, generator=gen).to(x.dtype).to(x.device)
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         opt.zero_grad()
         loss.backward()
@@ -50,13 +52,15 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_parity_with_unpaged_optimizer(store_dir, name):
-    ref_model, model = make_model(), make_model()
+def test_parity_with_unpaged_optimizer(store_dir, name, device):
+    ref_model, model = make_model(device=device), make_model(device=device)
     ref_opt, opt = OPTIMIZERS[name](groups(ref_model)), OPTIMIZERS[name](groups(model))
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    with Pager(store_dir, page_size=64 * KiB) as pager:
+    page = 64 * KiB if device == "cpu" else 2 * MiB
+    with Pager(store_dir, device=device, page_size=page) as pager:
         # 100 KB buckets split the 160 KB of state of the first layer's group unevenly.
         binding = pager.attach(opt, bucket_size=100 * KiB, depth=3)
         assert len(binding.buckets) >= 3
@@ -136,14 +140,20 @@ def test_state_dict_round_trip_and_resume(store_dir, tmp_path):
             assert torch.equal(a, b)
 
 
+def batch(gen, device):
+    x = torch.randn(16, 37, generator=gen).bfloat16().to(device)
+    y = torch.randn(16, 7, generator=gen).bfloat16().to(device)
+    return x, y
+
+
 def reference_mixed_precision(model, steps, **kw):
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, **kw)
     gen = torch.Generator().manual_seed(1)
     losses = []
+    device = next(model.parameters()).device
     for _ in range(steps):
-        x = torch.randn(16, 37, generator=gen).bfloat16()
-        y = torch.randn(16, 7, generator=gen).bfloat16()
+        x, y = batch(gen, device)
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         for p in model.parameters():
             p.grad = None
@@ -158,20 +168,22 @@ def reference_mixed_precision(model, steps, **kw):
     return losses, masters, opt
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [True, False])
-def test_paged_adamw_matches_mixed_precision_reference(store_dir, fused):
-    ref_model, model = make_model(dtype=torch.bfloat16), make_model(dtype=torch.bfloat16)
+def test_paged_adamw_matches_mixed_precision_reference(store_dir, fused, device):
+    ref_model = make_model(dtype=torch.bfloat16, device=device)
+    model = make_model(dtype=torch.bfloat16, device=device)
     ref_losses, ref_masters, ref_opt = reference_mixed_precision(
         ref_model, 10, lr=1e-3, weight_decay=0.05, fused=fused)
-    with Pager(store_dir, page_size=64 * KiB) as pager:
+    page = 64 * KiB if device == "cpu" else 2 * MiB
+    with Pager(store_dir, device=device, page_size=page) as pager:
         opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, weight_decay=0.05,
                          fused=fused, bucket_size=90 * KiB)
         assert pager.stats()["mapped_bytes"] == 0
         gen = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(10):
-            x = torch.randn(16, 37, generator=gen).bfloat16()
-            y = torch.randn(16, 7, generator=gen).bfloat16()
+            x, y = batch(gen, device)
             loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
             opt.zero_grad()
             loss.backward()

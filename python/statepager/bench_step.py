@@ -1,0 +1,210 @@
+"""python -m statepager bench step: the streamed optimizer step against the storage floor.
+
+One run measures, side by side on the same directory:
+  raw      the store's io_uring engine reading and writing at once, nothing else (floor);
+  paged    AdamW attached to a Pager: pipelined page-in, fused step, page-out;
+  sync     the public per-bucket NVMe store's method: per bucket read, step, write, through
+           one 256 MiB pinned staging buffer with pread/pwrite (O_DIRECT), no overlap.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+
+import torch
+
+from statepager import _C
+from statepager.pager import MiB, Pager
+
+STATE_BYTES = 12  # fp32 main + exp_avg + exp_avg_sq, per parameter, each way
+
+
+def _params(pager: Pager, n: int, device: torch.device, gen_seed: int = 0) -> list:
+    """n fp32 masters in the pager (paged out), in tensors of mixed sizes."""
+    sizes, left, i = [], n, 0
+    while left > 0:
+        s = min(left, (48 << 20) + (i % 7) * (5 << 20) + 12345)
+        sizes.append(s)
+        left -= s
+        i += 1
+    params = [pager.empty(s) for s in sizes]
+    g = torch.Generator(device=device).manual_seed(gen_seed)
+    for p in params:
+        pager.page_in(p)
+        p.normal_(generator=g)
+        pager.page_out(p)
+    return params
+
+
+def _grads(params, device) -> list:
+    g = torch.Generator(device=device).manual_seed(1)
+    return [torch.randn(p.shape, device=device, generator=g) * 1e-3 for p in params]
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def paged_steps(args, device, n) -> dict:
+    store = os.path.join(args.dir, "statepager-bench-step")
+    bucket = args.bucket
+    keep = args.depth * (bucket + 2 * args.page_size)
+    with Pager(store, device=device, page_size=args.page_size, keep=keep,
+               io_depth=args.io_depth, io_block=args.io_block) as pager:
+        params = _params(pager, n, device)
+        grads = _grads(params, device)
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+        binding = pager.attach(opt, bucket_size=bucket, depth=args.depth)
+        for p, g in zip(params, grads):
+            p.grad = g
+        times, last = [], None
+        for step in range(args.steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            last = binding.last
+        steady = sorted(times[1:])  # step 1 reads mains only (moments are ZERO)
+        return {
+            "first_step_s": times[0],
+            "step_s": steady[len(steady) // 2],
+            "bytes_read": last.bytes_read,
+            "bytes_written": last.bytes_written,
+            "buckets": last.buckets,
+            "overlap": last.overlap,
+            "wait_in_s": last.wait_in_seconds,
+            "wait_out_s": last.wait_out_seconds,
+            "compute_s": last.compute_seconds,
+            "peak_mapped_bytes": last.peak_mapped_bytes,
+            "bound_bytes": args.depth * (max(b.nbytes for b in binding.buckets) + 2 * args.page_size),
+            "direct_io": pager.stats()["direct_io"],
+        }
+
+
+def _pinned(nbytes: int, device) -> torch.Tensor:
+    """Page-aligned host memory (pinned when the device is a GPU), for O_DIRECT."""
+    buf = mmap.mmap(-1, nbytes)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    t._statepager_mmap = buf
+    if device.type == "cuda":
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        assert err == 0, f"cudaHostRegister failed: {err}"
+    return t
+
+
+def _io(fd: int, t: torch.Tensor, nbytes: int, offset: int, write: bool) -> None:
+    view = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        chunk = view[done:]
+        n = os.pwrite(fd, chunk, offset + done) if write else os.preadv(fd, [chunk], offset + done)
+        if n <= 0:
+            raise OSError(f"short {'write' if write else 'read'} at {offset + done}")
+        done += n
+
+
+def sync_steps(args, device, n) -> dict:
+    """The public per-bucket store, reproduced: each bucket a [main | m | v] range of one
+    file; step = for each bucket: pread -> H2D, fused AdamW, D2H -> pwrite; no overlap."""
+    staging_bytes = 256 * MiB
+    bucket_numel = max(1, args.bucket // STATE_BYTES) // 1024 * 1024
+    path = os.path.join(args.dir, "sync-baseline.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
+    staging = _pinned(staging_bytes, device)
+    try:
+        buckets = [(s, min(bucket_numel, n - s)) for s in range(0, n, bucket_numel)]
+        dev_buf = torch.empty(3 * bucket_numel, dtype=torch.float32, device=device)
+        grad = torch.randn(bucket_numel, device=device) * 1e-3
+        step_t = torch.zeros((), dtype=torch.float32, device=device)
+
+        def move(nbytes: int, offset: int, write: bool) -> None:
+            raw = dev_buf.view(torch.uint8)
+            for at in range(0, nbytes, staging_bytes):
+                k = min(staging_bytes, nbytes - at)
+                k_io = (k + 4095) // 4096 * 4096
+                if write:
+                    staging[:k].copy_(raw[at:at + k])
+                    _sync(device)
+                    _io(fd, staging, k_io, offset + at, True)
+                else:
+                    _io(fd, staging, k_io, offset + at, False)
+                    raw[at:at + k].copy_(staging[:k])
+                    _sync(device)
+
+        def bucket_offset(i: int) -> int:
+            return i * ((3 * bucket_numel * 4 + 4095) // 4096 * 4096)
+
+        os.ftruncate(fd, bucket_offset(len(buckets)))
+        for i, (_, k) in enumerate(buckets):  # initial state on disk
+            dev_buf.normal_()
+            move(3 * k * 4, bucket_offset(i), True)
+        times = []
+        for _ in range(args.steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            for i, (_, k) in enumerate(buckets):
+                move(3 * k * 4, bucket_offset(i), False)
+                main, m, v = dev_buf[:k], dev_buf[k:2 * k], dev_buf[2 * k:3 * k]
+                step_t.add_(1)
+                torch._fused_adamw_([main], [grad[:k]], [m], [v], [], [step_t], lr=1e-4,
+                                    beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                                    amsgrad=False, maximize=False)
+                move(3 * k * 4, bucket_offset(i), True)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return {"step_s": sorted(times)[len(times) // 2], "buckets": len(buckets)}
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def bench_step(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    n = int(args.params)
+    state = STATE_BYTES * n
+    os.makedirs(args.dir, exist_ok=True)
+    raw = _C.measure_raw_io(args.dir, state, args.io_block, args.io_depth // 2, True, True)
+    raw_read = _C.measure_raw_io(args.dir, state, args.io_block, args.io_depth, True, False)
+    raw_write = _C.measure_raw_io(args.dir, state, args.io_block, args.io_depth, False, True)
+    floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
+    paged = paged_steps(args, device, n)
+    result = {
+        "device": str(device), "params": n, "state_bytes": state, "dir": args.dir,
+        "bucket_bytes": args.bucket, "depth": args.depth,
+        "raw_read_gbps": raw_read["read_gbps"], "raw_write_gbps": raw_write["write_gbps"],
+        "raw_both_read_gbps": raw["read_gbps"], "raw_both_write_gbps": raw["write_gbps"],
+        "floor_s": floor, "paged": paged,
+        "paged_gbps": (paged["bytes_read"] + paged["bytes_written"]) / paged["step_s"] / 1e9,
+        "step_over_floor": paged["step_s"] / floor,
+    }
+    if not args.no_baseline:
+        sync = sync_steps(args, device, n)
+        result["sync"] = sync
+        result["speedup_over_sync"] = sync["step_s"] / paged["step_s"]
+    return result
+
+
+def print_step(r: dict) -> None:
+    p = r["paged"]
+    print(f"step bench: {r['params'] / 1e9:.2f} B params on {r['device']}, "
+          f"{r['state_bytes'] / 1e9:.1f} GB of state each way, dir {r['dir']}, "
+          f"buckets of {r['bucket_bytes'] // MiB} MiB x depth {r['depth']}, "
+          f"direct_io={p['direct_io']}")
+    print(f"  raw io_uring: read {r['raw_read_gbps']:.2f} GB/s, write {r['raw_write_gbps']:.2f} "
+          f"GB/s; both at once {r['raw_both_read_gbps']:.2f} + {r['raw_both_write_gbps']:.2f} GB/s")
+    print(f"  floor (read and write the state at once, raw): {r['floor_s']:.3f} s")
+    print(f"  paged step: {p['step_s']:.3f} s  = {r['step_over_floor']:.2f} x floor; "
+          f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "
+          f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s")
+    print(f"    overlap {100 * p['overlap']:.0f}%, waited for reads {p['wait_in_s']:.3f} s, "
+          f"for writes {p['wait_out_s']:.3f} s, compute {p['compute_s']:.3f} s, "
+          f"peak mapped {p['peak_mapped_bytes'] / MiB:.0f} MiB (bound {p['bound_bytes'] / MiB:.0f})")
+    if "sync" in r:
+        print(f"  synchronous per-bucket baseline: {r['sync']['step_s']:.3f} s "
+              f"-> paged is {r['speedup_over_sync']:.2f} x faster")

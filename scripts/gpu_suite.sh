@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU suite, on the GPU machine: build against the machine's own torch, run every
+# C++ and Python test (GPU tests included), then the benchmarks. Logs go to $OUT.
+# Expects liburing and GoogleTest in .deps/ (see README, "GPU machine").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/statepager-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+cmake -S . -B build/gpu -G Ninja -DLIBURING_ROOT="$PWD/.deps/liburing" \
+  -DSTATEPAGER_GTEST_SOURCE="$PWD/.deps/googletest" >"$OUT/cmake.log" 2>&1
+cmake --build build/gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+cp build/gpu/python/_C*.so python/statepager/
+export PYTHONPATH=$PWD/python
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+ctest --test-dir build/gpu --output-on-failure --no-tests=error 2>&1 | tail -5 | tee "$OUT/ctest.log"
+ROOT=$PWD
+(cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/tests" ${PYTEST_ARGS:-}) 2>&1 | tee "$OUT/pytest.log" | tail -25

@@ -1,0 +1,39 @@
+"""Shared pytest fixtures, and the `gpu` marker: GPU tests skip (with the reason) on
+machines without a CUDA device. `pytest -m gpu tests` runs just the GPU suite."""
+import os
+import uuid
+
+import pytest
+import torch
+
+import statepager
+
+HAVE_GPU = torch.cuda.is_available() and statepager.cuda_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA device here: the GPU suite runs on the GPU machine "
+                                   "(scripts/gpu_suite.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    """A fresh store directory on the same filesystem as the test's temp dir."""
+    return str(tmp_path / f"store-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def shm_dir():
+    """A store directory on tmpfs."""
+    d = f"/dev/shm/statepager-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield d
+    os.system(f"rm -rf {d}")
