@@ -141,8 +141,13 @@ PYBIND11_MODULE(_C, m) {
              const ExtentId id = self.pager->create(bytes);
              std::shared_ptr<Pager> keep = self.pager;
              auto deleter = [keep, id](void*) { keep->release(id); };
-             return torch::from_blob(reinterpret_cast<void*>(self.pager->address(id)), shape,
-                                     deleter, torch::TensorOptions().dtype(scalar).device(self.device));
+             // target_device: an unmapped address is unknown to cudaPointerGetAttributes,
+             // so torch must not try to infer the device from it.
+             return at::for_blob(reinterpret_cast<void*>(self.pager->address(id)), shape)
+                 .deleter(deleter)
+                 .options(torch::TensorOptions().dtype(scalar).device(self.device))
+                 .target_device(self.device)
+                 .make_tensor();
            })
       .def("page_in",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
