@@ -9,7 +9,7 @@ import time
 import torch
 
 import statepager
-from statepager.cli import parse_size
+from statepager.bench_pager import parse_size
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 // with torch::from_blob; their deleter releases the extent, and holds the Pager alive.
 #include <torch/extension.h>
 
+#include <chrono>
 #include <memory>
 
 #include "allocator/device.h"
@@ -96,6 +97,37 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
 
   py::class_<PyTicket>(m, "Ticket");
+
+  m.def(
+      "measure_mapping",
+      [](const std::string& device, size_t page_bytes, size_t total_bytes, int rounds) {
+        // Map + set access, then unmap, `total_bytes` in pages of `page_bytes` (pages
+        // created once, as the pool recycles them): the pager's per-page cost.
+        double map_s = 0, unmap_s = 0;
+        {
+          py::gil_scoped_release release;
+          auto dev = make_device(device);
+          const size_t n = total_bytes / page_bytes;
+          const uintptr_t base = dev->reserve(n * page_bytes);
+          std::vector<PageHandle> pages;
+          for (size_t i = 0; i < n; i++) pages.push_back(dev->create_page(page_bytes));
+          for (int r = 0; r < rounds; r++) {
+            auto t0 = std::chrono::steady_clock::now();
+            for (size_t i = 0; i < n; i++) dev->map(base + i * page_bytes, page_bytes, pages[i]);
+            auto t1 = std::chrono::steady_clock::now();
+            for (size_t i = 0; i < n; i++) dev->unmap(base + i * page_bytes, page_bytes);
+            auto t2 = std::chrono::steady_clock::now();
+            map_s += std::chrono::duration<double>(t1 - t0).count();
+            unmap_s += std::chrono::duration<double>(t2 - t1).count();
+          }
+          for (PageHandle p : pages) dev->release_page(p, page_bytes);
+          dev->unreserve(base, n * page_bytes);
+        }
+        const double gib = double(total_bytes) / double(1 << 30) * rounds;
+        return py::dict(py::arg("map_s_per_gib") = map_s / gib,
+                        py::arg("unmap_s_per_gib") = unmap_s / gib);
+      },
+      py::arg("device"), py::arg("page_bytes"), py::arg("total_bytes"), py::arg("rounds") = 3);
 
   m.def(
       "measure_raw_io",

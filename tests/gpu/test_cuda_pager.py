@@ -102,9 +102,9 @@ def test_budget_refused_cleanly_on_cuda(store_dir):
 
 def test_step_memory_bounded_on_pool_and_driver(store_dir):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(8 * MiB // 4, device="cuda")) for _ in range(24)]
+    params = [torch.nn.Parameter(torch.randn(8 * MiB // 4, device="cuda")) for _ in range(48)]
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
-    bucket = 64 * MiB  # 4 params of 8 MiB x (2 moments)... planned as 12 B/param
+    bucket = 64 * MiB  # 4 params: their two moments, 16 MiB each
     with Pager(store_dir, device="cuda", page_size=32 * MiB, keep=0) as p:
         binding = p.attach(opt, bucket_size=bucket, depth=3)
         lowest = []
