@@ -27,6 +27,7 @@ class PagePool {
   std::optional<PageHandle> acquire();
   void release(PageHandle page);
   void trim();  // returns every cached page to the device
+  void set_keep_bytes(size_t keep_bytes) { keep_bytes_ = keep_bytes; }
 
   size_t page_bytes() const { return page_bytes_; }
   size_t budget_bytes() const { return budget_bytes_; }

@@ -1,6 +1,7 @@
 #include "allocator/pager.h"
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstring>
 
@@ -46,7 +47,15 @@ struct Job {
   uint64_t requests = 0;
   bool done = false;
   std::exception_ptr error;
+  std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
 };
+
+std::pair<double, double> job_times(const Job& job) {
+  auto seconds = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(t.time_since_epoch()).count();
+  };
+  return {seconds(job.start_time), seconds(job.end_time)};
+}
 
 struct Pager::Extent {
   uintptr_t addr;
@@ -321,6 +330,11 @@ void Pager::trim() {
   pool_.trim();
 }
 
+void Pager::set_keep_bytes(size_t keep_bytes) {
+  std::unique_lock lock(mu_);
+  pool_.pages().set_keep_bytes(keep_bytes);
+}
+
 void Pager::reset_peak() {
   std::unique_lock lock(mu_);
   pool_.pages().reset_peak();
@@ -379,6 +393,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   for (const Ticket& job : jobs) {
     if (job->started) continue;
     job->started = true;
+    job->start_time = std::chrono::steady_clock::now();
     progressed = true;
     try {
       if (job->out && job->file_end > file_allocated_) {
@@ -533,6 +548,7 @@ void Pager::complete(Job& job) {
     }
   }
   if (job.out) outs_in_flight_--;
+  job.end_time = std::chrono::steady_clock::now();
   job.done = true;
   queue_.erase(std::find_if(queue_.begin(), queue_.end(),
                             [&](const Ticket& t) { return t.get() == &job; }));

@@ -72,6 +72,9 @@ struct PagerStats {
 
 struct Job;
 using Ticket = std::shared_ptr<Job>;
+// When a finished bucket's I/O started and when it completed, in seconds of the steady
+// clock (time.monotonic() in Python). Both are 0 for a bucket that had nothing to move.
+std::pair<double, double> job_times(const Job& job);
 
 class Pager {
  public:
@@ -101,6 +104,8 @@ class Pager {
   std::vector<ExtentId> resident_extents() const;
   // Returns the page pool's cached pages to the device.
   void trim();
+  // Unmapped pages kept for reuse, at most (PoolOptions::keep_bytes).
+  void set_keep_bytes(size_t keep_bytes);
 
   PagerStats stats() const;
   void reset_peak();

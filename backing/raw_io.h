@@ -19,7 +19,8 @@ struct RawIoResult {
 // Reads `bytes` sequentially from <dir>/raw-read.bin and/or writes `bytes` sequentially to
 // <dir>/raw-write.bin, both at once when both are asked for, in requests of `block` bytes
 // with `depth` requests in flight per direction, O_DIRECT where the filesystem allows
-// it. The read file is written first (untimed). Both files are deleted afterwards.
+// it. Both files are written once first, untimed (the store overwrites existing blocks
+// from its second step on). Both files are deleted afterwards.
 RawIoResult measure_raw_io(const std::string& dir, uint64_t bytes, size_t block, unsigned depth,
                            bool read, bool write);
 

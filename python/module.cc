@@ -96,7 +96,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
 
-  py::class_<PyTicket>(m, "Ticket");
+  py::class_<PyTicket>(m, "Ticket")
+      .def_property_readonly("times", [](const PyTicket& t) { return job_times(*t.ticket); });
 
   m.def(
       "measure_mapping",
@@ -238,6 +239,7 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release release;
              page_all(*self.pager, ids, bucket_bytes, false);
            })
+      .def("set_keep_bytes", [](PyPager& self, size_t n) { self.pager->set_keep_bytes(n); })
       .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })
       .def_property_readonly("file_path", [](PyPager& self) { return self.pager->file_path(); })

@@ -22,10 +22,11 @@ STATE_BYTES = 12  # fp32 main + exp_avg + exp_avg_sq, per parameter, each way
 
 
 def _params(pager: Pager, n: int, device: torch.device, gen_seed: int = 0) -> list:
-    """n fp32 masters in the pager (paged out), in tensors of mixed sizes."""
+    """n fp32 masters in the pager (paged out), in tensors of mixed sizes (4-10 M
+    elements, so that buckets hold several)."""
     sizes, left, i = [], n, 0
     while left > 0:
-        s = min(left, (48 << 20) + (i % 7) * (5 << 20) + 12345)
+        s = min(left, (4 << 20) + (i % 7) * (1 << 20) + 12345)
         sizes.append(s)
         left -= s
         i += 1
@@ -51,9 +52,8 @@ def _sync(device) -> None:
 def paged_steps(args, device, n) -> dict:
     store = os.path.join(args.dir, "statepager-bench-step")
     bucket = args.bucket
-    keep = args.depth * (bucket + 2 * args.page_size)
-    with Pager(store, device=device, page_size=args.page_size, keep=keep,
-               io_depth=args.io_depth, io_block=args.io_block) as pager:
+    with Pager(store, device=device, page_size=args.page_size, io_depth=args.io_depth,
+               io_block=args.io_block) as pager:
         params = _params(pager, n, device)
         grads = _grads(params, device)
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
@@ -76,6 +76,8 @@ def paged_steps(args, device, n) -> dict:
             "bytes_written": last.bytes_written,
             "buckets": last.buckets,
             "overlap": last.overlap,
+            "read_busy_s": last.read_busy_seconds,
+            "write_busy_s": last.write_busy_seconds,
             "wait_in_s": last.wait_in_seconds,
             "wait_out_s": last.wait_out_seconds,
             "compute_s": last.compute_seconds,
@@ -202,7 +204,8 @@ def print_step(r: dict) -> None:
     print(f"  paged step: {p['step_s']:.3f} s  = {r['step_over_floor']:.2f} x floor; "
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "
           f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s")
-    print(f"    overlap {100 * p['overlap']:.0f}%, waited for reads {p['wait_in_s']:.3f} s, "
+    print(f"    reads busy {p['read_busy_s']:.3f} s, writes busy {p['write_busy_s']:.3f} s, "
+          f"overlap {100 * p['overlap']:.0f}%; stalled on reads {p['wait_in_s']:.3f} s, "
           f"for writes {p['wait_out_s']:.3f} s, compute {p['compute_s']:.3f} s, "
           f"peak mapped {p['peak_mapped_bytes'] / MiB:.0f} MiB (bound {p['bound_bytes'] / MiB:.0f})")
     if "sync" in r:

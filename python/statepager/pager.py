@@ -24,6 +24,11 @@ class PageHandle:
     def done(self) -> bool:
         return self._pager._core.is_done(self._ticket)
 
+    @property
+    def times(self) -> tuple[float, float]:
+        """(start, end) of the bucket's I/O on the time.monotonic() clock, once done."""
+        return self._ticket.times
+
 
 class Pager:
     """Tensors whose bytes live in a paged pool and, when not resident, in a store file.
@@ -59,6 +64,8 @@ class Pager:
             io_depth, io_block, direct_io,
         )
         self.directory = str(directory)
+        self.page_size = page_size
+        self.keep = keep
         self._paused = None
 
     # -- tensors ---------------------------------------------------------------------
@@ -137,6 +144,12 @@ class Pager:
 
     def stats(self) -> dict:
         return self._core.stats()
+
+    def keep_at_least(self, nbytes: int) -> None:
+        """Keeps at least `nbytes` of unmapped pages for reuse (never lowers `keep`)."""
+        if nbytes > self.keep:
+            self.keep = nbytes
+            self._core.set_keep_bytes(nbytes)
 
     def reset_peak(self) -> None:
         self._core.reset_peak()

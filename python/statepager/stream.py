@@ -34,13 +34,16 @@ class StepStats:
     wait_in_seconds: float = 0.0    # stalled waiting for a bucket's page-in
     compute_seconds: float = 0.0    # the optimizer's own step on the buckets
     wait_out_seconds: float = 0.0   # stalled waiting for page-outs (window or final flush)
+    read_busy_seconds: float = 0.0  # some page-in was moving bytes
+    write_busy_seconds: float = 0.0 # some page-out was moving bytes
+    both_busy_seconds: float = 0.0  # reads and writes were moving at the same time
     peak_mapped_bytes: int = 0
 
     @property
     def overlap(self) -> float:
-        """Share of the step not spent waiting for I/O."""
-        stalled = self.wait_in_seconds + self.wait_out_seconds
-        return 1.0 - stalled / self.seconds if self.seconds > 0 else 1.0
+        """Share of the shorter I/O direction that ran under the other one."""
+        shorter = min(self.read_busy_seconds, self.write_busy_seconds)
+        return self.both_busy_seconds / shorter if shorter > 0 else 0.0
 
     @property
     def gbps(self) -> float:
@@ -79,6 +82,10 @@ class StreamedOptimizer:
         self._raw_step = _raw_step_function(optimizer)
         self._precreate_state()
         self.buckets = self._plan()
+        # Steady state creates and releases no physical pages: the pool keeps what the
+        # pipeline's window of buckets needs.
+        pager.keep_at_least(depth * (max((b.nbytes for b in self.buckets), default=0)
+                                     + 2 * pager.page_size))
         self._adopt_existing_state()
         optimizer._statepager = self
         step = torch.optim.Optimizer.profile_hook_step(_paged_step)
@@ -174,15 +181,19 @@ class StreamedOptimizer:
         ahead = max(1, self.depth - 2)
         ins = {j: pager.page_in_async(buckets[j].tensors) for j in range(min(ahead + 1, n))}
         outs = collections.deque()
+        done_in, done_out = [], []
         for i, b in enumerate(buckets):
             t0 = time.perf_counter()
-            ins.pop(i).wait()
+            h = ins.pop(i)
+            h.wait()
+            done_in.append(h)
             t1 = time.perf_counter()
             self._step_bucket(b)
             t2 = time.perf_counter()
             stats.wait_in_seconds += t1 - t0
             stats.compute_seconds += t2 - t1
             outs.append(pager.page_out_async(b.tensors))
+            done_out.append(outs[-1])
             j = i + ahead + 1
             if j < n:
                 t0 = time.perf_counter()
@@ -200,15 +211,21 @@ class StreamedOptimizer:
         stats.bytes_read = after["bytes_read"] - before["bytes_read"]
         stats.bytes_written = after["bytes_written"] - before["bytes_written"]
         stats.peak_mapped_bytes = after["peak_mapped_bytes"]
+        reads, writes = _union([h.times for h in done_in]), _union([h.times for h in done_out])
+        stats.read_busy_seconds = sum(e - s for s, e in reads)
+        stats.write_busy_seconds = sum(e - s for s, e in writes)
+        stats.both_busy_seconds = _intersection(reads, writes)
         self._steps += 1
         self.last = stats
         if self.log_steps:
             log.info("statepager step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s "
-                     "(%.2f GB/s; waited in %.3f s, out %.3f s; compute %.3f s; overlap %.0f%%; "
-                     "peak mapped %.1f MiB)", stats.step, n, stats.bytes_read / 1e6,
+                     "(%.2f GB/s; reads busy %.3f s, writes busy %.3f s, both %.3f s = %.0f%% "
+                     "overlap; stalled on reads %.3f s, writes %.3f s; compute %.3f s; peak "
+                     "mapped %.1f MiB)", stats.step, n, stats.bytes_read / 1e6,
                      stats.bytes_written / 1e6, stats.seconds, stats.gbps,
-                     stats.wait_in_seconds, stats.wait_out_seconds, stats.compute_seconds,
-                     100 * stats.overlap, stats.peak_mapped_bytes / MiB)
+                     stats.read_busy_seconds, stats.write_busy_seconds, stats.both_busy_seconds,
+                     100 * stats.overlap, stats.wait_in_seconds, stats.wait_out_seconds,
+                     stats.compute_seconds, stats.peak_mapped_bytes / MiB)
 
     def _step_bucket(self, bucket: Bucket) -> None:
         if self.before_bucket:
@@ -235,6 +252,29 @@ class StreamedOptimizer:
                 yield b
             finally:
                 self.pager.page_out(b.tensors)
+
+
+def _union(intervals) -> list:
+    """Disjoint, sorted union of (start, end) intervals; empty ones (0, 0) dropped."""
+    out = []
+    for s, e in sorted(i for i in intervals if i[1] > i[0]):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _intersection(a: list, b: list) -> float:
+    """Total length covered by both disjoint sorted interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def _raw_step_function(optimizer) -> Callable:
