@@ -9,13 +9,13 @@ PagePool::PagePool(Device& device, size_t page_bytes, size_t budget_bytes, size_
 
 PagePool::~PagePool() { trim(); }
 
-std::optional<PageHandle> PagePool::acquire() {
+std::optional<PageHandle> PagePool::acquire(bool past_budget) {
   PageHandle page;
   if (!cache_.empty()) {
     page = cache_.back();
     cache_.pop_back();
   } else {
-    if ((in_use_ + 1) * page_bytes_ > budget_bytes_) return std::nullopt;
+    if (!past_budget && (in_use_ + 1) * page_bytes_ > budget_bytes_) return std::nullopt;
     page = device_.create_page(page_bytes_);
   }
   in_use_++;

@@ -5,7 +5,8 @@
 // budget_bytes; peak_in_use_bytes() is the high-water mark of pages in use.
 //
 // Thread-safety: none; the Pool serializes calls.
-// Errors: acquire() returns nullopt at the budget; the device's OutOfMemoryError and
+// Errors: acquire() returns nullopt at the budget (unless told to pass it: memory the
+// caller cannot do without, such as a segment PyTorch asked for); the device's OutOfMemoryError and
 // DeviceError pass through.
 #pragma once
 
@@ -24,7 +25,7 @@ class PagePool {
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
-  std::optional<PageHandle> acquire();
+  std::optional<PageHandle> acquire(bool past_budget = false);
   void release(PageHandle page);
   void trim();  // returns every cached page to the device
   void set_keep_bytes(size_t keep_bytes) { keep_bytes_ = keep_bytes; }

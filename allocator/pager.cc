@@ -146,6 +146,32 @@ ExtentId Pager::create(size_t bytes) {
   return id;
 }
 
+uintptr_t Pager::create_segment(size_t bytes) {
+  const ExtentId id = create(bytes);
+  std::unique_lock lock(mu_);
+  Extent& e = extent_locked(id);
+  try {
+    pool_.ref(e.addr, e.bytes, true);
+  } catch (...) {
+    lock.unlock();
+    release(id);
+    throw;
+  }
+  e.state = Residency::kResident;
+  return e.addr;
+}
+
+void Pager::release_at(uintptr_t addr) {
+  const std::optional<ExtentId> id = find(addr);
+  if (!id) throw UsageError("no extent of this pager starts at the freed address");
+  release(*id);
+}
+
+bool Pager::owns_address(uintptr_t addr) const {
+  std::unique_lock lock(mu_);
+  return pool_.contains(addr, 1);
+}
+
 void Pager::release(ExtentId id) {
   std::unique_lock lock(mu_);
   // A tensor may die while its bucket is in flight: let the bucket finish first.

@@ -88,6 +88,13 @@ class Pager {
   // Forgets an extent: unmaps its pages if resident, frees its address and file range.
   void release(ExtentId id);
 
+  // A resident extent, mapped at once even past the page budget: a segment PyTorch's
+  // allocator asked for (see allocator/pluggable.h). Returns its address.
+  uintptr_t create_segment(size_t bytes);
+  // Releases the extent that starts at `addr` (a segment); UsageError if there is none.
+  void release_at(uintptr_t addr);
+  bool owns_address(uintptr_t addr) const;  // inside this pager's arena
+
   uintptr_t address(ExtentId id) const;
   size_t size(ExtentId id) const;
   Residency residency(ExtentId id) const;

@@ -45,7 +45,7 @@ size_t Pool::end_page(uintptr_t addr, size_t bytes) const {
   return (addr - arena_.base() + bytes + page_bytes_ - 1) / page_bytes_;
 }
 
-void Pool::ref(uintptr_t addr, size_t bytes) {
+void Pool::ref(uintptr_t addr, size_t bytes, bool past_budget) {
   const size_t first = first_page(addr), end = end_page(addr, bytes);
   for (size_t i = first; i < end; i++) {
     auto it = table_.find(i);
@@ -55,7 +55,7 @@ void Pool::ref(uintptr_t addr, size_t bytes) {
     }
     std::optional<PageHandle> page;
     try {
-      page = pages_.acquire();
+      page = pages_.acquire(past_budget);
       if (!page) {
         throw OutOfMemoryError("the pager's page budget (" +
                                std::to_string(pages_.budget_bytes() >> 20) +

@@ -41,7 +41,8 @@ class Pool {
   bool contains(uintptr_t addr, size_t bytes) const;
 
   // Takes (drops) one reference on every page overlapping [addr, addr + bytes).
-  void ref(uintptr_t addr, size_t bytes);
+  // past_budget: map even beyond the page budget (see PagePool::acquire).
+  void ref(uintptr_t addr, size_t bytes, bool past_budget = false);
   void unref(uintptr_t addr, size_t bytes);
   bool is_mapped(uintptr_t addr, size_t bytes) const;
 

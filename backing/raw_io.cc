@@ -1,7 +1,5 @@
 #include "backing/raw_io.h"
 
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -98,8 +96,8 @@ RawIoResult measure_raw_io(const std::string& dir, uint64_t bytes, size_t block,
   if (write) r.write_gbps = double(bytes) / write_s / 1e9;
   reader.reset();
   writer.reset();
-  ::unlink(read_path.c_str());
-  ::unlink(write_path.c_str());
+  UringFile::remove_files(read_path);
+  UringFile::remove_files(write_path);
   return r;
 }
 

@@ -12,12 +12,24 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <utility>
 
 #include "backing/errors.h"
 
 namespace statepager {
 
 namespace {
+
+// Striping in RAM (see the header). 1 MiB units keep a request of a few MiB on a few
+// files; 8 files let 8 io-wq workers write at once, about what memory bandwidth takes.
+constexpr uint64_t kStripeBytes = uint64_t{1} << 20;
+constexpr unsigned kStripes = 8;
+
+// Physical file k of the logical file `path`: `path` itself, then `path.1`, `path.2`...
+std::string stripe_path(const std::string& path, unsigned k) {
+  return k == 0 ? path : path + "." + std::to_string(k);
+}
 
 uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -32,7 +44,6 @@ int open_file(const std::string& path, bool direct) {
   return fd;
 }
 
-// Writes one aligned zero block past the end of the file and truncates it away again.
 // True for filesystems whose files live in RAM (tmpfs, ramfs): there is no cache for
 // O_DIRECT to bypass, and their direct path is slower than the buffered one.
 bool in_ram(const std::string& path) {
@@ -42,6 +53,7 @@ bool in_ram(const std::string& path) {
   return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
 }
 
+// Writes one aligned zero block past the end of the file and truncates it away again.
 // Returns 0 or the errno of the write; EINVAL means the filesystem refuses O_DIRECT even
 // though open() accepted it.
 int probe_direct(int fd, const std::string& path) {
@@ -67,52 +79,116 @@ int probe_direct(int fd, const std::string& path) {
 }  // namespace
 
 struct UringFile::Impl {
-  // One per request in flight; the ring's user_data is the slot index.
+  // One per request in flight.
   struct Slot {
     Request req;
-    size_t done = 0;  // bytes transferred so far
+    size_t issued = 0;      // bytes handed to pieces so far
+    unsigned running = 0;   // pieces in flight
+    int error = 0;          // the failure at the lowest offset, if any
+    uint64_t error_offset = 0;
+  };
+  // A part of a request that lies in one stripe unit (the whole request when not
+  // striped). The ring's user_data is the piece index. There are as many pieces as SQ
+  // entries, so a piece in flight always finds an SQE; requests wait in `waiting` for one.
+  struct Piece {
+    unsigned slot = 0;
+    size_t start = 0;  // offset in the request
+    size_t len = 0;
+    size_t done = 0;   // bytes transferred so far
   };
 
   std::string path;
   Options options;
-  int fd = -1;
+  std::vector<int> fds;  // physical files: fds[k] is stripe_path(path, k)
   bool direct = false;
   bool ring_ready = false;
   io_uring ring{};
   std::vector<Slot> slots;
   std::vector<unsigned> free_slots;
+  std::vector<Piece> pieces;
+  std::vector<unsigned> free_pieces;
+  std::deque<unsigned> waiting;  // slots with bytes not yet issued, oldest first
   std::vector<iovec> registered;
-  uint64_t allocated = 0;  // [0, allocated) is known to be allocated by allocate()
+  uint64_t allocated = 0;  // logical [0, allocated) is known to be allocated by allocate()
 
   ~Impl() {
     if (ring_ready) io_uring_queue_exit(&ring);
-    if (fd >= 0) ::close(fd);
+    for (int fd : fds) ::close(fd);
   }
 
   unsigned in_flight() const { return static_cast<unsigned>(slots.size() - free_slots.size()); }
+  uint64_t stripes() const { return fds.size(); }
 
-  // Queues the remainder of the slot's request. Submission happens in flush().
+  // The physical file holding logical byte `off`, and the offset in it.
+  std::pair<unsigned, uint64_t> locate(uint64_t off) const {
+    const uint64_t unit = off / kStripeBytes;
+    return {static_cast<unsigned>(unit % stripes()),
+            unit / stripes() * kStripeBytes + off % kStripeBytes};
+  }
+
+  // Bytes of physical file k that logical [0, end) reaches.
+  uint64_t local_end(unsigned k, uint64_t end) const {
+    const uint64_t units = end / kStripeBytes;
+    uint64_t bytes = (units / stripes() + (k < units % stripes() ? 1 : 0)) * kStripeBytes;
+    if (k == units % stripes()) bytes += end % kStripeBytes;
+    return bytes;
+  }
+
+  // The logical end implied by physical file k holding `size` bytes.
+  uint64_t logical_end(unsigned k, uint64_t size) const {
+    if (size == 0) return 0;
+    const uint64_t last = size - 1;
+    return (last / kStripeBytes * stripes() + k) * kStripeBytes + last % kStripeBytes + 1;
+  }
+
+  uint64_t file_size(unsigned k) const {
+    struct stat st;
+    if (::fstat(fds[k], &st) != 0) throw_io_error(errno, "fstat", stripe_path(path, k), 0);
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  // Starts pieces of the waiting requests while there are free pieces.
+  void issue() {
+    while (!waiting.empty() && !free_pieces.empty()) {
+      Slot& s = slots[waiting.front()];
+      size_t len = s.req.len - s.issued;
+      if (stripes() > 1) {
+        len = std::min<size_t>(len, kStripeBytes - (s.req.offset + s.issued) % kStripeBytes);
+      }
+      const unsigned index = free_pieces.back();
+      free_pieces.pop_back();
+      pieces[index] = Piece{waiting.front(), s.issued, len, 0};
+      s.issued += len;
+      ++s.running;
+      if (s.issued == s.req.len) waiting.pop_front();
+      prepare(index);
+    }
+  }
+
+  // Queues the remainder of the piece. Submission happens in flush().
   void prepare(unsigned index) {
-    Slot& s = slots[index];
+    const Piece& p = pieces[index];
+    const Request& req = slots[p.slot].req;
     io_uring_sqe* sqe = io_uring_get_sqe(&ring);
     if (sqe == nullptr) {
-      // Cannot happen: each slot has at most one SQE and there are queue_depth of both.
+      // Cannot happen: each piece has at most one SQE and there are as many of both.
       flush();
       sqe = io_uring_get_sqe(&ring);
-      if (sqe == nullptr) throw_io_error(EBUSY, "io_uring_get_sqe", path, s.req.offset);
+      if (sqe == nullptr) throw_io_error(EBUSY, "io_uring_get_sqe", path, req.offset);
     }
-    char* buf = static_cast<char*>(s.req.buf) + s.done;
+    char* buf = static_cast<char*>(req.buf) + p.start + p.done;
     // One SQE carries at most 1 GiB (an aligned amount); the rest goes as a short transfer.
-    const auto len = static_cast<unsigned>(std::min<size_t>(s.req.len - s.done, size_t{1} << 30));
-    const uint64_t off = s.req.offset + s.done;
-    if (s.req.buf_index >= 0) {
-      // The remainder lies inside the same registered buffer, so fixed I/O still applies.
-      if (s.req.write) {
-        io_uring_prep_write_fixed(sqe, fd, buf, len, off, s.req.buf_index);
+    const auto len = static_cast<unsigned>(std::min<size_t>(p.len - p.done, size_t{1} << 30));
+    const auto [k, off] = locate(req.offset + p.start + p.done);
+    const int fd = fds[k];
+    if (req.buf_index >= 0) {
+      // The piece lies inside the request's registered buffer, so fixed I/O still applies.
+      if (req.write) {
+        io_uring_prep_write_fixed(sqe, fd, buf, len, off, req.buf_index);
       } else {
-        io_uring_prep_read_fixed(sqe, fd, buf, len, off, s.req.buf_index);
+        io_uring_prep_read_fixed(sqe, fd, buf, len, off, req.buf_index);
       }
-    } else if (s.req.write) {
+    } else if (req.write) {
       io_uring_prep_write(sqe, fd, buf, len, off);
     } else {
       io_uring_prep_read(sqe, fd, buf, len, off);
@@ -135,38 +211,42 @@ struct UringFile::Impl {
     }
   }
 
-  void finish(unsigned index, int error, uint64_t offset, std::vector<Completion>* out) {
-    out->push_back(Completion{slots[index].req.tag, error, offset});
-    free_slots.push_back(index);
+  // Retires a piece (error 0, or its errno and the logical offset where it failed).
+  // Returns true when it was the last of its request, which then completes.
+  bool end_piece(unsigned index, int error, uint64_t at, std::vector<Completion>* out) {
+    const unsigned slot = pieces[index].slot;
+    free_pieces.push_back(index);
+    Slot& s = slots[slot];
+    // Pieces finish in any order; the lowest failure is where a sequential transfer
+    // would have stopped (for ENODATA, the end of the data).
+    if (error != 0 && (s.error == 0 || at < s.error_offset)) {
+      s.error = error;
+      s.error_offset = at;
+    }
+    if (--s.running > 0 || s.issued < s.req.len) return false;
+    out->push_back(Completion{s.req.tag, s.error, s.error != 0 ? s.error_offset : s.req.offset});
+    free_slots.push_back(slot);
+    return true;
   }
 
-  // Applies one CQE result; returns true when the request is finished.
+  // Applies one CQE result; returns true when a request is finished.
   bool on_result(unsigned index, int res, std::vector<Completion>* out) {
-    Slot& s = slots[index];
-    const uint64_t at = s.req.offset + s.done;
+    Piece& p = pieces[index];
+    const Request& req = slots[p.slot].req;
+    const uint64_t at = req.offset + p.start + p.done;
     if (res == -EAGAIN || res == -EINTR) {
       prepare(index);
       return false;
     }
-    if (res < 0) {
-      finish(index, -res, at, out);
-      return true;
-    }
-    if (res == 0) {
-      // A read of 0 bytes is the end of the file; a write of 0 bytes makes no progress.
-      finish(index, s.req.write ? EIO : ENODATA, at, out);
-      return true;
-    }
-    s.done += static_cast<size_t>(res);
-    if (s.done >= s.req.len) {
-      finish(index, 0, s.req.offset, out);
-      return true;
-    }
-    if (!s.req.write && direct && !aligned(s.done)) {
+    if (res < 0) return end_piece(index, -res, at, out);
+    // A read of 0 bytes is the end of the file; a write of 0 bytes makes no progress.
+    if (res == 0) return end_piece(index, req.write ? EIO : ENODATA, at, out);
+    p.done += static_cast<size_t>(res);
+    if (p.done >= p.len) return end_piece(index, 0, 0, out);
+    if (!req.write && direct && !aligned(p.done)) {
       // O_DIRECT reads stop short only at the end of the file, and the misaligned
       // remainder could not be read directly anyway.
-      finish(index, ENODATA, s.req.offset + s.done, out);
-      return true;
+      return end_piece(index, ENODATA, at + static_cast<uint64_t>(res), out);
     }
     prepare(index);
     return false;
@@ -181,7 +261,8 @@ struct UringFile::Impl {
       io_uring_cqe_seen(&ring, cqe);
       if (on_result(index, res, out)) ++finished;
     }
-    flush();  // resubmissions of short transfers
+    issue();  // pieces that waited for room
+    flush();  // and resubmissions of short transfers
     return finished;
   }
 };
@@ -192,27 +273,40 @@ UringFile::UringFile(std::string path, Options options) : impl_(std::make_unique
   m.options = options;
   if (options.queue_depth == 0) throw UsageError("UringFile: queue_depth must be at least 1");
 
-  if (options.try_direct && !in_ram(m.path)) {
-    m.fd = open_file(m.path, true);
-    if (m.fd < 0 && errno != EINVAL) throw_io_error(errno, "open", m.path, 0);
-    if (m.fd >= 0 && probe_direct(m.fd, m.path) == EINVAL) {
-      ::close(m.fd);
-      m.fd = -1;
+  const bool ram = in_ram(m.path);
+  if (options.try_direct && !ram) {
+    const int fd = open_file(m.path, true);
+    if (fd < 0 && errno != EINVAL) throw_io_error(errno, "open", m.path, 0);
+    if (fd >= 0) m.fds.push_back(fd);
+    if (fd >= 0 && probe_direct(fd, m.path) == EINVAL) {
+      ::close(fd);
+      m.fds.clear();
     }
     // Other probe failures (ENOSPC, EFBIG) say nothing about O_DIRECT: keep it, and let
     // real requests report them.
-    m.direct = m.fd >= 0;
+    m.direct = !m.fds.empty();
   }
-  if (m.fd < 0) {
-    m.fd = open_file(m.path, false);
-    if (m.fd < 0) throw_io_error(errno, "open", m.path, 0);
+  if (!m.direct) {
+    // In RAM nothing but the per-inode serialization of buffered writes (see the header)
+    // limits them: stripe.
+    const unsigned stripes = ram ? kStripes : 1;
+    for (unsigned k = 0; k < stripes; ++k) {
+      const int fd = open_file(stripe_path(m.path, k), false);
+      if (fd < 0) throw_io_error(errno, "open", stripe_path(m.path, k), 0);
+      m.fds.push_back(fd);
+    }
   }
 
-  int ret = io_uring_queue_init(options.queue_depth, &m.ring, 0);
+  // Room for every request to be in several pieces, within the kernel's maximum.
+  const auto entries =
+      static_cast<unsigned>(std::min<uint64_t>(uint64_t{options.queue_depth} * m.stripes(), 32768));
+  int ret = io_uring_queue_init(entries, &m.ring, 0);
   if (ret < 0) throw_io_error(-ret, "io_uring_queue_init", m.path, 0);
   m.ring_ready = true;
   m.slots.resize(options.queue_depth);
   for (unsigned i = options.queue_depth; i > 0; --i) m.free_slots.push_back(i - 1);
+  m.pieces.resize(m.ring.sq.ring_entries);
+  for (auto i = static_cast<unsigned>(m.pieces.size()); i > 0; --i) m.free_pieces.push_back(i - 1);
 }
 
 UringFile::~UringFile() = default;
@@ -257,8 +351,9 @@ void UringFile::submit(const Request& request) {
   }
   const unsigned index = m.free_slots.back();
   m.free_slots.pop_back();
-  m.slots[index] = Impl::Slot{request, 0};
-  m.prepare(index);
+  m.slots[index] = Impl::Slot{request};
+  m.waiting.push_back(index);
+  m.issue();
   m.flush();
 }
 
@@ -295,34 +390,45 @@ size_t UringFile::reap(std::vector<Completion>* out, int64_t timeout_us) {
 void UringFile::allocate(uint64_t end) {
   Impl& m = *impl_;
   if (end <= m.allocated) return;
-  const auto start = static_cast<off_t>(m.allocated);
-  int ret;
-  do {
-    ret = ::fallocate(m.fd, 0, start, static_cast<off_t>(end) - start);
-  } while (ret != 0 && errno == EINTR);
-  if (ret != 0) {
+  for (unsigned k = 0; k < m.stripes(); ++k) {
+    const uint64_t from = m.local_end(k, m.allocated), to = m.local_end(k, end);
+    if (to <= from) continue;
+    int ret;
+    do {
+      ret = ::fallocate(m.fds[k], 0, static_cast<off_t>(from), static_cast<off_t>(to - from));
+    } while (ret != 0 && errno == EINTR);
+    if (ret == 0) continue;
     const int err = errno;
-    if (err != EOPNOTSUPP && err != ENOSYS) throw_io_error(err, "fallocate", m.path, end);
+    const std::string name = stripe_path(m.path, k);
+    if (err != EOPNOTSUPP && err != ENOSYS) throw_io_error(err, "fallocate", name, to);
     // No preallocation here (some network and FUSE filesystems): at least set the size.
-    if (end > size() && ::ftruncate(m.fd, static_cast<off_t>(end)) != 0) {
-      throw_io_error(errno, "ftruncate", m.path, end);
+    if (to > m.file_size(k) && ::ftruncate(m.fds[k], static_cast<off_t>(to)) != 0) {
+      throw_io_error(errno, "ftruncate", name, to);
     }
   }
   m.allocated = end;
 }
 
 uint64_t UringFile::size() const {
-  struct stat st;
-  if (::fstat(impl_->fd, &st) != 0) throw_io_error(errno, "fstat", impl_->path, 0);
-  return static_cast<uint64_t>(st.st_size);
+  uint64_t end = 0;
+  for (unsigned k = 0; k < impl_->stripes(); ++k) {
+    end = std::max(end, impl_->logical_end(k, impl_->file_size(k)));
+  }
+  return end;
 }
 
 void UringFile::sync() {
-  int ret;
-  do {
-    ret = ::fdatasync(impl_->fd);
-  } while (ret != 0 && errno == EINTR);
-  if (ret != 0) throw_io_error(errno, "fdatasync", impl_->path, 0);
+  for (unsigned k = 0; k < impl_->stripes(); ++k) {
+    int ret;
+    do {
+      ret = ::fdatasync(impl_->fds[k]);
+    } while (ret != 0 && errno == EINTR);
+    if (ret != 0) throw_io_error(errno, "fdatasync", stripe_path(impl_->path, k), 0);
+  }
+}
+
+void UringFile::remove_files(const std::string& path) {
+  for (unsigned k = 0; k < kStripes; ++k) ::unlink(stripe_path(path, k).c_str());
 }
 
 }  // namespace statepager

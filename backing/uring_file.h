@@ -6,7 +6,15 @@
 // which works in both modes. Short reads and writes are resubmitted until the whole
 // request is done; a read that meets the end of the file completes with ENODATA.
 //
-// Ownership: owns the file descriptor and the ring; buffers stay the caller's and must
+// Striping: files in RAM (tmpfs, ramfs) are always buffered, and io_uring runs buffered
+// writes to one inode in a single worker, where tmpfs also takes the inode lock, so one
+// file takes writes at a fraction of memory bandwidth. There the logical file is cut into
+// 1 MiB units spread round-robin over 8 physical files, `path` and its siblings `path.1`
+// ... `path.7`; a request is split at unit boundaries and completes when all its parts
+// have. Deleting the store means deleting every physical file (remove_files()). A unit
+// never written nor allocated reads as the end of the file (ENODATA), even below size().
+//
+// Ownership: owns the file descriptors and the ring; buffers stay the caller's and must
 // outlive the requests that use them.
 // Thread-safety: none. One thread submits and reaps (the Pager's I/O thread).
 // Errors: construction and allocate() throw IoError subclasses (backing/errors.h) naming
@@ -47,7 +55,7 @@ class UringFile {
     uint64_t offset = 0;   // where the failure happened (request offset on success)
   };
 
-  // Opens `path`, creating it if missing (contents kept).
+  // Opens `path` (and its siblings when striped), creating them if missing (contents kept).
   UringFile(std::string path, Options options);
   ~UringFile();
   UringFile(const UringFile&) = delete;
@@ -62,6 +70,7 @@ class UringFile {
   void register_buffers(const std::vector<iovec>& buffers);
 
   // Submits one request. UsageError when queue_depth requests are already in flight.
+  // A failed request reports the failure at its lowest offset.
   void submit(const Request& request);
 
   // Appends finished requests to `out`; waits up to `timeout_us` for the first one when
@@ -72,8 +81,11 @@ class UringFile {
   // filesystem does not support it. Throws NoSpaceError when the space is not there.
   void allocate(uint64_t end);
 
-  uint64_t size() const;   // current file size
-  void sync();             // fdatasync
+  uint64_t size() const;   // current logical file size
+  void sync();             // fdatasync of every physical file
+
+  // Unlinks the physical files of the logical file `path`, those that exist (best effort).
+  static void remove_files(const std::string& path);
 
  private:
   struct Impl;

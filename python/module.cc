@@ -7,6 +7,7 @@
 
 #include "allocator/device.h"
 #include "allocator/pager.h"
+#include "allocator/pluggable.h"
 #include "backing/errors.h"
 #include "backing/raw_io.h"
 
@@ -95,6 +96,11 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<DeviceError>(m, "DeviceError", base.ptr());
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
+  m.def(
+      "route_device",
+      [](int device, PyPager* pager) { route_device(device, pager ? pager->pager : nullptr); },
+      py::arg("device"), py::arg("pager").none(true),
+      "Routes statepager_alloc for `device` to `pager` (None: stop routing)");
 
   py::class_<PyTicket>(m, "Ticket")
       .def_property_readonly("times", [](const PyTicket& t) { return job_times(*t.ticket); });

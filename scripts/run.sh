@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PYTHON=${PYTHON:-python3}
 DIR=${STATEPAGER_DIR:-/tmp/statepager-main}
-cd /tmp && $PYTHON "$OLDPWD/examples/page_tensors.py" --dir "$DIR"
+ROOT=$PWD
+cd /tmp
+$PYTHON "$ROOT/examples/page_tensors.py" --dir "$DIR" --size 512M
+$PYTHON "$ROOT/examples/train_paged_adamw.py" --dir "$DIR" --steps 20

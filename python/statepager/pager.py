@@ -1,6 +1,7 @@
 """Pager: the user-facing object. Policy lives here; the byte moving is in C++ (_C)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Sequence
 
 import torch
@@ -67,6 +68,7 @@ class Pager:
         self.page_size = page_size
         self.keep = keep
         self._paused = None
+        self._mem_pool = None  # the MemPool of scope(), created on first use
 
     # -- tensors ---------------------------------------------------------------------
 
@@ -108,6 +110,27 @@ class Pager:
         if self.device.type != "cuda":
             return 0
         return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- construction ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self, min_bytes: int = 1 * MiB):
+        """Builds optimizer state straight into this pager (see statepager.scope):
+        allocations on this pager's device go to its pool, new fp32 tensors of at least
+        `min_bytes` become pager tensors, and the oldest are paged out whenever the pool
+        would pass hbm_budget. Yields the Capture, whose `.tensors` lists them."""
+        from statepager.scope import Capture, pluggable_allocator
+
+        capture = Capture(self, min_bytes)
+        with contextlib.ExitStack() as stack:
+            if self.device.type == "cuda":
+                if self._mem_pool is None:
+                    self._mem_pool = torch.cuda.MemPool(pluggable_allocator().allocator())
+                _C.route_device(self.device.index, self._core)
+                stack.callback(_C.route_device, self.device.index, None)
+                stack.enter_context(torch.cuda.use_mem_pool(self._mem_pool, self.device))
+            stack.enter_context(capture)
+            yield capture
 
     # -- sleep / wake ----------------------------------------------------------------
 

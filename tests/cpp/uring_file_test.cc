@@ -126,9 +126,45 @@ void expect_all_ok(const std::vector<UringFile::Completion>& done,
   EXPECT_EQ(tags.size(), requests.size()) << "a request completed twice";
 }
 
+constexpr size_t kStripeUnit = 1 << 20;
+constexpr unsigned kRamStripes = 8;
+
+std::string stripe_path(const std::string& path, unsigned k) {
+  return k == 0 ? path : path + "." + std::to_string(k);
+}
+
+// Whether exactly the physical files of a file striped over `stripes` exist.
+void expect_physical_files(const std::string& path, unsigned stripes) {
+  for (unsigned k = 0; k <= kRamStripes; ++k) {
+    EXPECT_EQ(std::filesystem::exists(stripe_path(path, k)), k < stripes) << stripe_path(path, k);
+  }
+}
+
+// Logical [0, total) of a file striped over `stripes` physical files, read with plain
+// pread following the documented layout: 1 MiB unit u lies in file u % stripes at
+// (u / stripes) MiB.
+std::vector<char> read_striped(const std::string& path, unsigned stripes, size_t total) {
+  std::vector<int> fds;
+  for (unsigned k = 0; k < stripes; ++k) {
+    fds.push_back(::open(stripe_path(path, k).c_str(), O_RDONLY));
+  }
+  std::vector<char> out(total);
+  for (size_t at = 0; at < total;) {
+    const size_t unit = at / kStripeUnit;
+    const size_t len = std::min(total - at, kStripeUnit - at % kStripeUnit);
+    const auto local = static_cast<off_t>(unit / stripes * kStripeUnit + at % kStripeUnit);
+    EXPECT_EQ(::pread(fds[unit % stripes], out.data() + at, len, local), static_cast<ssize_t>(len))
+        << "logical offset " << at;
+    at += len;
+  }
+  for (int fd : fds) ::close(fd);
+  return out;
+}
+
 // Writes random data with many requests in flight (in shuffled order), reads it back the
-// same way, and checks it against both the source and a plain pread of the file.
-void round_trip(const std::string& dir, bool registered, bool try_direct, bool expect_direct) {
+// same way, and checks it against both the source and a plain pread of the file(s).
+void round_trip(const std::string& dir, bool registered, bool try_direct, bool expect_direct,
+                unsigned expect_stripes = 1) {
   UringFile f(dir + "/data", UringFile::Options{16, try_direct});
   EXPECT_EQ(f.direct(), expect_direct);
 
@@ -165,11 +201,8 @@ void round_trip(const std::string& dir, bool registered, bool try_direct, bool e
   EXPECT_EQ(std::memcmp(src.get(), dst.get(), total), 0) << "data read back differs";
 
   // Independent check that each chunk landed at its own offset.
-  std::vector<char> plain(total);
-  int fd = ::open((dir + "/data").c_str(), O_RDONLY);
-  ASSERT_GE(fd, 0);
-  EXPECT_EQ(::pread(fd, plain.data(), total, 0), static_cast<ssize_t>(total));
-  ::close(fd);
+  expect_physical_files(dir + "/data", expect_stripes);
+  const std::vector<char> plain = read_striped(dir + "/data", expect_stripes, total);
   EXPECT_EQ(std::memcmp(src.get(), plain.data(), total), 0) << "file contents differ";
 }
 
@@ -189,9 +222,10 @@ TEST(UringFile, RoundTripRegisteredBuffers) {
 // their buffered path is the fast one: always buffered there.
 TEST(UringFile, BufferedOnTmpfs) {
   TempDir dir("/dev/shm");
-  round_trip(dir.path(), false, true, false);
-  std::filesystem::remove(dir.file("data"));
-  round_trip(dir.path(), true, true, false);
+  round_trip(dir.path(), false, true, false, kRamStripes);
+  UringFile::remove_files(dir.file("data"));
+  expect_physical_files(dir.file("data"), 0);
+  round_trip(dir.path(), true, true, false, kRamStripes);
 }
 
 TEST(UringFile, BufferedWhenDirectNotTried) {
@@ -210,12 +244,110 @@ TEST(UringFile, FallsBackToBufferedWhereDirectIsRefused) {
     if (::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return 77;
     if (::mount("none", dir.path().c_str(), "ramfs", 0, nullptr) != 0) return 77;
     if (filesystem_accepts_direct(dir.path())) return 77;  // a ramfs that takes O_DIRECT
-    round_trip(dir.path(), false, true, false);
-    round_trip(dir.path(), true, true, false);
+    round_trip(dir.path(), false, true, false, kRamStripes);
+    round_trip(dir.path(), true, true, false, kRamStripes);
     return ::testing::Test::HasFailure() ? 1 : 0;
   });
   if (code == 77) GTEST_SKIP() << "cannot mount a ramfs here";
   EXPECT_EQ(code, 0);
+}
+
+// Requests of 1 to 768 pages, back to back so that most cross stripe units, many in
+// flight; read back in differently cut requests, and in one request far larger than the
+// ring, which must wait for room piece by piece.
+class UringFileStriped : public ::testing::TestWithParam<bool> {};
+
+TEST_P(UringFileStriped, RoundTripAcrossStripeUnits) {
+  const bool registered = GetParam();
+  TempDir dir("/dev/shm");
+  const std::string path = dir.file("data");
+  UringFile f(path, UringFile::Options{16, true});
+  EXPECT_FALSE(f.direct());
+  EXPECT_EQ(f.path(), path);
+  expect_physical_files(path, kRamStripes);
+
+  std::mt19937_64 rng(registered ? 3 : 4);
+  auto cut = [&](uint64_t total) {
+    std::vector<std::pair<uint64_t, size_t>> chunks;
+    for (uint64_t at = 0; at < total;) {
+      const size_t len = std::min<uint64_t>((1 + rng() % 768) * kPage, total - at);
+      chunks.emplace_back(at, len);
+      at += len;
+    }
+    std::shuffle(chunks.begin(), chunks.end(), rng);
+    return chunks;
+  };
+  const uint64_t total = 40 * kStripeUnit + 13 * kPage;
+  AlignedBuf src = aligned_buf(total);
+  AlignedBuf dst = aligned_buf(total);
+  fill_random(src.get(), total, 5);
+  std::memset(dst.get(), 0, total);
+  if (registered) f.register_buffers({{src.get(), total}, {dst.get(), total}});
+  const int src_index = registered ? 0 : -1, dst_index = registered ? 1 : -1;
+
+  std::vector<UringFile::Request> writes, reads;
+  for (const auto& [off, len] : cut(total)) {
+    writes.push_back({writes.size(), true, src.get() + off, len, off, src_index});
+  }
+  for (const auto& [off, len] : cut(total)) {
+    reads.push_back({reads.size(), false, dst.get() + off, len, off, dst_index});
+  }
+  expect_all_ok(run_all(f, writes), writes);
+  f.sync();
+  EXPECT_EQ(f.size(), total);
+  expect_all_ok(run_all(f, reads), reads);
+  EXPECT_EQ(std::memcmp(src.get(), dst.get(), total), 0) << "data read back differs";
+  EXPECT_EQ(std::memcmp(src.get(), read_striped(path, kRamStripes, total).data(), total), 0)
+      << "physical layout differs";
+
+  {
+    UringFile one(path, UringFile::Options{1, true});  // a ring of 8 entries
+    std::memset(dst.get(), 0, total);
+    const std::vector<UringFile::Request> whole = {{0, false, dst.get(), total, 0, -1}};
+    expect_all_ok(run_all(one, whole), whole);
+    EXPECT_EQ(std::memcmp(src.get(), dst.get(), total), 0) << "one large read differs";
+  }
+
+  // Past the logical end: in the last unit's file, in files with no data there, straddling.
+  auto done = run_all(f, {{0, false, dst.get(), kPage, total, dst_index},
+                          {1, false, dst.get(), kPage, total + 3 * kStripeUnit, dst_index},
+                          {2, false, dst.get(), 3 * kStripeUnit, total - 2 * kStripeUnit - kPage,
+                           dst_index}});
+  ASSERT_EQ(done.size(), 3u);
+  std::sort(done.begin(), done.end(), [](auto& a, auto& b) { return a.tag < b.tag; });
+  const uint64_t at[] = {total, total + 3 * kStripeUnit, total};
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(done[i].error, ENODATA) << "tag " << i;
+    EXPECT_EQ(done[i].offset, at[i]) << "tag " << i;
+  }
+  EXPECT_EQ(f.in_flight(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(RegisteredAndNot, UringFileStriped, ::testing::Bool());
+
+// allocate() sizes each physical file for its share of [0, end); size() inverts that.
+TEST(UringFile, StripedAllocateAndSize) {
+  TempDir dir("/dev/shm");
+  const std::string path = dir.file("data");
+  UringFile f(path, UringFile::Options{});
+  EXPECT_EQ(f.size(), 0u);
+  auto sizes = [&] {
+    std::vector<uint64_t> out;
+    for (unsigned k = 0; k < kRamStripes; ++k) {
+      out.push_back(std::filesystem::file_size(stripe_path(path, k)));
+    }
+    return out;
+  };
+  const uint64_t M = kStripeUnit;
+  f.allocate(5 * M + 3 * kPage);
+  EXPECT_EQ(f.size(), 5 * M + 3 * kPage);
+  EXPECT_EQ(sizes(), (std::vector<uint64_t>{M, M, M, M, M, 3 * kPage, 0, 0}));
+  f.allocate(20 * M + kPage);
+  EXPECT_EQ(f.size(), 20 * M + kPage);
+  EXPECT_EQ(sizes(), (std::vector<uint64_t>{3 * M, 3 * M, 3 * M, 3 * M, 2 * M + kPage, 2 * M, 2 * M,
+                                            2 * M}));
+  f.allocate(M);  // smaller: nothing changes
+  EXPECT_EQ(f.size(), 20 * M + kPage);
 }
 
 class UringFileEof : public ::testing::TestWithParam<bool> {};
