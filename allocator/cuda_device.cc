@@ -23,7 +23,7 @@ namespace {
 #define STATEPAGER_CUDA_FUNCTIONS(X)                                                       \
   X(cuGetErrorName) X(cuGetErrorString) X(cuInit) X(cuDeviceGetCount) X(cuDeviceGet)      \
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent)              \
-  X(cuCtxSetCurrent) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)           \
+  X(cuCtxSetCurrent) X(cuCtxSynchronize) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)           \
   X(cuStreamWaitEvent) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventQuery) \
   X(cuEventSynchronize) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)            \
   X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap)             \
@@ -258,6 +258,11 @@ class CudaDevice final : public Device {
   void release_fence(Fence fence) override {
     std::lock_guard<std::mutex> lock(mu_);
     free_.push_back(fence);
+  }
+
+  void synchronize() override {
+    ScopedContext scope(d_, ctx_);
+    check(d_.cuCtxSynchronize(), "cuCtxSynchronize");
   }
 
   size_t free_memory() override {

@@ -67,6 +67,10 @@ class Device {
   virtual void wait(Fence fence) = 0;
   virtual void release_fence(Fence fence) = 0;
 
+  // Waits for all work on the device, the caller's streams included (before unmapping
+  // memory that kernels may still touch).
+  virtual void synchronize() = 0;
+
   // Bytes of physical memory the device has free (driver's view; host: MemAvailable).
   virtual size_t free_memory() = 0;
 };

@@ -63,6 +63,7 @@ struct Pager::Extent {
   uint64_t file_offset;
   size_t file_bytes;
   Residency state = Residency::kZero;
+  bool segment = false;  // PyTorch's: stays mapped until PyTorch frees it, even after close
 };
 
 struct Pager::Slot {
@@ -158,6 +159,7 @@ uintptr_t Pager::create_segment(size_t bytes) {
     throw;
   }
   e.state = Residency::kResident;
+  e.segment = true;
   return e.addr;
 }
 
@@ -180,7 +182,7 @@ void Pager::release(ExtentId id) {
     return s != Residency::kPagingIn && s != Residency::kPagingOut;
   });
   Extent& e = extent_locked(id);
-  if (e.state == Residency::kResident && !closed_) pool_.unref(e.addr, e.bytes);
+  if (e.state == Residency::kResident && (!closed_ || e.segment)) pool_.unref(e.addr, e.bytes);
   pool_.free(e.addr);
   file_space_.free(e.file_offset);
   by_address_.erase(e.addr);
@@ -375,8 +377,10 @@ void Pager::close() {
   work_cv_.notify_all();
   lock.unlock();
   if (io_thread_.joinable()) io_thread_.join();
+  device_->synchronize();  // kernels may still be using resident tensors
   lock.lock();
   for (auto& [id, e] : extents_) {
+    if (e->segment) continue;  // PyTorch's MemPool may still hand out its blocks
     if (e->state == Residency::kResident) pool_.unref(e->addr, e->bytes);
     e->state = Residency::kZero;
   }

@@ -119,7 +119,8 @@ class Pager {
   Device& device() { return *device_; }
   const std::string& file_path() const;
 
-  // Waits for all buckets, unmaps everything, stops the I/O thread and deletes the
+  // Waits for all buckets and the device, unmaps everything but PyTorch's segments
+  // (those stay mapped until PyTorch frees them), stops the I/O thread and deletes the
   // store directory. Idempotent; later calls other than release() throw UsageError.
   void close();
 

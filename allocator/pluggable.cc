@@ -11,7 +11,9 @@ namespace {
 struct Routes {
   std::mutex mu;
   std::map<int, std::shared_ptr<Pager>> by_device;
-  std::vector<std::weak_ptr<Pager>> all;  // every pager that ever served a segment
+  // Every pager that ever served a segment, kept alive for the life of the process: its
+  // arena must stay reserved while PyTorch may still hold (and free) its segments.
+  std::vector<std::shared_ptr<Pager>> all;
 };
 
 // Never destroyed: PyTorch may free segments during interpreter shutdown.
@@ -30,8 +32,8 @@ void route_device(int device, std::shared_ptr<Pager> pager) {
     return;
   }
   r.by_device[device] = pager;
-  for (auto& weak : r.all) {
-    if (weak.lock() == pager) return;
+  for (auto& known : r.all) {
+    if (known == pager) return;
   }
   r.all.push_back(pager);
 }
@@ -62,9 +64,7 @@ extern "C" void statepager_free(void* ptr, size_t, int, void*) {
   {
     auto& r = statepager::routes();
     std::lock_guard lock(r.mu);
-    for (auto& weak : r.all) {
-      if (auto p = weak.lock()) pagers.push_back(std::move(p));
-    }
+    pagers = r.all;
   }
   for (auto& pager : pagers) {
     if (!pager->owns_address(addr)) continue;
