@@ -57,7 +57,7 @@ class HostDevice final : public Device {
 
   void map(uintptr_t addr, size_t bytes, PageHandle page) override {
     void* p = mmap(reinterpret_cast<void*>(addr), bytes, PROT_READ | PROT_WRITE,
-                   MAP_SHARED | MAP_FIXED | MAP_POPULATE, int(page), 0);
+                   MAP_SHARED | MAP_FIXED, int(page), 0);
     if (p == MAP_FAILED) fail("mmap(map)");
   }
 
