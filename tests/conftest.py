@@ -37,3 +37,12 @@ def shm_dir():
     d = f"/dev/shm/statepager-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield d
     os.system(f"rm -rf {d}")
+
+
+@pytest.fixture
+def cuda_free():
+    """Bytes the CUDA driver reports free, after the device's queued work is done."""
+    def read() -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+    return read

@@ -9,12 +9,7 @@ pytestmark = pytest.mark.gpu
 MiB, GiB = 1 << 20, 1 << 30
 
 
-def free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-def test_eight_gib_of_mains_built_under_a_one_gib_budget(store_dir):
+def test_eight_gib_of_mains_built_under_a_one_gib_budget(store_dir, cuda_free):
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes, total = [], 0
     while total < 8 * GiB:
@@ -24,13 +19,13 @@ def test_eight_gib_of_mains_built_under_a_one_gib_budget(store_dir):
     model = [torch.randn(n, device="cuda", generator=g).bfloat16() for n in sizes]
     budget = 1 * GiB
     with Pager(store_dir, device="cuda", hbm_budget=budget) as pager:
-        before = free_bytes()
+        before = cuda_free()
         lowest = before
         mains = []
         with pager.scope():
             for shard in model:
                 mains.append(shard.clone().float())
-                lowest = min(lowest, free_bytes())
+                lowest = min(lowest, cuda_free())
         largest = 4 * max(sizes)
         used_driver = before - lowest
         s = pager.stats()
