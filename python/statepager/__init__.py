@@ -20,6 +20,7 @@ from statepager._C import (  # noqa: F401
 from statepager.pager import PageHandle, Pager  # noqa: F401
 from statepager.stream import StepStats, StreamedOptimizer  # noqa: F401
 from statepager.optim import PagedAdamW  # noqa: F401
+from statepager.checkpoint import CheckpointMismatchError  # noqa: F401
 
 __all__ = [
     "Pager",
@@ -34,6 +35,7 @@ __all__ = [
     "NoSpaceError",
     "StorePermissionError",
     "CorruptStoreError",
+    "CheckpointMismatchError",
     "StoreBusyError",
     "OutOfMemoryError",
     "DeviceError",

@@ -69,6 +69,7 @@ class Pager:
         self.keep = keep
         self._paused = None
         self._mem_pool = None  # the MemPool of scope(), created on first use
+        self._bindings = []    # attached optimizers, in attach order (checkpoint layout)
 
     # -- tensors ---------------------------------------------------------------------
 
@@ -159,9 +160,28 @@ class Pager:
         its `.last` holds the last step's StepStats."""
         from statepager.stream import StreamedOptimizer
 
-        return StreamedOptimizer(self, optimizer, bucket_size=bucket_size, depth=depth,
-                                 log_steps=log_steps, before_bucket=before_bucket,
-                                 after_bucket=after_bucket)
+        binding = StreamedOptimizer(self, optimizer, bucket_size=bucket_size, depth=depth,
+                                    log_steps=log_steps, before_bucket=before_bucket,
+                                    after_bucket=after_bucket)
+        self._bindings.append(binding)
+        return binding
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """Writes the state of every attached optimizer to the new directory `path`,
+        atomically (see statepager.checkpoint). Call it between steps."""
+        from statepager import checkpoint
+
+        checkpoint.save(self, path)
+
+    def load(self, path: str) -> bool:
+        """Loads a checkpoint written by save() into the attached optimizers, after
+        verifying format, layout and checksums; nothing changes if any check fails.
+        Returns False, with a logged notice, when `path` holds no statepager state."""
+        from statepager import checkpoint
+
+        return checkpoint.load(self, path)
 
     # -- state -----------------------------------------------------------------------
 

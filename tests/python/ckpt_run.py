@@ -1,0 +1,79 @@
+"""Training job for the checkpoint tests, run in its own process:
+    python ckpt_run.py STORE CKPT_DIR OUT N_BEFORE M_AFTER resume|fresh [kill-during-save]
+fresh: train N steps, save model + pager checkpoint, train M more, write losses/state.
+resume: load the checkpoint, train the same M steps, write losses/state."""
+import os
+import sys
+
+import torch
+
+import statepager
+
+KiB = 1 << 10
+
+
+def model_and_opt(store):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 200), torch.nn.GELU(),
+                                torch.nn.Linear(200, 150), torch.nn.GELU(),
+                                torch.nn.Linear(150, 5)).bfloat16()
+    pager = statepager.Pager(store, page_size=64 * KiB)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    opt = statepager.PagedAdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": rest, "weight_decay": 0.0}],
+                                pager=pager, lr=2e-3, bucket_size=60 * KiB)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    return model, pager, opt, sched
+
+
+def steps(model, opt, sched, first, count):
+    losses = []
+    for i in range(first, first + count):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(32, 24, generator=g).bfloat16()
+        y = torch.randn(32, 5, generator=g).bfloat16()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(model, opt, pager):
+    masters = [m for g in opt.param_groups for m in g["params"]]
+    state = []
+    for m in masters:
+        ts = [m] + [opt.state[m][k] for k in ("exp_avg", "exp_avg_sq")]
+        pager.page_in(ts)
+        state.append([t.clone() for t in ts] + [opt.state[m]["step"].clone()])
+        pager.page_out(ts)
+    return {"params": [p.detach().clone() for p in model.parameters()], "state": state,
+            "lr": [g["lr"] for g in opt.param_groups]}
+
+
+def main():
+    store, ckpt, out, n, m, mode = sys.argv[1:7]
+    n, m = int(n), int(m)
+    model, pager, opt, sched = model_and_opt(store)
+    if mode == "fresh":
+        steps(model, opt, sched, 0, n)
+        if len(sys.argv) > 7:  # killed from outside while saving, over and over
+            for k in range(1000):
+                pager.save(f"{ckpt}-{k}")
+        torch.save({"model": model.state_dict(), "sched": sched.state_dict()}, ckpt + ".pt")
+        pager.save(ckpt)
+    else:
+        extra = torch.load(ckpt + ".pt")
+        model.load_state_dict(extra["model"])
+        sched.load_state_dict(extra["sched"])
+        assert pager.load(ckpt)
+    losses = steps(model, opt, sched, n, m)
+    torch.save({"losses": losses, **snapshot(model, opt, pager)}, out)
+    pager.close()
+
+
+if __name__ == "__main__":
+    main()
