@@ -28,6 +28,8 @@ def equal(a, b):
         return torch.equal(a, b)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     return a == b
 
 
