@@ -34,6 +34,7 @@ struct Chunk {
 
 struct Job {
   bool out = false;
+  bool discard = false;                // page-out that drops the bytes instead of writing
   std::vector<ExtentId> extents;       // the extents this bucket moves
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
@@ -42,7 +43,7 @@ struct Job {
   size_t next_chunk = 0;
   size_t chunks_in_flight = 0;
   bool started = false;
-  std::optional<Fence> zero_fence;
+  std::optional<Fence> fence;          // device work to finish before completing
   uint64_t bytes_moved = 0;
   uint64_t requests = 0;
   bool done = false;
@@ -211,10 +212,16 @@ std::optional<ExtentId> Pager::find(uintptr_t addr) const {
   return it->second;
 }
 
-Ticket Pager::page_in(const std::vector<ExtentId>& bucket) { return submit(bucket, false, 0); }
+Ticket Pager::page_in(const std::vector<ExtentId>& bucket) {
+  return submit(bucket, false, 0, false);
+}
 
 Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream) {
-  return submit(bucket, true, stream);
+  return submit(bucket, true, stream, false);
+}
+
+Ticket Pager::discard(const std::vector<ExtentId>& bucket, uintptr_t stream) {
+  return submit(bucket, true, stream, true);
 }
 
 // Maps the pages under [addr, addr + bytes). At the budget, waits for page-outs in flight
@@ -231,11 +238,13 @@ void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr,
   }
 }
 
-Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream) {
+Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream,
+                     bool discard) {
   std::unique_lock lock(mu_);
   check_open_locked();
   auto job = std::make_shared<Job>();
   job->out = out;
+  job->discard = discard;
   std::vector<ExtentId> ids = bucket;
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
@@ -271,7 +280,7 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       throw;
     }
   }
-  plan_chunks(*job);
+  if (!discard) plan_chunks(*job);
   if (job->extents.empty()) {
     job->done = true;
     return job;
@@ -431,7 +440,9 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
         file_allocated_ = job->file_end;
       }
       for (auto [addr, bytes] : job->zero_fills) device_->fill_zero(addr, bytes);
-      if (!job->zero_fills.empty()) job->zero_fence = device_->record(CopyQueue::kToDevice);
+      if (!job->zero_fills.empty()) job->fence = device_->record(CopyQueue::kToDevice);
+      // A discard unmaps once the work queued before it on the caller's stream is done.
+      if (job->discard) job->fence = device_->record(CopyQueue::kToHost);
     } catch (...) {
       job->error = std::current_exception();
     }
@@ -493,10 +504,10 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   for (const Ticket& job : jobs) {
     const bool issued_all = job->error || job->next_chunk == job->chunks.size();
     if (!job->started || job->chunks_in_flight > 0 || !issued_all) continue;
-    if (job->zero_fence) {
-      if (!device_->is_done(*job->zero_fence)) continue;
-      device_->release_fence(*job->zero_fence);
-      job->zero_fence.reset();
+    if (job->fence) {
+      if (!device_->is_done(*job->fence)) continue;
+      device_->release_fence(*job->fence);
+      job->fence.reset();
     }
     complete(*job);
     progressed = true;
@@ -557,7 +568,7 @@ void Pager::complete(Job& job) {
   for (size_t i = 0; i < job.extents.size(); i++) {
     Extent& e = extent_locked(job.extents[i]);
     if (job.out) {
-      e.state = ok ? Residency::kFile : Residency::kResident;
+      e.state = !ok ? Residency::kResident : job.discard ? Residency::kZero : Residency::kFile;
       if (ok) pool_.unref(e.addr, e.bytes);
     } else {
       e.state = ok ? Residency::kResident : job.before[i];

@@ -104,6 +104,9 @@ class Pager {
   // by another bucket is a UsageError. `stream`: see the class comment.
   Ticket page_in(const std::vector<ExtentId>& bucket);
   Ticket page_out(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
+  // Unmaps resident extents without writing them: they return to ZERO (scratch tensors
+  // whose bytes live elsewhere in another form). Ordered after `stream` like page_out().
+  Ticket discard(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
   void wait(const Ticket& ticket);      // rethrows the bucket's error
   bool is_done(const Ticket& ticket) const;
 
@@ -127,7 +130,7 @@ class Pager {
  private:
   struct Extent;
   struct Slot;
-  Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream);
+  Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
   void plan_chunks(Job& job);
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);

@@ -197,6 +197,11 @@ PYBIND11_MODULE(_C, m) {
              return PyTicket{self.pager->page_out(self.extents_of(tensors), stream)};
            },
            py::arg("tensors"), py::arg("stream") = 0)
+      .def("discard",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream) {
+             return PyTicket{self.pager->discard(self.extents_of(tensors), stream)};
+           },
+           py::arg("tensors"), py::arg("stream") = 0)
       .def("wait",
            [](PyPager& self, const PyTicket& t) {
              py::gil_scoped_release release;

@@ -101,6 +101,11 @@ class Pager:
         """Pages out after the work already queued on the current stream."""
         return PageHandle(self, self._core.page_out(list(tensors), self._stream()))
 
+    def discard_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
+        """Unmaps the tensors without writing them (they become 'zero'), after the work
+        already queued on the current stream."""
+        return PageHandle(self, self._core.discard(list(tensors), self._stream()))
+
     def page_in(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
         self.page_in_async(_as_list(tensors)).wait()
 

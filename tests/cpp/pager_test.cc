@@ -212,3 +212,23 @@ TEST(Pager, ReleaseUnmapsAndCloseRemovesDirectory) {
 
 }  // namespace
 }  // namespace statepager
+
+namespace statepager {
+namespace {
+
+TEST(Pager, DiscardUnmapsWithoutWriting) {
+  Pager pager(make_host_device(), small_options("discard"));
+  const ExtentId id = pager.create(300000);
+  pager.wait(pager.page_in({id}));
+  fill_random(pager.address(id), 300000, 5);
+  pager.wait(pager.discard({id}));
+  EXPECT_EQ(pager.residency(id), Residency::kZero);
+  EXPECT_EQ(pager.stats().bytes_written, 0u);
+  EXPECT_EQ(pager.stats().mapped_bytes, 0u);
+  pager.wait(pager.page_in({id}));  // zero again, nothing read
+  EXPECT_EQ(pager.stats().bytes_read, 0u);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(pager.address(id))[12345], 0);
+}
+
+}  // namespace
+}  // namespace statepager
