@@ -65,9 +65,9 @@ def _save_optimizer(binding, f, offset: int):
     opt = binding.optimizer
     index = {id(p): i for i, p in enumerate(_params_in_order(opt))}
     tensors, small = [], {}
-    for bucket in binding.state_in_buckets():
+    for bucket in binding.stored_in_buckets():
         for p in bucket.params:
-            for name, t in _paged(binding, p):
+            for name, t in _stored(binding, p):
                 data = t.detach().view(-1).view(torch.uint8).cpu().numpy()
                 f.write(data.data)
                 pad = -data.size % ALIGN
@@ -79,8 +79,12 @@ def _save_optimizer(binding, f, offset: int):
     for p, i in ((p, index[id(p)]) for p in _params_in_order(opt)):
         small[str(i)] = {k: _encode(v) for k, v in opt.state[p].items()
                          if not binding.pager.owns(v)}
+        for name, form in binding.forms(p):
+            if form.fmt == "residual":
+                small[str(i)][f"{name}:exceptions"] = [_encode(e) for e in form.exceptions]
     groups = [{k: _encode(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"class": type(opt).__name__, "params": len(index),
+            "formats": {"moments": binding.moments, "mains": binding.mains},
             "shapes": [list(p.shape) for p in _params_in_order(opt)],
             "param_groups": groups, "tensors": tensors, "small_state": small}, offset
 
@@ -122,15 +126,25 @@ def _check_layout(pager, manifest: dict, path: str) -> None:
         params = _params_in_order(opt)
         if entry["class"] != type(opt).__name__:
             refuse(f"optimizer {i} was a {entry['class']}, is a {type(opt).__name__}")
+        formats = {"moments": binding.moments, "mains": binding.mains}
+        if entry.get("formats") != formats:
+            refuse(f"optimizer {i} was saved with formats {entry.get('formats')}, is attached "
+                   f"with {formats}")
         if entry["shapes"] != [list(p.shape) for p in params]:
             refuse(f"optimizer {i}'s parameter shapes differ")
         if len(entry["param_groups"]) != len(opt.param_groups):
             refuse(f"optimizer {i} had {len(entry['param_groups'])} param groups, has "
                    f"{len(opt.param_groups)}")
-        for t in entry["tensors"]:
-            p = params[t["param"]]
-            if t["shape"] != list(p.shape):
-                refuse(f"optimizer {i} parameter {t['param']} {t['name']} has shape {t['shape']}")
+        expected = {(j, name): list(t.shape) for j, p in enumerate(params)
+                    for name, t in _stored(binding, p)}
+        saved = {(t["param"], t["name"]): t["shape"] for t in entry["tensors"]}
+        for key in expected.keys() ^ saved.keys():
+            refuse(f"optimizer {i} parameter {key[0]} {key[1]} is only in "
+                   f"{'the checkpoint' if key in saved else 'the attached optimizer'}")
+        for key, shape in saved.items():
+            if shape != expected[key]:
+                refuse(f"optimizer {i} parameter {key[0]} {key[1]} has shape {shape}, "
+                       f"expected {expected[key]}")
 
 
 def _verify(manifest: dict, data_path: str) -> None:
@@ -164,28 +178,31 @@ def _load_optimizer(binding, entry: dict, f) -> None:
     params = _params_in_order(opt)
     saved = {(t["param"], t["name"]): t for t in entry["tensors"]}
     index = {id(p): i for i, p in enumerate(params)}
-    for bucket in binding.state_in_buckets():
+    for bucket in binding.stored_in_buckets():
         for p in bucket.params:
-            for name, t in _paged(binding, p):
+            for name, t in _stored(binding, p):
                 s = saved[(index[id(p)], name)]
                 f.seek(s["offset"])
                 raw = torch.frombuffer(bytearray(f.read(s["bytes"])), dtype=torch.uint8)
                 t.view(-1).view(torch.uint8).copy_(raw)
     for i, small in entry["small_state"].items():
-        state = opt.state[params[int(i)]]
+        p = params[int(i)]
+        forms = dict(binding.forms(p))
         for k, v in small.items():
-            state[k] = _decode(v, state.get(k))
+            if k.endswith(":exceptions"):
+                form = forms[k.removesuffix(":exceptions")]
+                form.exceptions = tuple(_decode(e, form.working) for e in v)
+            else:
+                opt.state[p][k] = _decode(v, opt.state[p].get(k))
     for group, g in zip(opt.param_groups, entry["param_groups"]):
         for k, v in g.items():
             group[k] = _decode(v, group.get(k))
 
 
-def _paged(binding, p):
-    """(name, tensor) of parameter p's paged tensors, in a stable order."""
-    out = [(k, v) for k, v in binding.optimizer.state[p].items() if binding.pager.owns(v)]
-    if binding.pager.owns(p):
-        out.append(("param", p))
-    return out
+def _stored(binding, p):
+    """(name, tensor) of parameter p's stored tensors, in a stable order."""
+    return [(n, t) for name, form in binding.forms(p)
+            for n, t in zip(form.names(name), form.tensors)]
 
 
 def _encode(v):

@@ -14,11 +14,15 @@ class PagedAdamW(torch.optim.AdamW):
     are), AdamW steps the masters, and the model parameters get the updated masters,
     rounded to their dtype. Construction fills the masters bucket by bucket, so the
     pager never holds more than one bucket of them.
+
+    moments: "fp32" (exact), "bf16" or "q8" on disk; mains: "fp32", or "residual" for a
+    bf16 model: only the 16 bits the bf16 parameter lacks are stored, losslessly.
     """
 
     def __init__(self, params, *, pager: Pager, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, amsgrad=False, foreach=None, fused=None,
-                 bucket_size: int = 256 * MiB, depth: int = 3, log_steps: bool = False):
+                 bucket_size: int = 256 * MiB, depth: int = 3, log_steps: bool = False,
+                 moments: str = "fp32", mains: str = "fp32"):
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -32,12 +36,17 @@ class PagedAdamW(torch.optim.AdamW):
                 self._model_of[id(m)] = p
                 masters.append(m)
             master_groups.append({**group, "params": masters})
-        self._fill_masters(pager, [m for g in master_groups for m in g["params"]], bucket_size)
+        if mains == "fp32":
+            self._fill_masters(pager, [m for g in master_groups for m in g["params"]],
+                               bucket_size)
+        # "residual": a master equal to its bf16 parameter has residual zero, which is what
+        # a fresh (ZERO) stored form already holds.
         super().__init__(master_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, foreach=foreach, fused=fused)
         self.binding = pager.attach(self, bucket_size=bucket_size, depth=depth,
                                     log_steps=log_steps, before_bucket=self._load_grads,
-                                    after_bucket=self._store_params)
+                                    after_bucket=self._store_params, moments=moments,
+                                    mains=mains, model_param=self.model_param)
 
     def _fill_masters(self, pager: Pager, masters, bucket_size: int) -> None:
         bucket, nbytes = [], 0

@@ -157,17 +157,21 @@ class Pager:
     # -- optimizers ------------------------------------------------------------------
 
     def attach(self, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
-               log_steps: bool = False, before_bucket=None, after_bucket=None):
+               log_steps: bool = False, before_bucket=None, after_bucket=None,
+               moments: str = "fp32", mains: str = "fp32", model_param=None):
         """Streams `optimizer`'s state through this pager: its state tensors (and its
         parameters, when this pager owns them) live here, and step() pages each bucket
         of about `bucket_size` bytes in, steps it, and pages it out, with `depth`
-        buckets resident or in flight at most. Returns the StreamedOptimizer binding;
-        its `.last` holds the last step's StepStats."""
+        buckets resident or in flight at most. `moments` ("fp32", "bf16", "q8") and
+        `mains` ("fp32", "residual": needs `model_param(master)` -> its bf16 parameter)
+        choose the on-disk formats (statepager.formats). Returns the StreamedOptimizer
+        binding; its `.last` holds the last step's StepStats."""
         from statepager.stream import StreamedOptimizer
 
         binding = StreamedOptimizer(self, optimizer, bucket_size=bucket_size, depth=depth,
                                     log_steps=log_steps, before_bucket=before_bucket,
-                                    after_bucket=after_bucket)
+                                    after_bucket=after_bucket, moments=moments, mains=mains,
+                                    model_param=model_param)
         self._bindings.append(binding)
         return binding
 

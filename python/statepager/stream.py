@@ -8,7 +8,6 @@ parameters, and paged out, while the next bucket is read and the previous one wr
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 import types
@@ -16,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+
+from statepager.formats import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 
 log = logging.getLogger("statepager")
 
@@ -53,8 +54,9 @@ class StepStats:
 @dataclass
 class Bucket:
     params: list
-    tensors: list = field(default_factory=list)  # paged tensors: state (+ pager-owned params)
-    nbytes: int = 0
+    stored: list = field(default_factory=list)   # paged tensors that persist (moved by I/O)
+    working: list = field(default_factory=list)  # scratch fp32 tensors of narrow formats
+    nbytes: int = 0                              # bytes resident while the bucket steps
 
 
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
@@ -65,11 +67,15 @@ class StreamedOptimizer:
 
     def __init__(self, pager, optimizer: torch.optim.Optimizer, *, bucket_size: int,
                  depth: int, log_steps: bool, before_bucket: BucketHook | None,
-                 after_bucket: BucketHook | None):
+                 after_bucket: BucketHook | None, moments: str = "fp32", mains: str = "fp32",
+                 model_param: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if depth < 2:
             raise ValueError("depth must be at least 2 (one bucket stepping, one in flight)")
         if getattr(optimizer, "_statepager", None) is not None:
             raise ValueError("this optimizer is already attached to a Pager")
+        if moments not in MOMENT_FORMATS or mains not in MAIN_FORMATS:
+            raise ValueError(f"moments must be one of {MOMENT_FORMATS} and mains one of "
+                             f"{MAIN_FORMATS}, not {moments!r} / {mains!r}")
         self.pager = pager
         self.optimizer = optimizer
         self.bucket_size = bucket_size
@@ -77,8 +83,11 @@ class StreamedOptimizer:
         self.log_steps = log_steps
         self.before_bucket = before_bucket
         self.after_bucket = after_bucket
+        self.moments, self.mains = moments, mains
+        self._model_param = model_param
         self.last = StepStats()
         self._steps = 0
+        self._forms: dict[tuple[int, str], StoredForm] = {}
         self._raw_step = _raw_step_function(optimizer)
         self._precreate_state()
         self.buckets = self._plan()
@@ -124,18 +133,37 @@ class StreamedOptimizer:
             for name in names:
                 state[name] = self.pager.empty_like(p)
 
-    def _paged_tensors(self, p) -> list:
-        """The tensors of parameter p that live in the pager."""
-        out = [v for v in self.optimizer.state[p].values() if _is_paged_state(v, p, self.pager)]
+    def forms(self, p) -> list[tuple[str, StoredForm]]:
+        """(name, form) of parameter p's paged tensors, in a stable order; 'param' is the
+        parameter itself when the pager owns it (an fp32 master)."""
+        out = []
+        for name, v in self.optimizer.state[p].items():
+            if isinstance(v, torch.Tensor) and self.pager.owns(v):
+                out.append((name, self._form(p, name, v, self.moments)))
         if self.pager.owns(p):
-            out.append(p)
+            out.append(("param", self._form(p, "param", p, self.mains)))
         return out
+
+    def _form(self, p, name: str, working: torch.Tensor, fmt: str) -> StoredForm:
+        key = (id(p), name)
+        form = self._forms.get(key)
+        if form is None or form.working is not working:
+            kind = "nonneg" if "sq" in name else "signed"
+            model = self._model_param(p) if fmt == "residual" and self._model_param else None
+            form = self._forms[key] = StoredForm(self.pager, working, fmt, kind, model)
+        return form
+
+    def _fill(self, b: Bucket) -> None:
+        forms = [f for p in b.params for _, f in self.forms(p)]
+        b.stored = [t for f in forms for t in f.tensors]
+        b.working = [f.working for f in forms if f.scratch]
+        b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working)
 
     def _plan(self) -> list[Bucket]:
         buckets, cur = [], Bucket(params=[])
         for _, p in self._params():
             nbytes = p.numel() * 4 * 3  # planned as fp32 main + two moments until state exists
-            state = self._paged_tensors(p)
+            state = [f.working for _, f in self.forms(p)]
             if state:
                 nbytes = sum(t.numel() * t.element_size() for t in state)
             if cur.params and cur.nbytes + nbytes > self.bucket_size:
@@ -146,15 +174,17 @@ class StreamedOptimizer:
         if cur.params:
             buckets.append(cur)
         for b in buckets:
-            b.tensors = [t for p in b.params for t in self._paged_tensors(p)]
+            self._fill(b)
         return buckets
 
     def _adopt_existing_state(self) -> None:
         """State that already exists in ordinary memory moves into the pager, bucket by bucket."""
         for b in self.buckets:
             if self._adopt(b):
-                b.tensors = [t for p in b.params for t in self._paged_tensors(p)]
-                self.pager.page_out(b.tensors)
+                self._fill(b)
+                self.pager.page_in(b.stored + b.working)
+                self._encode(b)
+                self._release(b)
 
     def _adopt(self, bucket: Bucket) -> bool:
         """Moves the bucket's state tensors that are not in the pager into it (resident)."""
@@ -170,6 +200,57 @@ class StreamedOptimizer:
                     moved = True
         return moved
 
+    # -- residency of one bucket ---------------------------------------------------
+
+    def _decode(self, b: Bucket) -> None:
+        forms = [f for p in b.params for _, f in self.forms(p)]
+        changed = [c for c in (f.param_changed() for f in forms) if c is not None]
+        if changed and bool(torch.stack(changed).any()):  # one sync per bucket
+            raise ValueError("a model parameter no longer matches the one its master weights "
+                             "were stored against (changed outside the optimizer?): with "
+                             "mains='residual' the masters cannot be rebuilt. Change model "
+                             "weights through the optimizer, or use mains='fp32'.")
+        if b.working:
+            self.pager.page_in(b.working)  # zero-filled scratch, nothing read
+        for f in forms:
+            f.decode()
+
+    def _encode(self, b: Bucket) -> None:
+        for p in b.params:
+            for _, f in self.forms(p):
+                f.encode()
+
+    def _release(self, b: Bucket, wait: bool = True) -> list:
+        """Pages the stored form out and drops the scratch; returns the handles."""
+        handles = [self.pager.page_out_async(b.stored)]
+        if b.working:
+            handles.append(self.pager.discard_async(b.working))
+        if wait:
+            for h in handles:
+                h.wait()
+        return handles
+
+    def state_in_buckets(self):
+        """Yields each bucket with its state resident and decoded to fp32; encodes and
+        pages it out again afterwards."""
+        for b in self.buckets:
+            self.pager.page_in(b.stored)
+            self._decode(b)
+            try:
+                yield b
+            finally:
+                self._encode(b)
+                self._release(b)
+
+    def stored_in_buckets(self):
+        """Yields each bucket with its stored form resident (no decoding)."""
+        for b in self.buckets:
+            self.pager.page_in(b.stored)
+            try:
+                yield b
+            finally:
+                self.pager.page_out(b.stored)
+
     # -- the step ------------------------------------------------------------------
 
     def step_buckets(self) -> None:
@@ -179,8 +260,8 @@ class StreamedOptimizer:
         pager.reset_peak()
         t_start = time.perf_counter()
         ahead = max(1, self.depth - 2)
-        ins = {j: pager.page_in_async(buckets[j].tensors) for j in range(min(ahead + 1, n))}
-        outs = collections.deque()
+        ins = {j: pager.page_in_async(buckets[j].stored) for j in range(min(ahead + 1, n))}
+        outs = collections.deque()  # per bucket: its page-out (and discard) handles
         done_in, done_out = [], []
         for i, b in enumerate(buckets):
             t0 = time.perf_counter()
@@ -192,18 +273,20 @@ class StreamedOptimizer:
             t2 = time.perf_counter()
             stats.wait_in_seconds += t1 - t0
             stats.compute_seconds += t2 - t1
-            outs.append(pager.page_out_async(b.tensors))
-            done_out.append(outs[-1])
+            outs.append(self._release(b, wait=False))
+            done_out.append(outs[-1][0])
             j = i + ahead + 1
             if j < n:
                 t0 = time.perf_counter()
                 while len(outs) + len(ins) >= self.depth:
-                    outs.popleft().wait()
+                    for h in outs.popleft():
+                        h.wait()
                 stats.wait_out_seconds += time.perf_counter() - t0
-                ins[j] = pager.page_in_async(buckets[j].tensors)
+                ins[j] = pager.page_in_async(buckets[j].stored)
         t0 = time.perf_counter()
-        for h in outs:
-            h.wait()
+        for handles in outs:
+            for h in handles:
+                h.wait()
         t_end = time.perf_counter()
         stats.wait_out_seconds += t_end - t0
         stats.seconds = t_end - t_start
@@ -228,6 +311,7 @@ class StreamedOptimizer:
                      stats.compute_seconds, stats.peak_mapped_bytes / MiB)
 
     def _step_bucket(self, bucket: Bucket) -> None:
+        self._decode(bucket)
         if self.before_bucket:
             self.before_bucket(bucket.params)
         members = set(map(id, bucket.params))
@@ -240,18 +324,11 @@ class StreamedOptimizer:
             for g, params in zip(self.optimizer.param_groups, saved):
                 g["params"] = params
         if self._adopt(bucket):  # state the optimizer created lazily in this step
-            bucket.tensors = [t for p in bucket.params for t in self._paged_tensors(p)]
+            self._fill(bucket)
+            self.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
         if self.after_bucket:
             self.after_bucket(bucket.params)
-
-    def state_in_buckets(self):
-        """Yields each bucket with its tensors resident; pages it out again afterwards."""
-        for b in self.buckets:
-            self.pager.page_in(b.tensors)
-            try:
-                yield b
-            finally:
-                self.pager.page_out(b.tensors)
+        self._encode(bucket)
 
 
 def _union(intervals) -> list:
@@ -285,10 +362,6 @@ def _raw_step_function(optimizer) -> Callable:
 
 def _is_param_shaped(v, p) -> bool:
     return isinstance(v, torch.Tensor) and v.shape == p.shape and v.device == p.device and v.dim() > 0
-
-
-def _is_paged_state(v, p, pager) -> bool:
-    return isinstance(v, torch.Tensor) and pager.owns(v)
 
 
 def _paged_step(self, closure=None):
@@ -346,7 +419,8 @@ def _paged_load_state_dict(self, state_dict):
     old = {(id(p), name): v for p in params for name, v in self.state[p].items() if pager.owns(v)}
     type(self).load_state_dict(self, {"state": rest, "param_groups": state_dict["param_groups"]})
     for b in binding.buckets:
-        pager.page_in(b.tensors)
+        pager.page_in(b.stored)
+        binding._decode(b)
         for p in b.params:
             for (pid, name), v in paged.items():
                 if pid != id(p):
@@ -357,5 +431,7 @@ def _paged_load_state_dict(self, state_dict):
                     pager.page_in(t)
                 t.copy_(v)
                 self.state[p][name] = t
-        b.tensors = [t for p in b.params for t in binding._paged_tensors(p)]
-        pager.page_out(b.tensors)
+        binding._fill(b)
+        pager.page_in(b.stored + b.working)  # new tensors and their stored forms
+        binding._encode(b)
+        binding._release(b)

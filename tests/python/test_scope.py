@@ -60,7 +60,7 @@ def test_scope_state_streams_through_attach(store_dir):
         ref = [s.clone().float() for s in model]
         opt, ref_opt = torch.optim.AdamW(mains, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
         binding = pager.attach(opt, bucket_size=1 * MiB)
-        streamed = {id(t) for b in binding.buckets for t in b.tensors}
+        streamed = {id(t) for b in binding.buckets for t in b.stored}
         assert all(id(m) in streamed for m in mains)
         g = torch.Generator().manual_seed(3)
         for _ in range(3):

@@ -70,7 +70,7 @@ def test_parity_with_unpaged_optimizer(store_dir, name, device):
         for a, b in zip(ref_model.parameters(), model.parameters()):
             assert torch.equal(a, b)
         for b in binding.buckets:
-            assert all(pager.residency(t) == "file" for t in b.tensors)
+            assert all(pager.residency(t) == "file" for t in b.stored)
         for (pa, pb) in zip(ref_model.parameters(), model.parameters()):
             sa, sb = ref_opt.state[pa], opt.state[pb]
             assert sa.keys() == sb.keys()

@@ -1,0 +1,90 @@
+"""On-disk formats of streamed optimizer state.
+
+The optimizer always computes on fp32 "working" tensors. A StoredForm says how one working
+tensor is kept at rest in the pager:
+  fp32      the working tensor itself (bit-identical to no paging)
+  bf16      a bf16 copy (moments: 2 bytes instead of 4)
+  q8        8-bit codes with one fp32 scale per block (see codecs.py)
+  residual  for fp32 masters of a bf16 model: the 16 bits the bf16 parameter does not
+            already hold, plus a sparse exception list (lossless; see codecs.py)
+With any format but fp32 the working tensor is scratch: zero-filled on page-in, decoded
+into, stepped, encoded from, and discarded without being written.
+"""
+from __future__ import annotations
+
+import torch
+
+from statepager import codecs
+
+MOMENT_FORMATS = ("fp32", "bf16", "q8")
+MAIN_FORMATS = ("fp32", "residual")
+
+
+class StoredForm:
+    def __init__(self, pager, working: torch.Tensor, fmt: str, kind: str = "signed",
+                 model_param: torch.Tensor | None = None):
+        self.working, self.fmt, self.kind, self.model_param = working, fmt, kind, model_param
+        self.exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
+                           torch.empty(0, dtype=torch.int32, device=working.device))
+        self.fingerprint = None  # residual: the model parameter's, when last encoded
+        n = working.numel()
+        if fmt == "fp32":
+            self.tensors = [working]
+        elif fmt == "bf16":
+            self.tensors = [pager.empty(n, dtype=torch.bfloat16)]
+        elif fmt == "q8":
+            self.tensors = [pager.empty(n, dtype=torch.uint8),
+                            pager.empty(codecs.q8_num_blocks(n), dtype=torch.float32)]
+        elif fmt == "residual":
+            if model_param is None or model_param.dtype != torch.bfloat16:
+                raise ValueError("the 'residual' mains format needs a bf16 model parameter "
+                                 "for every master: use mains='fp32' for this model")
+            self.tensors = [pager.empty(n, dtype=torch.int16)]
+        else:
+            raise ValueError(f"unknown format {fmt!r}: use one of {MOMENT_FORMATS + MAIN_FORMATS}")
+
+    @property
+    def scratch(self) -> bool:
+        """True when the working tensor is not itself the stored form."""
+        return self.fmt != "fp32"
+
+    def names(self, name: str) -> list[str]:
+        """Names of the stored tensors of state entry `name` (for checkpoints)."""
+        suffix = {"fp32": [""], "bf16": [":bf16"], "q8": [":q8codes", ":q8scales"],
+                  "residual": [":residual"]}[self.fmt]
+        return [name + s for s in suffix]
+
+    def decode(self) -> None:
+        w = self.working.view(-1)
+        if self.fmt == "bf16":
+            w.copy_(self.tensors[0])
+        elif self.fmt == "q8":
+            codecs.q8_decode(self.tensors[0], self.tensors[1], w, self.kind)
+        elif self.fmt == "residual":
+            codecs.residual_decode(self.model_param.view(-1), self.tensors[0], self.exceptions, w)
+
+    def encode(self) -> None:
+        w = self.working.view(-1)
+        if self.fmt == "bf16":
+            self.tensors[0].copy_(w)
+        elif self.fmt == "q8":
+            codecs.q8_encode(w, self.tensors[0], self.tensors[1], self.kind)
+        elif self.fmt == "residual":
+            self.exceptions = codecs.residual_encode(w, self.model_param.view(-1),
+                                                     self.tensors[0])
+            self.fingerprint = _fingerprint(self.model_param)
+
+    def param_changed(self) -> torch.Tensor | None:
+        """Residual format: a device bool, True when the model parameter differs from the
+        one the residual was encoded against (changed behind the optimizer's back); the
+        residual would then rebuild wrong masters. None when there is nothing to compare."""
+        if self.fmt != "residual" or self.fingerprint is None:
+            return None
+        return (_fingerprint(self.model_param) != self.fingerprint).any()
+
+
+def _fingerprint(param: torch.Tensor) -> torch.Tensor:
+    """Sum and sum of squares of the parameter's 16-bit patterns: any single changed
+    element changes it."""
+    bits = param.view(-1).view(torch.int16).to(torch.int32)
+    return torch.stack([bits.sum(dtype=torch.int64), (bits * bits).sum(dtype=torch.int64)])
