@@ -49,12 +49,24 @@ def main(argv=None) -> int:
     mapping.add_argument("--page-size", default="32M")
     mapping.add_argument("--size", default="8G")
     mapping.add_argument("--json", action="store_true")
+    formats = bench.add_parser("formats", help="bytes per parameter and step time for each "
+                                                "combination of on-disk formats")
+    formats.add_argument("--dir", required=True)
+    formats.add_argument("--params", type=float, default=1e8)
+    formats.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    formats.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
+    formats.add_argument("--steps", type=int, default=4)
+    formats.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
     if args.what == "step":
         from statepager.bench_step import bench_step, print_step
 
         run, show = bench_step, print_step
+    elif args.what == "formats":
+        from statepager.bench_formats import bench_formats, print_formats
+
+        run, show = bench_formats, print_formats
     else:
         run, show = {"store": (bench_store, print_store), "sleep": (bench_sleep, print_sleep),
                      "map": (bench_map, print_map)}[args.what]

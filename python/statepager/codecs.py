@@ -27,6 +27,7 @@ Q8_BLOCK = 1024
 
 Q8_SCHEMES = {"signed": ("linear", "e4m3"), "nonneg": ("linear", "sqrt", "e4m3", "e4m3_sqrt")}
 _E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+_CHECKSUM_ROW = 4096  # param_checksum's row length: keeps x * (column + 1) < 2**29
 
 
 # ----------------------------------------------------------------------- residual format
@@ -71,12 +72,38 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
     return idx, bits[idx]
 
 
+def param_checksum(param: torch.Tensor) -> torch.Tensor:
+    """A position-sensitive checksum of the bf16 bits (0-dim int64 tensor, param's device).
+
+    residual_decode needs it to notice a changed param: any (param, residual) pair
+    decodes to a master whose RNE is that param, so the residual itself cannot tell.
+    Any one changed element always changes the checksum; other changes collide with
+    probability ~2**-31. Exact integer arithmetic: the same value on CPU and CUDA.
+    """
+    p = 2**31 - 1  # prime modulus
+    x = param.view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF).add_(1)
+    n, total = x.numel(), torch.zeros((), dtype=torch.int64, device=x.device)
+    w = torch.arange(1, _CHECKSUM_ROW + 1, dtype=torch.int32, device=x.device)
+    for start, rows in ((0, x[:n // _CHECKSUM_ROW * _CHECKSUM_ROW].view(-1, _CHECKSUM_ROW)),
+                        (n // _CHECKSUM_ROW, x[n // _CHECKSUM_ROW * _CHECKSUM_ROW:].view(1, -1))):
+        # x * (column + 1) < 2**29; a row sums to < 2**41; then each row gets its own
+        # pseudo-random weight mod p, so equal changes in two rows do not cancel.
+        sums = (rows * w[:rows.shape[1]]).sum(dim=1, dtype=torch.int64) % p
+        rw = (torch.arange(start, start + len(rows), device=x.device) * 0x9E3779B1 + 1) % p
+        total += (sums * rw % p).sum()
+    return total % p
+
+
 def residual_decode(param: torch.Tensor, residual: torch.Tensor,
-                    exceptions: tuple[torch.Tensor, torch.Tensor], main_out: torch.Tensor) -> None:
+                    exceptions: tuple[torch.Tensor, torch.Tensor], main_out: torch.Tensor,
+                    *, checksum: torch.Tensor | None = None) -> None:
     """Rebuild the exact fp32 master into `main_out` from param, residual and exceptions.
 
-    Raises ValueError if RNE(rebuilt) != param anywhere outside the exceptions: the
-    param was then changed since residual_encode, and the rebuilt master would be wrong.
+    Raises ValueError if the param changed since residual_encode, instead of returning
+    a wrong master. Pass checksum=param_checksum(param) taken at encode time: without
+    it only the RNE check runs (RNE(rebuilt) == param outside the exceptions), which
+    catches a param turned NaN/inf but misses almost any finite change -- a changed
+    param with the old residual decodes to a master that rounds to the changed param.
     """
     assert main_out.dtype == torch.float32 and param.dtype == torch.bfloat16
     assert residual.dtype == torch.int16
@@ -91,10 +118,13 @@ def residual_decode(param: torch.Tensor, residual: torch.Tensor,
     bad[idx] = False
     n_bad = int(bad.sum())
     if n_bad:
-        raise ValueError(
-            f"residual_decode: model parameter no longer matches its master weights (changed "
-            f"outside the optimizer?): {n_bad} of {param.numel()} elements differ from "
-            f"bf16(master); the master cannot be rebuilt from this parameter")
+        what = f"{n_bad} of {param.numel()} elements differ from bf16(master)"
+    elif checksum is not None and int(param_checksum(param)) != int(checksum):
+        what = f"the checksum of its {param.numel()} elements differs from encode time"
+    else:
+        return
+    raise ValueError(f"residual_decode: model parameter no longer matches its master weights "
+                     f"(changed outside the optimizer?): {what}; the master cannot be rebuilt")
 
 
 # ----------------------------------------------------------------------------- q8 format
@@ -130,7 +160,9 @@ def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor
       e4m3_sqrt: float8_e4m3fn(sqrt(u) * 448)
     scheme=None uses the module default for the kind. codes_out is int8 or uint8 with
     x.numel() elements; scales_out is fp32 with q8_num_blocks(x.numel(), block) elements.
-    A zero block gets scale 0 and decodes to exact zeros; finite input never produces
+    For "nonneg" a positive value never gets code 0 (it gets the smallest positive code:
+    overestimating a tiny v shrinks its update; 0 would blow it up). Zeros stay exact: a
+    zero block gets scale 0 and decodes to exact zeros; finite input never produces
     NaN/inf. Non-finite input makes its block decode to NaN.
     """
     scheme = _scheme(kind, scheme)
@@ -152,6 +184,9 @@ def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor
             cb.copy_(u.mul_(_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
         else:
             cb.copy_(u.mul_(127.0 if kind == "signed" else 255.0).round_())
+        if kind == "nonneg":
+            # Never decode a positive v as 0: with m != 0 the update would be m/eps.
+            cb.masked_fill_((cb == 0) & (xb > 0), 1)
 
 
 def q8_decode(codes: torch.Tensor, scales: torch.Tensor, x_out: torch.Tensor,
