@@ -2,7 +2,8 @@
 
 * residual: fp32 master weights stored losslessly as 16 bits per element, given the
   bf16 model parameters (which are RNE(master) after every step), plus a short list of
-  exceptions kept at full width.
+  exceptions kept at full width. Keep param_checksum(param) from encode time to detect
+  a parameter changed before decode (the residual alone cannot).
 * q8: Adam moments as 8-bit codes in blocks of Q8_BLOCK elements with one fp32 scale
   (the block's absmax) per block. Lossy; schemes and block size were chosen by
   scripts/measure_codecs.py.
@@ -87,9 +88,9 @@ def param_checksum(param: torch.Tensor) -> torch.Tensor:
     for start, rows in ((0, x[:n // _CHECKSUM_ROW * _CHECKSUM_ROW].view(-1, _CHECKSUM_ROW)),
                         (n // _CHECKSUM_ROW, x[n // _CHECKSUM_ROW * _CHECKSUM_ROW:].view(1, -1))):
         # x * (column + 1) < 2**29; a row sums to < 2**41; then each row gets its own
-        # pseudo-random weight mod p, so equal changes in two rows do not cancel.
+        # pseudo-random weight in [1, p), so equal changes in two rows do not cancel.
         sums = (rows * w[:rows.shape[1]]).sum(dim=1, dtype=torch.int64) % p
-        rw = (torch.arange(start, start + len(rows), device=x.device) * 0x9E3779B1 + 1) % p
+        rw = torch.arange(start, start + len(rows), device=x.device) * 0x9E3779B1 % (p - 1) + 1
         total += (sums * rw % p).sum()
     return total % p
 
@@ -102,7 +103,7 @@ def residual_decode(param: torch.Tensor, residual: torch.Tensor,
     Raises ValueError if the param changed since residual_encode, instead of returning
     a wrong master. Pass checksum=param_checksum(param) taken at encode time: without
     it only the RNE check runs (RNE(rebuilt) == param outside the exceptions), which
-    catches a param turned NaN/inf but misses almost any finite change -- a changed
+    catches a param turned NaN (and some turned inf) but misses finite changes -- a changed
     param with the old residual decodes to a master that rounds to the changed param.
     """
     assert main_out.dtype == torch.float32 and param.dtype == torch.bfloat16
