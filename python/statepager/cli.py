@@ -10,27 +10,32 @@ from statepager.bench_pager import (bench_map, bench_sleep, bench_store, parse_s
                                     print_map, print_sleep, print_store)
 
 
+def _bench(bench, name: str, help: str, *, dir: bool = True, device: str | None = None):
+    """A bench subcommand with the options every bench shares."""
+    p = bench.add_parser(name, help=help)
+    if dir:
+        p.add_argument("--dir", required=True, help="directory of the store (the device measured)")
+    p.add_argument("--device", default=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    p.add_argument("--json", action="store_true")
+    return p
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m statepager")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
-    store = bench.add_parser("store", help="page-out then page-in of SIZE bytes vs fio")
-    store.add_argument("--dir", required=True)
+    store = _bench(bench, "store", "page-out then page-in of SIZE bytes vs fio", device="cpu")
     store.add_argument("--size", default="2G")
     store.add_argument("--bucket", default="256M")
     store.add_argument("--io-depth", type=int, default=32)
     store.add_argument("--io-block", default="1M")
-    store.add_argument("--device", default="cpu")
     store.add_argument("--repeat", type=int, default=3,
                        help="rounds, alternating with fio; the best of each side is kept")
     store.add_argument("--cold", action="store_true",
                        help="release physical pages on page-out (measures page creation too)")
-    store.add_argument("--json", action="store_true")
-    step = bench.add_parser("step", help="streamed AdamW step vs the storage floor and the "
-                                         "synchronous per-bucket baseline")
-    step.add_argument("--dir", required=True)
+    step = _bench(bench, "step", "streamed AdamW step vs the storage floor and the "
+                                 "synchronous per-bucket baseline")
     step.add_argument("--params", type=float, default=2.5e8)
-    step.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     step.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
     step.add_argument("--depth", type=int, default=3)
     step.add_argument("--steps", type=int, default=4)
@@ -38,25 +43,16 @@ def main(argv=None) -> int:
     step.add_argument("--io-depth", type=int, default=32)
     step.add_argument("--io-block", type=parse_size, default=parse_size("1M"))
     step.add_argument("--no-baseline", action="store_true")
-    step.add_argument("--json", action="store_true")
-    sleep = bench.add_parser("sleep", help="pause()/resume() of SIZE bytes vs the raw device")
-    sleep.add_argument("--dir", required=True)
+    sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", default="4G")
-    sleep.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    sleep.add_argument("--json", action="store_true")
-    mapping = bench.add_parser("map", help="page map + unmap cost per GiB")
-    mapping.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    mapping = _bench(bench, "map", "page map + unmap cost per GiB", dir=False)
     mapping.add_argument("--page-size", default="32M")
     mapping.add_argument("--size", default="8G")
-    mapping.add_argument("--json", action="store_true")
-    formats = bench.add_parser("formats", help="bytes per parameter and step time for each "
-                                                "combination of on-disk formats")
-    formats.add_argument("--dir", required=True)
+    formats = _bench(bench, "formats", "bytes per parameter and step time for each "
+                                       "combination of on-disk formats")
     formats.add_argument("--params", type=float, default=1e8)
-    formats.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     formats.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
     formats.add_argument("--steps", type=int, default=4)
-    formats.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
     if args.what == "step":

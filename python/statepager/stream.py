@@ -56,6 +56,7 @@ class Bucket:
     params: list
     stored: list = field(default_factory=list)   # paged tensors that persist (moved by I/O)
     working: list = field(default_factory=list)  # scratch fp32 tensors of narrow formats
+    forms: list = field(default_factory=list)    # StoredForm of every paged tensor
     nbytes: int = 0                              # bytes resident while the bucket steps
 
 
@@ -154,9 +155,9 @@ class StreamedOptimizer:
         return form
 
     def _fill(self, b: Bucket) -> None:
-        forms = [f for p in b.params for _, f in self.forms(p)]
-        b.stored = [t for f in forms for t in f.tensors]
-        b.working = [f.working for f in forms if f.scratch]
+        b.forms = [f for p in b.params for _, f in self.forms(p)]
+        b.stored = [t for f in b.forms for t in f.tensors]
+        b.working = [f.working for f in b.forms if f.scratch]
         b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working)
 
     def _plan(self) -> list[Bucket]:
@@ -189,10 +190,11 @@ class StreamedOptimizer:
     def _adopt(self, bucket: Bucket) -> bool:
         """Moves the bucket's state tensors that are not in the pager into it (resident)."""
         moved = False
+        known = {id(f.working) for f in bucket.forms}  # already paged: skip the lookups
         for p in bucket.params:
             state = self.optimizer.state[p]
             for name, v in list(state.items()):
-                if _is_param_shaped(v, p) and not self.pager.owns(v):
+                if id(v) not in known and _is_param_shaped(v, p) and not self.pager.owns(v):
                     paged = self.pager.empty_like(v)
                     self.pager.page_in(paged)
                     paged.copy_(v)
@@ -203,8 +205,7 @@ class StreamedOptimizer:
     # -- residency of one bucket ---------------------------------------------------
 
     def _decode(self, b: Bucket) -> None:
-        forms = [f for p in b.params for _, f in self.forms(p)]
-        changed = [c for c in (f.param_changed() for f in forms) if c is not None]
+        changed = [c for c in (f.param_changed() for f in b.forms) if c is not None]
         if changed and bool(torch.stack(changed).any()):  # one sync per bucket
             raise ValueError("a model parameter no longer matches the one its master weights "
                              "were stored against (changed outside the optimizer?): with "
@@ -212,13 +213,12 @@ class StreamedOptimizer:
                              "weights through the optimizer, or use mains='fp32'.")
         if b.working:
             self.pager.page_in(b.working)  # zero-filled scratch, nothing read
-        for f in forms:
+        for f in b.forms:
             f.decode()
 
     def _encode(self, b: Bucket) -> None:
-        for p in b.params:
-            for _, f in self.forms(p):
-                f.encode()
+        for f in b.forms:
+            f.encode()
 
     def _release(self, b: Bucket, wait: bool = True) -> list:
         """Pages the stored form out and drops the scratch; returns the handles."""
