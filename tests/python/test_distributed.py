@@ -48,8 +48,10 @@ def train(rank, world, port, root, paged, out):
         losses.append(loss.item())
     result = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
     if pager is not None:
+        dist.barrier()  # both stores exist now
         result["dirs"] = sorted(os.listdir(root))
         result["own_files"] = sorted(os.listdir(pager.directory))
+        dist.barrier()  # both ranks have looked before either removes its store
         pager.close()
     torch.save(result, os.path.join(out, f"{'paged' if paged else 'plain'}{rank}.pt"))
     dist.destroy_process_group()
