@@ -72,7 +72,7 @@ class StoredForm:
         elif self.fmt == "residual":
             self.exceptions = codecs.residual_encode(w, self.model_param.view(-1),
                                                      self.tensors[0])
-            self.fingerprint = _fingerprint(self.model_param)
+            self.fingerprint = codecs.param_checksum(self.model_param)
 
     def param_changed(self) -> torch.Tensor | None:
         """Residual format: a device bool, True when the model parameter differs from the
@@ -80,11 +80,4 @@ class StoredForm:
         residual would then rebuild wrong masters. None when there is nothing to compare."""
         if self.fmt != "residual" or self.fingerprint is None:
             return None
-        return (_fingerprint(self.model_param) != self.fingerprint).any()
-
-
-def _fingerprint(param: torch.Tensor) -> torch.Tensor:
-    """Sum and sum of squares of the parameter's 16-bit patterns: any single changed
-    element changes it."""
-    bits = param.view(-1).view(torch.int16).to(torch.int32)
-    return torch.stack([bits.sum(dtype=torch.int64), (bits * bits).sum(dtype=torch.int64)])
+        return codecs.param_checksum(self.model_param) != self.fingerprint
