@@ -16,16 +16,21 @@ def model(seed=0):
                                torch.nn.Linear(256, 6)).bfloat16()
 
 
+def step(m, opt, x, y) -> float:
+    loss = torch.nn.functional.mse_loss(m(x).float(), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def train(m, opt, steps, first=0):
+    """One fresh random batch per step (seeded by the step number)."""
     losses = []
     for i in range(first, first + steps):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(32, 40, generator=g).bfloat16(), torch.randn(32, 6, generator=g)
-        loss = torch.nn.functional.mse_loss(m(x).float(), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(step(m, opt, x, y))
     return losses
 
 
@@ -97,14 +102,7 @@ def fit(m, opt, steps):
     """A fixed regression task the model can learn; returns the losses."""
     g = torch.Generator().manual_seed(7)
     x, y = torch.randn(64, 40, generator=g).bfloat16(), torch.randn(64, 6, generator=g)
-    losses = []
-    for _ in range(steps):
-        loss = torch.nn.functional.mse_loss(m(x).float(), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return [step(m, opt, x, y) for _ in range(steps)]
 
 
 @pytest.mark.parametrize("moments", ["bf16", "q8"])
