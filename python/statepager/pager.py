@@ -35,7 +35,8 @@ class Pager:
     """Tensors whose bytes live in a paged pool and, when not resident, in a store file.
 
     directory: the store directory; exclusive to this Pager (a second one is refused),
-        wiped on start, deleted by close().
+        wiped on start, deleted by close(). "{rank}" in it becomes the torch.distributed
+        rank (0 when not initialized), so each rank of a job gets its own store.
     device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory).
     page_size: bytes per physical page; a multiple of the device granularity.
     hbm_budget: physical bytes the pool may hold at once (None: unbounded).
@@ -56,6 +57,7 @@ class Pager:
         io_block: int = 1 * MiB,
         direct_io: bool = True,
     ):
+        directory = str(directory).replace("{rank}", str(_rank()))
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -158,20 +160,35 @@ class Pager:
 
     def attach(self, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
                log_steps: bool = False, before_bucket=None, after_bucket=None,
-               moments: str = "fp32", mains: str = "fp32", model_param=None):
+               moments: str = "fp32", mains: str = "fp32", model_param=None,
+               name: str | None = None, keep_resident=None):
         """Streams `optimizer`'s state through this pager: its state tensors (and its
         parameters, when this pager owns them) live here, and step() pages each bucket
         of about `bucket_size` bytes in, steps it, and pages it out, with `depth`
         buckets resident or in flight at most. `moments` ("fp32", "bf16", "q8") and
         `mains` ("fp32", "residual": needs `model_param(master)` -> its bf16 parameter)
-        choose the on-disk formats (statepager.formats). Returns the StreamedOptimizer
-        binding; its `.last` holds the last step's StepStats."""
+        choose the on-disk formats (statepager.formats). `name` identifies the binding in
+        checkpoints (default "opt<i>", i its attach order); parameters for which
+        `keep_resident(p)` is true keep their state in ordinary memory and step unpaged.
+        A Megatron DistributedOptimizer or ChainedOptimizer is attached through
+        statepager.megatron (one binding per member; returns a MegatronBinding).
+        Returns the StreamedOptimizer binding; its `.last` holds the last step's StepStats."""
         from statepager.stream import StreamedOptimizer
 
+        if type(optimizer).__module__.startswith("megatron."):
+            from statepager import megatron
+
+            return megatron.attach(self, optimizer, bucket_size=bucket_size, depth=depth,
+                                   log_steps=log_steps, moments=moments, mains=mains)
+        name = name or f"opt{len(self._bindings)}"
+        if any(b.name == name for b in self._bindings):
+            raise _C.UsageError(f"an optimizer named {name!r} is already attached to this "
+                                "Pager: give each attach() its own name")
         binding = StreamedOptimizer(self, optimizer, bucket_size=bucket_size, depth=depth,
                                     log_steps=log_steps, before_bucket=before_bucket,
                                     after_bucket=after_bucket, moments=moments, mains=mains,
-                                    model_param=model_param)
+                                    model_param=model_param, name=name,
+                                    keep_resident=keep_resident)
         self._bindings.append(binding)
         return binding
 
@@ -219,6 +236,11 @@ class Pager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _as_list(tensors) -> list:

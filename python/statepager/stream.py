@@ -69,7 +69,9 @@ class StreamedOptimizer:
     def __init__(self, pager, optimizer: torch.optim.Optimizer, *, bucket_size: int,
                  depth: int, log_steps: bool, before_bucket: BucketHook | None,
                  after_bucket: BucketHook | None, moments: str = "fp32", mains: str = "fp32",
-                 model_param: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 model_param: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 name: str = "opt0",
+                 keep_resident: Callable[[torch.Tensor], bool] | None = None):
         if depth < 2:
             raise ValueError("depth must be at least 2 (one bucket stepping, one in flight)")
         if getattr(optimizer, "_statepager", None) is not None:
@@ -79,6 +81,8 @@ class StreamedOptimizer:
                              f"{MAIN_FORMATS}, not {moments!r} / {mains!r}")
         self.pager = pager
         self.optimizer = optimizer
+        self.name = name
+        self._resident = keep_resident or (lambda p: False)
         self.bucket_size = bucket_size
         self.depth = depth
         self.log_steps = log_steps
@@ -123,7 +127,7 @@ class StreamedOptimizer:
 
         for group, p in self._params():
             state = opt.state[p]
-            if len(state) != 0:
+            if len(state) != 0 or self._resident(p):
                 continue
             if group["capturable"] or group["fused"]:
                 state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]),
@@ -165,7 +169,7 @@ class StreamedOptimizer:
         for _, p in self._params():
             nbytes = p.numel() * 4 * 3  # planned as fp32 main + two moments until state exists
             state = [f.working for _, f in self.forms(p)]
-            if state:
+            if state or self._resident(p):
                 nbytes = sum(t.numel() * t.element_size() for t in state)
             if cur.params and cur.nbytes + nbytes > self.bucket_size:
                 buckets.append(cur)
@@ -192,6 +196,8 @@ class StreamedOptimizer:
         moved = False
         known = {id(f.working) for f in bucket.forms}  # already paged: skip the lookups
         for p in bucket.params:
+            if self._resident(p):
+                continue
             state = self.optimizer.state[p]
             for name, v in list(state.items()):
                 if id(v) not in known and _is_param_shaped(v, p) and not self.pager.owns(v):
@@ -204,8 +210,9 @@ class StreamedOptimizer:
 
     # -- residency of one bucket ---------------------------------------------------
 
-    def _decode(self, b: Bucket) -> None:
-        changed = [c for c in (f.param_changed() for f in b.forms) if c is not None]
+    def _decode(self, b: Bucket, check_params: bool = True) -> None:
+        changed = [c for c in (f.param_changed() for f in b.forms)
+                   if c is not None] if check_params else []
         if changed and bool(torch.stack(changed).any()):  # one sync per bucket
             raise ValueError("a model parameter no longer matches the one its master weights "
                              "were stored against (changed outside the optimizer?): with "
@@ -230,12 +237,13 @@ class StreamedOptimizer:
                 h.wait()
         return handles
 
-    def state_in_buckets(self):
+    def state_in_buckets(self, rebuild_mains: bool = False):
         """Yields each bucket with its state resident and decoded to fp32; encodes and
-        pages it out again afterwards."""
+        pages it out again afterwards. rebuild_mains: the caller overwrites the masters
+        from changed model params, so their stored form is not checked against them."""
         for b in self.buckets:
             self.pager.page_in(b.stored)
-            self._decode(b)
+            self._decode(b, check_params=not rebuild_mains)
             try:
                 yield b
             finally:
@@ -259,6 +267,10 @@ class StreamedOptimizer:
         before = pager.stats()
         pager.reset_peak()
         t_start = time.perf_counter()
+        # Optimizers that count steps per param group (TE's and apex's FusedAdam) must
+        # advance the count once per step, not once per bucket.
+        self._group_steps = [g.get("step", _ABSENT) for g in self.optimizer.param_groups]
+        self._group_steps_after = list(self._group_steps)
         ahead = max(1, self.depth - 2)
         ins = {j: pager.page_in_async(buckets[j].stored) for j in range(min(ahead + 1, n))}
         outs = collections.deque()  # per bucket: its page-out (and discard) handles
@@ -287,6 +299,8 @@ class StreamedOptimizer:
         for handles in outs:
             for h in handles:
                 h.wait()
+        for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
+            _set_counter(g, counter)
         t_end = time.perf_counter()
         stats.wait_out_seconds += t_end - t0
         stats.seconds = t_end - t_start
@@ -315,13 +329,18 @@ class StreamedOptimizer:
         if self.before_bucket:
             self.before_bucket(bucket.params)
         members = set(map(id, bucket.params))
-        saved = [g["params"] for g in self.optimizer.param_groups]
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
         try:
-            for g in self.optimizer.param_groups:
+            for g, counter in zip(groups, self._group_steps):
                 g["params"] = [p for p in g["params"] if id(p) in members]
+                _set_counter(g, counter)
             self._raw_step(self.optimizer)
+            for i, g in enumerate(groups):
+                if g["params"]:
+                    self._group_steps_after[i] = g.get("step", _ABSENT)
         finally:
-            for g, params in zip(self.optimizer.param_groups, saved):
+            for g, params in zip(groups, saved):
                 g["params"] = params
         if self._adopt(bucket):  # state the optimizer created lazily in this step
             self._fill(bucket)
@@ -329,6 +348,17 @@ class StreamedOptimizer:
         if self.after_bucket:
             self.after_bucket(bucket.params)
         self._encode(bucket)
+
+
+_ABSENT = object()
+
+
+def _set_counter(group: dict, counter) -> None:
+    """Sets a param group's own step counter ('step'), or removes it (_ABSENT)."""
+    if counter is _ABSENT:
+        group.pop("step", None)
+    else:
+        group["step"] = counter
 
 
 def _union(intervals) -> list:

@@ -219,3 +219,53 @@ def test_step_log_line(store_dir, caplog):
             train(model, opt, None, 2)
     lines = [r.getMessage() for r in caplog.records if "statepager step" in r.getMessage()]
     assert len(lines) == 2 and "GB/s" in lines[1]
+
+
+class GroupCountedSGD(torch.optim.SGD):
+    """Keeps its step count in the param group, as TE's and apex's FusedAdam do."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            if not g["params"]:
+                continue
+            g["step"] = g.get("step", 0) + 1
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] / g["step"])
+                    buf = self.state[p].setdefault("momentum_like", torch.zeros_like(p))
+                    buf.add_(p.grad)
+
+
+def test_group_step_counters_advance_once_per_step(store_dir):
+    runs = []
+    for paged in (False, True):
+        model = make_model()
+        opt = GroupCountedSGD(groups(model), lr=1e-2)
+        pager = Pager(store_dir + str(paged), page_size=64 * KiB) if paged else None
+        if pager:
+            binding = pager.attach(opt, bucket_size=40 * KiB)
+            assert len(binding.buckets) > 1
+        train(model, opt, None, 5)
+        runs.append(([p.detach().clone() for p in model.parameters()],
+                     [g["step"] for g in opt.param_groups]))
+        if pager:
+            pager.close()
+    assert runs[0][1] == runs[1][1] == [5, 5]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+
+
+def test_keep_resident_params_step_unpaged(store_dir):
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-3)
+    opt = torch.optim.AdamW(groups(model), lr=1e-3)
+    small = {id(p) for p in model.parameters() if p.dim() == 1}
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        pager.attach(opt, bucket_size=40 * KiB, keep_resident=lambda p: id(p) in small)
+        train(ref_model, ref, None, 4)
+        train(model, opt, None, 4)
+        for p in model.parameters():
+            paged = [pager.owns(v) for v in opt.state[p].values() if v.dim() > 0]
+            assert paged == [id(p) not in small] * 2
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(a, b)

@@ -1,0 +1,202 @@
+"""Megatron-core's DistributedOptimizer / ChainedOptimizer streamed by statepager, on the
+GPU: a small GPT trained with and without the pager must match bit for bit (losses,
+model params, mains and moments). Skips when megatron-core is not installed."""
+import dataclasses
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from statepager import Pager
+from statepager import _C
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                       reason="megatron-core is not installed (the GPU suite carries it)"),
+]
+MiB = 1 << 20
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    import megatron_gpt
+
+    megatron_gpt.init()
+    return megatron_gpt
+
+
+def members(optimizer):
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def snapshot(optimizer, binding=None):
+    """Every main and moment, and every native fp32 param and its state, on the host
+    (paged state is paged in bucket by bucket)."""
+    out = []
+    streams = binding.streams if binding else [None] * len(members(optimizer))
+    for d, stream in zip(members(optimizer), streams):
+        inner = d.optimizer
+        params = [p for g in inner.param_groups for p in g["params"]]
+        copies = {}
+        if stream is None:
+            for p in params:
+                copies[id(p)] = [p.cpu()] + [v.cpu() for k, v in sorted(inner.state[p].items())
+                                             if isinstance(v, torch.Tensor) and v.dim() > 0]
+        else:
+            for b in stream.state_in_buckets():
+                for p in b.params:
+                    copies[id(p)] = [p.cpu()] + [
+                        v.cpu() for k, v in sorted(inner.state[p].items())
+                        if isinstance(v, torch.Tensor) and v.dim() > 0]
+        out.append([copies[id(p)] for p in params])
+    return out
+
+
+def run(gpt, setup, pager=None, **attach):
+    model, optimizer, scheduler, binding = gpt.build(setup, pager, **attach)
+    losses = [gpt.train_step(setup, model, optimizer, scheduler, i) for i in range(setup.steps)]
+    gpt.finish(model)
+    params = [p.detach().cpu() for p in model.parameters()]
+    return losses, params, snapshot(optimizer, binding), (model, optimizer, binding)
+
+
+def assert_same(a, b):
+    la, pa, sa, _ = a
+    lb, pb, sb, _ = b
+    assert la == lb, f"losses differ:\n{la}\n{lb}"
+    assert len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb))
+    for ma, mb in zip(sa, sb):
+        assert len(ma) == len(mb)
+        for ta, tb in zip(ma, mb):
+            assert len(ta) == len(tb) == 3
+            assert all(torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+CASES = {
+    "bf16-grads": dict(),
+    "bf16-grads-overlap": dict(overlap=True),
+    "fp32-grads": dict(grad_fp32=True),
+    "fp32-grads-overlap": dict(grad_fp32=True, overlap=True),
+    "moe-chained": dict(experts=4),
+    "moe-chained-fp32-grads-overlap": dict(experts=4, grad_fp32=True, overlap=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parity_with_unpaged_megatron(gpt, case, store_dir):
+    setup = gpt.Setup(**CASES[case])
+    base = run(gpt, setup)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        paged = run(gpt, setup, pager, bucket_size=1 * MiB)
+        binding = paged[3][2]
+        assert len(binding.members) == (2 if setup.experts else 1)
+        assert [s.name for s in binding.streams] == (["0-dense", "1-expert"] if setup.experts
+                                                     else ["0-dense"])
+        assert all(st.buckets > 1 for st in binding.last), "several buckets per member"
+        assert_same(base, paged)
+        # The model's loss went down: the pager trains, it does not just copy.
+        assert paged[0][-1] < paged[0][0]
+
+
+def test_reload_model_params_goes_through_the_pager(gpt, store_dir):
+    setup = gpt.Setup(steps=3)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB)
+        for i in range(setup.steps):
+            gpt.train_step(setup, model, optimizer, scheduler, i)
+        gpt.finish(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        optimizer.reload_model_params()
+        for d, stream in zip(members(optimizer), binding.streams):
+            for b in stream.state_in_buckets():
+                for main in b.params:
+                    model_param = next((m for m in binding.members if m.d is d)).model_of.get(
+                        id(main))
+                    if model_param is not None:
+                        r = d._get_model_param_range_map(model_param)["param"]
+                        assert torch.equal(main, model_param.view(-1)[r.start:r.end].float())
+
+
+def test_refusals_name_what_to_use_instead(gpt, store_dir):
+    setup = gpt.Setup(steps=1)
+    with Pager(store_dir, "cuda") as pager:
+        _, optimizer, _, _ = gpt.build(setup, pager)
+        with pytest.raises(_C.UsageError, match="save_to"):
+            optimizer.sharded_state_dict({})
+        with pytest.raises(_C.UsageError, match="load_from"):
+            optimizer.load_state_dict({})
+        with pytest.raises(_C.UsageError, match="pause"):
+            optimizer.offload_to_cpu()
+        assert "optimizer" in members(optimizer)[0].state_dict()  # served, no state read
+
+
+def test_precision_aware_optimizer_is_refused(gpt, store_dir):
+    from megatron.core.optimizer import OptimizerConfig
+
+    setup = gpt.Setup(steps=1)
+    model, optimizer, _, _ = gpt.build(setup)
+    d = members(optimizer)[0]
+    assert isinstance(d.config, OptimizerConfig)
+    d.config = dataclasses.replace(d.config, use_precision_aware_optimizer=True)
+    with Pager(store_dir, "cuda") as pager:
+        with pytest.raises(_C.UsageError, match="precision-aware"):
+            pager.attach(optimizer)
+
+
+def test_construction_in_scope_stays_within_budget(gpt, store_dir, cuda_free, capsys):
+    """Mains of a GPT larger than the budget, built in scope(): the pool never holds more
+    than the budget plus the largest segment."""
+    setup = gpt.Setup(layers=4, hidden=1024, heads=8, vocab=4096, ddp_bucket=4_000_000)
+    budget = 64 * MiB
+    with Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=budget) as pager:
+        before = cuda_free()
+        model, optimizer, _, binding = gpt.build(setup, pager)
+        s = pager.stats()
+        mains = [m for d in members(optimizer) for g in d.shard_fp32_from_float16_groups
+                 for m in g]
+        total = sum(m.numel() * 4 for m in mains)
+        largest = max(m.numel() * 4 for m in mains)
+        with capsys.disabled():
+            print(f"\nMegatron GPT construction in scope(): {total / MiB:.0f} MiB of fp32 "
+                  f"mains, budget {budget / MiB:.0f} MiB, pool peak "
+                  f"{s['peak_mapped_bytes'] / MiB:.0f} MiB, largest segment "
+                  f"{largest / MiB:.0f} MiB; driver free memory fell by "
+                  f"{(before - cuda_free()) / MiB:.0f} MiB (model, grads, buffers included)")
+        assert total > 4 * budget
+        assert all(pager.owns(m) for m in mains)
+        assert s["peak_mapped_bytes"] <= budget + largest + 2 * pager.page_size
+
+
+def test_peak_memory_of_a_step_with_and_without_the_pager(gpt, store_dir, capsys):
+    setup = gpt.Setup(layers=4, hidden=1024, heads=8, vocab=4096, ddp_bucket=4_000_000,
+                      steps=3)
+    peaks = {}
+    for paged in (False, True):
+        pager = Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=256 * MiB) \
+            if paged else None
+        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=16 * MiB)
+        gpt.train_step(setup, model, optimizer, scheduler, 0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if pager:
+            pager.reset_peak()
+        base = torch.cuda.memory_allocated()
+        gpt.train_step(setup, model, optimizer, scheduler, 1)
+        torch.cuda.synchronize()
+        pool = pager.stats()["peak_mapped_bytes"] if pager else 0
+        peaks[paged] = (base, torch.cuda.max_memory_allocated(), pool)
+        del model, optimizer, scheduler, binding
+        if pager:
+            pager.close()
+    with capsys.disabled():
+        for paged, (base, peak, pool) in peaks.items():
+            print(f"\nstep peak HBM {'with' if paged else 'without'} the pager: torch allocator "
+                  f"{peak / MiB:.0f} MiB (of which {base / MiB:.0f} MiB held between steps) + "
+                  f"pool {pool / MiB:.0f} MiB = {(peak + pool) / MiB:.0f} MiB")
+    assert sum(peaks[True][1:]) < peaks[False][1]
