@@ -70,8 +70,8 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
     torch.manual_seed(setup.seed)
     model_parallel_cuda_manual_seed(setup.seed)
     moe = dict(num_moe_experts=setup.experts, moe_router_topk=2, moe_grouped_gemm=False,
-               moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0) \
-        if setup.experts else {}
+               moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+               add_bias_linear=False) if setup.experts else {}
     config = TransformerConfig(num_layers=setup.layers, hidden_size=setup.hidden,
                                num_attention_heads=setup.heads, bf16=True,
                                params_dtype=torch.bfloat16, hidden_dropout=0.0,
@@ -99,7 +99,7 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
                                mains=mains)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=setup.lr, min_lr=setup.lr / 10, lr_warmup_steps=3,
-        lr_decay_steps=setup.steps, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+        lr_decay_steps=max(setup.steps, 10), lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
         wd_incr_steps=setup.steps, wd_incr_style="constant")
     return model, optimizer, scheduler, binding
 

@@ -20,6 +20,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-ctest --test-dir build/gpu --output-on-failure --no-tests=error 2>&1 | tail -5 | tee "$OUT/ctest.log"
+ctest --test-dir build/gpu --output-on-failure --no-tests=error --timeout 120 2>&1 | tail -5 | tee "$OUT/ctest.log"
 ROOT=$PWD
 (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/tests" ${PYTEST_ARGS:-}) 2>&1 | tee "$OUT/pytest.log" | tail -25

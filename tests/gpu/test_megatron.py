@@ -19,6 +19,7 @@ pytestmark = [
 ]
 MiB = 1 << 20
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,7 @@ def test_construction_in_scope_stays_within_budget(gpt, store_dir, cuda_free, ca
     """Mains of a GPT larger than the budget, built in scope(): the pool never holds more
     than the budget plus the largest segment."""
     setup = gpt.Setup(layers=4, hidden=1024, heads=8, vocab=4096, ddp_bucket=4_000_000)
-    budget = 64 * MiB
+    budget = 48 * MiB
     with Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=budget) as pager:
         before = cuda_free()
         model, optimizer, _, binding = gpt.build(setup, pager)
@@ -200,3 +201,53 @@ def test_peak_memory_of_a_step_with_and_without_the_pager(gpt, store_dir, capsys
                   f"{peak / MiB:.0f} MiB (of which {base / MiB:.0f} MiB held between steps) + "
                   f"pool {pool / MiB:.0f} MiB = {(peak + pool) / MiB:.0f} MiB")
     assert sum(peaks[True][1:]) < peaks[False][1]
+
+
+RUNNER = os.path.join(os.path.dirname(__file__), "megatron_run.py")
+
+
+def run_job(mode, out, nproc=1, *extra):
+    """megatron_run.py in its own process (torchrun for several GPUs); its output on
+    failure."""
+    import subprocess
+
+    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            "--master-port=29533"] if nproc > 1 else [sys.executable]) + [RUNNER, mode, out, *extra]
+    env = {**os.environ, "MASTER_PORT": "29534"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def check_resume(out, nproc):
+    """fresh: N steps, save, M more; resume (a new process): load, the same M steps."""
+    run_job("fresh", out, nproc)
+    run_job("resume", out, nproc)
+    from megatron_run import same  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
+    for rank in range(nproc):
+        fresh = torch.load(os.path.join(out, f"fresh-rank{rank}.pt"), weights_only=False)
+        resumed = torch.load(os.path.join(out, f"resume-rank{rank}.pt"), weights_only=False)
+        assert same(fresh, resumed) == "", f"rank {rank}: {same(fresh, resumed)}"
+
+
+def test_resume_in_a_fresh_process_is_exact(tmp_path):
+    check_resume(str(tmp_path), 1)
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason="needs 2 GPUs (the nvidia-h200-x2 machine)")
+
+
+@two_gpus
+@pytest.mark.parametrize("extra", [[], ["--overlap"]], ids=["dp2", "dp2-overlap"])
+def test_data_parallel_parity_on_two_gpus(tmp_path, extra, capsys):
+    stdout = run_job("parity", str(tmp_path), 2, *extra)
+    with capsys.disabled():
+        print("\n" + stdout.strip())
+    assert stdout.count("identical") == 2
+
+
+@two_gpus
+def test_data_parallel_resume_on_two_gpus(tmp_path):
+    check_resume(str(tmp_path), 2)
