@@ -40,8 +40,9 @@ class Setup:
     seed: int = 1234
 
 
-def init() -> None:
-    """One process group (NCCL) and Megatron's parallel state; torchrun or single GPU."""
+def init(expert_parallel: int = 1) -> None:
+    """One process group (NCCL) and Megatron's parallel state; torchrun or single GPU.
+    Experts are only a separate (expert) optimizer when expert_parallel > 1."""
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
@@ -52,7 +53,8 @@ def init() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group("nccl")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                                 expert_model_parallel_size=expert_parallel)
 
 
 def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
@@ -151,13 +153,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--expert-parallel", type=int, default=1)
     ap.add_argument("--grad-fp32", action="store_true")
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--moments", default="fp32")
     ap.add_argument("--mains", default="fp32")
     ap.add_argument("--no-pager", action="store_true")
     args = ap.parse_args()
-    init()
+    init(args.expert_parallel)
     setup = Setup(layers=args.layers, hidden=args.hidden, heads=8, experts=args.experts,
                   grad_fp32=args.grad_fp32, overlap=args.overlap, steps=args.steps,
                   ddp_bucket=4_000_000)

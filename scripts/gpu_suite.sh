@@ -22,4 +22,6 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 ctest --test-dir build/gpu --output-on-failure --no-tests=error --timeout 120 2>&1 | tail -5 | tee "$OUT/ctest.log"
 ROOT=$PWD
-(cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/tests" ${PYTEST_ARGS:-}) 2>&1 | tee "$OUT/pytest.log" | tail -25
+# PYTEST_TARGETS: test files or folders (relative to the repo) to run instead of tests/.
+TARGETS=$(for t in ${PYTEST_TARGETS:-tests}; do echo "$ROOT/$t"; done)
+(cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider $TARGETS) 2>&1 | tee "$OUT/pytest.log" | tail -25

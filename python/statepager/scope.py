@@ -105,11 +105,13 @@ def _output(func, args, kwargs):
     """The op's output as a meta tensor (shape, dtype) and the device it would be on,
     learned without running it."""
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    device = kwargs.get("device") or (first.device if first is not None else "cpu")
+    device = torch.device(kwargs.get("device") or (first.device if first is not None else "cpu"))
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device
+        device = torch.device("cuda", torch.cuda.current_device())
     meta_kwargs = _to_meta(kwargs)
     if "device" in kwargs or first is None:
         meta_kwargs["device"] = "meta"
-    return func(*_to_meta(args), **meta_kwargs), torch.device(device)
+    return func(*_to_meta(args), **meta_kwargs), device
 
 
 def _to_meta(x):

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from statepager import _C
 from statepager.formats import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 
 log = logging.getLogger("statepager")
@@ -94,12 +95,21 @@ class StreamedOptimizer:
         self._steps = 0
         self._forms: dict[tuple[int, str], StoredForm] = {}
         self._raw_step = _raw_step_function(optimizer)
-        self._precreate_state()
+        created = self._precreate_state()
         self.buckets = self._plan()
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
-        pager.keep_at_least(depth * (max((b.nbytes for b in self.buckets), default=0)
-                                     + 2 * pager.page_size))
+        window = depth * (max((b.nbytes for b in self.buckets), default=0) + 2 * pager.page_size)
+        budget = pager.stats()["budget_bytes"]
+        if window > budget:
+            for p in created:  # leave the optimizer as it was given
+                del optimizer.state[p]
+            raise _C.UsageError(
+                f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: depth "
+                f"{depth} x the largest bucket ({window // depth / MiB:.0f} MiB with its page "
+                f"rounding) = {window / MiB:.0f} MiB. Raise hbm_budget, or lower depth or "
+                "bucket_size (a parameter larger than bucket_size is a bucket of its own).")
+        pager.keep_at_least(window)
         self._adopt_existing_state()
         optimizer._statepager = self
         step = torch.optim.Optimizer.profile_hook_step(_paged_step)
@@ -117,18 +127,20 @@ class StreamedOptimizer:
             for p in group["params"]:
                 yield group, p
 
-    def _precreate_state(self) -> None:
+    def _precreate_state(self) -> list:
         """Adam and AdamW state, created exactly as their first step would, but deferred:
-        the moments are ZERO extents, so the first step reads nothing for them."""
+        the moments are ZERO extents, so the first step reads nothing for them. Returns
+        the parameters it created state for."""
         opt = self.optimizer
+        created = []
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-            return  # other optimizers create their state in their first step; adopted then
+            return created  # other optimizers create their state in their first step
         from torch.optim.optimizer import _get_scalar_dtype
 
         for group, p in self._params():
-            state = opt.state[p]
-            if len(state) != 0 or self._resident(p):
+            if self._resident(p) or len(opt.state.get(p, {})) != 0:
                 continue
+            state = opt.state[p]
             if group["capturable"] or group["fused"]:
                 state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]),
                                             device=p.device)
@@ -137,12 +149,14 @@ class StreamedOptimizer:
             names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
             for name in names:
                 state[name] = self.pager.empty_like(p)
+            created.append(p)
+        return created
 
     def forms(self, p) -> list[tuple[str, StoredForm]]:
         """(name, form) of parameter p's paged tensors, in a stable order; 'param' is the
         parameter itself when the pager owns it (an fp32 master)."""
         out = []
-        for name, v in self.optimizer.state[p].items():
+        for name, v in self.optimizer.state.get(p, {}).items():  # .get: state is a defaultdict
             if isinstance(v, torch.Tensor) and self.pager.owns(v):
                 out.append((name, self._form(p, name, v, self.moments)))
         if self.pager.owns(p):

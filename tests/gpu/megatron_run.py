@@ -70,9 +70,10 @@ def main():
     ap.add_argument("mode", choices=["parity", "fresh", "resume"])
     ap.add_argument("out")
     ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--expert-parallel", type=int, default=1)
     ap.add_argument("--overlap", action="store_true")
     args = ap.parse_args()
-    megatron_gpt.init()
+    megatron_gpt.init(args.expert_parallel)
     rank = torch.distributed.get_rank()
     setup = megatron_gpt.Setup(experts=args.experts, overlap=args.overlap, steps=20)
     store = os.path.join(args.out, "store-{rank}")
@@ -87,10 +88,11 @@ def main():
                                                                       bucket_size=1 * MiB)
             paged = result(model, optimizer, binding,
                            train(setup, model, optimizer, scheduler, 0, setup.steps))
+            names = [s.name for s in binding.streams]
         torch.save({"base": base, "paged": paged}, out_file)
         diff = same(base, paged)
-        print(f"rank {rank}: {setup.steps} steps, final loss {paged['losses'][-1]:.4f}, "
-              f"{'identical' if not diff else diff}", flush=True)
+        print(f"rank {rank}: optimizers {names}, {setup.steps} steps, final loss "
+              f"{paged['losses'][-1]:.4f}, {'identical' if not diff else diff}", flush=True)
         if diff:
             sys.exit(1)
     else:
@@ -107,13 +109,16 @@ def main():
                 torch.save({"model": model.module.state_dict(),
                             "scheduler": scheduler.state_dict()}, model_file)
                 pager.save_to(ckpt)
+                at_checkpoint = result(model, optimizer, binding, [])
             else:
                 saved = torch.load(model_file, weights_only=False)
                 model.module.load_state_dict(saved["model"])
                 scheduler.load_state_dict(saved["scheduler"])
                 assert pager.load_from(ckpt), "no statepager state in the checkpoint"
+                at_checkpoint = result(model, optimizer, binding, [])
             losses = train(setup, model, optimizer, scheduler, N_BEFORE, M_AFTER)
-            torch.save(result(model, optimizer, binding, losses), out_file)
+            torch.save({**result(model, optimizer, binding, losses),
+                        "at_checkpoint": at_checkpoint}, out_file)
         print(f"rank {rank}: {args.mode} done, losses {losses}", flush=True)
     torch.distributed.destroy_process_group()
 
