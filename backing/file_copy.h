@@ -1,0 +1,62 @@
+// Copying byte ranges between files by the cheapest means the two files allow.
+//
+// In order of preference:
+//   reflink          ioctl FICLONERANGE: the destination shares the source's blocks and no
+//                    bytes move (btrfs, XFS with reflink, bcachefs; same filesystem only);
+//   copy_file_range  the kernel copies without a round trip through user memory (server
+//                    side on NFS; a page-cache copy on ext4 and tmpfs);
+//   read_write       pread/pwrite through a buffer, which works between any two files.
+// A method that the pair of files refuses (EOPNOTSUPP, EXDEV, EINVAL, ENOSYS, ENOTTY) is
+// given up for the next one; copy_range() returns the method that did the copy, and the
+// caller passes it to the next call, so refused methods are tried once, not per range.
+// Reflink needs block-aligned ranges (4 KiB covers the usual block sizes); an unaligned
+// range simply falls through to copy_file_range.
+//
+// Ownership: OpenFile owns its descriptor. Thread-safety: calls keep no shared state;
+// copies into disjoint ranges of the same files may run on several threads at once.
+// Errors: IoError subclasses (backing/errors.h) naming the file and offset; a source that
+// ends inside the range is a CorruptStoreError (the file was cut short).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace statepager {
+
+enum class CopyMethod { kReflink, kCopyFileRange, kReadWrite };
+
+// "reflink", "copy_file_range" or "read_write".
+const char* copy_method_name(CopyMethod method);
+
+// A file opened for copying from (kRead) or into (kWrite: created when missing, contents
+// kept). Buffered, never O_DIRECT, so ranges and buffers need no alignment.
+class OpenFile {
+ public:
+  enum Mode { kRead, kWrite };
+  OpenFile(std::string path, Mode mode);
+  ~OpenFile();
+  OpenFile(OpenFile&& other) noexcept;
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+  OpenFile& operator=(OpenFile&&) = delete;
+
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+  void sync() const;  // fsync: data and size are durable
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+// Copies `length` bytes at `src_offset` of `src` to `dst_offset` of `dst`, trying `first`
+// and then the methods after it. Returns the method that copied the last of the bytes.
+CopyMethod copy_range(const OpenFile& src, uint64_t src_offset, const OpenFile& dst,
+                      uint64_t dst_offset, uint64_t length,
+                      CopyMethod first = CopyMethod::kReflink);
+
+// Copies the whole file `src` to `dst` (created, or truncated first) and fsyncs it.
+CopyMethod copy_file(const std::string& src, const std::string& dst,
+                     CopyMethod first = CopyMethod::kReflink);
+
+}  // namespace statepager
