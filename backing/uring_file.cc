@@ -417,6 +417,29 @@ uint64_t UringFile::size() const {
   return end;
 }
 
+std::vector<UringFile::Span> UringFile::spans(uint64_t offset, uint64_t length) const {
+  const Impl& m = *impl_;
+  std::vector<Span> out;
+  for (uint64_t at = offset, end = offset + length; at < end;) {
+    uint64_t n = end - at;
+    if (m.stripes() > 1) n = std::min(n, kStripeBytes - at % kStripeBytes);
+    const auto [k, local] = m.locate(at);
+    if (!out.empty() && out.back().file == k && out.back().offset + out.back().length == local) {
+      out.back().length += n;  // one stripe: the whole range is one piece
+    } else {
+      out.push_back(Span{k, local, n});
+    }
+    at += n;
+  }
+  return out;
+}
+
+std::vector<std::string> UringFile::physical_paths() const {
+  std::vector<std::string> paths;
+  for (unsigned k = 0; k < impl_->stripes(); ++k) paths.push_back(stripe_path(impl_->path, k));
+  return paths;
+}
+
 void UringFile::sync() {
   for (unsigned k = 0; k < impl_->stripes(); ++k) {
     int ret;

@@ -16,7 +16,9 @@
 //
 // Ownership: owns the file descriptors and the ring; buffers stay the caller's and must
 // outlive the requests that use them.
-// Thread-safety: none. One thread submits and reaps (the Pager's I/O thread).
+// Thread-safety: none, except spans() and physical_paths(), which read only what is fixed
+// at construction and may be called from any thread. One thread submits and reaps (the
+// Pager's I/O thread).
 // Errors: construction and allocate() throw IoError subclasses (backing/errors.h) naming
 // the file; per-request failures come back as Completion::error (an errno value).
 #pragma once
@@ -47,6 +49,13 @@ class UringFile {
     size_t len = 0;        // multiple of kAlignment
     uint64_t offset = 0;   // multiple of kAlignment
     int buf_index = -1;    // index into register_buffers(), or -1
+  };
+
+  // A piece of the logical file in one physical file (see spans()).
+  struct Span {
+    unsigned file = 0;     // index into physical_paths()
+    uint64_t offset = 0;   // in that physical file
+    uint64_t length = 0;
   };
 
   struct Completion {
@@ -82,6 +91,12 @@ class UringFile {
   void allocate(uint64_t end);
 
   uint64_t size() const;   // current logical file size
+
+  // Where logical bytes [offset, offset + length) lie: pieces of the physical files, in
+  // logical order (one piece when not striped). For copying ranges with other tools.
+  std::vector<Span> spans(uint64_t offset, uint64_t length) const;
+  // The physical files: `path` and, when striped, its siblings.
+  std::vector<std::string> physical_paths() const;
   void sync();             // fdatasync of every physical file
 
   // Unlinks the physical files of the logical file `path`, those that exist (best effort).

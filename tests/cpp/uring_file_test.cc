@@ -325,6 +325,50 @@ TEST_P(UringFileStriped, RoundTripAcrossStripeUnits) {
 
 INSTANTIATE_TEST_SUITE_P(RegisteredAndNot, UringFileStriped, ::testing::Bool());
 
+// spans() names the physical bytes of any logical range: reading them there gives what
+// the ring wrote at those logical offsets. One span per range when not striped.
+class UringFileSpans : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(UringFileSpans, LocateWhatTheRingWrote) {
+  TempDir dir(GetParam());
+  const std::string path = dir.file("data");
+  UringFile f(path, UringFile::Options{8, true});
+  const std::vector<std::string> files = f.physical_paths();
+  ASSERT_EQ(files.size(), std::string(GetParam()) == "/dev/shm" ? kRamStripes : 1u);
+  EXPECT_EQ(files[0], path);
+  const uint64_t total = 21 * kStripeUnit + 5 * kPage;
+  AlignedBuf src = aligned_buf(total);
+  fill_random(src.get(), total, 11);
+  const std::vector<UringFile::Request> writes = {{0, true, src.get(), total, 0, -1}};
+  expect_all_ok(run_all(f, writes), writes);
+  std::vector<int> fds;
+  for (const std::string& name : files) fds.push_back(::open(name.c_str(), O_RDONLY));
+  std::mt19937_64 rng(12);
+  for (int round = 0; round < 50; ++round) {
+    const uint64_t offset = rng() % (total / kPage) * kPage;
+    const uint64_t length = 1 + rng() % (total - offset);
+    std::vector<char> got;
+    uint64_t covered = 0;
+    for (const UringFile::Span& s : f.spans(offset, length)) {
+      ASSERT_LT(s.file, fds.size());
+      if (files.size() > 1) ASSERT_LE(s.offset % kStripeUnit + s.length, kStripeUnit);
+      std::vector<char> piece(s.length);
+      ASSERT_EQ(::pread(fds[s.file], piece.data(), s.length, static_cast<off_t>(s.offset)),
+                static_cast<ssize_t>(s.length));
+      got.insert(got.end(), piece.begin(), piece.end());
+      covered += s.length;
+    }
+    ASSERT_EQ(covered, length);
+    if (files.size() == 1) EXPECT_EQ(f.spans(offset, length).size(), 1u);
+    EXPECT_EQ(std::memcmp(got.data(), src.get() + offset, length), 0)
+        << "range " << offset << "+" << length;
+  }
+  for (int fd : fds) ::close(fd);
+  EXPECT_TRUE(f.spans(kPage, 0).empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(DiskAndRam, UringFileSpans, ::testing::Values("/tmp", "/dev/shm"));
+
 // allocate() sizes each physical file for its share of [0, end); size() inverts that.
 TEST(UringFile, StripedAllocateAndSize) {
   TempDir dir("/dev/shm");
