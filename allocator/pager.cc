@@ -43,6 +43,7 @@ struct Job {
   size_t next_chunk = 0;
   size_t chunks_in_flight = 0;
   bool started = false;
+  bool held = false;                   // a page-out found waiting for a held range
   std::optional<Fence> fence;          // device work to finish before completing
   uint64_t bytes_moved = 0;
   uint64_t requests = 0;
@@ -377,6 +378,134 @@ void Pager::reset_peak() {
   pool_.pages().reset_peak();
 }
 
+std::vector<std::string> Pager::store_files() const {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  return file_->physical_paths();
+}
+
+Placement Pager::placement_locked(const Extent& e) const {
+  Placement p;
+  p.state = e.state;
+  p.bytes = e.bytes;
+  p.store_offset = e.file_offset;
+  p.store_bytes = align_up(e.bytes, kFileAlign);
+  p.spans = file_->spans(p.store_offset, p.store_bytes);
+  return p;
+}
+
+std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  if (!held_.empty()) {
+    throw UsageError("a checkpoint copy still holds ranges of this Pager's store: wait for it "
+                     "to finish before taking another");
+  }
+  std::vector<Placement> out;
+  for (ExtentId id : ids) {
+    const Extent& e = extent_locked(id);
+    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+      throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
+                       "out (and wait) before copying the store");
+    }
+    out.push_back(placement_locked(e));
+  }
+  for (const Placement& p : out) {
+    if (p.state == Residency::kFile && p.store_bytes > 0) {
+      held_[p.store_offset] = p.store_offset + p.store_bytes;
+    }
+  }
+  return out;
+}
+
+void Pager::unhold(uint64_t store_offset) {
+  std::unique_lock lock(mu_);
+  if (held_.erase(store_offset) == 0) return;
+  work_cv_.notify_one();  // a page-out may be waiting for this range
+}
+
+// True when the (unstarted) job is a page-out into a held range; counts it once.
+bool Pager::waits_for_hold_locked(Job& job) {
+  if (!job.out || job.discard || held_.empty()) return false;
+  for (const Chunk& c : job.chunks) {
+    auto next = held_.upper_bound(c.file_offset);  // ranges are disjoint: check two
+    const bool before = next != held_.begin() && std::prev(next)->second > c.file_offset;
+    const bool after = next != held_.end() && next->first < c.file_offset + c.file_bytes;
+    if (before || after) {
+      if (!job.held) counters_.buckets_held++;
+      job.held = true;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Pager::only_held_jobs_locked() {
+  for (const Ticket& job : queue_) {
+    if (job->started || !waits_for_hold_locked(*job)) return false;
+  }
+  return true;
+}
+
+CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bool>& zero,
+                          const std::string& src, const std::vector<uint64_t>& src_offsets) {
+  if (zero.size() != ids.size() || src_offsets.size() != ids.size()) {
+    throw UsageError("restore: ids, zero and src_offsets must have the same length");
+  }
+  std::vector<Placement> places;
+  std::vector<std::string> paths;
+  {
+    std::unique_lock lock(mu_);
+    check_open_locked();
+    for (ExtentId id : ids) {
+      const Extent& e = extent_locked(id);
+      if (e.state != Residency::kZero && e.state != Residency::kFile) {
+        throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
+                         "it out or discard it (and wait) before restoring it");
+      }
+      auto next = held_.lower_bound(e.file_offset + e.file_bytes);
+      if (next != held_.begin() && std::prev(next)->second > e.file_offset) {
+        throw UsageError("a checkpoint copy still holds the store range of extent " +
+                         std::to_string(id) + ": wait for the save to finish first");
+      }
+    }
+    for (ExtentId id : ids) {
+      Extent& e = extent_locked(id);
+      places.push_back(placement_locked(e));
+      e.state = Residency::kPagingIn;
+    }
+    paths = file_->physical_paths();
+  }
+  size_t done = 0;
+  auto settle = [&] {
+    std::unique_lock lock(mu_);
+    for (size_t i = 0; i < ids.size(); i++) {
+      Extent& e = extent_locked(ids[i]);
+      e.state = i >= done ? places[i].state : zero[i] ? Residency::kZero : Residency::kFile;
+    }
+    done_cv_.notify_all();
+  };
+  CopyMethod method = CopyMethod::kReflink;
+  try {
+    const OpenFile from(src, OpenFile::kRead);
+    std::vector<OpenFile> store;
+    for (const std::string& path : paths) store.emplace_back(path, OpenFile::kWrite);
+    for (; done < ids.size(); done++) {
+      if (zero[done]) continue;
+      uint64_t at = src_offsets[done];
+      for (const UringFile::Span& s : places[done].spans) {
+        method = copy_range(from, at, store[s.file], s.offset, s.length, method);
+        at += s.length;
+      }
+    }
+  } catch (...) {
+    settle();
+    throw;
+  }
+  settle();
+  return method;
+}
+
 void Pager::close() {
   std::unique_lock lock(mu_);
   if (closed_) return;
@@ -407,8 +536,9 @@ void Pager::close() {
 void Pager::run_io_thread() {
   std::unique_lock lock(mu_);
   while (true) {
-    if (queue_.empty()) {
-      if (stopping_) return;
+    // Page-outs waiting for held ranges are woken by unhold().
+    if (queue_.empty() || only_held_jobs_locked()) {
+      if (stopping_ && queue_.empty()) return;
       work_cv_.wait(lock);
       continue;
     }
@@ -425,7 +555,10 @@ void Pager::run_io_thread() {
 // move finished copies on to I/O and finished I/O on to copies, complete buckets.
 // Called with the lock held; drops it around device and file calls.
 bool Pager::advance(std::unique_lock<std::mutex>& lock) {
-  std::vector<Ticket> jobs(queue_.begin(), queue_.end());
+  std::vector<Ticket> jobs;
+  for (const Ticket& job : queue_) {
+    if (job->started || !waits_for_hold_locked(*job)) jobs.push_back(job);
+  }
   lock.unlock();
   bool progressed = false;
   bool copies_pending = false;

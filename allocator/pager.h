@@ -13,6 +13,9 @@
 // work already queued on the caller's stream. A failed page-out leaves every extent of
 // its bucket resident and intact; a failed page-in leaves them as they were.
 //
+// Checkpoints copy extents straight between the store and other files (see hold() and
+// restore()): an extent at rest has a fixed range of the store file for life.
+//
 // Ownership: the Pager owns its Device, Pool, store directory and file. Extent addresses
 // stay valid (reserved) until the Pager is destroyed, also after close().
 // Thread-safety: all public methods may be called from any thread.
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -35,6 +39,7 @@
 #include "allocator/arena.h"
 #include "allocator/device.h"
 #include "allocator/pool.h"
+#include "backing/file_copy.h"
 #include "backing/store_dir.h"
 #include "backing/uring_file.h"
 
@@ -67,7 +72,17 @@ struct PagerStats {
   uint64_t zero_filled_bytes = 0; // ZERO extents paged in without I/O
   uint64_t buckets_in = 0;
   uint64_t buckets_out = 0;
+  uint64_t buckets_held = 0;      // page-outs that waited for a held range (see hold())
   bool direct_io = false;
+};
+
+// Where an extent at rest keeps its bytes (see Pager::hold()).
+struct Placement {
+  Residency state = Residency::kZero;  // kZero (no bytes anywhere) or kFile
+  size_t bytes = 0;                    // the extent's size
+  uint64_t store_offset = 0;           // its range of the logical store file: 4 KiB-aligned,
+  size_t store_bytes = 0;              // and past `bytes` it holds zeros
+  std::vector<UringFile::Span> spans;  // that range in the physical files; empty when ZERO
 };
 
 struct Job;
@@ -117,6 +132,25 @@ class Pager {
   // Unmapped pages kept for reuse, at most (PoolOptions::keep_bytes).
   void set_keep_bytes(size_t keep_bytes);
 
+  // -- the store seen from outside: checkpoints copy file ranges, not bytes via the device
+  // The store's physical files; UringFile::Span::file indexes them.
+  std::vector<std::string> store_files() const;
+  // Placements of at-rest (ZERO or FILE) extents, and a hold on the store range of each
+  // FILE one: from now on a page-out that would write into a held range waits, unstarted,
+  // until unhold() of that range, while other buckets go on. A copy of the held ranges is
+  // then the state of this moment even while training pages on. One set of holds at a
+  // time: UsageError while any range is held, or when an extent is not at rest (page it
+  // out first).
+  std::vector<Placement> hold(const std::vector<ExtentId>& ids);
+  void unhold(uint64_t store_offset);  // the held range starting there; no-op if none
+  // Sets at-rest extents' bytes from the file `src` (a checkpoint): extent i becomes FILE
+  // with the store_bytes found at src_offsets[i], or ZERO when zero[i]. Extents must be
+  // at rest and not held (UsageError); each is 'paging_in' while its bytes are copied.
+  // On an I/O error the extents not yet copied keep their state, and the one being
+  // copied may hold a mix of old and new bytes. Returns the copy method used last.
+  CopyMethod restore(const std::vector<ExtentId>& ids, const std::vector<bool>& zero,
+                     const std::string& src, const std::vector<uint64_t>& src_offsets);
+
   PagerStats stats() const;
   void reset_peak();
   Device& device() { return *device_; }
@@ -134,6 +168,9 @@ class Pager {
   void plan_chunks(Job& job);
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);
+  bool waits_for_hold_locked(Job& job);
+  bool only_held_jobs_locked();
+  Placement placement_locked(const Extent& e) const;
   void start_chunk(Slot& slot);
   void finish_slot(Slot& slot, int error, uint64_t offset);
   void complete(Job& job);
@@ -159,6 +196,7 @@ class Pager {
   ExtentId next_id_ = 1;
   std::deque<Ticket> queue_;          // buckets not finished, in submission order
   size_t outs_in_flight_ = 0;         // page-out buckets queued or running
+  std::map<uint64_t, uint64_t> held_; // held store ranges, start -> end, disjoint
   PagerStats counters_;
   bool closed_ = false;
   bool stopping_ = false;

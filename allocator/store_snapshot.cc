@@ -1,0 +1,51 @@
+#include "allocator/store_snapshot.h"
+
+#include "backing/errors.h"
+
+namespace statepager {
+
+StoreSnapshot::StoreSnapshot(Pager& pager, const std::vector<ExtentId>& ids) : pager_(pager) {
+  for (const std::string& path : pager.store_files()) store_.emplace_back(path, OpenFile::kRead);
+  placements_ = pager_.hold(ids);
+}
+
+StoreSnapshot::~StoreSnapshot() { release(); }
+
+void StoreSnapshot::release() {
+  for (; released_ < placements_.size(); released_++) {
+    const Placement& p = placements_[released_];
+    if (p.state == Residency::kFile) pager_.unhold(p.store_offset);
+  }
+}
+
+CopyMethod StoreSnapshot::copy_to(const std::vector<std::string>& files,
+                                  const std::vector<Target>& targets) {
+  if (targets.size() != placements_.size()) {
+    throw UsageError("StoreSnapshot::copy_to: one target per extent is needed, " +
+                     std::to_string(targets.size()) + " given for " +
+                     std::to_string(placements_.size()));
+  }
+  if (released_ > 0) throw UsageError("StoreSnapshot::copy_to: the snapshot was already copied");
+  std::vector<OpenFile> out;
+  for (const std::string& path : files) out.emplace_back(path, OpenFile::kWrite);
+  CopyMethod method = CopyMethod::kReflink;
+  for (; released_ < placements_.size(); released_++) {
+    const Placement& p = placements_[released_];
+    if (p.state != Residency::kFile) continue;
+    const Target& t = targets[released_];
+    if (t.file >= out.size()) {
+      throw UsageError("StoreSnapshot::copy_to: target file " + std::to_string(t.file) +
+                       " of " + std::to_string(out.size()));
+    }
+    uint64_t at = t.offset;
+    for (const UringFile::Span& s : p.spans) {
+      method = copy_range(store_[s.file], s.offset, out[t.file], at, s.length, method);
+      at += s.length;
+    }
+    pager_.unhold(p.store_offset);
+  }
+  for (const OpenFile& f : out) f.sync();
+  return method;
+}
+
+}  // namespace statepager
