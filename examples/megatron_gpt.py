@@ -58,9 +58,10 @@ def init(expert_parallel: int = 1) -> None:
 
 
 def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
-          moments: str = "fp32", mains: str = "fp32"):
+          moments: str = "fp32", mains: str = "fp32", attach: bool = True):
     """(model, optimizer, scheduler, binding): a bf16 GPT wrapped in Megatron's DDP, its
-    DistributedOptimizer (built in pager.scope() and attached when a pager is given)."""
+    DistributedOptimizer (built in pager.scope() and, unless attach=False, attached when a
+    pager is given)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -97,8 +98,9 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
     else:
         with pager.scope():
             optimizer = get_megatron_optimizer(opt_config, [model])
-        binding = pager.attach(optimizer, bucket_size=bucket_size, moments=moments,
-                               mains=mains)
+        if attach:
+            binding = pager.attach(optimizer, bucket_size=bucket_size, moments=moments,
+                                   mains=mains)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=setup.lr, min_lr=setup.lr / 10, lr_warmup_steps=3,
         lr_decay_steps=max(setup.steps, 10), lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
@@ -115,7 +117,8 @@ def batch(setup: Setup, step: int):
     stride = torch.randint(1, 8, (setup.batch, 1), device="cuda", generator=g)
     tokens = (first + stride * torch.arange(setup.seq + 1, device="cuda")) % setup.vocab
     noise = torch.rand(tokens.shape, device="cuda", generator=g) < 0.1
-    tokens = torch.where(noise, torch.randint_like(tokens, setup.vocab), tokens)
+    tokens = torch.where(noise, torch.randint(setup.vocab, tokens.shape, device="cuda",
+                                              generator=g), tokens)
     position_ids = torch.arange(setup.seq, device="cuda").expand(setup.batch, -1)
     mask = torch.ones(1, 1, setup.seq, setup.seq, device="cuda").tril() < 0.5
     return tokens[:, :-1], position_ids, mask, tokens[:, 1:]

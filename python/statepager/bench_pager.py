@@ -158,7 +158,8 @@ def bench_sleep(args) -> dict:
     size = parse_size(args.size)
     os.makedirs(args.dir, exist_ok=True)
     store = os.path.join(args.dir, "statepager-bench-sleep")
-    with Pager(store, device=args.device) as pager:
+    with Pager(store, device=args.device, io_depth=args.io_depth,
+               io_block=args.io_block) as pager:
         ts = _mixed_tensors(pager, size)
         pager.page_in(ts)
         g = torch.Generator(device=pager.device).manual_seed(1)

@@ -82,6 +82,8 @@ CASES = {
     "bf16-grads-overlap": dict(overlap=True),
     "fp32-grads": dict(grad_fp32=True),
     "fp32-grads-overlap": dict(grad_fp32=True, overlap=True),
+    "bf16-grads-residual-mains": dict(attach=dict(mains="residual")),
+    "bf16-grads-q8-moments": dict(attach=dict(moments="q8")),
     "moe-chained": dict(experts=4),
     "moe-chained-fp32-grads-overlap": dict(experts=4, grad_fp32=True, overlap=True),
 }
@@ -89,10 +91,16 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_parity_with_unpaged_megatron(gpt, case, store_dir):
-    setup = gpt.Setup(**CASES[case])
+    options = dict(CASES[case])
+    attach = options.pop("attach", {})
+    setup = gpt.Setup(**options)
     base = run(gpt, setup)
     with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
-        paged = run(gpt, setup, pager, bucket_size=1 * MiB)
+        paged = run(gpt, setup, pager, bucket_size=1 * MiB, **attach)
+        if attach.get("moments") == "q8":  # lossy by design: it trains, close to fp32
+            assert paged[0][-1] < paged[0][0]
+            assert abs(paged[0][-1] - base[0][-1]) < 0.05 * base[0][-1]
+            return
         binding = paged[3][2]
         # One GPU: experts are not expert-parallel, so one (dense) DistributedOptimizer;
         # the dense + expert ChainedOptimizer runs on two GPUs (test_expert_parallel_...).
@@ -159,7 +167,7 @@ def test_construction_in_scope_stays_within_budget(gpt, store_dir, cuda_free, ca
     budget = 48 * MiB
     with Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=budget) as pager:
         before = cuda_free()
-        model, optimizer, _, binding = gpt.build(setup, pager)
+        model, optimizer, _, _ = gpt.build(setup, pager, attach=False)
         s = pager.stats()
         mains = [m for d in members(optimizer) for g in d.shard_fp32_from_float16_groups
                  for m in g]
@@ -172,7 +180,7 @@ def test_construction_in_scope_stays_within_budget(gpt, store_dir, cuda_free, ca
                   f"{largest / MiB:.0f} MiB; driver free memory fell by "
                   f"{(before - cuda_free()) / MiB:.0f} MiB (model, grads, buffers included)")
         assert total > 4 * budget
-        assert all(pager.owns(m) for m in mains)
+        assert sum(pager.owns(m) for m in mains) == sum(m.numel() * 4 >= MiB for m in mains)
         assert s["peak_mapped_bytes"] <= budget + largest + 2 * pager.page_size
 
 
