@@ -8,7 +8,9 @@
 #include "allocator/device.h"
 #include "allocator/pager.h"
 #include "allocator/pluggable.h"
+#include "allocator/store_snapshot.h"
 #include "backing/errors.h"
+#include "backing/file_copy.h"
 #include "backing/raw_io.h"
 
 namespace py = pybind11;
@@ -48,6 +50,12 @@ std::unique_ptr<Device> make_device(const std::string& name) {
 // Job is opaque outside the core; Python holds it through this box.
 struct PyTicket {
   Ticket ticket;
+};
+
+// A StoreSnapshot and the Pager it holds ranges of (declared first: destroyed last).
+struct PySnapshot {
+  std::shared_ptr<Pager> pager;
+  std::unique_ptr<StoreSnapshot> snapshot;
 };
 
 const char* residency_name(Residency r) {
@@ -101,6 +109,38 @@ PYBIND11_MODULE(_C, m) {
       [](int device, PyPager* pager) { route_device(device, pager ? pager->pager : nullptr); },
       py::arg("device"), py::arg("pager").none(true),
       "Routes statepager_alloc for `device` to `pager` (None: stop routing)");
+
+  m.def(
+      "copy_file",
+      [](const std::string& src, const std::string& dst) {
+        py::gil_scoped_release release;
+        return std::string(copy_method_name(copy_file(src, dst)));
+      },
+      py::arg("src"), py::arg("dst"),
+      "Copies file src to dst (reflink, else copy_file_range, else read/write) and fsyncs "
+      "it; returns the method used");
+
+  py::class_<PySnapshot>(m, "StoreSnapshot")
+      .def_property_readonly("placements",
+                             [](const PySnapshot& s) {
+                               py::list out;
+                               for (const Placement& p : s.snapshot->placements()) {
+                                 out.append(py::make_tuple(residency_name(p.state), p.bytes,
+                                                           p.store_bytes));
+                               }
+                               return out;
+                             },
+                             "(residency, bytes, store_bytes) per tensor, in order")
+      .def("copy_to",
+           [](PySnapshot& s, const std::vector<std::string>& files,
+              const std::vector<std::pair<unsigned, uint64_t>>& targets) {
+             std::vector<StoreSnapshot::Target> t;
+             for (auto [file, offset] : targets) t.push_back({file, offset});
+             py::gil_scoped_release release;
+             return std::string(copy_method_name(s.snapshot->copy_to(files, t)));
+           },
+           py::arg("files"), py::arg("targets"))
+      .def("release", [](PySnapshot& s) { s.snapshot->release(); });
 
   py::class_<PyTicket>(m, "Ticket")
       .def_property_readonly("times", [](const PyTicket& t) { return job_times(*t.ticket); });
@@ -233,6 +273,7 @@ PYBIND11_MODULE(_C, m) {
              d["zero_filled_bytes"] = s.zero_filled_bytes;
              d["buckets_in"] = s.buckets_in;
              d["buckets_out"] = s.buckets_out;
+             d["buckets_held"] = s.buckets_held;
              d["direct_io"] = s.direct_io;
              return d;
            })
@@ -250,6 +291,21 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release release;
              page_all(*self.pager, ids, bucket_bytes, false);
            })
+      .def("snapshot",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
+             return PySnapshot{self.pager,
+                               std::make_unique<StoreSnapshot>(*self.pager, self.extents_of(tensors))};
+           },
+           "Holds the tensors' store ranges (they must be at rest) for a copy of this moment")
+      .def("restore",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors,
+              const std::vector<bool>& zero, const std::string& src,
+              const std::vector<uint64_t>& offsets) {
+             const std::vector<ExtentId> ids = self.extents_of(tensors);
+             py::gil_scoped_release release;
+             return std::string(copy_method_name(self.pager->restore(ids, zero, src, offsets)));
+           },
+           py::arg("tensors"), py::arg("zero"), py::arg("src"), py::arg("offsets"))
       .def("set_keep_bytes", [](PyPager& self, size_t n) { self.pager->set_keep_bytes(n); })
       .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })

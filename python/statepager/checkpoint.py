@@ -1,24 +1,40 @@
 """Pager.save(path) / Pager.load(path): checkpoints of the state of attached optimizers.
 
 A checkpoint is a directory written once:
-    manifest.json   format version; per optimizer: class, param-group hyperparameters,
-                    every paged tensor (parameter index, state name, dtype, shape, offset,
-                    bytes, crc32) and the small per-parameter state (step counters)
-    state.bin       the tensors' bytes, each at a 4 KiB-aligned offset
+    manifest.json     format version; per optimizer (by binding name): class, formats,
+                      parameter shapes, param-group hyperparameters, the small
+                      per-parameter state (step counters), and every paged tensor
+                      (parameter index, state name, dtype, shape, bytes, offset, and the
+                      crc32 of each CHUNK bytes of it; ZERO tensors, never written, are
+                      recorded as zero and take no bytes)
+    <name>/state.bin  per optimizer: its tensors' bytes, each at a 4 KiB-aligned offset,
+                      zeros in between
 
-Save streams the state bucket by bucket (never more than the pipeline window on the
-device, nor more than one tensor in host memory), writes into a temporary directory,
-fsyncs and renames: a crash leaves either the complete checkpoint or none. Load checks
-the format, the layout against the attached optimizers and every checksum before it
-changes anything; any difference is refused with an error that names it.
+Between steps all paged state is at rest in the store, each tensor in a fixed range of
+its files, so a save copies those ranges (reflink, copy_file_range or read/write:
+backing/file_copy.h) and nothing passes through the device. The ranges are held at the
+moment of the call (allocator/store_snapshot.h): with background=True save() returns
+then, training goes on, and a page-out into a range not yet copied waits until it is.
+The checksums are computed from the written files on several threads, after the copy.
+
+Everything is written into a temporary directory beside `path`, fsynced and renamed:
+a crash leaves either the complete checkpoint or none. Load checks the format, the
+layout against the attached optimizers and every checksum before it changes anything,
+then copies the ranges back into the store (Pager::restore); any difference is refused
+with an error that names it.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+import shutil
+import threading
+import time
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,71 +43,255 @@ from statepager.stream import _params_in_order
 
 log = logging.getLogger("statepager")
 
-FORMAT, VERSION = "statepager-checkpoint", 1
+FORMAT, VERSION = "statepager-checkpoint", 2
 ALIGN = 4096
-_CHUNK = 64 << 20
+CHUNK = 32 << 20      # bytes per checksum: big tensors are checksummed on several threads
+_READ = 4 << 20       # bytes per read while checksumming
+_DATA = "state.bin"
+_VIAS = ("store", "device")
 
 
 class CheckpointMismatchError(_C.Error):
     """The checkpoint was written for another layout or format than the one loading it."""
 
 
-def save(pager, path: str) -> None:
+class SaveHandle:
+    """A checkpoint being written. wait() returns once it is complete and in place, and
+    raises the save's error if it failed (no checkpoint is left at `path` then); an error
+    not waited for is raised by the pager's next save() or load()."""
+
+    def __init__(self, path: str, nbytes: int):
+        self.path = path
+        self.bytes = nbytes           # tensor bytes in the checkpoint (ZERO ones excluded)
+        self.method: str | None = None  # how the bytes were copied (file_copy.h), or "device"
+        self.call_seconds = 0.0       # save() itself: until training could go on
+        self.copy_seconds = 0.0       # copying the bytes (the part steps may wait for)
+        self.checksum_seconds = 0.0
+        self.seconds: float | None = None  # from the call until the checkpoint was in place
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+
+def rank_directory(base: str) -> str:
+    """base/statepager/rankNNNNN: this rank's checkpoint under a training loop's
+    checkpoint directory (rank from torch.distributed, 0 when not initialized)."""
+    from statepager.pager import _rank
+
+    return os.path.join(os.path.abspath(base), "statepager", f"rank{_rank():05d}")
+
+
+def save(pager, path: str, *, background: bool = False, via: str = "store") -> SaveHandle:
+    if via not in _VIAS:
+        raise _C.UsageError(f"via must be one of {_VIAS}, not {via!r}")
+    if background and via != "store":
+        raise _C.UsageError("a background save copies the store: use via='store'")
+    wait_for_save(pager)
+    t_call = time.perf_counter()
     path = os.path.abspath(path)
     if os.path.exists(path):
         raise _C.UsageError(f"checkpoint {path} exists: checkpoints are written once, "
                             "give each one a new path (e.g. one per step)")
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    manifest = {"format": FORMAT, "version": VERSION, "optimizers": []}
-    offset = 0
-    with open(os.path.join(tmp, "state.bin"), "wb") as f:
-        for binding in pager._bindings:
-            entry, offset = _save_optimizer(binding, f, offset)
-            manifest["optimizers"].append(entry)
-        f.flush()
-        os.fsync(f.fileno())
-    manifest["state_bytes"] = offset
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    for binding in pager._bindings:
+        _check_name(binding.name)
+    # At rest: a save between steps finds nothing resident, so this moves no bytes.
+    for h in [pager.page_out_async(b.stored) for bd in pager._bindings for b in bd.buckets]:
+        h.wait()
+    plan = [_Plan(binding) for binding in pager._bindings]
+    tensors = [t for p in plan for t in p.tensors]
+    snapshot = pager._core.snapshot(tensors) if via == "store" else None
+    try:
+        states = ([s for s, _, _ in snapshot.placements] if snapshot is not None
+                  else [pager.residency(t) for t in tensors])
+        at = 0
+        for p in plan:
+            p.place(states[at:at + len(p.tensors)])
+            at += len(p.tensors)
+        manifest = {"format": FORMAT, "version": VERSION, "checksum": "crc32",
+                    "chunk_bytes": CHUNK, "optimizers": [p.entry for p in plan]}
+        _make_parents(os.path.dirname(path))
+        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.makedirs(tmp)
+    except BaseException:
+        if snapshot is not None:
+            snapshot.release()
+        raise
+    handle = SaveHandle(path, sum(p.data_bytes for p in plan))
+
+    def finish():
+        try:
+            files = [os.path.join(tmp, p.binding.name, _DATA) for p in plan]
+            for f in files:
+                os.makedirs(os.path.dirname(f))
+                open(f, "wb").close()
+            t0 = time.perf_counter()
+            if snapshot is not None:
+                targets = [(i, e["offset"] or 0) for i, p in enumerate(plan)
+                           for e in p.entries]
+                handle.method = snapshot.copy_to(files, targets)
+            else:
+                handle.method = "device"
+                for p, f in zip(plan, files):
+                    p.write_through_device(f)
+            t1 = time.perf_counter()
+            ranges = [(f, e["offset"], e["bytes"]) for p, f in zip(plan, files)
+                      for e in p.entries if not e["zero"]]
+            sums = iter(checksums(ranges))
+            handle.copy_seconds, handle.checksum_seconds = t1 - t0, time.perf_counter() - t1
+            for p in plan:
+                for e in p.entries:
+                    e["crc32"] = [] if e["zero"] else next(sums)
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            for p in plan:
+                _fsync_dir(os.path.join(tmp, p.binding.name))
+            _fsync_dir(tmp)
+            os.rename(tmp, path)
+            _fsync_dir(os.path.dirname(path))
+            handle.seconds = time.perf_counter() - t_call
+        except BaseException as e:
+            handle._error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if snapshot is not None:
+                snapshot.release()
+
+    if background:
+        handle._thread = threading.Thread(target=finish, name="statepager-save")
+        handle._thread.start()
+        pager._saving = handle
+        handle.call_seconds = time.perf_counter() - t_call
+        return handle
+    finish()
+    handle.call_seconds = time.perf_counter() - t_call
+    handle.wait()
+    return handle
 
 
-def _save_optimizer(binding, f, offset: int):
-    opt = binding.optimizer
-    index = {id(p): i for i, p in enumerate(_params_in_order(opt))}
-    tensors, small = [], {}
-    for bucket in binding.stored_in_buckets():
-        for p in bucket.params:
-            for name, t in _stored(binding, p):
-                data = t.detach().view(-1).view(torch.uint8).cpu().numpy()
-                f.write(data.data)
-                pad = -data.size % ALIGN
-                f.write(b"\0" * pad)
-                tensors.append({"param": index[id(p)], "name": name, "dtype": str(t.dtype),
-                                "shape": list(t.shape), "offset": offset, "bytes": data.size,
-                                "crc32": zlib.crc32(data)})
-                offset += data.size + pad
-    for p, i in ((p, index[id(p)]) for p in _params_in_order(opt)):
-        small[str(i)] = {k: _encode(v) for k, v in opt.state[p].items()
-                         if not binding.pager.owns(v)}
-        for name, form in binding.forms(p):
-            if form.fmt == "residual":
-                small[str(i)][f"{name}:exceptions"] = [_encode(e) for e in form.exceptions]
-    groups = [{k: _encode(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"class": type(opt).__name__, "params": len(index),
-            "formats": {"moments": binding.moments, "mains": binding.mains},
-            "shapes": [list(p.shape) for p in _params_in_order(opt)],
-            "param_groups": groups, "tensors": tensors, "small_state": small}, offset
+def wait_for_save(pager) -> None:
+    """Waits for the pager's background save, if one is running (one at a time)."""
+    handle, pager._saving = pager._saving, None
+    if handle is not None:
+        handle.wait()
+
+
+class _Plan:
+    """One optimizer's part of a checkpoint: its stored tensors in bucket order (the order
+    the step pages them out in, so the copy frees the first bucket first), their places
+    in its state.bin, and its manifest entry, all taken at the moment of the save."""
+
+    def __init__(self, binding):
+        self.binding = binding
+        opt = binding.optimizer
+        params = _params_in_order(opt)
+        index = {id(p): i for i, p in enumerate(params)}
+        # Per bucket: (manifest entry, tensor) of each stored tensor.
+        self.buckets = [[({"param": index[id(p)], "name": name, "dtype": str(t.dtype),
+                           "shape": list(t.shape), "bytes": t.numel() * t.element_size()}, t)
+                         for p in b.params for name, t in _stored(binding, p)]
+                        for b in binding.buckets]
+        self.entries = [e for items in self.buckets for e, _ in items]
+        self.tensors = [t for items in self.buckets for _, t in items]
+        small = {}
+        for p in params:
+            i = str(index[id(p)])
+            small[i] = {k: _encode(v) for k, v in opt.state[p].items()
+                        if not binding.pager.owns(v)}
+            for name, form in binding.forms(p):
+                if form.fmt == "residual":
+                    small[i][f"{name}:exceptions"] = [_encode(e) for e in form.exceptions]
+        self.entry = {"name": binding.name, "class": type(opt).__name__, "params": len(params),
+                      "formats": {"moments": binding.moments, "mains": binding.mains},
+                      "shapes": [list(p.shape) for p in params],
+                      "param_groups": [{k: _encode(v) for k, v in g.items() if k != "params"}
+                                       for g in opt.param_groups],
+                      "data": f"{binding.name}/{_DATA}", "tensors": self.entries,
+                      "small_state": small}
+        self.data_bytes = 0
+
+    def place(self, states: list) -> None:
+        """Offsets in state.bin: each non-ZERO tensor at the next 4 KiB boundary."""
+        offset = 0
+        for e, state in zip(self.entries, states):
+            e["zero"] = state == "zero"
+            e["offset"] = None if e["zero"] else offset
+            if not e["zero"]:
+                offset += _align(e["bytes"])
+                self.data_bytes += e["bytes"]
+        self.entry["data_bytes"] = offset
+
+    def write_through_device(self, path: str) -> None:
+        """The bytes via the device, bucket by bucket (page in, write, page out): the same
+        file as the store copy makes, without touching the store's files."""
+        pager = self.binding.pager
+        with open(path, "r+b") as f:
+            for items in self.buckets:
+                moved = [(e, t) for e, t in items if not e["zero"]]
+                pager.page_in([t for _, t in moved])
+                try:
+                    for e, t in moved:
+                        data = t.detach().view(-1).view(torch.uint8).cpu().numpy()
+                        f.seek(e["offset"])
+                        f.write(data.data)
+                        f.write(b"\0" * (_align(data.size) - data.size))
+                finally:
+                    pager.page_out([t for _, t in moved])
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def checksums(ranges: list) -> list:
+    """crc32 of each CHUNK bytes of each (path, offset, nbytes) range: one list per range.
+    The chunks are read and summed on several threads (zlib and reads release the GIL)."""
+    chunks = [(i, path, offset + k, min(CHUNK, n - k))
+              for i, (path, offset, n) in enumerate(ranges) for k in range(0, n, CHUNK)]
+    fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in ranges}
+    local = threading.local()
+
+    def crc(chunk) -> int:
+        _, path, offset, left = chunk
+        if not hasattr(local, "buf"):
+            local.buf = memoryview(bytearray(_READ))
+        value = 0
+        while left:
+            got = os.preadv(fds[path], [local.buf[:min(left, _READ)]], offset)
+            if got == 0:
+                raise _C.CorruptStoreError(f"{path} ends at byte {offset}, before its data "
+                                           "does: the checkpoint is truncated")
+            value = zlib.crc32(local.buf[:got], value)
+            offset += got
+            left -= got
+        return value
+
+    try:
+        # Disks need several reads in flight even where cores are few.
+        threads = max(1, min(len(chunks), 16, max(4, os.cpu_count() or 1)))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            values = list(pool.map(crc, chunks))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    out = [[] for _ in ranges]
+    for (i, *_), v in zip(chunks, values):
+        out[i].append(v)
+    return out
 
 
 def load(pager, path: str) -> bool:
     """Loads `path` into the attached optimizers. False (with a logged notice) when `path`
     holds no statepager checkpoint, so runs from older checkpoints start fresh."""
+    wait_for_save(pager)
+    path = os.path.abspath(path)
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.exists(manifest_path):
         log.warning("statepager: no checkpoint at %s; the optimizer state starts fresh", path)
@@ -101,16 +301,15 @@ def load(pager, path: str) -> bool:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise _C.CorruptStoreError(f"{manifest_path} is not a readable manifest: {e}") from e
-    _check_layout(pager, manifest, path)
-    data_path = os.path.join(path, "state.bin")
-    _verify(manifest, data_path)
-    with open(data_path, "rb") as f:
-        for binding, entry in zip(pager._bindings, manifest["optimizers"]):
-            _load_optimizer(binding, entry, f)
+    entries = _check_layout(pager, manifest, path)
+    _verify(entries, path)
+    for binding, entry in zip(pager._bindings, entries):
+        _load_optimizer(binding, entry, os.path.join(path, entry["data"]))
     return True
 
 
-def _check_layout(pager, manifest: dict, path: str) -> None:
+def _check_layout(pager, manifest: dict, path: str) -> list:
+    """The manifest's optimizer entries, in attach order, once they fit what is attached."""
     def refuse(what: str):
         raise CheckpointMismatchError(f"checkpoint {path} does not fit: {what}. Load it into "
                                       "the same model, optimizers and sharding it was saved "
@@ -119,72 +318,83 @@ def _check_layout(pager, manifest: dict, path: str) -> None:
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         refuse(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
                f"this statepager reads {FORMAT!r} version {VERSION}")
-    if len(manifest["optimizers"]) != len(pager._bindings):
-        refuse(f"{len(manifest['optimizers'])} optimizers saved, {len(pager._bindings)} attached")
-    for i, (binding, entry) in enumerate(zip(pager._bindings, manifest["optimizers"])):
+    if manifest.get("checksum") != "crc32" or manifest.get("chunk_bytes") != CHUNK:
+        refuse(f"checksums {manifest.get('checksum')!r} per {manifest.get('chunk_bytes')} "
+               f"bytes, this statepager reads crc32 per {CHUNK}")
+    saved = {e["name"]: e for e in manifest["optimizers"]}
+    attached = [b.name for b in pager._bindings]
+    if sorted(saved) != sorted(attached):
+        refuse(f"optimizers {sorted(saved)} saved, {sorted(attached)} attached")
+    for binding in pager._bindings:
+        entry, name = saved[binding.name], binding.name
         opt = binding.optimizer
         params = _params_in_order(opt)
         if entry["class"] != type(opt).__name__:
-            refuse(f"optimizer {i} was a {entry['class']}, is a {type(opt).__name__}")
+            refuse(f"optimizer {name!r} was a {entry['class']}, is a {type(opt).__name__}")
         formats = {"moments": binding.moments, "mains": binding.mains}
         if entry.get("formats") != formats:
-            refuse(f"optimizer {i} was saved with formats {entry.get('formats')}, is attached "
-                   f"with {formats}")
+            refuse(f"optimizer {name!r} was saved with formats {entry.get('formats')}, is "
+                   f"attached with {formats}")
         if entry["shapes"] != [list(p.shape) for p in params]:
-            refuse(f"optimizer {i}'s parameter shapes differ")
+            refuse(f"optimizer {name!r}'s parameter shapes differ")
         if len(entry["param_groups"]) != len(opt.param_groups):
-            refuse(f"optimizer {i} had {len(entry['param_groups'])} param groups, has "
+            refuse(f"optimizer {name!r} had {len(entry['param_groups'])} param groups, has "
                    f"{len(opt.param_groups)}")
-        expected = {(j, name): list(t.shape) for j, p in enumerate(params)
-                    for name, t in _stored(binding, p)}
-        saved = {(t["param"], t["name"]): t["shape"] for t in entry["tensors"]}
-        for key in expected.keys() ^ saved.keys():
-            refuse(f"optimizer {i} parameter {key[0]} {key[1]} is only in "
-                   f"{'the checkpoint' if key in saved else 'the attached optimizer'}")
-        for key, shape in saved.items():
-            if shape != expected[key]:
-                refuse(f"optimizer {i} parameter {key[0]} {key[1]} has shape {shape}, "
-                       f"expected {expected[key]}")
+        expected = {(j, n): (list(t.shape), str(t.dtype)) for j, p in enumerate(params)
+                    for n, t in _stored(binding, p)}
+        stored = {(t["param"], t["name"]): (t["shape"], t["dtype"]) for t in entry["tensors"]}
+        for key in expected.keys() ^ stored.keys():
+            refuse(f"optimizer {name!r} parameter {key[0]} {key[1]} is only in "
+                   f"{'the checkpoint' if key in stored else 'the attached optimizer'}")
+        for key, (shape, dtype) in stored.items():
+            if (shape, dtype) != expected[key]:
+                refuse(f"optimizer {name!r} parameter {key[0]} {key[1]} is {dtype} {shape}, "
+                       f"expected {expected[key][1]} {expected[key][0]}")
+    return [saved[b.name] for b in pager._bindings]
 
 
-def _verify(manifest: dict, data_path: str) -> None:
-    """Every tensor's bytes against its checksum, before anything is changed."""
-    try:
-        size = os.path.getsize(data_path)
-    except OSError as e:
-        raise _C.CorruptStoreError(f"{data_path} cannot be read: {e}") from e
-    if size < manifest["state_bytes"]:
-        raise _C.CorruptStoreError(f"{data_path} is truncated: {size} bytes, the manifest "
-                                   f"records {manifest['state_bytes']}")
-    with open(data_path, "rb") as f:
-        for i, entry in enumerate(manifest["optimizers"]):
-            for t in entry["tensors"]:
-                crc = 0
-                f.seek(t["offset"])
-                left = t["bytes"]
-                while left:
-                    chunk = f.read(min(left, _CHUNK))
-                    crc = zlib.crc32(chunk, crc)
-                    left -= len(chunk)
-                if crc != t["crc32"]:
-                    raise _C.CorruptStoreError(
-                        f"{data_path}: optimizer {i} parameter {t['param']} {t['name']} "
-                        f"(bytes {t['offset']}..{t['offset'] + t['bytes']}) fails its checksum: "
-                        "the checkpoint is corrupt; nothing was loaded")
+def _verify(entries: list, path: str) -> None:
+    """Every tensor's bytes against its checksums, before anything is changed."""
+    ranges, owners = [], []
+    for entry in entries:
+        data = os.path.join(path, entry["data"])
+        try:
+            size = os.path.getsize(data)
+        except OSError as e:
+            raise _C.CorruptStoreError(f"{data} cannot be read: {e}") from e
+        if size < entry["data_bytes"]:
+            raise _C.CorruptStoreError(f"{data} is truncated: {size} bytes, the manifest "
+                                       f"records {entry['data_bytes']}")
+        for t in entry["tensors"]:
+            if not t["zero"]:
+                ranges.append((data, t["offset"], t["bytes"]))
+                owners.append((entry["name"], t))
+    for (data, *_), (name, t), found in zip(ranges, owners, checksums(ranges)):
+        if found == t["crc32"]:
+            continue
+        k = next((k for k, (a, b) in enumerate(zip(found, t["crc32"])) if a != b),
+                 min(len(found), len(t["crc32"])))
+        at = t["offset"] + k * CHUNK
+        raise _C.CorruptStoreError(
+            f"{data}: optimizer {name!r} parameter {t['param']} {t['name']} fails its checksum "
+            f"in bytes {at}..{min(at + CHUNK, t['offset'] + t['bytes'])} (chunk {k}: crc32 "
+            f"{found[k:k + 1]}, the manifest records {t['crc32'][k:k + 1]}): the checkpoint "
+            "is corrupt; nothing was loaded")
 
 
-def _load_optimizer(binding, entry: dict, f) -> None:
+def _load_optimizer(binding, entry: dict, data: str) -> None:
+    pager = binding.pager
     opt = binding.optimizer
     params = _params_in_order(opt)
     saved = {(t["param"], t["name"]): t for t in entry["tensors"]}
     index = {id(p): i for i, p in enumerate(params)}
-    for bucket in binding.stored_in_buckets():
-        for p in bucket.params:
-            for name, t in _stored(binding, p):
-                s = saved[(index[id(p)], name)]
-                f.seek(s["offset"])
-                raw = torch.frombuffer(bytearray(f.read(s["bytes"])), dtype=torch.uint8)
-                t.view(-1).view(torch.uint8).copy_(raw)
+    pairs = [(saved[(index[id(p)], name)], t) for b in binding.buckets for p in b.params
+             for name, t in _stored(binding, p)]
+    tensors = [t for _, t in pairs]
+    # Resident bytes are about to be replaced: unmap them without writing.
+    pager.discard_async([t for t in tensors if pager.is_resident(t)]).wait()
+    pager._core.restore(tensors, [s["zero"] for s, _ in pairs], data,
+                        [s["offset"] or 0 for s, _ in pairs])
     for i, small in entry["small_state"].items():
         p = params[int(i)]
         forms = dict(binding.forms(p))
@@ -199,10 +409,20 @@ def _load_optimizer(binding, entry: dict, f) -> None:
             group[k] = _decode(v, group.get(k))
 
 
+def _check_name(name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name) or name == "manifest.json":
+        raise _C.UsageError(f"optimizer name {name!r} names its checkpoint directory: use "
+                            "letters, digits and _ . + - (attach(..., name=...))")
+
+
 def _stored(binding, p):
     """(name, tensor) of parameter p's stored tensors, in a stable order."""
     return [(n, t) for name, form in binding.forms(p)
             for n, t in zip(form.names(name), form.tensors)]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _encode(v):
@@ -221,6 +441,18 @@ def _decode(v, current):
     if isinstance(v, dict) and "tuple" in v:
         return tuple(_decode(x, None) for x in v["tuple"])
     return v
+
+
+def _make_parents(path: str) -> None:
+    """mkdir -p, with each new directory's entry made durable in its parent."""
+    if os.path.isdir(path):
+        return
+    _make_parents(os.path.dirname(path))
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return
+    _fsync_dir(os.path.dirname(path))
 
 
 def _fsync_dir(path: str) -> None:

@@ -194,12 +194,19 @@ class Pager:
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def save(self, path: str) -> None:
+    _saving = None  # the background save in flight (statepager.checkpoint), one at a time
+
+    def save(self, path: str, *, background: bool = False, via: str = "store"):
         """Writes the state of every attached optimizer to the new directory `path`,
-        atomically (see statepager.checkpoint). Call it between steps."""
+        atomically (see statepager.checkpoint). Call it between steps. The bytes are
+        copied from the store's files (via="store"; "device" streams them through the
+        device instead, bucket by bucket). background=True returns as soon as the state
+        of this moment is secured: steps may run while the copy finishes, and a bucket's
+        page-out waits until that bucket has been copied. Returns a SaveHandle: wait(),
+        done(), and .method, .bytes, .seconds of the save."""
         from statepager import checkpoint
 
-        checkpoint.save(self, path)
+        return checkpoint.save(self, path, background=background, via=via)
 
     def load(self, path: str) -> bool:
         """Loads a checkpoint written by save() into the attached optimizers, after
@@ -208,6 +215,21 @@ class Pager:
         from statepager import checkpoint
 
         return checkpoint.load(self, path)
+
+    def save_to(self, base: str, *, background: bool = False):
+        """save() into this rank's part of a training loop's checkpoint directory:
+        base/statepager/rankNNNNN (rank from torch.distributed, else 0), one
+        subdirectory per attached optimizer (by name), atomic as a whole."""
+        from statepager import checkpoint
+
+        return checkpoint.save(self, checkpoint.rank_directory(base), background=background)
+
+    def load_from(self, base: str) -> bool:
+        """load() of what save_to(base) wrote for this rank; False, with a logged notice,
+        when there is none (e.g. a checkpoint from a run without statepager)."""
+        from statepager import checkpoint
+
+        return checkpoint.load(self, checkpoint.rank_directory(base))
 
     # -- state -----------------------------------------------------------------------
 

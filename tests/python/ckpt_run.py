@@ -1,7 +1,13 @@
 """Training job for the checkpoint tests, run in its own process:
-    python ckpt_run.py STORE CKPT_DIR OUT N_BEFORE M_AFTER resume|fresh [kill-during-save]
+    python ckpt_run.py STORE CKPT_DIR OUT N_BEFORE M_AFTER MODE [WIDTH]
 fresh: train N steps, save model + pager checkpoint, train M more, write losses/state.
-resume: load the checkpoint, train the same M steps, write losses/state."""
+resume: load the checkpoint, train the same M steps, write losses/state.
+kill, kill-background: train N steps, then save checkpoints CKPT_DIR-k over and over
+    (background: a step while each save is in flight) until killed from outside.
+background: train N steps, write the state to OUT.at-save, save in the background, train
+    M steps while it runs, wait; OUT records whether the save was still running then.
+inspect: load the checkpoint and write the state to OUT.
+WIDTH: of the hidden layer (200); larger makes a save long enough to overlap steps."""
 import os
 import sys
 
@@ -12,17 +18,19 @@ import statepager
 KiB = 1 << 10
 
 
-def model_and_opt(store):
+def model_and_opt(store, width=200):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(24, 200), torch.nn.GELU(),
-                                torch.nn.Linear(200, 150), torch.nn.GELU(),
+    model = torch.nn.Sequential(torch.nn.Linear(24, width), torch.nn.GELU(),
+                                torch.nn.Linear(width, 150), torch.nn.GELU(),
                                 torch.nn.Linear(150, 5)).bfloat16()
     pager = statepager.Pager(store, page_size=64 * KiB)
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
+    # Buckets: several per step at any width.
+    bucket = max(60 * KiB, width * 174 * 12 // 8)
     opt = statepager.PagedAdamW([{"params": decay, "weight_decay": 0.1},
                                  {"params": rest, "weight_decay": 0.0}],
-                                pager=pager, lr=2e-3, bucket_size=60 * KiB)
+                                pager=pager, lr=2e-3, bucket_size=bucket)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     return model, pager, opt, sched
 
@@ -57,12 +65,32 @@ def snapshot(model, opt, pager):
 def main():
     store, ckpt, out, n, m, mode = sys.argv[1:7]
     n, m = int(n), int(m)
-    model, pager, opt, sched = model_and_opt(store)
+    model, pager, opt, sched = model_and_opt(store, *map(int, sys.argv[7:8]))
+    if mode in ("kill", "kill-background"):
+        steps(model, opt, sched, 0, n)
+        for k in range(100000):
+            h = pager.save(f"{ckpt}-{k}", background=mode == "kill-background")
+            if mode == "kill-background":
+                steps(model, opt, sched, n + k, 1)
+                h.wait()
+    if mode == "background":
+        steps(model, opt, sched, 0, n)
+        torch.save(snapshot(model, opt, pager), out + ".at-save")
+        h = pager.save(ckpt, background=True)
+        running = not h.done()
+        held = pager.stats()["buckets_held"]
+        steps(model, opt, sched, n, m)
+        h.wait()
+        torch.save({"running": running, "held": pager.stats()["buckets_held"] - held}, out)
+        pager.close()
+        return
+    if mode == "inspect":
+        assert pager.load(ckpt)
+        torch.save(snapshot(model, opt, pager), out)
+        pager.close()
+        return
     if mode == "fresh":
         steps(model, opt, sched, 0, n)
-        if len(sys.argv) > 7:  # killed from outside while saving, over and over
-            for k in range(1000):
-                pager.save(f"{ckpt}-{k}")
         torch.save({"model": model.state_dict(), "sched": sched.state_dict()}, ckpt + ".pt")
         pager.save(ckpt)
     else:

@@ -2,6 +2,7 @@
 and refusal (with nothing loaded) of corrupt or foreign checkpoints."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,14 +42,16 @@ def test_resume_in_a_fresh_process_is_exact(tmp_path):
     assert a["losses"] == b["losses"]
     assert equal(a["params"], b["params"]) and equal(a["state"], b["state"])
     assert a["lr"] == b["lr"]
-    assert sorted(os.listdir(ckpt)) == ["manifest.json", "state.bin"]
+    assert sorted(os.listdir(ckpt)) == ["manifest.json", "opt0"]
+    assert os.listdir(ckpt / "opt0") == ["state.bin"]
 
 
-def test_kill_during_save_leaves_complete_checkpoints_or_none(tmp_path):
+@pytest.mark.parametrize("mode", ["kill", "kill-background"])
+def test_kill_during_save_leaves_complete_checkpoints_or_none(tmp_path, mode):
     ckpt = str(tmp_path / "ckpt")
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "ckpt_run.py"),
-                          str(tmp_path / "s"), ckpt, str(tmp_path / "o.pt"), "3", "0", "fresh",
-                          "kill"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          str(tmp_path / "s"), ckpt, str(tmp_path / "o.pt"), "3", "0", mode],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline and len(os.listdir(tmp_path)) < 8:
         time.sleep(0.05)
@@ -61,6 +64,130 @@ def test_kill_during_save_leaves_complete_checkpoints_or_none(tmp_path):
         model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / f"load-{name}"))
         assert pager.load(str(tmp_path / name))
         pager.close()
+
+
+def test_background_save_is_the_state_of_its_moment(tmp_path):
+    """Steps run while the save copies; a fresh process loads exactly the state of the
+    moment save() was called."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "bg.pt"
+    width = 30000  # about 60 MB of state: the copy outlasts the call by far
+    run(tmp_path / "s1", ckpt, out, 3, 3, "background", width)
+    run(tmp_path / "s2", ckpt, tmp_path / "loaded.pt", 0, 0, "inspect", width)
+    at_save, loaded = torch.load(f"{out}.at-save"), torch.load(tmp_path / "loaded.pt")
+    assert torch.load(out)["running"]  # the steps did run during the save
+    assert equal(at_save["state"], loaded["state"]) and at_save["lr"] == loaded["lr"]
+    # ...and the steps changed the state, so the test could tell.
+    run(tmp_path / "s3", tmp_path / "unused", tmp_path / "after.pt", 6, 0, "fresh", width)
+    assert not equal(at_save["state"], torch.load(tmp_path / "after.pt")["state"])
+
+
+def adamw_pair(store, fmt="fp32"):
+    """A PagedAdamW ("opt0") and a plain AdamW over fp32 params ("expert"), one pager."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(40, 300).bfloat16()
+    expert = torch.nn.Linear(300, 30)
+    pager = statepager.Pager(store, page_size=64 * 1024)
+    opt = statepager.PagedAdamW(dense.parameters(), pager=pager, lr=1e-3, moments=fmt,
+                                bucket_size=16 * 1024)
+    opt2 = torch.optim.AdamW(expert.parameters(), lr=2e-3)
+    pager.attach(opt2, bucket_size=16 * 1024, name="expert")
+    return dense, expert, pager, opt, opt2
+
+
+def pair_steps(dense, expert, opt, opt2, first, count):
+    for i in range(first, first + count):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, 40, generator=g).bfloat16()
+        loss = expert(dense(x).float()).square().mean()
+        opt.zero_grad()
+        opt2.zero_grad()
+        loss.backward()
+        opt.step()
+        opt2.step()
+
+
+def pair_state(pager, *opts):
+    out = []
+    for opt in opts:
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            ts = [p] + [v for v in opt.state[p].values() if pager.owns(v)]
+            pager.page_in([t for t in ts if pager.owns(t)])
+            out.append([t.clone() for t in ts] + [opt.state[p]["step"].clone()])
+            pager.page_out([t for t in ts if pager.owns(t)])
+    return out
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+@pytest.mark.parametrize("fmt", ["fp32", "q8"])
+def test_store_copy_is_byte_identical_to_the_device_path(tmp_path, where, fmt):
+    """Checkpoints copied from the store (striped over files on a RAM filesystem) and
+    streamed through the device are the same bytes, before any step (ZERO moments) and
+    after some."""
+    base = str(tmp_path) if where == "disk" else f"/dev/shm/statepager-test-{os.getpid()}"
+    dense, expert, pager, opt, opt2 = adamw_pair(f"{base}/store", fmt)
+    try:
+        for k, n_steps in enumerate((0, 3)):
+            pair_steps(dense, expert, opt, opt2, 0, n_steps)
+            a = pager.save(str(tmp_path / f"store{k}"))
+            b = pager.save(str(tmp_path / f"device{k}"), via="device")
+            assert a.method in ("reflink", "copy_file_range", "read_write") and b.method == "device"
+            for name in ("manifest.json", "opt0/state.bin", "expert/state.bin"):
+                with open(tmp_path / f"store{k}" / name, "rb") as f1:
+                    with open(tmp_path / f"device{k}" / name, "rb") as f2:
+                        assert f1.read() == f2.read(), (n_steps, name)
+            with open(tmp_path / f"store{k}" / "manifest.json") as f:
+                zero = [t["zero"] for o in json.load(f)["optimizers"] for t in o["tensors"]]
+            assert any(zero) if n_steps == 0 else not any(zero)
+    finally:
+        pager.close()
+        if where == "ram":
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def test_save_to_load_from_round_trips_two_named_optimizers(tmp_path, caplog):
+    base = str(tmp_path / "iter_0000003")
+    dense, expert, pager, opt, opt2 = adamw_pair(str(tmp_path / "s1"))
+    pair_steps(dense, expert, opt, opt2, 0, 3)
+    # The model's own checkpoint (Megatron's, in a Megatron run).
+    weights = [{k: v.clone() for k, v in m.state_dict().items()} for m in (dense, expert)]
+    handle = pager.save_to(base, background=True)
+    pair_steps(dense, expert, opt, opt2, 3, 1)
+    handle.wait()
+    rank = os.path.join(base, "statepager", "rank00000")
+    assert sorted(os.listdir(rank)) == ["expert", "manifest.json", "opt0"]
+    assert os.listdir(os.path.dirname(rank)) == ["rank00000"]  # no temporary left
+
+    dense2, expert2, pager2, opt_b, opt2_b = adamw_pair(str(tmp_path / "s2"))
+    dense2.load_state_dict(weights[0])
+    expert2.load_state_dict(weights[1])
+    assert pager2.load_from(base)
+    dense3, expert3, pager3, opt_c, opt2_c = adamw_pair(str(tmp_path / "s3"))
+    pair_steps(dense3, expert3, opt_c, opt2_c, 0, 3)
+    assert equal(pair_state(pager2, opt_b, opt2_b), pair_state(pager3, opt_c, opt2_c))
+    pair_steps(dense2, expert2, opt_b, opt2_b, 3, 2)
+    pair_steps(dense3, expert3, opt_c, opt2_c, 3, 2)
+    assert equal(pair_state(pager2, opt_b, opt2_b), pair_state(pager3, opt_c, opt2_c))
+    assert equal(list(dense2.parameters()), list(dense3.parameters()))
+
+    with caplog.at_level("WARNING", logger="statepager"):
+        assert pager3.load_from(str(tmp_path / "iter_without_statepager")) is False
+    assert "starts fresh" in caplog.text
+    for p in (pager, pager2, pager3):
+        p.close()
+
+
+def test_other_optimizer_names_are_refused(tmp_path):
+    dense, expert, pager, opt, opt2 = adamw_pair(str(tmp_path / "s1"))
+    pager.save_to(str(tmp_path / "ck"))
+    pager.close()
+    torch.manual_seed(0)
+    with statepager.Pager(str(tmp_path / "s2"), page_size=64 * 1024) as other:
+        statepager.PagedAdamW(torch.nn.Linear(40, 300).bfloat16().parameters(), pager=other,
+                              bucket_size=16 * 1024)
+        opt2 = torch.optim.AdamW(torch.nn.Linear(300, 30).parameters())
+        other.attach(opt2, bucket_size=16 * 1024, name="moe")
+        with pytest.raises(statepager.CheckpointMismatchError, match="'moe'"):
+            other.load_from(str(tmp_path / "ck"))
 
 
 @pytest.fixture
@@ -89,7 +216,7 @@ def refused(tmp_path, path, error, match):
 
 
 def test_flipped_byte_is_refused(tmp_path, saved):
-    data = os.path.join(saved, "state.bin")
+    data = os.path.join(saved, "opt0", "state.bin")
     with open(data, "r+b") as f:
         f.seek(5000)
         b = f.read(1)
@@ -99,7 +226,7 @@ def test_flipped_byte_is_refused(tmp_path, saved):
 
 
 def test_truncated_file_is_refused(tmp_path, saved):
-    os.truncate(os.path.join(saved, "state.bin"), 10000)
+    os.truncate(os.path.join(saved, "opt0", "state.bin"), 10000)
     refused(tmp_path, saved, statepager.CorruptStoreError, "truncated")
 
 
