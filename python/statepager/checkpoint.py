@@ -255,7 +255,7 @@ def checksums(ranges: list) -> list:
     The chunks are read and summed on several threads (zlib and reads release the GIL)."""
     chunks = [(i, path, offset + k, min(CHUNK, n - k))
               for i, (path, offset, n) in enumerate(ranges) for k in range(0, n, CHUNK)]
-    fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in ranges}
+    fds = {path: os.open(path, os.O_RDONLY) for path in {r[0] for r in ranges}}
     local = threading.local()
 
     def crc(chunk) -> int:

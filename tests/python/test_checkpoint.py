@@ -128,16 +128,18 @@ def test_store_copy_is_byte_identical_to_the_device_path(tmp_path, where, fmt):
     try:
         for k, n_steps in enumerate((0, 3)):
             pair_steps(dense, expert, opt, opt2, 0, n_steps)
-            a = pager.save(str(tmp_path / f"store{k}"))
-            b = pager.save(str(tmp_path / f"device{k}"), via="device")
+            a = pager.save(str(tmp_path / f"copied{k}"))
+            b = pager.save(str(tmp_path / f"streamed{k}"), via="device")
             assert a.method in ("reflink", "copy_file_range", "read_write") and b.method == "device"
             for name in ("manifest.json", "opt0/state.bin", "expert/state.bin"):
-                with open(tmp_path / f"store{k}" / name, "rb") as f1:
-                    with open(tmp_path / f"device{k}" / name, "rb") as f2:
+                with open(tmp_path / f"copied{k}" / name, "rb") as f1:
+                    with open(tmp_path / f"streamed{k}" / name, "rb") as f2:
                         assert f1.read() == f2.read(), (n_steps, name)
-            with open(tmp_path / f"store{k}" / "manifest.json") as f:
+            with open(tmp_path / f"copied{k}" / "manifest.json") as f:
                 zero = [t["zero"] for o in json.load(f)["optimizers"] for t in o["tensors"]]
             assert any(zero) if n_steps == 0 else not any(zero)
+        assert not [fd for fd in os.listdir("/proc/self/fd")  # nothing left open
+                    if "/copied" in os.path.realpath(f"/proc/self/fd/{fd}")]
     finally:
         pager.close()
         if where == "ram":
