@@ -1,4 +1,4 @@
-"""Command line: python -m statepager bench store|sleep|map|step (see --help)."""
+"""Command line: python -m statepager bench store|sleep|map|step|formats|ckpt (see --help)."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     step.add_argument("--no-baseline", action="store_true")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", default="4G")
+    sleep.add_argument("--io-depth", type=int, default=32)
+    sleep.add_argument("--io-block", type=parse_size, default=parse_size("1M"))
     mapping = _bench(bench, "map", "page map + unmap cost per GiB", dir=False)
     mapping.add_argument("--page-size", default="32M")
     mapping.add_argument("--size", default="8G")
@@ -53,12 +55,22 @@ def main(argv=None) -> int:
     formats.add_argument("--params", type=float, default=1e8)
     formats.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
     formats.add_argument("--steps", type=int, default=4)
+    ckpt = _bench(bench, "ckpt", "checkpoint save (sync and background) and load of SIZE "
+                                 "bytes of optimizer state vs the raw disk")
+    ckpt.add_argument("--size", default="2G")
+    ckpt.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
+    ckpt.add_argument("--repeat", type=int, default=3,
+                      help="rounds of save, load and file copy; the best of each is kept")
     args = parser.parse_args(argv)
 
     if args.what == "step":
         from statepager.bench_step import bench_step, print_step
 
         run, show = bench_step, print_step
+    elif args.what == "ckpt":
+        from statepager.bench_ckpt import bench_ckpt, print_ckpt
+
+        run, show = bench_ckpt, print_ckpt
     elif args.what == "formats":
         from statepager.bench_formats import bench_formats, print_formats
 

@@ -1,0 +1,174 @@
+"""python -m statepager bench ckpt: checkpoint save and load beside the raw disk.
+
+Builds SIZE bytes of AdamW state in a Pager (fp32 parameters the pager owns and their two
+moments, attached through a plain torch AdamW) and steps once, so that all of it is at
+rest in the store. Then, from one run, on the same directory:
+  raw    the directory's sequential read and write bandwidth (the store's io_uring loop)
+         and the copy of a SIZE-byte file by the means a save uses (backing/file_copy.h);
+  save   Pager.save() right after a step: GB/s of state, the copy method, and the same
+         state streamed through the device (via="device", the path saves took before);
+  async  save(background=True) with steps running until it is done: the seconds training
+         was blocked (the call, plus what steps took beyond a step without a save) against
+         the save's total;
+  load   Pager.load() (checksums verified, then ranges copied into the store), with the
+         checkpoint's files dropped from the page cache first; the state is compared with
+         what was saved.
+Save, load and the file copy are measured in REPEAT rounds and the best of each is kept:
+on the VMs we measure on, the same copy varies severalfold from run to run.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+
+from statepager import _C
+from statepager.bench_pager import parse_size
+from statepager.pager import GiB, MiB, Pager
+
+_TENSOR = 64 * MiB  # bytes per parameter tensor
+
+
+def _drop_cache(files) -> None:
+    """Drops the files' pages from the page cache, so they are read from the disk."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _files(directory: str) -> list:
+    return [os.path.join(root, n) for root, _, names in os.walk(directory) for n in names]
+
+
+def _raw_copy(work: str, size: int) -> dict:
+    src, dst = os.path.join(work, "raw-src"), os.path.join(work, "raw-dst")
+    block = os.urandom(MiB) * 64
+    with open(src, "wb") as f:
+        for left in range(size, 0, -len(block)):
+            f.write(block[:left])
+    _drop_cache([src])
+    t0 = time.perf_counter()
+    method = _C.copy_file(src, dst)
+    seconds = time.perf_counter() - t0
+    os.remove(src)
+    os.remove(dst)
+    return {"raw_copy_gbps": size / seconds / 1e9, "raw_copy_method": method}
+
+
+def _fingerprint(binding) -> list:
+    out = []
+    for b in binding.stored_in_buckets():
+        out += [float(t.detach().view(-1)[:: 4097].double().sum()) for t in b.stored]
+    return out
+
+
+def bench_ckpt(args) -> dict:
+    size = parse_size(args.size)
+    work = os.path.join(os.path.abspath(args.dir), "statepager-bench-ckpt")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    try:
+        return _run(args, size, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, size: int, work: str) -> dict:
+    result = {"device": args.device, "dir": args.dir, "size_bytes": size, "repeat": args.repeat}
+    raw_r = _C.measure_raw_io(work, size, MiB, 32, True, False)
+    raw_w = _C.measure_raw_io(work, size, MiB, 32, False, True)
+    result.update(raw_read_gbps=raw_r["read_gbps"], raw_write_gbps=raw_w["write_gbps"])
+
+    with Pager(os.path.join(work, "store"), device=args.device) as pager:
+        # Parameters of _TENSOR bytes (the last one shorter): a third of SIZE, moments the rest.
+        numels, left = [], size // 3 // 4
+        while left > 0:
+            numels.append(min(left, _TENSOR // 4))
+            left -= numels[-1]
+        params = [pager.empty(n) for n in numels]
+        for i, p in enumerate(params):
+            pager.page_in(p)
+            p.uniform_(-1, 1)
+            pager.page_out(p)
+            p.requires_grad_(True)
+            p.grad = torch.full_like(p, 1e-3 * (i + 1), device=pager.device)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        binding = pager.attach(opt, bucket_size=args.bucket)
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            opt.step()
+            if pager.device.type == "cuda":
+                torch.cuda.synchronize(pager.device)
+            return time.perf_counter() - t0
+
+        step()  # the moments exist from here on: everything is at rest in the store
+        step_alone = min(step(), step())
+        result.update(tensors=sum(len(b.stored) for b in binding.buckets),
+                      buckets=len(binding.buckets), params=sum(numels),
+                      direct_io=pager.stats()["direct_io"], step_seconds=step_alone)
+
+        # Rounds after a step each, as saves come in training (the store just written);
+        # the raw copy beside them; the best of each is kept.
+        ckpt, intact, rounds = os.path.join(work, "ckpt"), True, []
+        for r in range(args.repeat):
+            step()
+            raw = _raw_copy(work, size)
+            saved = _fingerprint(binding)
+            h = pager.save(ckpt)
+            if r == 0:
+                d = pager.save(ckpt + "-device", via="device")
+                result["device_save_gbps"] = d.bytes / d.seconds / 1e9
+                shutil.rmtree(ckpt + "-device")
+            _drop_cache(_files(ckpt))
+            t0 = time.perf_counter()
+            pager.load(ckpt)
+            rounds.append((raw, h, time.perf_counter() - t0))
+            intact &= _fingerprint(binding) == saved
+            shutil.rmtree(ckpt)
+        raw = max((x[0] for x in rounds), key=lambda x: x["raw_copy_gbps"])
+        h = min((x[1] for x in rounds), key=lambda h: h.seconds)
+        load_s = min(x[2] for x in rounds)
+        result.update(raw, save_gbps=h.bytes / h.seconds / 1e9, method=h.method,
+                      save_seconds=h.seconds, save_copy_seconds=h.copy_seconds,
+                      save_checksum_seconds=h.checksum_seconds, state_bytes=h.bytes,
+                      load_gbps=h.bytes / load_s / 1e9, load_seconds=load_s, data_intact=intact)
+
+        held = pager.stats()["buckets_held"]
+        a = pager.save(ckpt, background=True)
+        stepped = []
+        while not a.done() or not stepped:
+            stepped.append(step())
+        a.wait()
+        result.update(async_seconds=a.seconds, async_call_seconds=a.call_seconds,
+                      async_copy_seconds=a.copy_seconds, async_steps=len(stepped),
+                      async_blocked_seconds=a.call_seconds + sum(max(0.0, s - step_alone)
+                                                                 for s in stepped),
+                      async_held_page_outs=pager.stats()["buckets_held"] - held)
+    return result
+
+
+def print_ckpt(r: dict) -> None:
+    print(f"ckpt bench: {r['state_bytes'] / GiB:.2f} GiB of AdamW state ({r['params'] / 1e6:.0f} M "
+          f"params, {r['tensors']} tensors, {r['buckets']} buckets) on {r['device']}, dir "
+          f"{r['dir']}, direct_io={r['direct_io']}")
+    print(f"  raw          read {r['raw_read_gbps']:6.2f} GB/s   write {r['raw_write_gbps']:6.2f} "
+          f"GB/s   file copy {r['raw_copy_gbps']:6.2f} GB/s ({r['raw_copy_method']})")
+    print(f"  save         {r['save_gbps']:6.2f} GB/s = {r['save_gbps'] / r['raw_copy_gbps']:.2f} x "
+          f"file copy ({r['method']}; copy {r['save_copy_seconds']:.2f} s, checksums "
+          f"{r['save_checksum_seconds']:.2f} s, of {r['save_seconds']:.2f} s)")
+    print(f"  save, device {r['device_save_gbps']:6.2f} GB/s (streamed through the device)")
+    print(f"  load         {r['load_gbps']:6.2f} GB/s ({r['load_seconds']:.2f} s: checksums, then "
+          f"copy into the store; checkpoint not in the page cache)")
+    print(f"  async save   training blocked {r['async_blocked_seconds']:.3f} s of the save's "
+          f"{r['async_seconds']:.2f} s (call {r['async_call_seconds']:.3f} s; "
+          f"{r['async_steps']} steps ran during it, {r['step_seconds']:.2f} s each without a "
+          f"save; {r['async_held_page_outs']} page-outs waited for the copy)")
+    print(f"  (save, load and file copy: best of {r['repeat']} rounds, each after a step; data "
+          f"intact after every save and load: {r['data_intact']})")
