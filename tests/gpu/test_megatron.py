@@ -187,8 +187,13 @@ def test_construction_in_scope_stays_within_budget(gpt, store_dir, cuda_free, ca
 def test_peak_memory_of_a_step_with_and_without_the_pager(gpt, store_dir, capsys):
     setup = gpt.Setup(layers=4, hidden=1024, heads=8, vocab=4096, ddp_bucket=4_000_000,
                       steps=3)
+    import gc
+
     peaks = {}
     for paged in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()  # what earlier tests left behind
         pager = Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=512 * MiB) \
             if paged else None
         model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=16 * MiB)
@@ -197,11 +202,11 @@ def test_peak_memory_of_a_step_with_and_without_the_pager(gpt, store_dir, capsys
         torch.cuda.reset_peak_memory_stats()
         if pager:
             pager.reset_peak()
-        base = torch.cuda.memory_allocated()
+        base = torch.cuda.memory_allocated() - before
         gpt.train_step(setup, model, optimizer, scheduler, 1)
         torch.cuda.synchronize()
         pool = pager.stats()["peak_mapped_bytes"] if pager else 0
-        peaks[paged] = (base, torch.cuda.max_memory_allocated(), pool)
+        peaks[paged] = (base, torch.cuda.max_memory_allocated() - before, pool)
         del model, optimizer, scheduler, binding
         if pager:
             pager.close()
