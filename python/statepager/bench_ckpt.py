@@ -160,9 +160,11 @@ def print_ckpt(r: dict) -> None:
           f"{r['dir']}, direct_io={r['direct_io']}")
     print(f"  raw          read {r['raw_read_gbps']:6.2f} GB/s   write {r['raw_write_gbps']:6.2f} "
           f"GB/s   file copy {r['raw_copy_gbps']:6.2f} GB/s ({r['raw_copy_method']})")
-    print(f"  save         {r['save_gbps']:6.2f} GB/s = {r['save_gbps'] / r['raw_copy_gbps']:.2f} x "
-          f"file copy ({r['method']}; copy {r['save_copy_seconds']:.2f} s, checksums "
-          f"{r['save_checksum_seconds']:.2f} s, of {r['save_seconds']:.2f} s)")
+    ratio = ("" if r["raw_copy_method"] == "reflink"  # a reflinked file copy moves no bytes
+             else f" = {r['save_gbps'] / r['raw_copy_gbps']:.2f} x file copy")
+    print(f"  save         {r['save_gbps']:6.2f} GB/s{ratio} ({r['method']}; copy "
+          f"{r['save_copy_seconds']:.2f} s, checksums {r['save_checksum_seconds']:.2f} s, of "
+          f"{r['save_seconds']:.2f} s)")
     print(f"  save, device {r['device_save_gbps']:6.2f} GB/s (streamed through the device)")
     print(f"  load         {r['load_gbps']:6.2f} GB/s ({r['load_seconds']:.2f} s: checksums, then "
           f"copy into the store; checkpoint not in the page cache)")
