@@ -166,9 +166,16 @@ uintptr_t Pager::create_segment(size_t bytes) {
 }
 
 void Pager::release_at(uintptr_t addr) {
-  const std::optional<ExtentId> id = find(addr);
-  if (!id) throw UsageError("no extent of this pager starts at the freed address");
-  release(*id);
+  ExtentId id;
+  {
+    std::unique_lock lock(mu_);
+    auto it = by_address_.find(addr);
+    if (it == by_address_.end() || !extent_locked(it->second).segment) {
+      throw UsageError("no segment of this pager starts at the freed address");
+    }
+    id = it->second;
+  }
+  release(id);
 }
 
 bool Pager::owns_address(uintptr_t addr) const {
@@ -209,7 +216,7 @@ Residency Pager::residency(ExtentId id) const {
 std::optional<ExtentId> Pager::find(uintptr_t addr) const {
   std::unique_lock lock(mu_);
   auto it = by_address_.find(addr);
-  if (it == by_address_.end()) return std::nullopt;
+  if (it == by_address_.end() || extent_locked(it->second).segment) return std::nullopt;
   return it->second;
 }
 

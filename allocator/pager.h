@@ -113,7 +113,9 @@ class Pager {
   uintptr_t address(ExtentId id) const;
   size_t size(ExtentId id) const;
   Residency residency(ExtentId id) const;
-  std::optional<ExtentId> find(uintptr_t addr) const;  // extent starting at addr
+  // The pager tensor (extent, not a segment) starting at addr. Segments are PyTorch's
+  // memory, shared by its small blocks: never paged, so never found here.
+  std::optional<ExtentId> find(uintptr_t addr) const;
 
   // Buckets. Extents already in the requested state are skipped; an extent being paged
   // by another bucket is a UsageError. `stream`: see the class comment.

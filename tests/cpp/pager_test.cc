@@ -232,3 +232,24 @@ TEST(Pager, DiscardUnmapsWithoutWriting) {
 
 }  // namespace
 }  // namespace statepager
+
+namespace statepager {
+namespace {
+
+// Segments are PyTorch's memory (its small blocks share them): never found as pager
+// tensors, so never paged; release_at() frees segments only.
+TEST(Pager, SegmentsAreNotPagerTensors) {
+  Pager pager(make_host_device(), small_options("segments"));
+  const uintptr_t seg = pager.create_segment(3 << 16);
+  const ExtentId t = pager.create(1000);
+  EXPECT_TRUE(pager.owns_address(seg));
+  EXPECT_FALSE(pager.find(seg).has_value());
+  EXPECT_EQ(pager.find(pager.address(t)), t);
+  EXPECT_THROW(pager.release_at(pager.address(t)), UsageError);
+  pager.release_at(seg);
+  EXPECT_THROW(pager.release_at(seg), UsageError);
+  pager.release(t);
+}
+
+}  // namespace
+}  // namespace statepager
