@@ -70,3 +70,62 @@ def test_two_ranks_each_with_its_own_store(tmp_path):
         assert paged["dirs"] == ["rank0", "rank1"]
         assert "state.bin" in paged["own_files"]
     assert not os.listdir(root)  # each rank removed its own store on close
+
+
+def resume_job(rank, world, port, root, mode, out):
+    """fresh: 6 steps, save (model per rank + pager.save_to on every rank), 6 more.
+    resume: a new process group loads both and runs the same 6 steps."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    ckpt = os.path.join(root, "ckpt")
+    with Pager(os.path.join(root, "store-{rank}"), page_size=64 * KiB) as pager:
+        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, bucket_size=64 * KiB)
+        model_file = os.path.join(ckpt, f"model{rank}.pt")
+        if mode == "fresh":
+            run_steps(model, opt, rank, 0, 6)
+            os.makedirs(ckpt, exist_ok=True)
+            torch.save(model.state_dict(), model_file)
+            pager.save_to(ckpt)
+        else:
+            model.load_state_dict(torch.load(model_file))
+            assert pager.load_from(ckpt)
+        losses = run_steps(model, opt, rank, 6, 6)
+        masters = [m for g in opt.param_groups for m in g["params"]]
+        state = []
+        for m in masters:
+            ts = [m, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"]]
+            pager.page_in(ts)
+            state.append([t.clone() for t in ts])
+            pager.page_out(ts)
+    torch.save({"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+                "state": state}, os.path.join(out, f"{mode}{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_steps(model, opt, rank, first, count):
+    losses = []
+    for i in range(first, first + count):
+        g = torch.Generator().manual_seed(1000 * i + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_two_ranks_save_and_resume_exactly(tmp_path):
+    root, out = str(tmp_path), str(tmp_path)
+    for mode in ("fresh", "resume"):
+        mp.spawn(resume_job, args=(2, free_port(), root, mode, out), nprocs=2, join=True)
+    assert sorted(os.listdir(os.path.join(root, "ckpt", "statepager"))) == ["rank00000",
+                                                                           "rank00001"]
+    for rank in range(2):
+        fresh = torch.load(os.path.join(out, f"fresh{rank}.pt"))
+        resumed = torch.load(os.path.join(out, f"resume{rank}.pt"))
+        assert fresh["losses"] == resumed["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(fresh["params"], resumed["params"]))
+        for a, b in zip(fresh["state"], resumed["state"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
