@@ -205,7 +205,7 @@ class _Plan:
         small = {}
         for p in params:
             i = str(index[id(p)])
-            small[i] = {k: _encode(v) for k, v in opt.state[p].items()
+            small[i] = {k: _encode(v) for k, v in opt.state.get(p, {}).items()
                         if not binding.pager.owns(v)}
             for name, form in binding.forms(p):
                 if form.fmt == "residual":
