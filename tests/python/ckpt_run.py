@@ -89,10 +89,12 @@ def main():
         torch.save(snapshot(model, opt, pager), out)
         pager.close()
         return
-    if mode == "fresh":
+    if mode in ("fresh", "train-on"):
         steps(model, opt, sched, 0, n)
         torch.save({"model": model.state_dict(), "sched": sched.state_dict()}, ckpt + ".pt")
         pager.save(ckpt)
+        if mode == "train-on":  # until killed (the test kills it in the middle of a step)
+            steps(model, opt, sched, n, 10**9)
     else:
         extra = torch.load(ckpt + ".pt")
         model.load_state_dict(extra["model"])

@@ -46,6 +46,27 @@ def test_resume_in_a_fresh_process_is_exact(tmp_path):
     assert os.listdir(ckpt / "opt0") == ["state.bin"]
 
 
+def test_kill_during_a_step_then_resume_continues_exactly(tmp_path):
+    """A job killed (-9) in the middle of a step after its last checkpoint resumes from
+    that checkpoint exactly as an uninterrupted job continues from it."""
+    ckpt = str(tmp_path / "ckpt")
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "ckpt_run.py"),
+                          str(tmp_path / "s0"), ckpt, str(tmp_path / "unused.pt"), "6", "0",
+                          "train-on"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.path.exists(os.path.join(ckpt, "manifest.json")):
+        time.sleep(0.05)
+    time.sleep(0.5)  # well into the steps after the save
+    assert p.poll() is None, p.stderr.read()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    run(tmp_path / "s1", ckpt, tmp_path / "resumed.pt", 6, 7, "resume")
+    run(tmp_path / "s2", tmp_path / "ref", tmp_path / "ref.pt", 6, 7, "fresh")
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "resumed.pt")
+    assert a["losses"] == b["losses"]
+    assert equal(a["params"], b["params"]) and equal(a["state"], b["state"])
+
+
 @pytest.mark.parametrize("mode", ["kill", "kill-background"])
 def test_kill_during_save_leaves_complete_checkpoints_or_none(tmp_path, mode):
     ckpt = str(tmp_path / "ckpt")
