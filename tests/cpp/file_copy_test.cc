@@ -16,27 +16,11 @@
 #include <vector>
 
 #include "backing/errors.h"
+#include "tests/cpp/temp_dir.h"
 
 namespace statepager {
 namespace {
 
-class TempDir {
- public:
-  explicit TempDir(const std::string& base) {
-    std::string templ = base + "/statepager_copy_XXXXXX";
-    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp in " + base);
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 std::vector<char> random_bytes(size_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);

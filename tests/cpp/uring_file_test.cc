@@ -22,30 +22,13 @@
 #include <vector>
 
 #include "backing/errors.h"
+#include "tests/cpp/temp_dir.h"
 
 namespace statepager {
 namespace {
 
 constexpr size_t kPage = UringFile::kAlignment;
 
-// A fresh directory under `base`, deleted with everything in it.
-class TempDir {
- public:
-  explicit TempDir(const std::string& base = "/tmp") {
-    std::string templ = base + "/statepager_uring_XXXXXX";
-    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp in " + base);
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }

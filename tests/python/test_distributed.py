@@ -37,15 +37,7 @@ def train(rank, world, port, root, paged, out):
         opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, bucket_size=64 * KiB)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(STEPS):
-        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = run_steps(model, opt, rank, 0, STEPS)
     result = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
     if pager is not None:
         dist.barrier()  # both stores exist now
