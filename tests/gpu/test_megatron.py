@@ -84,8 +84,8 @@ CASES = {
     "fp32-grads-overlap": dict(grad_fp32=True, overlap=True),
     "bf16-grads-residual-mains": dict(attach=dict(mains="residual")),
     "bf16-grads-q8-moments": dict(attach=dict(moments="q8")),
-    "moe-chained": dict(experts=4),
-    "moe-chained-fp32-grads-overlap": dict(experts=4, grad_fp32=True, overlap=True),
+    "moe": dict(experts=4),
+    "moe-fp32-grads-overlap": dict(experts=4, grad_fp32=True, overlap=True),
 }
 
 
