@@ -144,6 +144,7 @@ class _Member:
         self._clip = {}       # grad-norm group -> clip coefficient of this step
         self._carriers = {}   # main -> its norm carrier (bf16 grads only)
         self._probes = {}     # grad-norm group -> clip probe (bf16 grads only)
+        self._norm_group = {}  # main -> its grad-norm group (bf16 grads only)
         if self.bf16_grads:
             self._make_carriers()
         self.stream = pager.attach(
@@ -187,7 +188,7 @@ class _Member:
                 carrier = torch.zeros(1, device=device)
                 carrier.__dict__.update(main.__dict__)
                 self._carriers[id(main)] = carrier
-                group = _get_param_grad_norm_group(main)
+                group = self._norm_group[id(main)] = _get_param_grad_norm_group(main)
                 if group not in self._probes:
                     probe = torch.zeros(1, device=device)
                     probe.__dict__.update(main.__dict__)
@@ -254,13 +255,11 @@ class _Member:
     def _grads_in(self, params) -> None:
         if not self.bf16_grads:
             return  # fp32 grads: Megatron set main.grad to the buffer's view, in place
-        from megatron.core.optimizer.optimizer import _get_param_grad_norm_group
-
         for main in params:
             if id(main) not in self.model_of:
                 continue
             grad = self._grad16(main).float()
-            coeff = self._clip.get(_get_param_grad_norm_group(main))
+            coeff = self._clip.get(self._norm_group[id(main)])
             if coeff is not None:
                 grad.mul_(coeff)  # what Megatron's clip does to an fp32 grad
             main.grad = grad
