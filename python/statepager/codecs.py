@@ -93,17 +93,12 @@ def param_checksum(param: torch.Tensor) -> torch.Tensor:
     return total % p
 
 
-def residual_decode(param: torch.Tensor, residual: torch.Tensor,
-                    exceptions: tuple[torch.Tensor, torch.Tensor], main_out: torch.Tensor,
-                    *, checksum: torch.Tensor | None = None) -> None:
-    """Rebuild the exact fp32 master into `main_out` from param, residual and exceptions.
-
-    Raises ValueError if the param changed since residual_encode, instead of returning
-    a wrong master. Pass checksum=param_checksum(param) taken at encode time: without
-    it only the RNE check runs (RNE(rebuilt) == param outside the exceptions), which
-    catches a param turned NaN (and some turned inf) but misses finite changes -- a changed
-    param with the old residual decodes to a master that rounds to the changed param.
-    """
+def residual_rebuild(param: torch.Tensor, residual: torch.Tensor,
+                     exceptions: tuple[torch.Tensor, torch.Tensor],
+                     main_out: torch.Tensor) -> torch.Tensor:
+    """residual_decode without its checks and without a device sync: rebuilds the master
+    into `main_out` and returns the device bool mask of elements whose bf16 rounding is
+    not `param` (outside the exceptions): any True means the param changed."""
     assert main_out.dtype == torch.float32 and param.dtype == torch.bfloat16
     assert residual.dtype == torch.int16
     assert main_out.numel() == param.numel() == residual.numel()
@@ -115,6 +110,21 @@ def residual_decode(param: torch.Tensor, residual: torch.Tensor,
     # Compare bits, not values: NaN != NaN, and -0.0 == +0.0.
     bad = main_out.view(-1).to(torch.bfloat16).view(torch.int16) != param.view(torch.int16).view(-1)
     bad[idx] = False
+    return bad
+
+
+def residual_decode(param: torch.Tensor, residual: torch.Tensor,
+                    exceptions: tuple[torch.Tensor, torch.Tensor], main_out: torch.Tensor,
+                    *, checksum: torch.Tensor | None = None) -> None:
+    """Rebuild the exact fp32 master into `main_out` from param, residual and exceptions.
+
+    Raises ValueError if the param changed since residual_encode, instead of returning
+    a wrong master. Pass checksum=param_checksum(param) taken at encode time: without
+    it only the RNE check runs (RNE(rebuilt) == param outside the exceptions), which
+    catches a param turned NaN (and some turned inf) but misses finite changes -- a changed
+    param with the old residual decodes to a master that rounds to the changed param.
+    """
+    bad = residual_rebuild(param, residual, exceptions, main_out)
     n_bad = int(bad.sum())
     if n_bad:
         what = f"{n_bad} of {param.numel()} elements differ from bf16(master)"

@@ -54,14 +54,19 @@ class StoredForm:
                   "residual": [":residual"]}[self.fmt]
         return [name + s for s in suffix]
 
-    def decode(self) -> None:
+    def decode(self) -> torch.Tensor | None:
+        """Decodes into the working tensor. Residual format: returns a device bool, True
+        when the model parameter is no longer the bf16 rounding of the rebuilt master
+        (checked by the caller, once per bucket); otherwise None."""
         w = self.working.view(-1)
         if self.fmt == "bf16":
             w.copy_(self.tensors[0])
         elif self.fmt == "q8":
             codecs.q8_decode(self.tensors[0], self.tensors[1], w, self.kind)
         elif self.fmt == "residual":
-            codecs.residual_decode(self.model_param.view(-1), self.tensors[0], self.exceptions, w)
+            return codecs.residual_rebuild(self.model_param.view(-1), self.tensors[0],
+                                           self.exceptions, w).any()
+        return None
 
     def encode(self) -> None:
         w = self.working.view(-1)

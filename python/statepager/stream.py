@@ -225,17 +225,18 @@ class StreamedOptimizer:
     # -- residency of one bucket ---------------------------------------------------
 
     def _decode(self, b: Bucket, check_params: bool = True) -> None:
-        changed = [c for c in (f.param_changed() for f in b.forms)
-                   if c is not None] if check_params else []
+        """Decodes the bucket's stored forms into fp32 working tensors. Residual masters
+        are checked against their model params (checksum and rounding) with one device
+        sync per bucket; the bucket is not stepped if any changed."""
+        if b.working:
+            self.pager.page_in(b.working)  # zero-filled scratch, nothing read
+        changed = [f.param_changed() for f in b.forms] + [f.decode() for f in b.forms]
+        changed = [c for c in changed if c is not None] if check_params else []
         if changed and bool(torch.stack(changed).any()):  # one sync per bucket
             raise ValueError("a model parameter no longer matches the one its master weights "
                              "were stored against (changed outside the optimizer?): with "
                              "mains='residual' the masters cannot be rebuilt. Change model "
                              "weights through the optimizer, or use mains='fp32'.")
-        if b.working:
-            self.pager.page_in(b.working)  # zero-filled scratch, nothing read
-        for f in b.forms:
-            f.decode()
 
     def _encode(self, b: Bucket) -> None:
         for f in b.forms:
