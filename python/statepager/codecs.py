@@ -157,6 +157,16 @@ def _scheme(kind: str, scheme: str | None) -> str:
     return scheme
 
 
+def _q8_layout(x, codes, scales, kind: str, block: int, scheme: str | None):
+    """Checks the tensors of q8_encode/q8_decode; returns the scheme and the codes' dtype."""
+    scheme = _scheme(kind, scheme)
+    assert x.dtype == torch.float32 and scales.dtype == torch.float32
+    assert codes.dtype in (torch.int8, torch.uint8) and codes.numel() == x.numel()
+    assert scales.numel() == q8_num_blocks(x.numel(), block)
+    assert x.is_contiguous() and codes.is_contiguous() and scales.is_contiguous()
+    return scheme, torch.int8 if scheme == "linear" and kind == "signed" else torch.uint8
+
+
 def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor,
               kind: str = "signed", *, block: int = Q8_BLOCK, scheme: str | None = None) -> None:
     """Quantize fp32 `x` to one byte per element plus one fp32 scale per block.
@@ -174,12 +184,7 @@ def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor
     zero block gets scale 0 and decodes to exact zeros; finite input never produces
     NaN/inf. Non-finite input makes its block decode to NaN.
     """
-    scheme = _scheme(kind, scheme)
-    assert x.dtype == torch.float32 and scales_out.dtype == torch.float32
-    assert codes_out.dtype in (torch.int8, torch.uint8) and codes_out.numel() == x.numel()
-    assert scales_out.numel() == q8_num_blocks(x.numel(), block)
-    assert x.is_contiguous() and codes_out.is_contiguous() and scales_out.is_contiguous()
-    codes_dtype = torch.int8 if scheme == "linear" and kind == "signed" else torch.uint8
+    scheme, codes_dtype = _q8_layout(x, codes_out, scales_out, kind, block, scheme)
     scales, row = scales_out.view(-1), 0
     for xb, cb in zip(_blocks(x, block), _blocks(codes_out.view(codes_dtype), block)):
         s = xb.abs().amax(dim=1, keepdim=True)
@@ -201,12 +206,7 @@ def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor
 def q8_decode(codes: torch.Tensor, scales: torch.Tensor, x_out: torch.Tensor,
               kind: str = "signed", *, block: int = Q8_BLOCK, scheme: str | None = None) -> None:
     """Inverse of q8_encode (same kind, block and scheme) into fp32 `x_out`."""
-    scheme = _scheme(kind, scheme)
-    assert x_out.dtype == torch.float32 and scales.dtype == torch.float32
-    assert codes.dtype in (torch.int8, torch.uint8) and codes.numel() == x_out.numel()
-    assert scales.numel() == q8_num_blocks(x_out.numel(), block)
-    assert x_out.is_contiguous() and codes.is_contiguous() and scales.is_contiguous()
-    codes_dtype = torch.int8 if scheme == "linear" and kind == "signed" else torch.uint8
+    scheme, codes_dtype = _q8_layout(x_out, codes, scales, kind, block, scheme)
     scales, row = scales.view(-1), 0
     for xb, cb in zip(_blocks(x_out, block), _blocks(codes.view(codes_dtype), block)):
         s = scales[row:row + len(xb)].view(-1, 1)
