@@ -39,7 +39,7 @@ struct Job {
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
   std::vector<Chunk> chunks;
-  uint64_t file_end = 0;               // page-out: the file must be allocated this far
+  std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
   size_t next_chunk = 0;
   size_t chunks_in_flight = 0;
   bool started = false;
@@ -59,11 +59,23 @@ std::pair<double, double> job_times(const Job& job) {
   return {seconds(job.start_time), seconds(job.end_time)};
 }
 
+constexpr uint64_t kNoOffset = ~uint64_t{0};
+
+unsigned store_index(uint64_t store_offset) {
+  return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
+}
+
+struct Pager::Store {
+  std::string name;
+  Arena space;       // its ranges, as logical offsets of file_ (see UringFile)
+};
+
 struct Pager::Extent {
   uintptr_t addr;
   size_t bytes;
-  uint64_t file_offset;
+  uint64_t file_offset;                // its range in its store
   size_t file_bytes;
+  uint64_t next_offset = kNoOffset;    // a FILE extent's range in the store it moves to
   Residency state = Residency::kZero;
   bool segment = false;  // PyTorch's: stays mapped until PyTorch frees it, even after close
 };
@@ -79,8 +91,7 @@ struct Pager::Slot {
 Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
     : device_(std::move(device)),
       options_(std::move(options)),
-      pool_(*device_, options_.pool),
-      file_space_(kFileAlign, size_t(1) << 60) {
+      pool_(*device_, options_.pool) {
   if (options_.io_block_bytes == 0 || options_.io_block_bytes % kFileAlign != 0 ||
       options_.io_depth == 0) {
     throw UsageError("io_block_bytes must be a positive multiple of 4096 and io_depth >= 1");
@@ -90,6 +101,9 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   dir_ = std::make_unique<StoreDir>(options_.directory);
   file_ = std::make_unique<UringFile>(dir_->file("state.bin"),
                                       UringFile::Options{options_.io_depth, options_.try_direct});
+  // Offset 0 stays unused in every store: an extent's range is never 0.
+  stores_.push_back(std::make_unique<Store>(
+      Store{"", Arena(kFileAlign, UringFile::kRegionBytes - kFileAlign)}));
   char* staging = static_cast<char*>(
       device_->alloc_staging(size_t(options_.io_depth) * options_.io_block_bytes));
   for (unsigned i = 0; i < options_.io_depth; i++) {
@@ -130,15 +144,16 @@ const Pager::Extent& Pager::extent_locked(ExtentId id) const {
   return const_cast<Pager*>(this)->extent_locked(id);
 }
 
-ExtentId Pager::create(size_t bytes) {
+ExtentId Pager::create(size_t bytes, unsigned store) {
   std::unique_lock lock(mu_);
   check_open_locked();
+  if (store >= stores_.size()) throw UsageError("no store " + std::to_string(store));
   auto extent = std::make_unique<Extent>();
   extent->bytes = bytes;
   extent->file_bytes = align_up(std::max<size_t>(bytes, 1), kFileAlign);
   extent->addr = pool_.allocate(std::max<size_t>(bytes, 1), kAddressAlign);
   try {
-    extent->file_offset = file_space_.allocate(extent->file_bytes, kFileAlign);
+    extent->file_offset = stores_[store]->space.allocate(extent->file_bytes, kFileAlign);
   } catch (...) {
     pool_.free(extent->addr);
     throw;
@@ -193,9 +208,84 @@ void Pager::release(ExtentId id) {
   Extent& e = extent_locked(id);
   if (e.state == Residency::kResident && (!closed_ || e.segment)) pool_.unref(e.addr, e.bytes);
   pool_.free(e.addr);
-  file_space_.free(e.file_offset);
+  free_range_locked(e.file_offset);
+  if (e.next_offset != kNoOffset) free_range_locked(e.next_offset);
   by_address_.erase(e.addr);
   extents_.erase(id);
+}
+
+unsigned Pager::open_store(const std::string& name) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  for (unsigned i = 0; i < stores_.size(); i++) {
+    if (stores_[i]->name == name) return i;
+  }
+  const std::string path = dir_->subdirectory(name) + "/state.bin";
+  const unsigned index = file_->add_file(path);
+  const uint64_t base = uint64_t{index} * UringFile::kRegionBytes;
+  stores_.push_back(std::make_unique<Store>(
+      Store{name, Arena(base + kFileAlign, UringFile::kRegionBytes - kFileAlign)}));
+  return index;
+}
+
+const std::string& Pager::store_name(unsigned store) const {
+  std::unique_lock lock(mu_);
+  if (store >= stores_.size()) throw UsageError("no store " + std::to_string(store));
+  return stores_[store]->name;
+}
+
+void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  if (store >= stores_.size()) throw UsageError("no store " + std::to_string(store));
+  for (ExtentId id : ids) {  // all checked before any moves
+    const Extent& e = extent_locked(id);
+    if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot change stores");
+    if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut) {
+      throw UsageError("extent " + std::to_string(id) + " is being paged: wait for its bucket "
+                       "before moving it to another store");
+    }
+  }
+  for (ExtentId id : ids) {
+    Extent& e = extent_locked(id);
+    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+    if (store_index(now) == store) continue;
+    if (e.next_offset != kNoOffset) {  // a move not done yet goes elsewhere
+      free_range_locked(e.next_offset);
+      e.next_offset = kNoOffset;
+      if (store_index(e.file_offset) == store) continue;
+    }
+    const uint64_t to = stores_[store]->space.allocate(e.file_bytes, kFileAlign);
+    if (e.state == Residency::kFile) {
+      e.next_offset = to;  // its bytes are read from the old range once more
+    } else {
+      free_range_locked(e.file_offset);
+      e.file_offset = to;
+    }
+  }
+}
+
+unsigned Pager::store_of(ExtentId id) const {
+  std::unique_lock lock(mu_);
+  const Extent& e = extent_locked(id);
+  return store_index(e.next_offset != kNoOffset ? e.next_offset : e.file_offset);
+}
+
+void Pager::free_range_locked(uint64_t store_offset) {
+  stores_[store_index(store_offset)]->space.free(store_offset);
+}
+
+// The extent's bytes are no longer needed in its old store: it now lives in the new one.
+void Pager::finish_move_locked(Extent& e) {
+  if (e.next_offset == kNoOffset) return;
+  free_range_locked(e.file_offset);
+  e.file_offset = e.next_offset;
+  e.next_offset = kNoOffset;
+}
+
+// Safe without the lock: UringFile's files never move (the I/O thread calls this).
+const std::string& Pager::path_of(uint64_t store_offset) const {
+  return file_->file_path(store_index(store_offset));
 }
 
 uintptr_t Pager::address(ExtentId id) const {
@@ -328,7 +418,12 @@ void Pager::plan_chunks(Job& job) {
       chunk.file_bytes += align_up(n, kFileAlign);
       pos += n;
     }
-    job.file_end = std::max<uint64_t>(job.file_end, e->file_offset + e->file_bytes);
+    const uint64_t end = e->file_offset + e->file_bytes;
+    if (job.file_ends.empty() || store_index(job.file_ends.back()) != store_index(end - 1)) {
+      job.file_ends.push_back(end);  // sorted by offset: stores come one after another
+    } else {
+      job.file_ends.back() = std::max(job.file_ends.back(), end);
+    }
     job.bytes_moved += e->bytes;
   }
   flush();
@@ -470,14 +565,16 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
         throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
                          "it out or discard it (and wait) before restoring it");
       }
-      auto next = held_.lower_bound(e.file_offset + e.file_bytes);
-      if (next != held_.begin() && std::prev(next)->second > e.file_offset) {
+      const uint64_t to = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+      auto next = held_.lower_bound(to + e.file_bytes);
+      if (next != held_.begin() && std::prev(next)->second > to) {
         throw UsageError("a checkpoint copy still holds the store range of extent " +
                          std::to_string(id) + ": wait for the save to finish first");
       }
     }
     for (ExtentId id : ids) {
       Extent& e = extent_locked(id);
+      finish_move_locked(e);  // the new bytes go to the store it moves to
       places.push_back(placement_locked(e));
       e.state = Residency::kPagingIn;
     }
@@ -575,9 +672,8 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
     job->start_time = std::chrono::steady_clock::now();
     progressed = true;
     try {
-      if (job->out && job->file_end > file_allocated_) {
-        file_->allocate(job->file_end);
-        file_allocated_ = job->file_end;
+      if (job->out) {
+        for (uint64_t end : job->file_ends) file_->allocate(end);
       }
       for (auto [addr, bytes] : job->zero_fills) device_->fill_zero(addr, bytes);
       if (!job->zero_fills.empty()) job->fence = device_->record(CopyQueue::kToDevice);
@@ -682,12 +778,13 @@ void Pager::finish_slot(Slot& slot, int error, uint64_t offset) {
   if (error != 0 && !job.error) {
     try {
       if (error == ENODATA) {
-        throw CorruptStoreError("store file " + file_->path() + " is truncated at offset " +
-                                std::to_string(offset) +
+        throw CorruptStoreError("store file " + path_of(offset) + " is truncated at offset " +
+                                std::to_string(offset % UringFile::kRegionBytes) +
                                 ": it holds fewer bytes than were paged out there. The store "
                                 "was changed outside statepager; its state is lost.");
       }
-      throw_io_error(error, job.out ? "page-out write" : "page-in read", file_->path(), offset);
+      throw_io_error(error, job.out ? "page-out write" : "page-in read", path_of(offset),
+                     offset % UringFile::kRegionBytes);
     } catch (...) {
       job.error = std::current_exception();
     }
@@ -712,6 +809,7 @@ void Pager::complete(Job& job) {
       if (ok) pool_.unref(e.addr, e.bytes);
     } else {
       e.state = ok ? Residency::kResident : job.before[i];
+      if (ok) finish_move_locked(e);
       if (!ok) pool_.unref(e.addr, e.bytes);
     }
   }

@@ -13,8 +13,14 @@
 // work already queued on the caller's stream. A failed page-out leaves every extent of
 // its bucket resident and intact; a failed page-in leaves them as they were.
 //
+// Stores: the directory holds the default store (its file) and named stores, each its own
+// file in a subdirectory of that name (open_store()), all on one io_uring. An extent
+// lives in one store; move_to_store() changes that at once for extents without bytes at
+// rest, and for those with (FILE) on their next page-in, when the old range is let go:
+// a move never copies bytes.
+//
 // Checkpoints copy extents straight between the store and other files (see hold() and
-// restore()): an extent at rest has a fixed range of the store file for life.
+// restore()): an extent at rest keeps its range of a store file until it moves.
 //
 // Ownership: the Pager owns its Device, Pool, store directory and file. Extent addresses
 // stay valid (reserved) until the Pager is destroyed, also after close().
@@ -80,7 +86,7 @@ struct PagerStats {
 struct Placement {
   Residency state = Residency::kZero;  // kZero (no bytes anywhere) or kFile
   size_t bytes = 0;                    // the extent's size
-  uint64_t store_offset = 0;           // its range of the logical store file: 4 KiB-aligned,
+  uint64_t store_offset = 0;           // its range of the logical store files: 4 KiB-aligned,
   size_t store_bytes = 0;              // and past `bytes` it holds zeros
   std::vector<UringFile::Span> spans;  // that range in the physical files; empty when ZERO
 };
@@ -98,8 +104,19 @@ class Pager {
   Pager(const Pager&) = delete;
   Pager& operator=(const Pager&) = delete;
 
-  // A new extent of `bytes` in ZERO state: address reserved, nothing mapped, no file I/O.
-  ExtentId create(size_t bytes);
+  // A new extent of `bytes` in ZERO state in store `store`: address reserved, nothing
+  // mapped, no file I/O.
+  ExtentId create(size_t bytes, unsigned store = 0);
+
+  // The store named `name` ("" is the default store, 0), opened on first use as
+  // <directory>/<name>/state.bin. UsageError for a name that is not a plain file name.
+  unsigned open_store(const std::string& name);
+  const std::string& store_name(unsigned store) const;
+  // Extents to live in `store` from now on (see Stores). UsageError for a segment or an
+  // extent being paged.
+  void move_to_store(const std::vector<ExtentId>& ids, unsigned store);
+  // The store an extent lives in (or moves to, on its next page-in).
+  unsigned store_of(ExtentId id) const;
   // Forgets an extent: unmaps its pages if resident, frees its address and file range.
   void release(ExtentId id);
 
@@ -135,7 +152,7 @@ class Pager {
   void set_keep_bytes(size_t keep_bytes);
 
   // -- the store seen from outside: checkpoints copy file ranges, not bytes via the device
-  // The store's physical files; UringFile::Span::file indexes them.
+  // The physical files of all stores; UringFile::Span::file indexes them.
   std::vector<std::string> store_files() const;
   // Placements of at-rest (ZERO or FILE) extents, and a hold on the store range of each
   // FILE one: from now on a page-out that would write into a held range waits, unstarted,
@@ -156,7 +173,7 @@ class Pager {
   PagerStats stats() const;
   void reset_peak();
   Device& device() { return *device_; }
-  const std::string& file_path() const;
+  const std::string& file_path() const;  // the default store's file
 
   // Waits for all buckets and the device, unmaps everything but PyTorch's segments
   // (those stay mapped until PyTorch frees them), stops the I/O thread and deletes the
@@ -166,6 +183,7 @@ class Pager {
  private:
   struct Extent;
   struct Slot;
+  struct Store;
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
   void plan_chunks(Job& job);
   void run_io_thread();
@@ -177,6 +195,9 @@ class Pager {
   void finish_slot(Slot& slot, int error, uint64_t offset);
   void complete(Job& job);
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
+  void free_range_locked(uint64_t store_offset);
+  void finish_move_locked(Extent& e);
+  const std::string& path_of(uint64_t store_offset) const;
   Extent& extent_locked(ExtentId id);
   const Extent& extent_locked(ExtentId id) const;
   void check_open_locked() const;
@@ -184,11 +205,10 @@ class Pager {
   std::unique_ptr<Device> device_;
   PagerOptions options_;
   Pool pool_;
-  Arena file_space_;
   std::unique_ptr<StoreDir> dir_;
-  std::unique_ptr<UringFile> file_;
+  std::unique_ptr<UringFile> file_;           // all stores' files, one ring
+  std::vector<std::unique_ptr<Store>> stores_;  // stores_[i] is file i of file_
   std::vector<Slot> slots_;
-  uint64_t file_allocated_ = 0;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;   // wakes the I/O thread

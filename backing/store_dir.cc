@@ -7,6 +7,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <vector>
@@ -119,6 +121,23 @@ std::string StoreDir::file(std::string_view name) const {
   p += '/';
   p += name;
   return p;
+}
+
+std::string StoreDir::subdirectory(std::string_view name) const {
+  const bool plain = !name.empty() && name.size() <= 128 && name[0] != '.' &&
+                     std::all_of(name.begin(), name.end(), [](char c) {
+                       return std::isalnum(static_cast<unsigned char>(c)) || c == '-' ||
+                              c == '_' || c == '.';
+                     });
+  if (!plain) {
+    throw UsageError("store name '" + std::string(name) + "' is not a plain file name: use up "
+                     "to 128 letters, digits, '-', '_' and '.', not starting with '.'");
+  }
+  const std::string path = file(name);
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
+    throw_io_error(errno, "create directory", path, 0);
+  }
+  return path;
 }
 
 void StoreDir::remove() {

@@ -25,6 +25,9 @@ class StoreDir {
 
   const std::string& path() const { return path_; }
   std::string file(std::string_view name) const;  // path_ + "/" + name
+  // Creates path_ + "/" + name and returns its path. `name` must be a plain file name
+  // (letters, digits, '-', '_', '.'; not starting with '.'): UsageError otherwise.
+  std::string subdirectory(std::string_view name) const;
 
   // Deletes every file in the directory and the directory itself (clean exit).
   void remove();

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -97,10 +99,78 @@ struct UringFile::Impl {
     size_t done = 0;   // bytes transferred so far
   };
 
-  std::string path;
+  // One logical file: its physical files (fds[k] is stripe_path(path, k)).
+  struct File {
+    std::string path;
+    std::vector<int> fds;
+    bool direct = false;
+    bool ram = false;
+    uint64_t allocated = 0;       // [0, allocated) is known to be allocated by allocate()
+    unsigned first_physical = 0;  // index of fds[0] in physical_paths()
+
+    ~File() {
+      for (int fd : fds) ::close(fd);
+    }
+    uint64_t stripes() const { return fds.size(); }
+
+    // Bytes of physical file k that logical [0, end) of this file reaches.
+    uint64_t local_end(unsigned k, uint64_t end) const {
+      const uint64_t units = end / kStripeBytes;
+      uint64_t bytes = (units / stripes() + (k < units % stripes() ? 1 : 0)) * kStripeBytes;
+      if (k == units % stripes()) bytes += end % kStripeBytes;
+      return bytes;
+    }
+
+    // The end of this file implied by physical file k holding `size` bytes.
+    uint64_t logical_end(unsigned k, uint64_t size) const {
+      if (size == 0) return 0;
+      const uint64_t last = size - 1;
+      return (last / kStripeBytes * stripes() + k) * kStripeBytes + last % kStripeBytes + 1;
+    }
+
+    uint64_t file_size(unsigned k) const {
+      struct stat st;
+      if (::fstat(fds[k], &st) != 0) throw_io_error(errno, "fstat", stripe_path(path, k), 0);
+      return static_cast<uint64_t>(st.st_size);
+    }
+  };
+
+  // Opens the physical files of one logical file: O_DIRECT when the filesystem takes it,
+  // else buffered, striped in RAM (see the header).
+  static std::unique_ptr<File> open(const std::string& path, bool try_direct) {
+    auto f = std::make_unique<File>();
+    f->path = path;
+    f->ram = in_ram(path);
+    if (try_direct && !f->ram) {
+      const int fd = open_file(path, true);
+      if (fd < 0 && errno != EINVAL) throw_io_error(errno, "open", path, 0);
+      if (fd >= 0) f->fds.push_back(fd);
+      if (fd >= 0 && probe_direct(fd, path) == EINVAL) {
+        ::close(fd);
+        f->fds.clear();
+      }
+      // Other probe failures (ENOSPC, EFBIG) say nothing about O_DIRECT: keep it, and let
+      // real requests report them.
+      f->direct = !f->fds.empty();
+    }
+    if (!f->direct) {
+      // In RAM nothing but the per-inode serialization of buffered writes (see the header)
+      // limits them: stripe.
+      const unsigned stripes = f->ram ? kStripes : 1;
+      for (unsigned k = 0; k < stripes; ++k) {
+        const int fd = open_file(stripe_path(path, k), false);
+        if (fd < 0) throw_io_error(errno, "open", stripe_path(path, k), 0);
+        f->fds.push_back(fd);
+      }
+    }
+    return f;
+  }
+
+  std::string path;  // of file 0
   Options options;
-  std::vector<int> fds;  // physical files: fds[k] is stripe_path(path, k)
-  bool direct = false;
+  // Appended by add_file() while the ring runs, hence a fixed array: no reallocation.
+  std::array<std::unique_ptr<File>, kMaxFiles> files;
+  std::atomic<unsigned> file_count{0};
   bool ring_ready = false;
   io_uring ring{};
   std::vector<Slot> slots;
@@ -109,42 +179,27 @@ struct UringFile::Impl {
   std::vector<unsigned> free_pieces;
   std::deque<unsigned> waiting;  // slots with bytes not yet issued, oldest first
   std::vector<iovec> registered;
-  uint64_t allocated = 0;  // logical [0, allocated) is known to be allocated by allocate()
 
   ~Impl() {
     if (ring_ready) io_uring_queue_exit(&ring);
-    for (int fd : fds) ::close(fd);
   }
 
   unsigned in_flight() const { return static_cast<unsigned>(slots.size() - free_slots.size()); }
-  uint64_t stripes() const { return fds.size(); }
 
-  // The physical file holding logical byte `off`, and the offset in it.
-  std::pair<unsigned, uint64_t> locate(uint64_t off) const {
-    const uint64_t unit = off / kStripeBytes;
-    return {static_cast<unsigned>(unit % stripes()),
-            unit / stripes() * kStripeBytes + off % kStripeBytes};
-  }
+  // The logical file holding logical offset `off` (an offset checked by submit()).
+  const File& file_of(uint64_t off) const { return *files[off / kRegionBytes]; }
 
-  // Bytes of physical file k that logical [0, end) reaches.
-  uint64_t local_end(unsigned k, uint64_t end) const {
-    const uint64_t units = end / kStripeBytes;
-    uint64_t bytes = (units / stripes() + (k < units % stripes() ? 1 : 0)) * kStripeBytes;
-    if (k == units % stripes()) bytes += end % kStripeBytes;
-    return bytes;
-  }
-
-  // The logical end implied by physical file k holding `size` bytes.
-  uint64_t logical_end(unsigned k, uint64_t size) const {
-    if (size == 0) return 0;
-    const uint64_t last = size - 1;
-    return (last / kStripeBytes * stripes() + k) * kStripeBytes + last % kStripeBytes + 1;
-  }
-
-  uint64_t file_size(unsigned k) const {
-    struct stat st;
-    if (::fstat(fds[k], &st) != 0) throw_io_error(errno, "fstat", stripe_path(path, k), 0);
-    return static_cast<uint64_t>(st.st_size);
+  struct Place {
+    const File* file;
+    unsigned stripe;  // index into file->fds
+    uint64_t offset;  // in that physical file
+  };
+  // Where logical byte `off` lies.
+  Place locate(uint64_t off) const {
+    const File& f = file_of(off);
+    const uint64_t unit = off % kRegionBytes / kStripeBytes;
+    return {&f, static_cast<unsigned>(unit % f.stripes()),
+            unit / f.stripes() * kStripeBytes + off % kStripeBytes};
   }
 
   // Starts pieces of the waiting requests while there are free pieces.
@@ -152,7 +207,7 @@ struct UringFile::Impl {
     while (!waiting.empty() && !free_pieces.empty()) {
       Slot& s = slots[waiting.front()];
       size_t len = s.req.len - s.issued;
-      if (stripes() > 1) {
+      if (file_of(s.req.offset).stripes() > 1) {
         len = std::min<size_t>(len, kStripeBytes - (s.req.offset + s.issued) % kStripeBytes);
       }
       const unsigned index = free_pieces.back();
@@ -179,8 +234,9 @@ struct UringFile::Impl {
     char* buf = static_cast<char*>(req.buf) + p.start + p.done;
     // One SQE carries at most 1 GiB (an aligned amount); the rest goes as a short transfer.
     const auto len = static_cast<unsigned>(std::min<size_t>(p.len - p.done, size_t{1} << 30));
-    const auto [k, off] = locate(req.offset + p.start + p.done);
-    const int fd = fds[k];
+    const Place at = locate(req.offset + p.start + p.done);
+    const int fd = at.file->fds[at.stripe];
+    const uint64_t off = at.offset;
     if (req.buf_index >= 0) {
       // The piece lies inside the request's registered buffer, so fixed I/O still applies.
       if (req.write) {
@@ -196,7 +252,7 @@ struct UringFile::Impl {
     io_uring_sqe_set_data64(sqe, index);
     // Buffered I/O is a memcpy in the kernel: hand it to io_uring's worker pool so many
     // requests copy on many cores, instead of one after another in the submitting thread.
-    if (!direct) io_uring_sqe_set_flags(sqe, IOSQE_ASYNC);
+    if (!at.file->direct) io_uring_sqe_set_flags(sqe, IOSQE_ASYNC);
   }
 
   // Hands queued SQEs to the kernel. Transient refusals leave them queued in the ring;
@@ -243,7 +299,7 @@ struct UringFile::Impl {
     if (res == 0) return end_piece(index, req.write ? EIO : ENODATA, at, out);
     p.done += static_cast<size_t>(res);
     if (p.done >= p.len) return end_piece(index, 0, 0, out);
-    if (!req.write && direct && !aligned(p.done)) {
+    if (!req.write && file_of(req.offset).direct && !aligned(p.done)) {
       // O_DIRECT reads stop short only at the end of the file, and the misaligned
       // remainder could not be read directly anyway.
       return end_piece(index, ENODATA, at + static_cast<uint64_t>(res), out);
@@ -272,34 +328,12 @@ UringFile::UringFile(std::string path, Options options) : impl_(std::make_unique
   m.path = std::move(path);
   m.options = options;
   if (options.queue_depth == 0) throw UsageError("UringFile: queue_depth must be at least 1");
-
-  const bool ram = in_ram(m.path);
-  if (options.try_direct && !ram) {
-    const int fd = open_file(m.path, true);
-    if (fd < 0 && errno != EINVAL) throw_io_error(errno, "open", m.path, 0);
-    if (fd >= 0) m.fds.push_back(fd);
-    if (fd >= 0 && probe_direct(fd, m.path) == EINVAL) {
-      ::close(fd);
-      m.fds.clear();
-    }
-    // Other probe failures (ENOSPC, EFBIG) say nothing about O_DIRECT: keep it, and let
-    // real requests report them.
-    m.direct = !m.fds.empty();
-  }
-  if (!m.direct) {
-    // In RAM nothing but the per-inode serialization of buffered writes (see the header)
-    // limits them: stripe.
-    const unsigned stripes = ram ? kStripes : 1;
-    for (unsigned k = 0; k < stripes; ++k) {
-      const int fd = open_file(stripe_path(m.path, k), false);
-      if (fd < 0) throw_io_error(errno, "open", stripe_path(m.path, k), 0);
-      m.fds.push_back(fd);
-    }
-  }
+  m.files[0] = Impl::open(m.path, options.try_direct);
+  m.file_count.store(1, std::memory_order_release);
 
   // Room for every request to be in several pieces, within the kernel's maximum.
-  const auto entries =
-      static_cast<unsigned>(std::min<uint64_t>(uint64_t{options.queue_depth} * m.stripes(), 32768));
+  const auto entries = static_cast<unsigned>(
+      std::min<uint64_t>(uint64_t{options.queue_depth} * kStripes, 32768));
   int ret = io_uring_queue_init(entries, &m.ring, 0);
   if (ret < 0) throw_io_error(-ret, "io_uring_queue_init", m.path, 0);
   m.ring_ready = true;
@@ -311,8 +345,31 @@ UringFile::UringFile(std::string path, Options options) : impl_(std::make_unique
 
 UringFile::~UringFile() = default;
 
+unsigned UringFile::add_file(const std::string& path) {
+  Impl& m = *impl_;
+  const unsigned r = m.file_count.load(std::memory_order_acquire);
+  if (r == kMaxFiles) {
+    throw UsageError("UringFile: at most " + std::to_string(kMaxFiles) + " files per ring (" +
+                     path + " is one too many)");
+  }
+  auto f = Impl::open(path, m.options.try_direct);
+  const Impl::File& last = *m.files[r - 1];
+  f->first_physical = last.first_physical + static_cast<unsigned>(last.stripes());
+  m.files[r] = std::move(f);
+  m.file_count.store(r + 1, std::memory_order_release);
+  return r;
+}
+
+unsigned UringFile::file_count() const {
+  return impl_->file_count.load(std::memory_order_acquire);
+}
+
 const std::string& UringFile::path() const { return impl_->path; }
-bool UringFile::direct() const { return impl_->direct; }
+const std::string& UringFile::file_path(unsigned file) const {
+  if (file >= file_count()) throw UsageError("UringFile: no file " + std::to_string(file));
+  return impl_->files[file]->path;
+}
+bool UringFile::direct() const { return impl_->files[0]->direct; }
 unsigned UringFile::queue_depth() const { return impl_->options.queue_depth; }
 unsigned UringFile::in_flight() const { return impl_->in_flight(); }
 
@@ -336,6 +393,11 @@ void UringFile::submit(const Request& request) {
   if (request.len == 0 || !aligned(request.len) || !aligned(request.offset) || !aligned(addr)) {
     throw UsageError("UringFile::submit: buffer, offset and length must be non-zero multiples of " +
                      std::to_string(kAlignment));
+  }
+  if (request.offset / kRegionBytes >= m.file_count.load(std::memory_order_acquire) ||
+      (request.offset + request.len - 1) / kRegionBytes != request.offset / kRegionBytes) {
+    throw UsageError("UringFile::submit: offset " + std::to_string(request.offset) +
+                     " is not inside one file of " + m.path + " (see add_file())");
   }
   if (request.buf_index >= 0) {
     if (static_cast<size_t>(request.buf_index) >= m.registered.size()) {
@@ -388,32 +450,37 @@ size_t UringFile::reap(std::vector<Completion>* out, int64_t timeout_us) {
 }
 
 void UringFile::allocate(uint64_t end) {
-  Impl& m = *impl_;
-  if (end <= m.allocated) return;
-  for (unsigned k = 0; k < m.stripes(); ++k) {
-    const uint64_t from = m.local_end(k, m.allocated), to = m.local_end(k, end);
+  if (end == 0) return;
+  Impl::File& f = *impl_->files[(end - 1) / kRegionBytes];
+  end = (end - 1) % kRegionBytes + 1;
+  if (end <= f.allocated) return;
+  for (unsigned k = 0; k < f.stripes(); ++k) {
+    const uint64_t from = f.local_end(k, f.allocated), to = f.local_end(k, end);
     if (to <= from) continue;
-    int ret;
-    do {
-      ret = ::fallocate(m.fds[k], 0, static_cast<off_t>(from), static_cast<off_t>(to - from));
-    } while (ret != 0 && errno == EINTR);
-    if (ret == 0) continue;
-    const int err = errno;
-    const std::string name = stripe_path(m.path, k);
+    int ret = -1;
+    // In RAM, fallocate would zero every page in this one thread before the writes copy
+    // over it; writes allocate their own pages, and ENOSPC still fails the write cleanly.
+    if (!f.ram) {
+      do {
+        ret = ::fallocate(f.fds[k], 0, static_cast<off_t>(from), static_cast<off_t>(to - from));
+      } while (ret != 0 && errno == EINTR);
+      if (ret == 0) continue;
+    }
+    const int err = f.ram ? EOPNOTSUPP : errno;
+    const std::string name = stripe_path(f.path, k);
     if (err != EOPNOTSUPP && err != ENOSYS) throw_io_error(err, "fallocate", name, to);
-    // No preallocation here (some network and FUSE filesystems): at least set the size.
-    if (to > m.file_size(k) && ::ftruncate(m.fds[k], static_cast<off_t>(to)) != 0) {
+    // No preallocation (RAM, some network and FUSE filesystems): at least set the size.
+    if (to > f.file_size(k) && ::ftruncate(f.fds[k], static_cast<off_t>(to)) != 0) {
       throw_io_error(errno, "ftruncate", name, to);
     }
   }
-  m.allocated = end;
+  f.allocated = end;
 }
 
-uint64_t UringFile::size() const {
+uint64_t UringFile::size(unsigned file) const {
+  const Impl::File& f = *impl_->files.at(file);
   uint64_t end = 0;
-  for (unsigned k = 0; k < impl_->stripes(); ++k) {
-    end = std::max(end, impl_->logical_end(k, impl_->file_size(k)));
-  }
+  for (unsigned k = 0; k < f.stripes(); ++k) end = std::max(end, f.logical_end(k, f.file_size(k)));
   return end;
 }
 
@@ -421,13 +488,14 @@ std::vector<UringFile::Span> UringFile::spans(uint64_t offset, uint64_t length) 
   const Impl& m = *impl_;
   std::vector<Span> out;
   for (uint64_t at = offset, end = offset + length; at < end;) {
+    const Impl::Place p = m.locate(at);
     uint64_t n = end - at;
-    if (m.stripes() > 1) n = std::min(n, kStripeBytes - at % kStripeBytes);
-    const auto [k, local] = m.locate(at);
-    if (!out.empty() && out.back().file == k && out.back().offset + out.back().length == local) {
+    if (p.file->stripes() > 1) n = std::min(n, kStripeBytes - at % kStripeBytes);
+    const unsigned k = p.file->first_physical + p.stripe;
+    if (!out.empty() && out.back().file == k && out.back().offset + out.back().length == p.offset) {
       out.back().length += n;  // one stripe: the whole range is one piece
     } else {
-      out.push_back(Span{k, local, n});
+      out.push_back(Span{k, p.offset, n});
     }
     at += n;
   }
@@ -436,17 +504,23 @@ std::vector<UringFile::Span> UringFile::spans(uint64_t offset, uint64_t length) 
 
 std::vector<std::string> UringFile::physical_paths() const {
   std::vector<std::string> paths;
-  for (unsigned k = 0; k < impl_->stripes(); ++k) paths.push_back(stripe_path(impl_->path, k));
+  for (unsigned r = 0; r < file_count(); ++r) {
+    const Impl::File& f = *impl_->files[r];
+    for (unsigned k = 0; k < f.stripes(); ++k) paths.push_back(stripe_path(f.path, k));
+  }
   return paths;
 }
 
 void UringFile::sync() {
-  for (unsigned k = 0; k < impl_->stripes(); ++k) {
-    int ret;
-    do {
-      ret = ::fdatasync(impl_->fds[k]);
-    } while (ret != 0 && errno == EINTR);
-    if (ret != 0) throw_io_error(errno, "fdatasync", stripe_path(impl_->path, k), 0);
+  for (unsigned r = 0; r < file_count(); ++r) {
+    const Impl::File& f = *impl_->files[r];
+    for (unsigned k = 0; k < f.stripes(); ++k) {
+      int ret;
+      do {
+        ret = ::fdatasync(f.fds[k]);
+      } while (ret != 0 && errno == EINTR);
+      if (ret != 0) throw_io_error(errno, "fdatasync", stripe_path(f.path, k), 0);
+    }
   }
 }
 

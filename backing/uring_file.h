@@ -1,4 +1,8 @@
-// UringFile: one store file driven through one io_uring.
+// UringFile: store files driven through one io_uring.
+//
+// Files: the ring serves up to kMaxFiles logical files: `path` (file 0) and those added
+// by add_file(). Offsets are logical: byte x of file r is at r * kRegionBytes + x, so one
+// offset names the file and the place in it, and a request lies inside one file.
 //
 // Opening tries O_DIRECT and probes it with one aligned write; filesystems that refuse
 // direct I/O (tmpfs, some FUSE mounts) fall back to buffered I/O, detected, never
@@ -13,12 +17,15 @@
 // ... `path.7`; a request is split at unit boundaries and completes when all its parts
 // have. Deleting the store means deleting every physical file (remove_files()). A unit
 // never written nor allocated reads as the end of the file (ENODATA), even below size().
+// In RAM allocate() only sets the size: preallocating would zero every page in one
+// thread before the writes copy over it.
 //
 // Ownership: owns the file descriptors and the ring; buffers stay the caller's and must
 // outlive the requests that use them.
-// Thread-safety: none, except spans() and physical_paths(), which read only what is fixed
-// at construction and may be called from any thread. One thread submits and reaps (the
-// Pager's I/O thread).
+// Thread-safety: none, except add_file(), file_count(), file_path(), spans() and
+// physical_paths(),
+// which may be called from any thread (add_file() from one at a time) while another
+// submits and reaps (the Pager's I/O thread).
 // Errors: construction and allocate() throw IoError subclasses (backing/errors.h) naming
 // the file; per-request failures come back as Completion::error (an errno value).
 #pragma once
@@ -36,6 +43,8 @@ namespace statepager {
 class UringFile {
  public:
   static constexpr size_t kAlignment = 4096;
+  static constexpr uint64_t kRegionBytes = uint64_t{1} << 48;  // logical offsets per file
+  static constexpr unsigned kMaxFiles = 256;
 
   struct Options {
     unsigned queue_depth = 32;  // requests in flight at most
@@ -66,12 +75,17 @@ class UringFile {
 
   // Opens `path` (and its siblings when striped), creating them if missing (contents kept).
   UringFile(std::string path, Options options);
+  // Opens another file the same way on the same ring; returns its index r (see Files).
+  // UsageError past kMaxFiles.
+  unsigned add_file(const std::string& path);
+  unsigned file_count() const;
   ~UringFile();
   UringFile(const UringFile&) = delete;
   UringFile& operator=(const UringFile&) = delete;
 
-  const std::string& path() const;
-  bool direct() const;
+  const std::string& path() const;  // of file 0
+  const std::string& file_path(unsigned file) const;  // the path of logical file `file`
+  bool direct() const;               // file 0 uses O_DIRECT
   unsigned queue_depth() const;
   unsigned in_flight() const;
 
@@ -86,16 +100,18 @@ class UringFile {
   // none is ready (0: poll, negative: wait until one finishes). Returns how many.
   size_t reap(std::vector<Completion>* out, int64_t timeout_us);
 
-  // Makes sure bytes [0, end) of the file are allocated: fallocate, or ftruncate where the
-  // filesystem does not support it. Throws NoSpaceError when the space is not there.
+  // Makes sure the file holding logical byte end - 1 is allocated up to there: fallocate,
+  // or ftruncate where the filesystem does not support it (or is RAM). Throws NoSpaceError
+  // when the space is not there.
   void allocate(uint64_t end);
 
-  uint64_t size() const;   // current logical file size
+  uint64_t size(unsigned file = 0) const;  // current size of one logical file
 
   // Where logical bytes [offset, offset + length) lie: pieces of the physical files, in
   // logical order (one piece when not striped). For copying ranges with other tools.
   std::vector<Span> spans(uint64_t offset, uint64_t length) const;
-  // The physical files: `path` and, when striped, its siblings.
+  // The physical files of every logical file, in file order: each path and, when
+  // striped, its siblings.
   std::vector<std::string> physical_paths() const;
   void sync();             // fdatasync of every physical file
 

@@ -213,11 +213,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("budget_bytes"), py::arg("keep_bytes"), py::arg("arena_bytes"),
            py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"))
       .def("empty",
-           [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar) {
+           [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
+              const std::string& store) {
              int64_t numel = 1;
              for (int64_t s : shape) numel *= s;
              const size_t bytes = size_t(numel) * c10::elementSize(scalar);
-             const ExtentId id = self.pager->create(bytes);
+             const ExtentId id = self.pager->create(bytes, self.pager->open_store(store));
              std::shared_ptr<Pager> keep = self.pager;
              auto deleter = [keep, id](void*) { keep->release(id); };
              // target_device: an unmapped address is unknown to cudaPointerGetAttributes,
@@ -227,6 +228,17 @@ PYBIND11_MODULE(_C, m) {
                  .options(torch::TensorOptions().dtype(scalar).device(self.device))
                  .target_device(self.device)
                  .make_tensor();
+           },
+           py::arg("shape"), py::arg("dtype"), py::arg("store") = "")
+      .def("move_to_store",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors, const std::string& store) {
+             self.pager->move_to_store(self.extents_of(tensors), self.pager->open_store(store));
+           })
+      .def("open_store",
+           [](PyPager& self, const std::string& name) { self.pager->open_store(name); })
+      .def("store_of",
+           [](PyPager& self, const torch::Tensor& t) {
+             return self.pager->store_name(self.pager->store_of(self.extent_of(t)));
            })
       .def("page_in",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors) {

@@ -25,8 +25,9 @@ instance (never on its class):
   Pager.pause / resume.
 
 Each DistributedOptimizer of a ChainedOptimizer is its own binding, named
-"<index>-dense" or "<index>-expert" (stable across runs of the same model), all paging
-through the rank's Pager.
+"<index>-dense" or "<index>-expert" (stable across runs of the same model), with its own
+store, <the rank's pager directory>/<name>/; all share the rank's Pager (one page pool,
+one HBM budget, one I/O ring).
 """
 from __future__ import annotations
 

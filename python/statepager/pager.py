@@ -36,7 +36,9 @@ class Pager:
 
     directory: the store directory; exclusive to this Pager (a second one is refused),
         wiped on start, deleted by close(). "{rank}" in it becomes the torch.distributed
-        rank (0 when not initialized), so each rank of a job gets its own store.
+        rank (0 when not initialized), so each rank of a job gets its own store. Each
+        attached optimizer keeps its state in its own store, directory/<its name>/;
+        other tensors in the default one, directory/state.bin.
     device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory).
     page_size: bytes per physical page; a multiple of the device granularity.
     hbm_budget: physical bytes the pool may hold at once (None: unbounded).
@@ -75,17 +77,28 @@ class Pager:
 
     # -- tensors ---------------------------------------------------------------------
 
-    def empty(self, *shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A deferred tensor: address reserved, no memory and no I/O until page_in()."""
+    def empty(self, *shape, dtype: torch.dtype = torch.float32, store: str = "") -> torch.Tensor:
+        """A deferred tensor: address reserved, no memory and no I/O until page_in().
+        `store` names the store its bytes go to ("" the default one)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
-        return self._core.empty(list(shape), dtype)
+        return self._core.empty(list(shape), dtype, store)
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         return self.empty(t.shape, dtype=t.dtype)
 
     def owns(self, t: torch.Tensor) -> bool:
         return self._core.owns(t)
+
+    def store_of(self, t: torch.Tensor) -> str:
+        """The name of the store t's bytes live in ("" the default one)."""
+        return self._core.store_of(t)
+
+    def move_to_store(self, tensors: Iterable[torch.Tensor], store: str) -> None:
+        """The tensors' bytes live in store `store` from now on (directory/<store>/, opened
+        on first use; "" the default store). Nothing is copied: tensors with bytes at rest
+        move on their next page-in. Not while they are being paged."""
+        self._core.move_to_store(list(tensors), store)
 
     def residency(self, t: torch.Tensor) -> str:
         """'zero', 'file', 'resident', 'paging_in' or 'paging_out'."""
@@ -168,8 +181,9 @@ class Pager:
         buckets resident or in flight at most. `moments` ("fp32", "bf16", "q8") and
         `mains` ("fp32", "residual": needs `model_param(master)` -> its bf16 parameter)
         choose the on-disk formats (statepager.formats). `name` identifies the binding in
-        checkpoints (default "opt<i>", i its attach order); parameters for which
-        `keep_resident(p)` is true keep their state in ordinary memory and step unpaged.
+        checkpoints and names its own store, directory/<name>/ (default "opt<i>", i its
+        attach order); parameters for which `keep_resident(p)` is true keep their state
+        in ordinary memory and step unpaged.
         A Megatron DistributedOptimizer or ChainedOptimizer is attached through
         statepager.megatron (one binding per member; returns a MegatronBinding).
         Returns the StreamedOptimizer binding; its `.last` holds the last step's StepStats."""
@@ -184,6 +198,7 @@ class Pager:
         if any(b.name == name for b in self._bindings):
             raise _C.UsageError(f"an optimizer named {name!r} is already attached to this "
                                 "Pager: give each attach() its own name")
+        self._core.open_store(name)  # refuses a name that is no plain file name
         binding = StreamedOptimizer(self, optimizer, bucket_size=bucket_size, depth=depth,
                                     log_steps=log_steps, before_bucket=before_bucket,
                                     after_bucket=after_bucket, moments=moments, mains=mains,

@@ -175,6 +175,7 @@ class StreamedOptimizer:
     def _fill(self, b: Bucket) -> None:
         b.forms = [f for p in b.params for _, f in self.forms(p)]
         b.stored = [t for f in b.forms for t in f.tensors]
+        self.pager.move_to_store(b.stored, self.name)  # this binding's own store
         b.working = [f.working for f in b.forms if f.scratch]
         b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working)
 

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -249,6 +250,61 @@ TEST(Pager, SegmentsAreNotPagerTensors) {
   pager.release_at(seg);
   EXPECT_THROW(pager.release_at(seg), UsageError);
   pager.release(t);
+}
+
+// Named stores: each its own file in a subdirectory of the store directory. Extents move
+// between stores without copies: at once without bytes at rest, else on their next
+// page-in, which still reads the old range.
+TEST(Pager, NamedStoresHoldTheirExtents) {
+  const PagerOptions o = small_options("stores");
+  Pager pager(make_host_device(), o);
+  EXPECT_EQ(pager.open_store(""), 0u);
+  const unsigned dense = pager.open_store("0-dense");
+  EXPECT_EQ(pager.open_store("0-dense"), dense);
+  EXPECT_EQ(pager.store_name(dense), "0-dense");
+  EXPECT_THROW(pager.open_store("../x"), UsageError);
+  EXPECT_THROW(pager.open_store(".hidden"), UsageError);
+  const std::string dense_file = o.directory + "/0-dense/state.bin";
+  auto file_size = [](const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 ? static_cast<size_t>(st.st_size) : size_t(0);
+  };
+
+  const ExtentId a = pager.create(300000, dense);
+  const ExtentId b = pager.create(200000);
+  const ExtentId c = pager.create(100000);
+  pager.wait(pager.page_in({a, b}));
+  fill_random(pager.address(a), 300000, 1);
+  fill_random(pager.address(b), 200000, 2);
+  pager.wait(pager.page_out({a, b}));
+  EXPECT_GE(file_size(pager.file_path()), 200000u);
+  EXPECT_LT(file_size(pager.file_path()), 300000u);
+  EXPECT_GE(file_size(dense_file), 300000u);
+
+  pager.move_to_store({b, c}, dense);
+  EXPECT_EQ(pager.store_of(b), dense);
+  EXPECT_EQ(pager.store_of(c), dense);
+  EXPECT_EQ(pager.residency(b), Residency::kFile);
+  pager.wait(pager.page_in({b}));  // from the default store
+  EXPECT_TRUE(equals_random(pager.address(b), 200000, 2));
+  pager.wait(pager.page_out({b}));  // into the dense store
+  EXPECT_GE(file_size(dense_file), 500000u);
+  const std::vector<std::string> files = pager.store_files();
+  for (const Placement& p : pager.hold({a, b})) {
+    EXPECT_EQ(p.store_offset / UringFile::kRegionBytes, dense);
+    for (const UringFile::Span& s : p.spans) EXPECT_EQ(files.at(s.file), dense_file);
+    pager.unhold(p.store_offset);
+  }
+
+  pager.move_to_store({a}, 0);      // pending: a's bytes stay in the dense store
+  pager.move_to_store({a}, dense);  // and the move is called off
+  EXPECT_EQ(pager.store_of(a), dense);
+  pager.wait(pager.page_in({a, b}));
+  EXPECT_TRUE(equals_random(pager.address(a), 300000, 1));
+  EXPECT_TRUE(equals_random(pager.address(b), 200000, 2));
+  EXPECT_THROW(pager.move_to_store({a}, 7), UsageError);
+  pager.close();
+  EXPECT_NE(::access(o.directory.c_str(), F_OK), 0) << "named stores are removed on close";
 }
 
 }  // namespace

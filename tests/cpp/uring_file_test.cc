@@ -475,6 +475,72 @@ TEST(UringFile, OpenKeepsExistingContents) {
   EXPECT_EQ(std::memcmp(in.get(), data.data(), kPage), 0);
 }
 
+// Files added to one ring: offsets name the file; each file keeps its own bytes, spans
+// index the concatenated physical paths, and a request may not cross into another file.
+class UringFileFiles : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(UringFileFiles, OffsetsNameTheFile) {
+  TempDir dir(GetParam());
+  UringFile f(dir.file("a"), UringFile::Options{8, true});
+  ::mkdir(dir.file("sub").c_str(), 0755);
+  const unsigned b = f.add_file(dir.file("sub/b"));
+  ASSERT_EQ(b, 1u);
+  EXPECT_EQ(f.file_count(), 2u);
+  EXPECT_EQ(f.file_path(1), dir.file("sub/b"));
+  const uint64_t base = UringFile::kRegionBytes;
+  const size_t n = 3 * kStripeUnit + 2 * kPage;  // spans stripes in RAM
+  AlignedBuf x = aligned_buf(n), y = aligned_buf(n), got = aligned_buf(n);
+  fill_random(x.get(), n, 1);
+  fill_random(y.get(), n, 2);
+  f.allocate(kPage + n);
+  f.allocate(base + n);
+  expect_all_ok(run_all(f, {{0, true, x.get(), n, kPage, -1}, {1, true, y.get(), n, base, -1}}),
+                {{0, true, x.get(), n, kPage, -1}, {1, true, y.get(), n, base, -1}});
+  EXPECT_EQ(f.size(0), kPage + n);
+  EXPECT_EQ(f.size(1), n);
+  ASSERT_EQ(run_all(f, {{0, false, got.get(), n, base, -1}})[0].error, 0);
+  EXPECT_EQ(std::memcmp(got.get(), y.get(), n), 0);
+  ASSERT_EQ(run_all(f, {{0, false, got.get(), n, kPage, -1}})[0].error, 0);
+  EXPECT_EQ(std::memcmp(got.get(), x.get(), n), 0);
+
+  // File 1's bytes read back through spans() and physical_paths(), as checkpoints do.
+  const std::vector<std::string> paths = f.physical_paths();
+  const size_t a_files = std::string(GetParam()) == "/dev/shm" ? kRamStripes : 1;
+  ASSERT_EQ(paths.size(), 2 * a_files);
+  std::vector<char> copy;
+  for (const UringFile::Span& s : f.spans(base, n)) {
+    ASSERT_GE(s.file, a_files) << "a span of file 1 points into file 0";
+    std::vector<char> piece(s.length);
+    const int fd = ::open(paths[s.file].c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pread(fd, piece.data(), s.length, static_cast<off_t>(s.offset)),
+              static_cast<ssize_t>(s.length));
+    ::close(fd);
+    copy.insert(copy.end(), piece.begin(), piece.end());
+  }
+  ASSERT_EQ(copy.size(), n);
+  EXPECT_EQ(std::memcmp(copy.data(), y.get(), n), 0);
+
+  EXPECT_THROW(f.submit({0, false, got.get(), 2 * kPage, base - kPage, -1}), UsageError);
+  EXPECT_THROW(f.submit({0, false, got.get(), kPage, 2 * base, -1}), UsageError);
+}
+
+INSTANTIATE_TEST_SUITE_P(DiskAndRam, UringFileFiles, ::testing::Values("/tmp", "/dev/shm"));
+
+// In RAM allocate() sizes the files without allocating (zeroing) their pages: the writes
+// do that, on many workers.
+TEST(UringFile, RamAllocateOnlySetsTheSize) {
+  TempDir dir("/dev/shm");
+  UringFile f(dir.file("data"), UringFile::Options{});
+  f.allocate(64 * kStripeUnit);
+  EXPECT_EQ(f.size(), 64 * kStripeUnit);
+  for (unsigned k = 0; k < kRamStripes; ++k) {
+    struct stat st;
+    ASSERT_EQ(::stat(stripe_path(dir.file("data"), k).c_str(), &st), 0);
+    EXPECT_EQ(st.st_blocks, 0) << "stripe " << k << " was preallocated";
+  }
+}
+
 TEST(UringFile, AllocateReservesSpace) {
   TempDir dir;
   UringFile f(dir.file("data"), UringFile::Options{});

@@ -41,6 +41,18 @@ def snapshot(optimizer, binding):
     return out
 
 
+def stores_in_use(pager, binding) -> list:
+    """Per member, the store its paged mains and moments live in (one name, or a set)."""
+    out = []
+    for stream in binding.streams:
+        inner = stream.optimizer
+        tensors = [t for p in inner.state for t in [p, *inner.state[p].values()]
+                   if isinstance(t, torch.Tensor) and pager.owns(t)]
+        names = {pager.store_of(t) for t in tensors}
+        out.append(names.pop() if len(names) == 1 else names)
+    return out
+
+
 def train(setup, model, optimizer, scheduler, first, count):
     return [megatron_gpt.train_step(setup, model, optimizer, scheduler, i)
             for i in range(first, first + count)]
@@ -89,9 +101,14 @@ def main():
             paged = result(model, optimizer, binding,
                            train(setup, model, optimizer, scheduler, 0, setup.steps))
             names = [s.name for s in binding.streams]
+            stores = stores_in_use(pager, binding)
+            assert stores == names, f"members' state in stores {stores}, not {names}"
+            assert all(os.path.isfile(os.path.join(pager.directory, n, "state.bin"))
+                       for n in names)
         torch.save({"base": base, "paged": paged}, out_file)
         diff = same(base, paged)
-        print(f"rank {rank}: optimizers {names}, {setup.steps} steps, final loss "
+        print(f"rank {rank}: optimizers {names}, each in its own store, {setup.steps} steps, "
+              f"final loss "
               f"{paged['losses'][-1]:.4f}, {'identical' if not diff else diff}", flush=True)
         if diff:
             sys.exit(1)

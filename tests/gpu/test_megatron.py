@@ -12,14 +12,16 @@ import torch
 from statepager import Pager
 from statepager import _C
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+import megatron_run  # noqa: E402
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                        reason="megatron-core is not installed (the GPU suite carries it)"),
 ]
 MiB = 1 << 20
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,7 @@ def test_parity_with_unpaged_megatron(gpt, case, store_dir):
         # One GPU: experts are not expert-parallel, so one (dense) DistributedOptimizer;
         # the dense + expert ChainedOptimizer runs on two GPUs (test_expert_parallel_...).
         assert [s.name for s in binding.streams] == ["0-dense"]
+        assert megatron_run.stores_in_use(pager, binding) == ["0-dense"]
         assert all(st.buckets > 1 for st in binding.last), "several buckets per member"
         assert_same(base, paged)
         # The model's loss went down: the pager trains, it does not just copy.

@@ -1,10 +1,12 @@
 """The bucket-streamed step on the host backend: bit-exact parity with the unpaged
 optimizer, bounded memory, state_dict round trips, PagedAdamW."""
 import copy
+import os
 
 import pytest
 import torch
 
+import statepager
 from statepager import PagedAdamW, Pager
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -269,3 +271,26 @@ def test_keep_resident_params_step_unpaged(store_dir):
             assert paged == [id(p) not in small] * 2
         for a, b in zip(ref_model.parameters(), model.parameters()):
             assert torch.equal(a, b)
+
+
+def test_each_attached_optimizer_has_its_own_store(store_dir):
+    dense_model, expert_model = make_model(seed=0), make_model(seed=1, dtype=torch.bfloat16)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        dense = torch.optim.AdamW(dense_model.parameters(), lr=1e-3)
+        pager.attach(dense, name="0-dense", bucket_size=128 * KiB)
+        # PagedAdamW attaches as "opt1"; its masters are filled in the default store
+        # before that, and move to opt1's on their first page-in.
+        expert = PagedAdamW(expert_model.parameters(), pager=pager, bucket_size=128 * KiB)
+        train(dense_model, dense, None, 1)
+        train(expert_model, expert, None, 1)
+        stores = {}
+        for name, opt in (("0-dense", dense), ("opt1", expert)):
+            paged = [t for p in opt.state for t in [p, *opt.state[p].values()]
+                     if isinstance(t, torch.Tensor) and pager.owns(t)]
+            assert paged and {pager.store_of(t) for t in paged} == {name}
+            stores[name] = sum(t.numel() * t.element_size() for t in paged)
+        for name, nbytes in stores.items():
+            path = os.path.join(store_dir, name, "state.bin")
+            assert os.path.getsize(path) >= nbytes, name
+        with pytest.raises(statepager.UsageError, match="plain file name"):
+            pager.attach(torch.optim.AdamW(make_model().parameters()), name="../elsewhere")
