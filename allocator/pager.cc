@@ -52,6 +52,10 @@ struct Job {
   std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
 };
 
+IoShape io_shape_for(bool direct_io) {
+  return direct_io ? IoShape{64, size_t(4) << 20} : IoShape{32, size_t(1) << 20};
+}
+
 std::pair<double, double> job_times(const Job& job) {
   auto seconds = [](std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(t.time_since_epoch()).count();
@@ -92,15 +96,20 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
     : device_(std::move(device)),
       options_(std::move(options)),
       pool_(*device_, options_.pool) {
-  if (options_.io_block_bytes == 0 || options_.io_block_bytes % kFileAlign != 0 ||
-      options_.io_depth == 0) {
-    throw UsageError("io_block_bytes must be a positive multiple of 4096 and io_depth >= 1");
+  if (options_.io_block_bytes % kFileAlign != 0) {
+    throw UsageError("io_block_bytes must be a multiple of 4096 (0: chosen for the medium)");
   }
   // A file-size limit must surface as EFBIG on the write, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
   dir_ = std::make_unique<StoreDir>(options_.directory);
+  const unsigned ring_depth = options_.io_depth != 0
+                                  ? options_.io_depth
+                                  : std::max(io_shape_for(true).depth, io_shape_for(false).depth);
   file_ = std::make_unique<UringFile>(dir_->file("state.bin"),
-                                      UringFile::Options{options_.io_depth, options_.try_direct});
+                                      UringFile::Options{ring_depth, options_.try_direct});
+  const IoShape shape = io_shape_for(file_->direct());
+  if (options_.io_depth == 0) options_.io_depth = shape.depth;
+  if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
   // Offset 0 stays unused in every store: an extent's range is never 0.
   stores_.push_back(std::make_unique<Store>(
       Store{"", Arena(kFileAlign, UringFile::kRegionBytes - kFileAlign)}));
@@ -118,6 +127,8 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
     // Registration needs RLIMIT_MEMLOCK headroom; unregistered I/O is correct, just slower.
   }
   counters_.direct_io = file_->direct();
+  counters_.io_depth = options_.io_depth;
+  counters_.io_block_bytes = options_.io_block_bytes;
   io_thread_ = std::thread([this] { run_io_thread(); });
 }
 

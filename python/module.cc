@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <cstdio>
 #include <memory>
 
 #include "allocator/device.h"
@@ -220,7 +221,15 @@ PYBIND11_MODULE(_C, m) {
              const size_t bytes = size_t(numel) * c10::elementSize(scalar);
              const ExtentId id = self.pager->create(bytes, self.pager->open_store(store));
              std::shared_ptr<Pager> keep = self.pager;
-             auto deleter = [keep, id](void*) { keep->release(id); };
+             auto deleter = [keep, id](void*) {
+               try {
+                 keep->release(id);
+               } catch (const std::exception& e) {
+                 // PyTorch calls deleters noexcept: report, and leave the range reserved.
+                 std::fprintf(stderr, "statepager: releasing a pager tensor failed: %s\n",
+                              e.what());
+               }
+             };
              // target_device: an unmapped address is unknown to cudaPointerGetAttributes,
              // so torch must not try to infer the device from it.
              return at::for_blob(reinterpret_cast<void*>(self.pager->address(id)), shape)
@@ -287,6 +296,8 @@ PYBIND11_MODULE(_C, m) {
              d["buckets_out"] = s.buckets_out;
              d["buckets_held"] = s.buckets_held;
              d["direct_io"] = s.direct_io;
+             d["io_depth"] = s.io_depth;
+             d["io_block_bytes"] = s.io_block_bytes;
              return d;
            })
       .def("pause",

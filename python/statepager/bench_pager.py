@@ -46,16 +46,17 @@ def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | N
 def bench_store(args) -> dict:
     size = parse_size(args.size)
     bucket_bytes = parse_size(args.bucket)
-    block = parse_size(args.io_block)
     os.makedirs(args.dir, exist_ok=True)
     store = os.path.join(args.dir, "statepager-bench")
-    result = {"repeat": args.repeat, "size_bytes": size, "io_depth": args.io_depth, "io_block": block,
-              "cold_pages": args.cold}
+    result = {"repeat": args.repeat, "size_bytes": size, "cold_pages": args.cold}
     # The pool keeps its physical pages (steady state: no page creation in the timed part,
     # as in a training loop), unless --cold asks for fresh pages on every page-in.
     keep = 0 if args.cold else size + 64 * MiB
-    with Pager(store, device=args.device, io_depth=args.io_depth, io_block=block,
+    with Pager(store, device=args.device, io_depth=args.io_depth, io_block=args.io_block,
                keep=keep) as pager:
+        # fio and the raw loop run with the pager's I/O shape.
+        depth, block = pager.stats()["io_depth"], pager.stats()["io_block_bytes"]
+        result.update(io_depth=depth, io_block=block)
         # Buckets of tensors of mixed sizes (not multiples of 4 KiB), as optimizer state is.
         gen = torch.Generator().manual_seed(0)
         buckets, total = [], 0
@@ -79,7 +80,7 @@ def bench_store(args) -> dict:
         fio_write = fio_read = None
         write_s = read_s = float("inf")
         for _ in range(args.repeat):
-            w = fio(args.dir, "write", size, block, args.io_depth)
+            w = fio(args.dir, "write", size, block, depth)
             t0 = time.perf_counter()
             for h in [pager.page_out_async(b) for b in buckets]:
                 h.wait()
@@ -88,11 +89,11 @@ def bench_store(args) -> dict:
             for h in [pager.page_in_async(b) for b in buckets]:
                 h.wait()
             read_s = min(read_s, time.perf_counter() - t0)
-            r = fio(args.dir, "read", size, block, args.io_depth)
+            r = fio(args.dir, "read", size, block, depth)
             if w is not None:
                 fio_write, fio_read = max(fio_write or 0, w), max(fio_read or 0, r)
-        raw_read = _C.measure_raw_io(args.dir, size, block, args.io_depth, True, False)
-        raw_write = _C.measure_raw_io(args.dir, size, block, args.io_depth, False, True)
+        raw_read = _C.measure_raw_io(args.dir, size, block, depth, True, False)
+        raw_write = _C.measure_raw_io(args.dir, size, block, depth, False, True)
 
         ok = sums == [[float(t[:: 1 + t.numel() // 97].sum()) for t in b] for b in buckets]
         stats = pager.stats()
@@ -181,11 +182,14 @@ def bench_sleep(args) -> dict:
             rounds.append((pause_s, time.perf_counter() - t0))
         ok = sums == [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
         nbytes = sum(t.numel() * t.element_size() for t in ts)
-        direct = pager.stats()["direct_io"]
-    raw_r = _C.measure_raw_io(args.dir, nbytes, MiB, 32, True, False)
-    raw_w = _C.measure_raw_io(args.dir, nbytes, MiB, 32, False, True)
+        stats = pager.stats()
+    # The raw loop with the pager's I/O shape.
+    depth, block = stats["io_depth"], stats["io_block_bytes"]
+    raw_r = _C.measure_raw_io(args.dir, nbytes, block, depth, True, False)
+    raw_w = _C.measure_raw_io(args.dir, nbytes, block, depth, False, True)
     return {"device": args.device, "dir": args.dir, "bytes": nbytes, "tensors": len(ts),
-            "direct_io": direct, "raw_write_gbps": raw_w["write_gbps"],
+            "direct_io": stats["direct_io"], "io_depth": depth, "io_block": block,
+            "raw_write_gbps": raw_w["write_gbps"],
             "raw_read_gbps": raw_r["read_gbps"], "freed_bytes": freed, "data_intact": ok,
             "rounds": [{"pause_gbps": nbytes / p / 1e9, "resume_gbps": nbytes / r / 1e9}
                        for p, r in rounds]}
@@ -193,7 +197,8 @@ def bench_sleep(args) -> dict:
 
 def print_sleep(r: dict) -> None:
     print(f"sleep bench: {r['bytes'] / GiB:.2f} GiB in {r['tensors']} tensors on {r['device']}, "
-          f"dir {r['dir']}, direct_io={r['direct_io']}")
+          f"dir {r['dir']}, direct_io={r['direct_io']}, io {r['io_depth']} x "
+          f"{r['io_block'] // MiB} MiB")
     for i, rnd in enumerate(r["rounds"]):
         when = "first" if i == 0 else "again"
         print(f"  {when}: pause  {rnd['pause_gbps']:6.2f} GB/s   raw write "

@@ -84,6 +84,8 @@ def paged_steps(args, device, n) -> dict:
             "peak_mapped_bytes": last.peak_mapped_bytes,
             "bound_bytes": args.depth * (max(b.nbytes for b in binding.buckets) + 2 * args.page_size),
             "direct_io": pager.stats()["direct_io"],
+            "io_depth": pager.stats()["io_depth"],
+            "io_block": pager.stats()["io_block_bytes"],
         }
 
 
@@ -171,11 +173,13 @@ def bench_step(args) -> dict:
     n = int(args.params)
     state = STATE_BYTES * n
     os.makedirs(args.dir, exist_ok=True)
-    raw = _C.measure_raw_io(args.dir, state, args.io_block, args.io_depth // 2, True, True)
-    raw_read = _C.measure_raw_io(args.dir, state, args.io_block, args.io_depth, True, False)
-    raw_write = _C.measure_raw_io(args.dir, state, args.io_block, args.io_depth, False, True)
-    floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
     paged = paged_steps(args, device, n)
+    # The raw loop with the pager's I/O shape; at once, each direction gets half the slots.
+    depth, block = paged["io_depth"], paged["io_block"]
+    raw = _C.measure_raw_io(args.dir, state, block, depth // 2, True, True)
+    raw_read = _C.measure_raw_io(args.dir, state, block, depth, True, False)
+    raw_write = _C.measure_raw_io(args.dir, state, block, depth, False, True)
+    floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
     result = {
         "device": str(device), "params": n, "state_bytes": state, "dir": args.dir,
         "bucket_bytes": args.bucket, "depth": args.depth,
@@ -197,7 +201,7 @@ def print_step(r: dict) -> None:
     print(f"step bench: {r['params'] / 1e9:.2f} B params on {r['device']}, "
           f"{r['state_bytes'] / 1e9:.1f} GB of state each way, dir {r['dir']}, "
           f"buckets of {r['bucket_bytes'] // MiB} MiB x depth {r['depth']}, "
-          f"direct_io={p['direct_io']}")
+          f"direct_io={p['direct_io']}, io {p['io_depth']} x {p['io_block'] // MiB} MiB")
     print(f"  raw io_uring: read {r['raw_read_gbps']:.2f} GB/s, write {r['raw_write_gbps']:.2f} "
           f"GB/s; both at once {r['raw_both_read_gbps']:.2f} + {r['raw_both_write_gbps']:.2f} GB/s")
     print(f"  floor (read and write the state at once, raw): {r['floor_s']:.3f} s")

@@ -20,6 +20,12 @@ def _bench(bench, name: str, help: str, *, dir: bool = True, device: str | None 
     return p
 
 
+def _io_arguments(p) -> None:
+    """--io-depth / --io-block of the Pager; by default chosen for the store's medium."""
+    p.add_argument("--io-depth", type=int, default=None, help="requests in flight")
+    p.add_argument("--io-block", type=parse_size, default=None, help="bytes per request")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m statepager")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,8 +33,7 @@ def main(argv=None) -> int:
     store = _bench(bench, "store", "page-out then page-in of SIZE bytes vs fio", device="cpu")
     store.add_argument("--size", default="2G")
     store.add_argument("--bucket", default="256M")
-    store.add_argument("--io-depth", type=int, default=32)
-    store.add_argument("--io-block", default="1M")
+    _io_arguments(store)
     store.add_argument("--repeat", type=int, default=3,
                        help="rounds, alternating with fio; the best of each side is kept")
     store.add_argument("--cold", action="store_true",
@@ -40,13 +45,11 @@ def main(argv=None) -> int:
     step.add_argument("--depth", type=int, default=3)
     step.add_argument("--steps", type=int, default=4)
     step.add_argument("--page-size", type=parse_size, default=parse_size("32M"))
-    step.add_argument("--io-depth", type=int, default=32)
-    step.add_argument("--io-block", type=parse_size, default=parse_size("1M"))
+    _io_arguments(step)
     step.add_argument("--no-baseline", action="store_true")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", default="4G")
-    sleep.add_argument("--io-depth", type=int, default=32)
-    sleep.add_argument("--io-block", type=parse_size, default=parse_size("1M"))
+    _io_arguments(sleep)
     mapping = _bench(bench, "map", "page map + unmap cost per GiB", dir=False)
     mapping.add_argument("--page-size", default="32M")
     mapping.add_argument("--size", default="8G")

@@ -307,5 +307,24 @@ TEST(Pager, NamedStoresHoldTheirExtents) {
   EXPECT_NE(::access(o.directory.c_str(), F_OK), 0) << "named stores are removed on close";
 }
 
+// Unset, the I/O shape follows the medium the store's file turned out to be on.
+TEST(Pager, IoShapeFollowsTheMedium) {
+  for (const char* root : {"/tmp", "/dev/shm"}) {
+    PagerOptions o;
+    o.directory = std::string(root) + "/statepager-pager-test-io-" + std::to_string(getpid());
+    o.pool.arena_bytes = size_t(1) << 30;
+    Pager pager(make_host_device(), o);
+    const PagerStats s = pager.stats();
+    const IoShape want = io_shape_for(s.direct_io);
+    EXPECT_EQ(s.io_depth, want.depth) << root;
+    EXPECT_EQ(s.io_block_bytes, want.block_bytes) << root;
+  }
+  EXPECT_NE(io_shape_for(true).block_bytes, io_shape_for(false).block_bytes);
+  PagerOptions o = small_options("io-shape");
+  Pager pager(make_host_device(), o);  // set: kept as given
+  EXPECT_EQ(pager.stats().io_depth, 8u);
+  EXPECT_EQ(pager.stats().io_block_bytes, size_t(32) << 10);
+}
+
 }  // namespace
 }  // namespace statepager

@@ -42,13 +42,10 @@ def snapshot(optimizer, binding):
 
 
 def stores_in_use(pager, binding) -> list:
-    """Per member, the store its paged mains and moments live in (one name, or a set)."""
+    """Per member, the store its mains and moments are paged to (one name, or a set)."""
     out = []
     for stream in binding.streams:
-        inner = stream.optimizer
-        tensors = [t for p in inner.state for t in [p, *inner.state[p].values()]
-                   if isinstance(t, torch.Tensor) and pager.owns(t)]
-        names = {pager.store_of(t) for t in tensors}
+        names = {pager.store_of(t) for b in stream.buckets for t in b.stored}
         out.append(names.pop() if len(names) == 1 else names)
     return out
 
