@@ -497,11 +497,11 @@ std::vector<std::string> Pager::store_files() const {
   return file_->physical_paths();
 }
 
-Placement Pager::placement_locked(const Extent& e) const {
+Placement Pager::placement_locked(const Extent& e, uint64_t store_offset) const {
   Placement p;
   p.state = e.state;
   p.bytes = e.bytes;
-  p.store_offset = e.file_offset;
+  p.store_offset = store_offset;
   p.store_bytes = align_up(e.bytes, kFileAlign);
   p.spans = file_->spans(p.store_offset, p.store_bytes);
   return p;
@@ -521,7 +521,7 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
                        "out (and wait) before copying the store");
     }
-    out.push_back(placement_locked(e));
+    out.push_back(placement_locked(e, e.file_offset));
   }
   for (const Placement& p : out) {
     if (p.state == Residency::kFile && p.store_bytes > 0) {
@@ -585,8 +585,9 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
     }
     for (ExtentId id : ids) {
       Extent& e = extent_locked(id);
-      finish_move_locked(e);  // the new bytes go to the store it moves to
-      places.push_back(placement_locked(e));
+      // The new bytes go to the store it moves to; the move is done once they are there.
+      places.push_back(placement_locked(e, e.next_offset != kNoOffset ? e.next_offset
+                                                                      : e.file_offset));
       e.state = Residency::kPagingIn;
     }
     paths = file_->physical_paths();
@@ -597,6 +598,7 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
     for (size_t i = 0; i < ids.size(); i++) {
       Extent& e = extent_locked(ids[i]);
       e.state = i >= done ? places[i].state : zero[i] ? Residency::kZero : Residency::kFile;
+      if (i < done) finish_move_locked(e);
     }
     done_cv_.notify_all();
   };

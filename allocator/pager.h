@@ -203,7 +203,7 @@ class Pager {
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
   bool only_held_jobs_locked();
-  Placement placement_locked(const Extent& e) const;
+  Placement placement_locked(const Extent& e, uint64_t store_offset) const;
   void start_chunk(Slot& slot);
   void finish_slot(Slot& slot, int error, uint64_t offset);
   void complete(Job& job);

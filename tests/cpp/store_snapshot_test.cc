@@ -193,6 +193,37 @@ TEST_P(StoreSnapshotTest, RestoreFromAShortFileIsCorrupt) {
   EXPECT_EQ(pager.residency(id), Residency::kZero);  // as it was
 }
 
+// An extent moving to another store (bytes still in the old one) is restored into the new
+// store; a failed restore leaves its old bytes where they were.
+TEST_P(StoreSnapshotTest, RestoreIntoAMovingExtent) {
+  Pager pager(make_host_device(), options());
+  const ExtentId a = pager.create(100000), b = pager.create(90000);
+  pager.wait(pager.page_in({a, b}));
+  fill(pager, a, 3);
+  fill(pager, b, 3);
+  pager.wait(pager.page_out({a, b}));
+  const unsigned moved = pager.open_store("moved");
+  pager.move_to_store({a, b}, moved);
+
+  const std::string src = out_path();
+  {
+    std::vector<uint8_t> bytes = expected(pager, a, 4);
+    bytes.resize(align_up(bytes.size()));
+    std::ofstream(src, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
+                                               long(bytes.size()));
+  }
+  pager.restore({a}, {false}, src, {0});
+  EXPECT_THROW(pager.restore({b}, {false}, src, {1 << 20}), CorruptStoreError);  // past the end
+  EXPECT_EQ(pager.store_of(a), moved);
+  EXPECT_EQ(pager.store_of(b), moved);
+  EXPECT_EQ(pager.residency(b), Residency::kFile);
+  pager.wait(pager.page_in({a, b}));
+  const std::vector<uint8_t> want_a = expected(pager, a, 4), want_b = expected(pager, b, 3);
+  EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(pager.address(a)), want_a.data(), want_a.size()), 0);
+  EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(pager.address(b)), want_b.data(), want_b.size()), 0)
+      << "a failed restore lost the bytes of an extent that was moving";
+}
+
 INSTANTIATE_TEST_SUITE_P(DiskAndStripedRam, StoreSnapshotTest,
                          ::testing::Values("/tmp", "/dev/shm"),
                          [](const auto& info) {
