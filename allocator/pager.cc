@@ -110,9 +110,7 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   const IoShape shape = io_shape_for(file_->direct());
   if (options_.io_depth == 0) options_.io_depth = shape.depth;
   if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
-  // Offset 0 stays unused in every store: an extent's range is never 0.
-  stores_.push_back(std::make_unique<Store>(
-      Store{"", Arena(kFileAlign, UringFile::kRegionBytes - kFileAlign)}));
+  add_store_locked("");  // the default store: file 0 of file_
   char* staging = static_cast<char*>(
       device_->alloc_staging(size_t(options_.io_depth) * options_.io_block_bytes));
   for (unsigned i = 0; i < options_.io_depth; i++) {
@@ -158,7 +156,7 @@ const Pager::Extent& Pager::extent_locked(ExtentId id) const {
 ExtentId Pager::create(size_t bytes, unsigned store) {
   std::unique_lock lock(mu_);
   check_open_locked();
-  if (store >= stores_.size()) throw UsageError("no store " + std::to_string(store));
+  check_store_locked(store);
   auto extent = std::make_unique<Extent>();
   extent->bytes = bytes;
   extent->file_bytes = align_up(std::max<size_t>(bytes, 1), kFileAlign);
@@ -231,24 +229,34 @@ unsigned Pager::open_store(const std::string& name) {
   for (unsigned i = 0; i < stores_.size(); i++) {
     if (stores_[i]->name == name) return i;
   }
-  const std::string path = dir_->subdirectory(name) + "/state.bin";
-  const unsigned index = file_->add_file(path);
+  file_->add_file(dir_->subdirectory(name) + "/state.bin");
+  return add_store_locked(name);
+}
+
+// The store of file_'s newest file (stores_[i] is file i). Offset 0 of every store stays
+// unused, so an extent's range never starts at 0.
+unsigned Pager::add_store_locked(const std::string& name) {
+  const auto index = static_cast<unsigned>(stores_.size());
   const uint64_t base = uint64_t{index} * UringFile::kRegionBytes;
   stores_.push_back(std::make_unique<Store>(
       Store{name, Arena(base + kFileAlign, UringFile::kRegionBytes - kFileAlign)}));
   return index;
 }
 
+void Pager::check_store_locked(unsigned store) const {
+  if (store >= stores_.size()) throw UsageError("no store " + std::to_string(store));
+}
+
 const std::string& Pager::store_name(unsigned store) const {
   std::unique_lock lock(mu_);
-  if (store >= stores_.size()) throw UsageError("no store " + std::to_string(store));
+  check_store_locked(store);
   return stores_[store]->name;
 }
 
 void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
   std::unique_lock lock(mu_);
   check_open_locked();
-  if (store >= stores_.size()) throw UsageError("no store " + std::to_string(store));
+  check_store_locked(store);
   for (ExtentId id : ids) {  // all checked before any moves
     const Extent& e = extent_locked(id);
     if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot change stores");

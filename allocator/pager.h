@@ -208,6 +208,8 @@ class Pager {
   void finish_slot(Slot& slot, int error, uint64_t offset);
   void complete(Job& job);
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
+  unsigned add_store_locked(const std::string& name);
+  void check_store_locked(unsigned store) const;
   void free_range_locked(uint64_t store_offset);
   void finish_move_locked(Extent& e);
   const std::string& path_of(uint64_t store_offset) const;
