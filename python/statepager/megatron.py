@@ -141,7 +141,9 @@ class _Member:
             for model_param, main in zip(models, mains):
                 self.model_of[id(main)] = model_param
         self.bf16_grads = any(_grad_dtype(p) != torch.float32 for p in self.model_of.values())
-        self.stepping = False
+        # True from a streamed inner step until Megatron's main->param copy that follows it
+        # in step_with_ready_grads: the step already copied each bucket's mains.
+        self.mains_copied = False
         self._clip = {}       # grad-norm group -> clip coefficient of this step
         self._carriers = {}   # main -> its norm carrier (bf16 grads only)
         self._probes = {}     # grad-norm group -> clip probe (bf16 grads only)
@@ -216,12 +218,11 @@ class _Member:
         inner_step = d.optimizer.step
 
         def step(*args, **kwargs):
-            self.stepping = True
-            try:
-                self._read_clip()
-                return inner_step(*args, **kwargs)
-            finally:
-                self.stepping = False
+            self.mains_copied = False
+            self._read_clip()
+            result = inner_step(*args, **kwargs)
+            self.mains_copied = True
+            return result
 
         d.optimizer.step = step
 
@@ -304,13 +305,16 @@ def _parameters_with_carriers(self: _Member) -> list:
 
 @torch.no_grad()
 def _copy_mains_to_params(self: _Member, *_) -> None:
-    """Mains into the DDP param buffer. In the step, paged mains were copied bucket by
-    bucket already; elsewhere (e.g. after a checkpoint load) they are paged in to copy."""
+    """Mains into the DDP param buffer. Right after a streamed step (Megatron's
+    step_with_ready_grads calls this after the inner step) the paged mains were copied
+    bucket by bucket already: paging them in again would read the whole state a second
+    time. Elsewhere they are paged in to copy."""
     d = self.d
     for models, shards in zip(d.model_fp32_groups, d.shard_fp32_groups):
         for model_param, shard in zip(models, shards):
             self._param_buffer_slice(model_param).copy_(shard)
-    if self.stepping:
+    if self.mains_copied:
+        self.mains_copied = False
         return
     for bucket in self.stream.state_in_buckets():
         self._mains_out(bucket.params)
