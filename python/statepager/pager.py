@@ -141,16 +141,16 @@ class Pager:
         allocations on this pager's device go to its pool, new fp32 tensors of at least
         `min_bytes` become pager tensors, and the oldest are paged out whenever the pool
         would pass hbm_budget. Yields the Capture, whose `.tensors` lists them."""
-        from statepager.scope import Capture, pluggable_allocator
+        from statepager import scope
 
-        capture = Capture(self, min_bytes)
+        capture = scope.Capture(self, min_bytes)
         with contextlib.ExitStack() as stack:
             if self.device.type == "cuda":
                 if self._mem_pool is None:
-                    self._mem_pool = torch.cuda.MemPool(pluggable_allocator().allocator())
+                    self._mem_pool = scope.mem_pool_for(self)
                 _C.route_device(self.device.index, self._core)
                 stack.callback(_C.route_device, self.device.index, None)
-                stack.enter_context(torch.cuda.use_mem_pool(self._mem_pool, self.device))
+                stack.enter_context(scope.using_pool(self._mem_pool, self.device))
             stack.enter_context(capture)
             yield capture
 
@@ -268,6 +268,11 @@ class Pager:
     def close(self) -> None:
         """Waits for paging to finish, drops all state and deletes the store directory."""
         self._core.close()
+        if self._mem_pool is not None:
+            from statepager import scope
+
+            self._mem_pool = None
+            scope.retire_pool_of(id(self))
 
     def __enter__(self) -> "Pager":
         return self

@@ -13,6 +13,8 @@ Inside the scope, on the pager's device:
 from __future__ import annotations
 
 import collections
+import contextlib
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +46,50 @@ def pluggable_allocator():
         _allocator = torch.cuda.memory.CUDAPluggableAllocator(
             _C.__file__, "statepager_alloc", "statepager_free")
     return _allocator
+
+
+# MemPools of Pager.scope(). PyTorch aborts the process (an internal assert in ~MemPool:
+# "captures_underway.empty()") when a MemPool is destroyed while any pool is being
+# allocated into, which a garbage collection inside another pager's scope() does to the
+# pool of a pager that died. So the pools are owned here: a pager's pool is retired when
+# the pager closes or dies, and retired pools are destroyed only while no scope is open.
+_pools_in_use = 0
+_pools_of_pagers: dict = {}  # id(pager) -> its MemPool, while the pager is open
+_retired_pools: list = []
+
+
+def mem_pool_for(pager):
+    """A new MemPool over the pluggable allocator for `pager`, retired when the pager
+    closes (retire_pool_of) or dies."""
+    pool = _pools_of_pagers[id(pager)] = torch.cuda.MemPool(pluggable_allocator().allocator())
+    weakref.finalize(pager, retire_pool_of, id(pager))
+    return pool
+
+
+def retire_pool_of(pager_id: int) -> None:
+    """Drops the pager's pool once no scope is open (the pager must hold it no more)."""
+    pool = _pools_of_pagers.pop(pager_id, None)
+    if pool is not None:
+        _retired_pools.append(pool)
+    _drop_retired_pools()
+
+
+@contextlib.contextmanager
+def using_pool(pool, device):
+    """torch.cuda.use_mem_pool(pool, device), counted (see _retired_pools)."""
+    global _pools_in_use
+    _pools_in_use += 1
+    try:
+        with torch.cuda.use_mem_pool(pool, device):
+            yield
+    finally:
+        _pools_in_use -= 1
+        _drop_retired_pools()
+
+
+def _drop_retired_pools() -> None:
+    if _pools_in_use == 0:
+        _retired_pools.clear()
 
 
 class Capture(TorchDispatchMode):

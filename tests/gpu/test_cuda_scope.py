@@ -40,3 +40,31 @@ def test_eight_gib_of_mains_built_under_a_one_gib_budget(store_dir, cuda_free):
             pager.page_in(m)
             assert torch.equal(m, shard.float())
             pager.page_out(m)
+
+
+_POOL_OF_A_DEAD_PAGER = r"""
+import gc, sys, torch, statepager
+a = statepager.Pager(sys.argv[1], device="cuda")
+with a.scope():
+    kept = [torch.randn(1 << 20, device="cuda").bfloat16() for _ in range(4)]  # pool blocks
+a.cycle = a               # only the garbage collector can free it
+del a                     # never closed: its MemPool dies with it
+b = statepager.Pager(sys.argv[2], device="cuda")
+with b.scope():
+    mains = [torch.randn(1 << 20, device="cuda").float() for _ in range(4)]
+    gc.collect()          # the dead pager's pool is collected inside b's scope
+b.close()
+print("ok")
+"""
+
+
+def test_a_pool_collected_inside_another_scope_does_not_abort(tmp_path):
+    """PyTorch aborts when a MemPool is destroyed while another pool is being allocated
+    into: a garbage collection inside scope() must not destroy a dead pager's pool."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _POOL_OF_A_DEAD_PAGER, str(tmp_path / "a"),
+                          str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("ok")
