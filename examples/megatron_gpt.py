@@ -62,6 +62,7 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
     """(model, optimizer, scheduler, binding): a bf16 GPT wrapped in Megatron's DDP, its
     DistributedOptimizer (built in pager.scope() and, unless attach=False, attached when a
     pager is given)."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -72,9 +73,14 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
 
     torch.manual_seed(setup.seed)
     model_parallel_cuda_manual_seed(setup.seed)
+    # The config's expert_model_parallel_size must repeat init()'s: Megatron's expert linear
+    # layers mark their params expert-parallel (allreduce=False: the expert DDP buffers and
+    # the expert DistributedOptimizer) from the config, not from parallel_state.
     moe = dict(num_moe_experts=setup.experts, moe_router_topk=2, moe_grouped_gemm=False,
                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-               add_bias_linear=False) if setup.experts else {}
+               add_bias_linear=False,
+               expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+               ) if setup.experts else {}
     config = TransformerConfig(num_layers=setup.layers, hidden_size=setup.hidden,
                                num_attention_heads=setup.heads, bf16=True,
                                params_dtype=torch.bfloat16, hidden_dropout=0.0,
