@@ -75,6 +75,17 @@ class DeviceError : public Error {
   using Error::Error;
 };
 
+// io_uring cannot be set up: the kernel lacks it (ENOSYS), or a seccomp profile (a
+// container's), sysctl kernel.io_uring_disabled or a security module blocks it (EPERM).
+class IoUringUnavailableError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Throws IoUringUnavailableError for io_uring_setup's `err` (ENOSYS, EPERM, EACCES),
+// naming the cause and the fix; other errors as throw_io_error(err, "io_uring_setup", ...).
+[[noreturn]] void throw_io_uring_setup_error(int err, const std::string& path);
+
 // Throws the IoError subclass that fits `err` (an errno value), with a message
 // naming the operation, the file, the offset and a suggested fix.
 [[noreturn]] void throw_io_error(int err, const std::string& op, const std::string& path,

@@ -335,7 +335,7 @@ UringFile::UringFile(std::string path, Options options) : impl_(std::make_unique
   const auto entries = static_cast<unsigned>(
       std::min<uint64_t>(uint64_t{options.queue_depth} * kStripes, 32768));
   int ret = io_uring_queue_init(entries, &m.ring, 0);
-  if (ret < 0) throw_io_error(-ret, "io_uring_queue_init", m.path, 0);
+  if (ret < 0) throw_io_uring_setup_error(-ret, m.path);
   m.ring_ready = true;
   m.slots.resize(options.queue_depth);
   for (unsigned i = options.queue_depth; i > 0; --i) m.free_slots.push_back(i - 1);

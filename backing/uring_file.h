@@ -27,7 +27,8 @@
 // which may be called from any thread (add_file() from one at a time) while another
 // submits and reaps (the Pager's I/O thread).
 // Errors: construction and allocate() throw IoError subclasses (backing/errors.h) naming
-// the file; per-request failures come back as Completion::error (an errno value).
+// the file, construction IoUringUnavailableError where io_uring is blocked or missing;
+// per-request failures come back as Completion::error (an errno value).
 #pragma once
 
 #include <sys/uio.h>
