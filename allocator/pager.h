@@ -78,7 +78,7 @@ struct PagerStats {
   size_t mapped_bytes = 0;        // physical bytes mapped into the arena now
   size_t peak_mapped_bytes = 0;   // high-water mark of mapped_bytes (reset_peak)
   size_t cached_bytes = 0;        // unmapped physical pages kept for reuse
-  size_t budget_bytes = 0;
+  size_t budget_bytes = 0;        // PoolOptions::budget_bytes (a huge value: no budget)
   size_t page_bytes = 0;
   size_t extents = 0;
   size_t resident_bytes = 0;      // bytes of RESIDENT extents

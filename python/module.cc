@@ -48,6 +48,12 @@ std::unique_ptr<Device> make_device(const std::string& name) {
   throw UsageError("device '" + name + "' is not supported: use 'cpu' or 'cuda[:N]'");
 }
 
+// The torch this extension was compiled against (set by python/CMakeLists.txt), also as a
+// marker in the binary: statepager/__init__.py compares _C.TORCH_VERSION with the torch
+// imported, and when another torch leaves the extension unloadable, finds it here.
+[[gnu::used]] const char kTorchVersionMarker[] =
+    "statepager-built-against-torch=" STATEPAGER_TORCH_VERSION;
+
 // Job is opaque outside the core; Python holds it through this box.
 struct PyTicket {
   Ticket ticket;
@@ -101,8 +107,14 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<StorePermissionError>(m, "StorePermissionError", io.ptr());
   py::register_exception<CorruptStoreError>(m, "CorruptStoreError", base.ptr());
   py::register_exception<StoreBusyError>(m, "StoreBusyError", base.ptr());
-  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", base.ptr());
+  // Also a torch.OutOfMemoryError (= torch.cuda.OutOfMemoryError), so handlers written
+  // for torch's own out-of-memory catch the pool's.
+  const py::object torch_oom = py::module_::import("torch").attr("OutOfMemoryError");
+  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", py::make_tuple(base, torch_oom));
   py::register_exception<DeviceError>(m, "DeviceError", base.ptr());
+  py::register_exception<IoUringUnavailableError>(m, "IoUringUnavailableError", base.ptr());
+
+  m.attr("TORCH_VERSION") = STATEPAGER_TORCH_VERSION;
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
   m.def(

@@ -5,10 +5,15 @@ memory exists only while they are resident. See README.md for usage.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from statepager._C import (  # noqa: F401
+from statepager import _build
+
+_C = _build.load_extension()
+
+from statepager._C import (  # noqa: E402, F401
     CorruptStoreError,
     DeviceError,
     Error,
+    IoUringUnavailableError,
     NoSpaceError,
     OutOfMemoryError,
     StoreBusyError,
@@ -17,10 +22,10 @@ from statepager._C import (  # noqa: F401
     UsageError,
     cuda_available,
 )
-from statepager.pager import PageHandle, Pager  # noqa: F401
-from statepager.stream import StepStats, StreamedOptimizer  # noqa: F401
-from statepager.optim import PagedAdamW  # noqa: F401
-from statepager.checkpoint import CheckpointMismatchError  # noqa: F401
+from statepager.pager import PageHandle, Pager  # noqa: E402, F401
+from statepager.stream import StepStats, StreamedOptimizer  # noqa: E402, F401
+from statepager.optim import PagedAdamW  # noqa: E402, F401
+from statepager.checkpoint import CheckpointMismatchError  # noqa: E402, F401
 
 __all__ = [
     "Pager",
@@ -39,4 +44,5 @@ __all__ = [
     "StoreBusyError",
     "OutOfMemoryError",
     "DeviceError",
+    "IoUringUnavailableError",
 ]

@@ -69,6 +69,7 @@ class Pager:
             str(directory), str(self.device), page_size, budget, keep, arena_size,
             io_depth or 0, io_block or 0, direct_io,
         )
+        self._unbounded = hbm_budget is None
         self.directory = str(directory)
         self.page_size = page_size
         self.keep = keep
@@ -250,7 +251,13 @@ class Pager:
     # -- state -----------------------------------------------------------------------
 
     def stats(self) -> dict:
-        return self._core.stats()
+        """Counters of the pool and the store (allocator/pager.h, PagerStats): bytes
+        mapped, cached and read/written, requests, buckets, the I/O shape; budget_bytes is
+        the hbm_budget, None when unbounded."""
+        s = self._core.stats()
+        if self._unbounded:
+            s["budget_bytes"] = None  # the core's "no budget" is its largest size
+        return s
 
     def keep_at_least(self, nbytes: int) -> None:
         """Keeps at least `nbytes` of unmapped pages for reuse (never lowers `keep`)."""

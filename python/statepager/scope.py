@@ -135,6 +135,8 @@ class Capture(TorchDispatchMode):
         Pages shared with neighbours free less than a tensor's size, and a new tensor
         may touch two partial pages, so the fit is checked on the pool's own count."""
         budget = self.pager.stats()["budget_bytes"]
+        if budget is None:
+            return
         need = nbytes + 2 * self.pager.page_size
         mapped = self.pager.stats()["mapped_bytes"]
         while self._resident and mapped + need > budget:

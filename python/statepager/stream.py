@@ -100,8 +100,8 @@ class StreamedOptimizer:
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
         window = depth * (max((b.nbytes for b in self.buckets), default=0) + 2 * pager.page_size)
-        budget = pager.stats()["budget_bytes"]
-        if window > budget:
+        budget = pager.stats()["budget_bytes"]  # None: no budget
+        if budget is not None and window > budget:
             for p in created:  # leave the optimizer as it was given
                 del optimizer.state[p]
             raise _C.UsageError(
