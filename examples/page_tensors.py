@@ -9,16 +9,17 @@ import time
 import torch
 
 import statepager
-from statepager.bench_pager import parse_size
+from statepager import cli_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", required=True)
-    parser.add_argument("--size", default="1G", help="bytes of tensors to page")
+    parser.add_argument("--dir", required=True, type=cli_args.directory)
+    parser.add_argument("--size", type=cli_args.size, default=cli_args.size("1G"),
+                        help="bytes of tensors to page")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    size = parse_size(args.size)
+    size = args.size
 
     with statepager.Pager(args.dir, device=args.device) as pager:
         # Eight buckets of three tensors each, like the fp32 main and two Adam moments.

@@ -1,6 +1,6 @@
-"""python -m statepager ...: command-line entry points (benchmarks)."""
+"""python -m statepager ...: the command line (the same as the `statepager` command)."""
 import sys
 
 from statepager.cli import main
 
-sys.exit(main())
+sys.exit(main(prog="python -m statepager"))

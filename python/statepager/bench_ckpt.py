@@ -13,8 +13,8 @@ rest in the store. Then, from one run, on the same directory:
   load   Pager.load() (checksums verified, then ranges copied into the store), with the
          checkpoint's files dropped from the page cache first; the state is compared with
          what was saved.
-Save, load and the file copy are measured in REPEAT rounds and the best of each is kept:
-on the VMs we measure on, the same copy varies severalfold from run to run.
+Save, load and the file copy are measured in REPEAT rounds, each reported as the median
+with its range: on the VMs we measure on, the same copy varies severalfold from run to run.
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ import time
 import torch
 
 from statepager import _C
-from statepager.bench_pager import parse_size
+from statepager.bench_report import faster, show, spread
 from statepager.pager import GiB, MiB, Pager
+from statepager.progress import Progress
 
 _TENSOR = 64 * MiB  # bytes per parameter tensor
 
@@ -69,22 +70,24 @@ def _fingerprint(binding) -> list:
 
 
 def bench_ckpt(args) -> dict:
-    size = parse_size(args.size)
     work = os.path.join(os.path.abspath(args.dir), "statepager-bench-ckpt")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     try:
-        return _run(args, size, work)
+        with Progress("bench ckpt", phases=3 + 3 * args.repeat) as bar:
+            return _run(args, args.size, work, bar)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(args, size: int, work: str) -> dict:
+def _run(args, size: int, work: str, bar) -> dict:
     result = {"device": args.device, "dir": args.dir, "size_bytes": size, "repeat": args.repeat}
+    bar.phase("raw read and write")
     raw_r = _C.measure_raw_io(work, size, MiB, 32, True, False)
     raw_w = _C.measure_raw_io(work, size, MiB, 32, False, True)
     result.update(raw_read_gbps=raw_r["read_gbps"], raw_write_gbps=raw_w["write_gbps"])
 
+    bar.phase("building the state")
     with Pager(os.path.join(work, "store"), device=args.device) as pager:
         # Parameters of _TENSOR bytes (the last one shorter): a third of SIZE, moments the rest.
         numels, left = [], size // 3 // 4
@@ -115,31 +118,40 @@ def _run(args, size: int, work: str) -> dict:
                       direct_io=pager.stats()["direct_io"], step_seconds=step_alone)
 
         # Rounds after a step each, as saves come in training (the store just written);
-        # the raw copy beside them; the best of each is kept.
+        # the raw copy beside them.
         ckpt, intact, rounds = os.path.join(work, "ckpt"), True, []
         for r in range(args.repeat):
+            round_ = f"round {r + 1}/{args.repeat}"
+            bar.phase(f"{round_}: file copy")
             step()
             raw = _raw_copy(work, size)
+            bar.phase(f"{round_}: save")
             saved = _fingerprint(binding)
             h = pager.save(ckpt)
             if r == 0:
                 d = pager.save(ckpt + "-device", via="device")
                 result["device_save_gbps"] = d.bytes / d.seconds / 1e9
                 shutil.rmtree(ckpt + "-device")
+            bar.phase(f"{round_}: load")
             _drop_cache(_files(ckpt))
             t0 = time.perf_counter()
             pager.load(ckpt)
             rounds.append((raw, h, time.perf_counter() - t0))
             intact &= _fingerprint(binding) == saved
             shutil.rmtree(ckpt)
-        raw = max((x[0] for x in rounds), key=lambda x: x["raw_copy_gbps"])
-        h = min((x[1] for x in rounds), key=lambda h: h.seconds)
-        load_s = min(x[2] for x in rounds)
-        result.update(raw, save_gbps=h.bytes / h.seconds / 1e9, method=h.method,
-                      save_seconds=h.seconds, save_copy_seconds=h.copy_seconds,
-                      save_checksum_seconds=h.checksum_seconds, state_bytes=h.bytes,
-                      load_gbps=h.bytes / load_s / 1e9, load_seconds=load_s, data_intact=intact)
+        nbytes = rounds[0][1].bytes
+        result.update(
+            raw_copy_gbps=spread(x[0]["raw_copy_gbps"] for x in rounds),
+            raw_copy_method=rounds[0][0]["raw_copy_method"],
+            save_gbps=spread(nbytes / x[1].seconds / 1e9 for x in rounds),
+            method=rounds[0][1].method, state_bytes=nbytes,
+            save_seconds=spread(x[1].seconds for x in rounds),
+            save_copy_seconds=spread(x[1].copy_seconds for x in rounds),
+            save_checksum_seconds=spread(x[1].checksum_seconds for x in rounds),
+            load_gbps=spread(nbytes / x[2] / 1e9 for x in rounds),
+            load_seconds=spread(x[2] for x in rounds), data_intact=intact)
 
+        bar.phase("background save while stepping")
         held = pager.stats()["buckets_held"]
         a = pager.save(ckpt, background=True)
         stepped = []
@@ -158,19 +170,24 @@ def print_ckpt(r: dict) -> None:
     print(f"ckpt bench: {r['state_bytes'] / GiB:.2f} GiB of AdamW state ({r['params'] / 1e6:.0f} M "
           f"params, {r['tensors']} tensors, {r['buckets']} buckets) on {r['device']}, dir "
           f"{r['dir']}, direct_io={r['direct_io']}")
-    print(f"  raw          read {r['raw_read_gbps']:6.2f} GB/s   write {r['raw_write_gbps']:6.2f} "
-          f"GB/s   file copy {r['raw_copy_gbps']:6.2f} GB/s ({r['raw_copy_method']})")
-    ratio = ("" if r["raw_copy_method"] == "reflink"  # a reflinked file copy moves no bytes
-             else f" = {r['save_gbps'] / r['raw_copy_gbps']:.2f} x file copy")
-    print(f"  save         {r['save_gbps']:6.2f} GB/s{ratio} ({r['method']}; copy "
-          f"{r['save_copy_seconds']:.2f} s, checksums {r['save_checksum_seconds']:.2f} s, of "
-          f"{r['save_seconds']:.2f} s)")
-    print(f"  save, device {r['device_save_gbps']:6.2f} GB/s (streamed through the device)")
-    print(f"  load         {r['load_gbps']:6.2f} GB/s ({r['load_seconds']:.2f} s: checksums, then "
-          f"copy into the store; checkpoint not in the page cache)")
-    print(f"  async save   training blocked {r['async_blocked_seconds']:.3f} s of the save's "
-          f"{r['async_seconds']:.2f} s (call {r['async_call_seconds']:.3f} s; "
+    print(f"  raw          read {r['raw_read_gbps']:6.2f} GB/s, write {r['raw_write_gbps']:6.2f} "
+          f"GB/s (1 run each)")
+    print(f"  file copy    {show(r['raw_copy_gbps'], 'GB/s')} ({r['raw_copy_method']})")
+    save = r["save_gbps"]
+    versus = ("" if r["raw_copy_method"] == "reflink"  # a reflinked file copy moves no bytes
+              else f": {faster(save['median'], r['raw_copy_gbps']['median'], higher_is_better=True)}"
+                   " than the file copy")
+    print(f"  save         {show(save, 'GB/s')}{versus} ({r['method']}; median copy "
+          f"{r['save_copy_seconds']['median']:.2f} s, checksums "
+          f"{r['save_checksum_seconds']['median']:.2f} s, of {r['save_seconds']['median']:.2f} s)")
+    print(f"  save, device {r['device_save_gbps']:6.2f} GB/s (1 run; streamed through the "
+          f"device): the store copy is "
+          f"{faster(save['median'], r['device_save_gbps'], higher_is_better=True)}")
+    print(f"  load         {show(r['load_gbps'], 'GB/s')} (checksums, then copy into the store; "
+          f"checkpoint not in the page cache)")
+    print(f"  async save   (1 run) training blocked {r['async_blocked_seconds']:.3f} s of the "
+          f"save's {r['async_seconds']:.2f} s (call {r['async_call_seconds']:.3f} s; "
           f"{r['async_steps']} steps ran during it, {r['step_seconds']:.2f} s each without a "
           f"save; {r['async_held_page_outs']} page-outs waited for the copy)")
-    print(f"  (save, load and file copy: best of {r['repeat']} rounds, each after a step; data "
+    print(f"  (save, load and file copy over {r['repeat']} rounds, each after a step; data "
           f"intact after every save and load: {r['data_intact']})")

@@ -16,16 +16,9 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench_report import faster, show, spread
 from statepager.pager import GiB, MiB, Pager
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'4G', '512M', '1048576' -> bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in _UNITS else ""
-    return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
+from statepager.progress import Progress
 
 
 def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | None:
@@ -44,16 +37,17 @@ def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | N
 
 
 def bench_store(args) -> dict:
-    size = parse_size(args.size)
-    bucket_bytes = parse_size(args.bucket)
+    size = args.size
     os.makedirs(args.dir, exist_ok=True)
     store = os.path.join(args.dir, "statepager-bench")
     result = {"repeat": args.repeat, "size_bytes": size, "cold_pages": args.cold}
     # The pool keeps its physical pages (steady state: no page creation in the timed part,
     # as in a training loop), unless --cold asks for fresh pages on every page-in.
     keep = 0 if args.cold else size + 64 * MiB
-    with Pager(store, device=args.device, io_depth=args.io_depth, io_block=args.io_block,
-               keep=keep) as pager:
+    with Progress("bench store", phases=2 + 4 * args.repeat) as bar, \
+            Pager(store, device=args.device, io_depth=args.io_depth, io_block=args.io_block,
+                  keep=keep) as pager:
+        bar.phase("filling the tensors")
         # fio and the raw loop run with the pager's I/O shape.
         depth, block = pager.stats()["io_depth"], pager.stats()["io_block_bytes"]
         result.update(io_depth=depth, io_block=block)
@@ -62,7 +56,7 @@ def bench_store(args) -> dict:
         buckets, total = [], 0
         while total < size:
             bucket, in_bucket = [], 0
-            while in_bucket < bucket_bytes and total < size:
+            while in_bucket < args.bucket and total < size:
                 n = int(torch.randint(1 << 18, 16 << 20, (1,), generator=gen)) // 4
                 n = min(n, (size - total + 3) // 4)
                 bucket.append(pager.empty(n, dtype=torch.float32))
@@ -74,47 +68,39 @@ def bench_store(args) -> dict:
             for j, t in enumerate(bucket):
                 t.fill_(float(i * 1000 + j))
         sums = [[float(t[:: 1 + t.numel() // 97].sum()) for t in b] for b in buckets]
-        moved = pager.stats()["bytes_written"]
 
-        # Alternate with fio so both see the same disk conditions; keep the best of each.
-        fio_write = fio_read = None
-        write_s = read_s = float("inf")
-        for _ in range(args.repeat):
+        # Alternate with fio so both see the same disk conditions.
+        rates = {"write": [], "read": [], "fio_write": [], "fio_read": []}
+        for r in range(args.repeat):
+            round_ = f"round {r + 1}/{args.repeat}"
+            bar.phase(f"{round_}: fio write")
             w = fio(args.dir, "write", size, block, depth)
-            t0 = time.perf_counter()
-            for h in [pager.page_out_async(b) for b in buckets]:
-                h.wait()
-            write_s = min(write_s, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for h in [pager.page_in_async(b) for b in buckets]:
-                h.wait()
-            read_s = min(read_s, time.perf_counter() - t0)
-            r = fio(args.dir, "read", size, block, depth)
+            bar.phase(f"{round_}: page-out")
+            rates["write"].append(_timed(pager, buckets, out=True))
+            bar.phase(f"{round_}: page-in")
+            rates["read"].append(_timed(pager, buckets, out=False))
+            bar.phase(f"{round_}: fio read")
+            rd = fio(args.dir, "read", size, block, depth)
             if w is not None:
-                fio_write, fio_read = max(fio_write or 0, w), max(fio_read or 0, r)
+                rates["fio_write"].append(w)
+                rates["fio_read"].append(rd)
+        bar.phase("raw io_uring loop")
         raw_read = _C.measure_raw_io(args.dir, size, block, depth, True, False)
         raw_write = _C.measure_raw_io(args.dir, size, block, depth, False, True)
 
         ok = sums == [[float(t[:: 1 + t.numel() // 97].sum()) for t in b] for b in buckets]
-        stats = pager.stats()
-        moved = (stats["bytes_written"] - moved) // args.repeat
         result.update(
             tensors=sum(len(b) for b in buckets),
             buckets=len(buckets),
-            direct_io=stats["direct_io"],
-            write_gbps=moved / write_s / 1e9,
-            read_gbps=stats["bytes_read"] / args.repeat / read_s / 1e9,
+            direct_io=pager.stats()["direct_io"],
+            write_gbps=spread(rates["write"]),
+            read_gbps=spread(rates["read"]),
+            fio_write_gbps=spread(rates["fio_write"]) if rates["fio_write"] else None,
+            fio_read_gbps=spread(rates["fio_read"]) if rates["fio_read"] else None,
             raw_write_gbps=raw_write["write_gbps"],
             raw_read_gbps=raw_read["read_gbps"],
-            fio_write_gbps=fio_write,
-            fio_read_gbps=fio_read,
             data_intact=ok,
         )
-    if fio_write:
-        result["write_ratio"] = result["write_gbps"] / fio_write
-        result["read_ratio"] = result["read_gbps"] / fio_read
-    result["write_ratio_raw"] = result["write_gbps"] / result["raw_write_gbps"]
-    result["read_ratio_raw"] = result["read_gbps"] / result["raw_read_gbps"]
     try:
         os.remove(os.path.join(args.dir, "fio.dat"))
     except FileNotFoundError:
@@ -122,20 +108,34 @@ def bench_store(args) -> dict:
     return result
 
 
+def _timed(pager: Pager, buckets: list, out: bool) -> float:
+    """GB/s of paging every bucket out (or in), all in flight at once."""
+    key = "bytes_written" if out else "bytes_read"
+    before = pager.stats()[key]
+    t0 = time.perf_counter()
+    move = pager.page_out_async if out else pager.page_in_async
+    for h in [move(b) for b in buckets]:
+        h.wait()
+    seconds = time.perf_counter() - t0
+    return (pager.stats()[key] - before) / seconds / 1e9
+
+
 def print_store(r: dict) -> None:
     print(f"store bench: {r['size_bytes'] / 2**30:.2f} GiB in {r['tensors']} tensors, "
           f"{r['buckets']} buckets, io_depth {r['io_depth']}, block {r['io_block'] // MiB} MiB, "
-          f"direct_io={r['direct_io']}, best of {r['repeat']} alternating rounds, "
+          f"direct_io={r['direct_io']}, {r['repeat']} rounds alternating with fio, "
           f"{'fresh pages on every page-in' if r['cold_pages'] else 'pages recycled by the pool'}")
     for way in ("write", "read"):
-        line = f"  {way:5s} statepager {r[way + '_gbps']:6.2f} GB/s"
+        ours = r[way + "_gbps"]
+        print(f"  {way:5s} statepager    {show(ours, 'GB/s')}")
         if r.get("fio_" + way + "_gbps"):
-            line += (f"   fio {r['fio_' + way + '_gbps']:6.2f} GB/s"
-                     f"   ratio {r[way + '_ratio']:.2f}")
-        line += (f"   raw io_uring {r['raw_' + way + '_gbps']:6.2f} GB/s"
-                 f"   ratio {r[way + '_ratio_raw']:.2f}")
-        print(line)
-    print(f"  data intact after the round trip: {r['data_intact']}")
+            fio_ = r["fio_" + way + "_gbps"]
+            print(f"        fio           {show(fio_, 'GB/s')}: statepager is "
+                  f"{faster(ours['median'], fio_['median'], higher_is_better=True)}")
+        raw = r["raw_" + way + "_gbps"]
+        print(f"        raw io_uring  {raw:.2f} GB/s (1 run): statepager is "
+              f"{faster(ours['median'], raw, higher_is_better=True)}")
+    print(f"  data intact after the round trips: {r['data_intact']}")
     if r.get("fio_write_gbps") is None:
         print("  (fio not installed: apt-get install fio for the side-by-side figure)")
 
@@ -156,11 +156,13 @@ def _mixed_tensors(pager: Pager, size: int, seed: int = 0) -> list:
 
 
 def bench_sleep(args) -> dict:
-    size = parse_size(args.size)
+    size = args.size
     os.makedirs(args.dir, exist_ok=True)
     store = os.path.join(args.dir, "statepager-bench-sleep")
-    with Pager(store, device=args.device, io_depth=args.io_depth,
-               io_block=args.io_block) as pager:
+    with Progress("bench sleep", phases=3 + 2 * (1 + args.repeat)) as bar, \
+            Pager(store, device=args.device, io_depth=args.io_depth,
+                  io_block=args.io_block) as pager:
+        bar.phase("filling the tensors")
         ts = _mixed_tensors(pager, size)
         pager.page_in(ts)
         g = torch.Generator(device=pager.device).manual_seed(1)
@@ -169,57 +171,72 @@ def bench_sleep(args) -> dict:
         sums = [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
         free_resident = pager._core.free_device_memory()
         # Round 1 writes store ranges never written before (on tmpfs the kernel allocates
-        # and zeroes their pages); round 2 is the steady state of a job that sleeps and
-        # wakes every iteration.
+        # and zeroes their pages); the rounds after it are the steady state of a job that
+        # sleeps and wakes every iteration.
         rounds, freed = [], 0
-        for _ in range(2):
+        for r in range(1 + args.repeat):
+            bar.phase(f"round {r + 1}/{1 + args.repeat}: pause")
             t0 = time.perf_counter()
             pager.pause()
             pause_s = time.perf_counter() - t0
             freed = pager._core.free_device_memory() - free_resident
+            bar.phase(f"round {r + 1}/{1 + args.repeat}: resume")
             t0 = time.perf_counter()
             pager.resume()
             rounds.append((pause_s, time.perf_counter() - t0))
         ok = sums == [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
         nbytes = sum(t.numel() * t.element_size() for t in ts)
         stats = pager.stats()
-    # The raw loop with the pager's I/O shape.
-    depth, block = stats["io_depth"], stats["io_block_bytes"]
-    raw_r = _C.measure_raw_io(args.dir, nbytes, block, depth, True, False)
-    raw_w = _C.measure_raw_io(args.dir, nbytes, block, depth, False, True)
+        # The raw loop with the pager's I/O shape.
+        bar.phase("raw io_uring loop")
+        depth, block = stats["io_depth"], stats["io_block_bytes"]
+        raw_r = _C.measure_raw_io(args.dir, nbytes, block, depth, True, False)
+        raw_w = _C.measure_raw_io(args.dir, nbytes, block, depth, False, True)
+    pause = [nbytes / p / 1e9 for p, _ in rounds]
+    resume = [nbytes / r / 1e9 for _, r in rounds]
     return {"device": args.device, "dir": args.dir, "bytes": nbytes, "tensors": len(ts),
             "direct_io": stats["direct_io"], "io_depth": depth, "io_block": block,
             "raw_write_gbps": raw_w["write_gbps"],
             "raw_read_gbps": raw_r["read_gbps"], "freed_bytes": freed, "data_intact": ok,
-            "rounds": [{"pause_gbps": nbytes / p / 1e9, "resume_gbps": nbytes / r / 1e9}
-                       for p, r in rounds]}
+            "first": {"pause_gbps": pause[0], "resume_gbps": resume[0]},
+            "again": {"pause_gbps": spread(pause[1:]), "resume_gbps": spread(resume[1:])}}
 
 
 def print_sleep(r: dict) -> None:
     print(f"sleep bench: {r['bytes'] / GiB:.2f} GiB in {r['tensors']} tensors on {r['device']}, "
           f"dir {r['dir']}, direct_io={r['direct_io']}, io {r['io_depth']} x "
           f"{r['io_block'] // MiB} MiB")
-    for i, rnd in enumerate(r["rounds"]):
-        when = "first" if i == 0 else "again"
-        print(f"  {when}: pause  {rnd['pause_gbps']:6.2f} GB/s   raw write "
-              f"{r['raw_write_gbps']:6.2f} GB/s   ratio {rnd['pause_gbps'] / r['raw_write_gbps']:.2f}")
-        print(f"  {when}: resume {rnd['resume_gbps']:6.2f} GB/s   raw read  "
-              f"{r['raw_read_gbps']:6.2f} GB/s   ratio {rnd['resume_gbps'] / r['raw_read_gbps']:.2f}")
+    first, again = r["first"], r["again"]
+    for way, raw_key, raw_name in (("pause", "raw_write_gbps", "raw write"),
+                                   ("resume", "raw_read_gbps", "raw read")):
+        raw = r[raw_key]
+        f, a = first[way + "_gbps"], again[way + "_gbps"]
+        print(f"  {way:6s} first {show(spread([f]), 'GB/s')}: "
+              f"{faster(f, raw, higher_is_better=True)} than the {raw_name} ({raw:.2f} GB/s, 1 run)")
+        print(f"  {way:6s} again {show(a, 'GB/s')}: "
+              f"{faster(a['median'], raw, higher_is_better=True)} than the {raw_name}")
     print(f"  device memory freed while paused: {r['freed_bytes'] / GiB:.2f} GiB; "
           f"data intact: {r['data_intact']}")
 
 
 def bench_map(args) -> dict:
-    r = _C.measure_mapping(args.device, parse_size(args.page_size), parse_size(args.size))
-    per_gib = r["map_s_per_gib"] + r["unmap_s_per_gib"]
+    with Progress("bench map", phases=args.repeat) as bar:
+        runs = []
+        for i in range(args.repeat):
+            bar.phase(f"round {i + 1}/{args.repeat}")
+            runs.append(_C.measure_mapping(args.device, args.page_size, args.size, 1))
+    map_s = spread(r["map_s_per_gib"] for r in runs)
+    unmap_s = spread(r["unmap_s_per_gib"] for r in runs)
+    per_gib = map_s["median"] + unmap_s["median"]
     transfer = GiB / 25e9  # one GiB in and out at 25 GB/s
-    return {**r, "device": args.device, "page_size": parse_size(args.page_size),
-            "share_at_25gbps": per_gib / (transfer + per_gib)}
+    return {"map_s_per_gib": map_s, "unmap_s_per_gib": unmap_s, "device": args.device,
+            "page_size": args.page_size, "share_at_25gbps": per_gib / (transfer + per_gib)}
 
 
 def print_map(r: dict) -> None:
+    ms = {k: {**r[k], **{x: 1e3 * r[k][x] for x in ("median", "min", "max")}}
+          for k in ("map_s_per_gib", "unmap_s_per_gib")}
     print(f"map bench on {r['device']}, pages of {r['page_size'] // MiB} MiB: "
-          f"map {1e3 * r['map_s_per_gib']:.2f} ms/GiB, unmap {1e3 * r['unmap_s_per_gib']:.2f} "
-          f"ms/GiB; {100 * r['share_at_25gbps']:.1f}% of a page-in/page-out at 25 GB/s")
-
-
+          f"map {show(ms['map_s_per_gib'], 'ms/GiB')}, unmap "
+          f"{show(ms['unmap_s_per_gib'], 'ms/GiB')}; {100 * r['share_at_25gbps']:.1f}% of a "
+          "page-in/page-out at 25 GB/s (medians)")

@@ -16,7 +16,9 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench_report import faster, show, spread
 from statepager.pager import MiB, Pager
+from statepager.progress import Progress
 
 STATE_BYTES = 12  # fp32 main + exp_avg + exp_avg_sq, per parameter, each way
 
@@ -49,7 +51,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def paged_steps(args, device, n) -> dict:
+def paged_steps(args, device, n, bar) -> dict:
     store = os.path.join(args.dir, "statepager-bench-step")
     bucket = args.bucket
     with Pager(store, device=device, page_size=args.page_size, io_depth=args.io_depth,
@@ -62,16 +64,16 @@ def paged_steps(args, device, n) -> dict:
             p.grad = g
         times, last = [], None
         for step in range(args.steps):
+            bar.phase(f"paged step {step + 1}/{args.steps}")
             _sync(device)
             t0 = time.perf_counter()
             opt.step()
             _sync(device)
             times.append(time.perf_counter() - t0)
             last = binding.last
-        steady = sorted(times[1:])  # step 1 reads mains only (moments are ZERO)
         return {
             "first_step_s": times[0],
-            "step_s": steady[len(steady) // 2],
+            "step_s": spread(times[1:]),  # step 1 reads mains only (moments are ZERO)
             "bytes_read": last.bytes_read,
             "bytes_written": last.bytes_written,
             "buckets": last.buckets,
@@ -111,7 +113,7 @@ def _io(fd: int, t: torch.Tensor, nbytes: int, offset: int, write: bool) -> None
         done += n
 
 
-def sync_steps(args, device, n) -> dict:
+def sync_steps(args, device, n, bar) -> dict:
     """The public per-bucket store, reproduced: each bucket a [main | m | v] range of one
     file; step = for each bucket: pread -> H2D, fused AdamW, D2H -> pwrite; no overlap."""
     staging_bytes = 256 * MiB
@@ -147,7 +149,8 @@ def sync_steps(args, device, n) -> dict:
             dev_buf.normal_()
             move(3 * k * 4, bucket_offset(i), True)
         times = []
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            bar.phase(f"synchronous baseline step {step + 1}/{args.steps}")
             _sync(device)
             t0 = time.perf_counter()
             for i, (_, k) in enumerate(buckets):
@@ -160,7 +163,7 @@ def sync_steps(args, device, n) -> dict:
                 move(3 * k * 4, bucket_offset(i), True)
             _sync(device)
             times.append(time.perf_counter() - t0)
-        return {"step_s": sorted(times)[len(times) // 2], "buckets": len(buckets)}
+        return {"step_s": spread(times), "buckets": len(buckets)}
     finally:
         os.close(fd)
         os.remove(path)
@@ -170,15 +173,19 @@ def bench_step(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    n = int(args.params)
+    n = args.params
     state = STATE_BYTES * n
     os.makedirs(args.dir, exist_ok=True)
-    paged = paged_steps(args, device, n)
-    # The raw loop with the pager's I/O shape; at once, each direction gets half the slots.
-    depth, block = paged["io_depth"], paged["io_block"]
-    raw = _C.measure_raw_io(args.dir, state, block, depth // 2, True, True)
-    raw_read = _C.measure_raw_io(args.dir, state, block, depth, True, False)
-    raw_write = _C.measure_raw_io(args.dir, state, block, depth, False, True)
+    phases = args.steps + 1 + (0 if args.no_baseline else args.steps)
+    with Progress("bench step", phases) as bar:
+        paged = paged_steps(args, device, n, bar)
+        # The raw loop with the pager's I/O shape; at once, each direction gets half the slots.
+        bar.phase("raw io_uring loop")
+        depth, block = paged["io_depth"], paged["io_block"]
+        raw = _C.measure_raw_io(args.dir, state, block, depth // 2, True, True)
+        raw_read = _C.measure_raw_io(args.dir, state, block, depth, True, False)
+        raw_write = _C.measure_raw_io(args.dir, state, block, depth, False, True)
+        sync = None if args.no_baseline else sync_steps(args, device, n, bar)
     floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
     result = {
         "device": str(device), "params": n, "state_bytes": state, "dir": args.dir,
@@ -186,32 +193,36 @@ def bench_step(args) -> dict:
         "raw_read_gbps": raw_read["read_gbps"], "raw_write_gbps": raw_write["write_gbps"],
         "raw_both_read_gbps": raw["read_gbps"], "raw_both_write_gbps": raw["write_gbps"],
         "floor_s": floor, "paged": paged,
-        "paged_gbps": (paged["bytes_read"] + paged["bytes_written"]) / paged["step_s"] / 1e9,
-        "step_over_floor": paged["step_s"] / floor,
+        "paged_gbps": (paged["bytes_read"] + paged["bytes_written"]) / paged["step_s"]["median"]
+        / 1e9,
     }
-    if not args.no_baseline:
-        sync = sync_steps(args, device, n)
+    if sync is not None:
         result["sync"] = sync
-        result["speedup_over_sync"] = sync["step_s"] / paged["step_s"]
     return result
 
 
 def print_step(r: dict) -> None:
     p = r["paged"]
+    step = p["step_s"]["median"]
     print(f"step bench: {r['params'] / 1e9:.2f} B params on {r['device']}, "
           f"{r['state_bytes'] / 1e9:.1f} GB of state each way, dir {r['dir']}, "
           f"buckets of {r['bucket_bytes'] // MiB} MiB x depth {r['depth']}, "
           f"direct_io={p['direct_io']}, io {p['io_depth']} x {p['io_block'] // MiB} MiB")
-    print(f"  raw io_uring: read {r['raw_read_gbps']:.2f} GB/s, write {r['raw_write_gbps']:.2f} "
-          f"GB/s; both at once {r['raw_both_read_gbps']:.2f} + {r['raw_both_write_gbps']:.2f} GB/s")
+    print(f"  raw io_uring (1 run each): read {r['raw_read_gbps']:.2f} GB/s, write "
+          f"{r['raw_write_gbps']:.2f} GB/s; both at once {r['raw_both_read_gbps']:.2f} + "
+          f"{r['raw_both_write_gbps']:.2f} GB/s")
     print(f"  floor (read and write the state at once, raw): {r['floor_s']:.3f} s")
-    print(f"  paged step: {p['step_s']:.3f} s  = {r['step_over_floor']:.2f} x floor; "
+    print(f"  paged step: {show(p['step_s'], 's', 3)}: "
+          f"{faster(step, r['floor_s'], higher_is_better=False)} than the floor; "
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "
-          f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s")
-    print(f"    reads busy {p['read_busy_s']:.3f} s, writes busy {p['write_busy_s']:.3f} s, "
-          f"overlap {100 * p['overlap']:.0f}%; stalled on reads {p['wait_in_s']:.3f} s, "
-          f"for writes {p['wait_out_s']:.3f} s, compute {p['compute_s']:.3f} s, "
-          f"peak mapped {p['peak_mapped_bytes'] / MiB:.0f} MiB (bound {p['bound_bytes'] / MiB:.0f})")
+          f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s "
+          "(reads the mains only)")
+    print(f"    last step: reads busy {p['read_busy_s']:.3f} s, writes busy "
+          f"{p['write_busy_s']:.3f} s, overlap {100 * p['overlap']:.0f}%; stalled on reads "
+          f"{p['wait_in_s']:.3f} s, for writes {p['wait_out_s']:.3f} s, compute "
+          f"{p['compute_s']:.3f} s, peak mapped {p['peak_mapped_bytes'] / MiB:.0f} MiB "
+          f"(bound {p['bound_bytes'] / MiB:.0f})")
     if "sync" in r:
-        print(f"  synchronous per-bucket baseline: {r['sync']['step_s']:.3f} s "
-              f"-> paged is {r['speedup_over_sync']:.2f} x faster")
+        sync = r["sync"]["step_s"]
+        print(f"  synchronous per-bucket baseline: {show(sync, 's', 3)}: paged is "
+              f"{faster(step, sync['median'], higher_is_better=False)}")

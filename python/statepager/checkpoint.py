@@ -292,20 +292,43 @@ def load(pager, path: str) -> bool:
     holds no statepager checkpoint, so runs from older checkpoints start fresh."""
     wait_for_save(pager)
     path = os.path.abspath(path)
-    manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.exists(manifest_path):
+    if not os.path.exists(os.path.join(path, "manifest.json")):
         log.warning("statepager: no checkpoint at %s; the optimizer state starts fresh", path)
         return False
+    entries = _check_layout(pager, read_manifest(path), path)
+    _verify(entries, path)
+    for binding, entry in zip(pager._bindings, entries):
+        _load_optimizer(binding, entry, os.path.join(path, entry["data"]))
+    return True
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint `path`, once it is readable and of this statepager's
+    format, version and checksums (CorruptStoreError, CheckpointMismatchError)."""
+    manifest_path = os.path.join(path, "manifest.json")
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise _C.CorruptStoreError(f"{manifest_path} is not a readable manifest: {e}") from e
-    entries = _check_layout(pager, manifest, path)
-    _verify(entries, path)
-    for binding, entry in zip(pager._bindings, entries):
-        _load_optimizer(binding, entry, os.path.join(path, entry["data"]))
-    return True
+
+    def refuse(what: str):
+        raise CheckpointMismatchError(f"checkpoint {path} does not fit: {what}. Load it with "
+                                      "the statepager that wrote it.")
+
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        refuse(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+               f"this statepager reads {FORMAT!r} version {VERSION}")
+    if manifest.get("checksum") != "crc32" or manifest.get("chunk_bytes") != CHUNK:
+        refuse(f"checksums {manifest.get('checksum')!r} per {manifest.get('chunk_bytes')} "
+               f"bytes, this statepager reads crc32 per {CHUNK}")
+    return manifest
+
+
+def verify(path: str, manifest: dict) -> None:
+    """Every tensor's bytes in checkpoint `path` against the checksums in its manifest
+    (read_manifest): CorruptStoreError naming the first that fails."""
+    _verify(manifest["optimizers"], path)
 
 
 def _check_layout(pager, manifest: dict, path: str) -> list:
@@ -315,12 +338,6 @@ def _check_layout(pager, manifest: dict, path: str) -> list:
                                       "the same model, optimizers and sharding it was saved "
                                       "from.")
 
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        refuse(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-               f"this statepager reads {FORMAT!r} version {VERSION}")
-    if manifest.get("checksum") != "crc32" or manifest.get("chunk_bytes") != CHUNK:
-        refuse(f"checksums {manifest.get('checksum')!r} per {manifest.get('chunk_bytes')} "
-               f"bytes, this statepager reads crc32 per {CHUNK}")
     saved = {e["name"]: e for e in manifest["optimizers"]}
     attached = [b.name for b in pager._bindings]
     if sorted(saved) != sorted(attached):

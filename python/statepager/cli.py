@@ -1,86 +1,138 @@
-"""Command line: python -m statepager bench store|sleep|map|step|formats|ckpt (see --help)."""
+"""Command line: `statepager` (or `python -m statepager`) doctor | inspect | bench ...
+(see --help). Bad values are refused by argparse (status 2); errors while running print
+their message, not a traceback (status 1)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
-from statepager.bench_pager import (bench_map, bench_sleep, bench_store, parse_size,
-                                    print_map, print_sleep, print_store)
+from statepager import _C
+from statepager.cli_args import at_least, count, device, device_name, directory, io_block, size
 
 
-def _bench(bench, name: str, help: str, *, dir: bool = True, device: str | None = None):
+def _bench(bench, name: str, help: str, *, dir: bool = True, default_device: str | None = None):
     """A bench subcommand with the options every bench shares."""
     p = bench.add_parser(name, help=help)
     if dir:
-        p.add_argument("--dir", required=True, help="directory of the store (the device measured)")
-    p.add_argument("--device", default=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        p.add_argument("--dir", required=True, type=directory,
+                       help="directory of the store (the device measured)")
+    p.add_argument("--device", type=device,
+                   default=default_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     p.add_argument("--json", action="store_true")
     return p
 
 
 def _io_arguments(p) -> None:
     """--io-depth / --io-block of the Pager; by default chosen for the store's medium."""
-    p.add_argument("--io-depth", type=int, default=None, help="requests in flight")
-    p.add_argument("--io-block", type=parse_size, default=None, help="bytes per request")
+    p.add_argument("--io-depth", type=at_least(1, "requests in flight"), default=None,
+                   help="requests in flight")
+    p.add_argument("--io-block", type=io_block, default=None, help="bytes per request")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m statepager")
+def _repeat(p, what: str) -> None:
+    p.add_argument("--repeat", type=at_least(1, "rounds"), default=3, help=what)
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="check what the pager needs here; names each fix")
+    doctor.add_argument("--dir", help="the directory the Pager will store to")
+    doctor.add_argument("--device", type=device_name,
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    doctor.add_argument("--size", type=size, default=None,
+                        help="bytes of state the store must hold (checks free space)")
+    doctor.add_argument("--probe-size", type=size, default=size("256M"),
+                        help="bytes each bandwidth check moves")
+    doctor.add_argument("--json", action="store_true")
+
+    inspect = sub.add_parser("inspect", help="what a checkpoint or a store directory holds")
+    inspect.add_argument("path")
+    inspect.add_argument("--verify", action="store_true",
+                         help="read the checkpoint's data and check every checksum")
+    inspect.add_argument("--json", action="store_true")
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
-    store = _bench(bench, "store", "page-out then page-in of SIZE bytes vs fio", device="cpu")
-    store.add_argument("--size", default="2G")
-    store.add_argument("--bucket", default="256M")
+    store = _bench(bench, "store", "page-out then page-in of SIZE bytes vs fio",
+                   default_device="cpu")
+    store.add_argument("--size", type=size, default=size("2G"))
+    store.add_argument("--bucket", type=size, default=size("256M"))
     _io_arguments(store)
-    store.add_argument("--repeat", type=int, default=3,
-                       help="rounds, alternating with fio; the best of each side is kept")
+    _repeat(store, "rounds, alternating with fio")
     store.add_argument("--cold", action="store_true",
                        help="release physical pages on page-out (measures page creation too)")
     step = _bench(bench, "step", "streamed AdamW step vs the storage floor and the "
                                  "synchronous per-bucket baseline")
-    step.add_argument("--params", type=float, default=2.5e8)
-    step.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
-    step.add_argument("--depth", type=int, default=3)
-    step.add_argument("--steps", type=int, default=4)
-    step.add_argument("--page-size", type=parse_size, default=parse_size("32M"))
+    step.add_argument("--params", type=count, default=count("2.5e8"))
+    step.add_argument("--bucket", type=size, default=size("256M"))
+    step.add_argument("--depth", type=at_least(2, "buckets in flight: one stepping, one "
+                                                 "moving"), default=3)
+    step.add_argument("--steps", type=at_least(2, "the first step reads no moments, so it "
+                                                 "is not counted"), default=4)
+    step.add_argument("--page-size", type=size, default=size("32M"))
     _io_arguments(step)
     step.add_argument("--no-baseline", action="store_true")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
-    sleep.add_argument("--size", default="4G")
+    sleep.add_argument("--size", type=size, default=size("4G"))
     _io_arguments(sleep)
+    _repeat(sleep, "pause/resume rounds after the first (the steady state)")
     mapping = _bench(bench, "map", "page map + unmap cost per GiB", dir=False)
-    mapping.add_argument("--page-size", default="32M")
-    mapping.add_argument("--size", default="8G")
+    mapping.add_argument("--page-size", type=size, default=size("32M"))
+    mapping.add_argument("--size", type=size, default=size("8G"))
+    _repeat(mapping, "rounds of mapping and unmapping SIZE")
     formats = _bench(bench, "formats", "bytes per parameter and step time for each "
                                        "combination of on-disk formats")
-    formats.add_argument("--params", type=float, default=1e8)
-    formats.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
-    formats.add_argument("--steps", type=int, default=4)
+    formats.add_argument("--params", type=count, default=count("1e8"))
+    formats.add_argument("--bucket", type=size, default=size("256M"))
+    formats.add_argument("--steps", type=at_least(2, "the first step reads no moments, so it "
+                                                    "is not counted"), default=4)
     ckpt = _bench(bench, "ckpt", "checkpoint save (sync and background) and load of SIZE "
                                  "bytes of optimizer state vs the raw disk")
-    ckpt.add_argument("--size", default="2G")
-    ckpt.add_argument("--bucket", type=parse_size, default=parse_size("256M"))
-    ckpt.add_argument("--repeat", type=int, default=3,
-                      help="rounds of save, load and file copy; the best of each is kept")
-    args = parser.parse_args(argv)
+    ckpt.add_argument("--size", type=size, default=size("2G"))
+    ckpt.add_argument("--bucket", type=size, default=size("256M"))
+    _repeat(ckpt, "rounds of save, load and file copy")
+    return parser
 
+
+def main(argv=None, prog: str = "statepager") -> int:
+    args = parser(prog).parse_args(argv)
+    try:
+        if args.command == "doctor":
+            from statepager import doctor
+
+            checks = doctor.run(args.dir, args.device, args.size, args.probe_size)
+            return doctor.report(checks, args.json)
+        if args.command == "inspect":
+            from statepager import inspect_cmd
+
+            return inspect_cmd.main(args.path, verify=args.verify, as_json=args.json)
+        return _run_bench(args)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (_C.Error, OSError) as e:
+        print(f"{prog} {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _run_bench(args) -> int:
     if args.what == "step":
-        from statepager.bench_step import bench_step, print_step
-
-        run, show = bench_step, print_step
+        from statepager.bench_step import bench_step as run, print_step as show
     elif args.what == "ckpt":
-        from statepager.bench_ckpt import bench_ckpt, print_ckpt
-
-        run, show = bench_ckpt, print_ckpt
+        from statepager.bench_ckpt import bench_ckpt as run, print_ckpt as show
     elif args.what == "formats":
-        from statepager.bench_formats import bench_formats, print_formats
-
-        run, show = bench_formats, print_formats
+        from statepager.bench_formats import bench_formats as run, print_formats as show
     else:
-        run, show = {"store": (bench_store, print_store), "sleep": (bench_sleep, print_sleep),
-                     "map": (bench_map, print_map)}[args.what]
+        from statepager import bench_pager
+
+        run, show = {"store": (bench_pager.bench_store, bench_pager.print_store),
+                     "sleep": (bench_pager.bench_sleep, bench_pager.print_sleep),
+                     "map": (bench_pager.bench_map, bench_pager.print_map)}[args.what]
     r = run(args)
     print(json.dumps(r)) if args.json else show(r)
     return 0 if r.get("data_intact", True) else 1

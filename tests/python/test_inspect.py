@@ -1,0 +1,100 @@
+"""statepager inspect: what a checkpoint, a save_to() base or a store directory holds."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import statepager
+
+KiB = 1 << 10
+INSPECT = [sys.executable, "-m", "statepager", "inspect"]
+
+
+def inspect(*args):
+    r = subprocess.run([*INSPECT, *map(str, args)], capture_output=True, text=True)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.returncode, r.stdout
+
+
+def train_and_save(store, path, *, save_to=False, moments="q8", mains="residual"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 10)).bfloat16()
+    pager = statepager.Pager(store, page_size=64 * KiB)
+    opt = statepager.PagedAdamW(model.parameters(), pager=pager, lr=1e-3, moments=moments,
+                                mains=mains, bucket_size=64 * KiB)
+    for _ in range(2):
+        model(torch.randn(8, 64).bfloat16()).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    pager.save_to(path) if save_to else pager.save(path)
+    pager.close()
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    train_and_save(str(tmp_path / "store"), str(path))
+    return path
+
+
+def test_checkpoint_readable_and_json(checkpoint):
+    code, text = inspect(checkpoint)
+    assert code == 0, text
+    assert f"checkpoint {checkpoint}: statepager-checkpoint" in text
+    assert "PagedAdamW" in text and "moments q8" in text and "mains residual" in text
+    assert "checksums: not verified" in text
+    code, out = inspect(checkpoint, "--json")
+    report = json.loads(out)
+    (c,) = report["checkpoints"]
+    (o,) = c["optimizers"]
+    assert o["class"] == "PagedAdamW" and o["params"] == 4
+    assert o["formats"] == {"moments": "q8", "mains": "residual"}
+    assert o["tensors"] == sum(s["tensors"] for s in o["states"].values())
+    assert o["file_bytes"] >= o["data_bytes"] > 0
+    assert all(s["bytes"] > 0 and s["dtypes"] for s in o["states"].values())
+    assert o["param_groups"][0]["lr"] == 1e-3
+
+
+def test_verify_passes_then_finds_a_flipped_byte(checkpoint):
+    code, text = inspect(checkpoint, "--verify")
+    assert code == 0 and "checksums: verified" in text, text
+    report = json.loads(inspect(checkpoint, "--json")[1])
+    data = os.path.join(checkpoint, report["checkpoints"][0]["optimizers"][0]["data"])
+    with open(data, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    code, text = inspect(checkpoint, "--verify")
+    assert code == 1 and "checksums: FAILED" in text and "fails its checksum" in text, text
+    assert inspect(checkpoint)[0] == 0  # without --verify the data is not read
+
+
+def test_every_rank_under_a_save_to_base(tmp_path):
+    train_and_save(str(tmp_path / "store"), str(tmp_path / "iter_0000010"), save_to=True)
+    code, text = inspect(tmp_path / "iter_0000010", "--verify")
+    assert code == 0, text
+    assert "statepager/rank00000" in text and "checksums: verified" in text
+
+
+def test_a_live_store_says_what_it_is(tmp_path):
+    with statepager.Pager(str(tmp_path / "store"), page_size=64 * KiB) as pager:
+        t = pager.empty(100_000)
+        pager.page_in(t)
+        pager.page_out(t)
+        code, out = inspect(tmp_path / "store", "--json")
+        assert code == 0
+        report = json.loads(out)
+        assert report["kind"] == "store" and report["in_use_by_pid"] == os.getpid()
+        assert any(f["file"] == "state.bin" and f["bytes"] >= 400_000 for f in report["files"])
+        code, text = inspect(tmp_path / "store")
+        assert f"in use by process {os.getpid()}" in text and "not a checkpoint" in text
+
+
+def test_anything_else_is_refused(tmp_path):
+    code, text = inspect(tmp_path)
+    assert code == 1 and "holds neither a statepager checkpoint" in text
+    code, text = inspect(tmp_path / "missing")
+    assert code == 1 and "does not exist" in text
