@@ -20,7 +20,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-ctest --test-dir build/gpu --output-on-failure --no-tests=error --timeout 120 2>&1 | tail -5 | tee "$OUT/ctest.log"
+{ ctest --test-dir build/gpu --output-on-failure --no-tests=error --timeout 120 2>&1 | tail -5
+  bash scripts/ctest_skips.sh build/gpu; } | tee "$OUT/ctest.log"
 ROOT=$PWD
 # PYTEST_TARGETS: test files or folders (relative to the repo) to run instead of tests/.
 TARGETS=$(for t in ${PYTEST_TARGETS:-tests}; do echo "$ROOT/$t"; done)

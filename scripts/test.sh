@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PYTHON=${PYTHON:-python3}
 ctest --test-dir build/cpp --output-on-failure --no-tests=error
+bash scripts/ctest_skips.sh build/cpp  # ctest does not say why a test was skipped
 # Run from outside the checkout so the installed package (with its extension) is tested.
 ROOT=$PWD
 cd /tmp
