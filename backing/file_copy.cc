@@ -102,7 +102,7 @@ const char* copy_method_name(CopyMethod method) {
 }
 
 OpenFile::OpenFile(std::string path, Mode mode) : path_(std::move(path)) {
-  const int flags = mode == kRead ? O_RDONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_CLOEXEC;
+  const int flags = O_NOFOLLOW | O_CLOEXEC | (mode == kRead ? O_RDONLY : O_WRONLY | O_CREAT);
   do {
     fd_ = ::open(path_.c_str(), flags, 0644);
   } while (fd_ < 0 && errno == EINTR);

@@ -29,7 +29,9 @@ enum class CopyMethod { kReflink, kCopyFileRange, kReadWrite };
 const char* copy_method_name(CopyMethod method);
 
 // A file opened for copying from (kRead) or into (kWrite: created when missing, contents
-// kept). Buffered, never O_DIRECT, so ranges and buffers need no alignment.
+// kept). Buffered, never O_DIRECT, so ranges and buffers need no alignment. A symbolic
+// link as the file itself is never followed (IoError, ELOOP): a link planted in a store
+// or checkpoint directory cannot redirect a write.
 class OpenFile {
  public:
   enum Mode { kRead, kWrite };

@@ -16,8 +16,10 @@ namespace {
 
 // One direction: a file, its ring, and `depth` buffers cycling through it.
 struct Stream {
-  Stream(const std::string& path, bool write, uint64_t bytes, size_t block, unsigned depth)
-      : file(path, UringFile::Options{depth, true}), write(write), bytes(bytes), block(block),
+  Stream(const std::string& path, bool create, bool write, uint64_t bytes, size_t block,
+         unsigned depth)
+      : file(path, UringFile::Options{depth, true, create}), write(write), bytes(bytes),
+        block(block),
         buffers(static_cast<char*>(std::aligned_alloc(4096, size_t(depth) * block)), std::free) {
     std::memset(buffers.get(), 0x5a, size_t(depth) * block);
     for (unsigned i = 0; i < depth; i++) free_slots.push_back(i);
@@ -56,21 +58,29 @@ RawIoResult measure_raw_io(const std::string& dir, uint64_t bytes, size_t block,
                            bool read, bool write) {
   bytes = (bytes + 4095) / 4096 * 4096;
   const std::string read_path = dir + "/raw-read.bin", write_path = dir + "/raw-write.bin";
+  // The files are created new (never someone else's) and deleted at the end, also when
+  // the measurement fails.
+  std::vector<std::string> created;
+  struct Remove {
+    std::vector<std::string>* paths;
+    ~Remove() {
+      for (const std::string& path : *paths) UringFile::remove_files(path);
+    }
+  } remove{&created};
   // Both files are written once untimed: the timed part then reads and overwrites blocks
   // that exist, as the store does from its second step on (first writes also pay for
   // block allocation, and on a VM for the host backing fresh guest memory).
   for (const std::string& path : {read_path, write_path}) {
-    Stream fill(path, true, bytes, block, depth);
+    Stream fill(path, true, true, bytes, block, depth);
+    created.push_back(path);
     fill.file.allocate(bytes);
     while (!fill.pump(1000)) {
     }
   }
   // Each direction on its own thread and ring, as two independent streams of requests.
   std::unique_ptr<Stream> reader, writer;
-  if (read) reader = std::make_unique<Stream>(read_path, false, bytes, block, depth);
-  if (write) {
-    writer = std::make_unique<Stream>(write_path, true, bytes, block, depth);
-  }
+  if (read) reader = std::make_unique<Stream>(read_path, false, false, bytes, block, depth);
+  if (write) writer = std::make_unique<Stream>(write_path, false, true, bytes, block, depth);
   const auto t0 = std::chrono::steady_clock::now();
   auto drive = [&](Stream* s, double* seconds, std::exception_ptr* error) {
     try {
@@ -94,10 +104,6 @@ RawIoResult measure_raw_io(const std::string& dir, uint64_t bytes, size_t block,
   r.seconds = std::max(read_s, write_s);
   if (read) r.read_gbps = double(bytes) / read_s / 1e9;
   if (write) r.write_gbps = double(bytes) / write_s / 1e9;
-  reader.reset();
-  writer.reset();
-  UringFile::remove_files(read_path);
-  UringFile::remove_files(write_path);
   return r;
 }
 

@@ -20,7 +20,8 @@ struct RawIoResult {
 // <dir>/raw-write.bin, both at once when both are asked for, in requests of `block` bytes
 // with `depth` requests in flight per direction, O_DIRECT where the filesystem allows
 // it. Both files are written once first, untimed (the store overwrites existing blocks
-// from its second step on). Both files are deleted afterwards.
+// from its second step on). Both are created new (an existing file of that name is an
+// IoError, EEXIST, and left alone) and deleted afterwards.
 RawIoResult measure_raw_io(const std::string& dir, uint64_t bytes, size_t block, unsigned depth,
                            bool read, bool write);
 

@@ -37,23 +37,74 @@ uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 bool aligned(uint64_t v) { return v % UringFile::kAlignment == 0; }
 
-int open_file(const std::string& path, bool direct) {
-  int flags = O_RDWR | O_CREAT | O_CLOEXEC | (direct ? O_DIRECT : 0);
+std::string join(const std::string& dir, const std::string& name) {
+  return !dir.empty() && dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+// Opens (with `create_new`: creates) the regular file `name` in `dir`, buffered, never
+// through a symbolic link.
+int open_file(const UringFile::Location& dir, const std::string& name, bool create_new) {
+  const std::string path = join(dir.dir, name);
+  const int flags = O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | (create_new ? O_EXCL : 0);
   int fd;
   do {
-    fd = ::open(path.c_str(), flags, 0644);
+    fd = ::openat(dir.dir_fd, name.c_str(), flags, 0644);
   } while (fd < 0 && errno == EINTR);
+  if (fd < 0 && errno == ELOOP) {
+    throw IoError(path + " is a symbolic link: statepager never opens its files through one "
+                  "(remove it, or give the Pager a new directory)", path, 0, ELOOP);
+  }
+  if (fd < 0 && errno == EEXIST) {
+    throw IoError(path + " already exists (a file or a symbolic link that statepager did not "
+                  "create here): it is left alone; give the Pager a new directory", path, 0,
+                  EEXIST);
+  }
+  if (fd < 0) throw_io_error(errno, "open", path, 0);
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw IoError(path + " is not a regular file: statepager keeps its store in regular files "
+                  "only (give the Pager a new directory)", path, 0, EINVAL);
+  }
   return fd;
+}
+
+// Turns O_DIRECT on or off on an open file. Returns false when the filesystem refuses it.
+bool set_direct(int fd, bool on, const std::string& path) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0) throw_io_error(errno, "fcntl", path, 0);
+  if (::fcntl(fd, F_SETFL, on ? flags | O_DIRECT : flags & ~O_DIRECT) == 0) return true;
+  if (errno != EINVAL) throw_io_error(errno, "fcntl O_DIRECT", path, 0);
+  return false;
 }
 
 // True for filesystems whose files live in RAM (tmpfs, ramfs): there is no cache for
 // O_DIRECT to bypass, and their direct path is slower than the buffered one.
-bool in_ram(const std::string& path) {
-  const std::string dir = path.substr(0, path.find_last_of('/') + 1);
+bool in_ram(int dir_fd) {
   struct statfs fs;
-  if (::statfs(dir.empty() ? "." : dir.c_str(), &fs) != 0) return false;
+  if (::fstatfs(dir_fd, &fs) != 0) return false;
   return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
 }
+
+// The directory of a path, open for as long as this object lives, and the path's
+// Location in it.
+class ParentDir {
+ public:
+  explicit ParentDir(const std::string& path) {
+    const size_t slash = path.find_last_of('/');
+    location_.dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    location_.name = path.substr(slash + 1);  // npos + 1 == 0
+    location_.dir_fd = ::open(location_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (location_.dir_fd < 0) throw_io_error(errno, "open (its directory)", path, 0);
+  }
+  ~ParentDir() { ::close(location_.dir_fd); }
+  ParentDir(const ParentDir&) = delete;
+  ParentDir& operator=(const ParentDir&) = delete;
+  const UringFile::Location& location() const { return location_; }
+
+ private:
+  UringFile::Location location_;
+};
 
 // Writes one aligned zero block past the end of the file and truncates it away again.
 // Returns 0 or the errno of the write; EINVAL means the filesystem refuses O_DIRECT even
@@ -136,31 +187,24 @@ struct UringFile::Impl {
   };
 
   // Opens the physical files of one logical file: O_DIRECT when the filesystem takes it,
-  // else buffered, striped in RAM (see the header).
-  static std::unique_ptr<File> open(const std::string& path, bool try_direct) {
+  // else buffered, striped in RAM (see the header). O_DIRECT is switched on after the
+  // open, so that a refusal leaves the one file created, open and usable buffered.
+  static std::unique_ptr<File> open(const Location& where, const Options& options) {
     auto f = std::make_unique<File>();
-    f->path = path;
-    f->ram = in_ram(path);
-    if (try_direct && !f->ram) {
-      const int fd = open_file(path, true);
-      if (fd < 0 && errno != EINVAL) throw_io_error(errno, "open", path, 0);
-      if (fd >= 0) f->fds.push_back(fd);
-      if (fd >= 0 && probe_direct(fd, path) == EINVAL) {
-        ::close(fd);
-        f->fds.clear();
-      }
+    f->path = join(where.dir, where.name);
+    f->ram = in_ram(where.dir_fd);
+    f->fds.push_back(open_file(where, where.name, options.create_new));
+    if (options.try_direct && !f->ram && set_direct(f->fds[0], true, f->path)) {
       // Other probe failures (ENOSPC, EFBIG) say nothing about O_DIRECT: keep it, and let
       // real requests report them.
-      f->direct = !f->fds.empty();
+      f->direct = probe_direct(f->fds[0], f->path) != EINVAL;
+      if (!f->direct) set_direct(f->fds[0], false, f->path);
     }
-    if (!f->direct) {
+    if (!f->direct && f->ram) {
       // In RAM nothing but the per-inode serialization of buffered writes (see the header)
       // limits them: stripe.
-      const unsigned stripes = f->ram ? kStripes : 1;
-      for (unsigned k = 0; k < stripes; ++k) {
-        const int fd = open_file(stripe_path(path, k), false);
-        if (fd < 0) throw_io_error(errno, "open", stripe_path(path, k), 0);
-        f->fds.push_back(fd);
+      for (unsigned k = 1; k < kStripes; ++k) {
+        f->fds.push_back(open_file(where, stripe_path(where.name, k), options.create_new));
       }
     }
     return f;
@@ -323,12 +367,15 @@ struct UringFile::Impl {
   }
 };
 
-UringFile::UringFile(std::string path, Options options) : impl_(std::make_unique<Impl>()) {
+UringFile::UringFile(const std::string& path, Options options)
+    : UringFile(ParentDir(path).location(), options) {}
+
+UringFile::UringFile(const Location& file, Options options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
-  m.path = std::move(path);
   m.options = options;
   if (options.queue_depth == 0) throw UsageError("UringFile: queue_depth must be at least 1");
-  m.files[0] = Impl::open(m.path, options.try_direct);
+  m.files[0] = Impl::open(file, options);
+  m.path = m.files[0]->path;
   m.file_count.store(1, std::memory_order_release);
 
   // Room for every request to be in several pieces, within the kernel's maximum.
@@ -346,13 +393,17 @@ UringFile::UringFile(std::string path, Options options) : impl_(std::make_unique
 UringFile::~UringFile() = default;
 
 unsigned UringFile::add_file(const std::string& path) {
+  return add_file(ParentDir(path).location());
+}
+
+unsigned UringFile::add_file(const Location& file) {
   Impl& m = *impl_;
   const unsigned r = m.file_count.load(std::memory_order_acquire);
   if (r == kMaxFiles) {
     throw UsageError("UringFile: at most " + std::to_string(kMaxFiles) + " files per ring (" +
-                     path + " is one too many)");
+                     join(file.dir, file.name) + " is one too many)");
   }
-  auto f = Impl::open(path, m.options.try_direct);
+  auto f = Impl::open(file, m.options);
   const Impl::File& last = *m.files[r - 1];
   f->first_physical = last.first_physical + static_cast<unsigned>(last.stripes());
   m.files[r] = std::move(f);
@@ -526,6 +577,13 @@ void UringFile::sync() {
 
 void UringFile::remove_files(const std::string& path) {
   for (unsigned k = 0; k < kStripes; ++k) ::unlink(stripe_path(path, k).c_str());
+}
+
+bool UringFile::is_physical_name(std::string_view entry, std::string_view name) {
+  for (unsigned k = 0; k < kStripes; ++k) {
+    if (entry == stripe_path(std::string(name), k)) return true;
+  }
+  return false;
 }
 
 }  // namespace statepager

@@ -20,8 +20,15 @@
 // In RAM allocate() only sets the size: preallocating would zero every page in one
 // thread before the writes copy over it.
 //
+// Opening: a file is named by a directory descriptor and a name in it (Location), and
+// opened relative to that descriptor with O_NOFOLLOW: a symbolic link in the file's place
+// is never followed (IoError, ELOOP). With Options::create_new the files are created new
+// (O_EXCL): a name already taken, by a file or a link, is refused (IoError, EEXIST), so
+// nothing but a file this ring created is ever written.
+//
 // Ownership: owns the file descriptors and the ring; buffers stay the caller's and must
-// outlive the requests that use them.
+// outlive the requests that use them. A Location's directory descriptor is borrowed for
+// the call that opens it only.
 // Thread-safety: none, except add_file(), file_count(), file_path(), spans() and
 // physical_paths(),
 // which may be called from any thread (add_file() from one at a time) while another
@@ -37,6 +44,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace statepager {
@@ -50,6 +58,15 @@ class UringFile {
   struct Options {
     unsigned queue_depth = 32;  // requests in flight at most
     bool try_direct = true;     // false: always buffered I/O
+    bool create_new = false;    // true: every physical file must not exist yet (O_EXCL)
+  };
+
+  // The file `name` in the directory open as `dir_fd`; `dir` is that directory's path,
+  // for messages and file_path().
+  struct Location {
+    int dir_fd = -1;
+    std::string dir;
+    std::string name;
   };
 
   struct Request {
@@ -74,10 +91,14 @@ class UringFile {
     uint64_t offset = 0;   // where the failure happened (request offset on success)
   };
 
-  // Opens `path` (and its siblings when striped), creating them if missing (contents kept).
-  UringFile(std::string path, Options options);
+  // Opens the file (and its siblings when striped), creating them if missing (contents
+  // kept unless options.create_new, see Opening).
+  UringFile(const Location& file, Options options);
+  // The same for `path`, relative to its directory (opened for the call).
+  UringFile(const std::string& path, Options options);
   // Opens another file the same way on the same ring; returns its index r (see Files).
   // UsageError past kMaxFiles.
+  unsigned add_file(const Location& file);
   unsigned add_file(const std::string& path);
   unsigned file_count() const;
   ~UringFile();
@@ -118,6 +139,9 @@ class UringFile {
 
   // Unlinks the physical files of the logical file `path`, those that exist (best effort).
   static void remove_files(const std::string& path);
+  // Whether `entry` names one of the physical files of the logical file `name`: `name`
+  // itself or a stripe sibling (`name.1` ... `name.7`).
+  static bool is_physical_name(std::string_view entry, std::string_view name);
 
  private:
   struct Impl;

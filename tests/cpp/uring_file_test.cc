@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
@@ -565,6 +566,76 @@ TEST(UringFile, OpenFailureNamesThePath) {
     EXPECT_EQ(e.path(), path);
     EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
   }
+}
+
+// The open-file flags (fdinfo) of every descriptor of this process open on `path`.
+std::vector<long> open_flags_of(const std::string& path) {
+  std::vector<long> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(e.path(), ec) != path) continue;
+    std::ifstream info("/proc/self/fdinfo/" + e.path().filename().string());
+    for (std::string key; info >> key;) {
+      if (key == "flags:") {
+        std::string octal;
+        info >> octal;
+        out.push_back(std::stol(octal, nullptr, 8));
+      }
+    }
+  }
+  return out;
+}
+
+// O_DIRECT is switched on after the open (fcntl): the descriptor must carry it exactly
+// when direct() says so.
+TEST(UringFile, DirectModeIsOnTheDescriptor) {
+  TempDir dir;
+  for (bool try_direct : {true, false}) {
+    const std::string path = dir.file(try_direct ? "direct" : "buffered");
+    UringFile f(path, UringFile::Options{4, try_direct, true});
+    EXPECT_EQ(f.direct(), try_direct && filesystem_accepts_direct(dir.path()));
+    const std::vector<long> flags = open_flags_of(path);
+    ASSERT_EQ(flags.size(), 1u) << path;
+    EXPECT_EQ((flags[0] & O_DIRECT) != 0, f.direct()) << path;
+  }
+}
+
+void expect_refused_with(int err, const std::string& path, bool create_new) {
+  try {
+    UringFile f(path, UringFile::Options{4, true, create_new});
+    ADD_FAILURE() << path << " was opened";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_number(), err) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A file, or a symbolic link (also as a RAM store's stripe), in the place of a file to
+// be created new is refused and left as it was; a link is never followed, new or not.
+TEST(UringFile, CreateNewNeverTakesAnExistingFileNorFollowsALink) {
+  for (const char* base : {"/tmp", "/dev/shm"}) {
+    SCOPED_TRACE(base);
+    TempDir dir(base);
+    std::ofstream(dir.file("victim")) << "precious";
+    std::ofstream(dir.file("taken")) << "mine";
+    expect_refused_with(EEXIST, dir.file("taken"), true);
+    std::filesystem::create_symlink(dir.file("victim"), dir.file("link"));
+    expect_refused_with(EEXIST, dir.file("link"), true);
+    expect_refused_with(ELOOP, dir.file("link"), false);
+    EXPECT_EQ(slurp(dir.file("taken")), "mine");
+    EXPECT_EQ(slurp(dir.file("victim")), "precious");
+  }
+  TempDir ram("/dev/shm");
+  std::ofstream(ram.file("victim")) << "precious";
+  std::filesystem::create_symlink(ram.file("victim"), ram.file("data.3"));
+  expect_refused_with(EEXIST, ram.file("data"), true);
+  expect_refused_with(ELOOP, ram.file("data.3"), false);
+  EXPECT_EQ(slurp(ram.file("victim")), "precious");
 }
 
 // RLIMIT_FSIZE stands in for a full filesystem: fallocate and writes past it fail with
