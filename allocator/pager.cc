@@ -105,8 +105,8 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   const unsigned ring_depth = options_.io_depth != 0
                                   ? options_.io_depth
                                   : std::max(io_shape_for(true).depth, io_shape_for(false).depth);
-  file_ = std::make_unique<UringFile>(dir_->file("state.bin"),
-                                      UringFile::Options{ring_depth, options_.try_direct});
+  file_ = std::make_unique<UringFile>(
+      dir_->store_file(""), UringFile::Options{ring_depth, options_.try_direct, true});
   const IoShape shape = io_shape_for(file_->direct());
   if (options_.io_depth == 0) options_.io_depth = shape.depth;
   if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
@@ -138,6 +138,7 @@ Pager::~Pager() {
 }
 
 const std::string& Pager::file_path() const { return file_->path(); }
+const std::string& Pager::directory() const { return dir_->path(); }
 
 void Pager::check_open_locked() const {
   if (closed_) throw UsageError("this Pager is closed: create a new one");
@@ -229,7 +230,7 @@ unsigned Pager::open_store(const std::string& name) {
   for (unsigned i = 0; i < stores_.size(); i++) {
     if (stores_[i]->name == name) return i;
   }
-  file_->add_file(dir_->subdirectory(name) + "/state.bin");
+  file_->add_file(dir_->store_file(name));
   return add_store_locked(name);
 }
 

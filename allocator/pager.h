@@ -63,7 +63,7 @@ struct IoShape {
 IoShape io_shape_for(bool direct_io);
 
 struct PagerOptions {
-  std::string directory;                    // the store directory (exclusive, wiped)
+  std::string directory;                    // the store directory (see backing/store_dir.h)
   PoolOptions pool;
   unsigned io_depth = 0;                    // staging slots; 0: io_shape_for(the medium)
   size_t io_block_bytes = 0;                // bytes per request (multiple of 4 KiB); 0: same
@@ -187,10 +187,12 @@ class Pager {
   void reset_peak();
   Device& device() { return *device_; }
   const std::string& file_path() const;  // the default store's file
+  const std::string& directory() const;  // the store directory, absolute and resolved
 
   // Waits for all buckets and the device, unmaps everything but PyTorch's segments
-  // (those stay mapped until PyTorch frees them), stops the I/O thread and deletes the
-  // store directory. Idempotent; later calls other than release() throw UsageError.
+  // (those stay mapped until PyTorch frees them), stops the I/O thread and deletes what
+  // it created in the store directory (StoreDir::remove()). Idempotent; later calls other
+  // than release() throw UsageError.
   void close();
 
  private:

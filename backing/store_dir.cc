@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,7 +9,11 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <utility>
 #include <vector>
 
 #include "backing/errors.h"
@@ -22,33 +25,235 @@ namespace statepager {
 
 namespace {
 
-constexpr const char* kLockName = ".lock";
+constexpr const char* kLock = ".lock";
+constexpr const char* kFormat = "statepager-store 1";  // the marker's first line
+// A refused directory is searched this deep, in at most this many directories, for a
+// store inside it, to name that store in the message.
+constexpr int kScanDepth = 2;
+constexpr int kScanDirs = 256;
+constexpr const char* kChoose = "choose a new or empty directory";
+
+// A descriptor closed when it goes out of scope.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+std::string join(const std::string& dir, std::string_view name) {
+  std::string p = dir == "/" ? "" : dir;
+  p += '/';
+  p += name;
+  return p;
+}
+
+std::string parent_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string quoted(std::string_view name) { return "'" + std::string(name) + "'"; }
+
+// A directory in `at`, never through a symbolic link (ELOOP then). -1 and errno on failure.
+int open_dir_at(int at, const std::string& name) {
+  int fd;
+  do {
+    fd = ::openat(at, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+// The entry names of the directory open as `fd`, sorted, without "." and "..".
+std::vector<std::string> list(int fd, const std::string& path) {
+  // A descriptor of its own: a dup() would share (and move) the reading position of `fd`.
+  Fd own(open_dir_at(fd, "."));
+  if (own.get() < 0) throw_io_error(errno, "open directory", path, 0);
+  DIR* d = ::fdopendir(own.get());
+  if (d == nullptr) throw_io_error(errno, "list directory", path, 0);
+  own.release();  // the DIR has it now
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// The file type (S_IFREG, S_IFDIR, S_IFLNK, ...) of `name` in `fd`, 0 when missing.
+mode_t type_at(int fd, const std::string& name) {
+  struct stat st;
+  return ::fstatat(fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ? st.st_mode & S_IFMT : 0;
+}
+
+// Names a store may have, and so its subdirectory: never hidden, never a path.
+bool is_plain_name(std::string_view name) {
+  return !name.empty() && name.size() <= 128 && name[0] != '.' &&
+         std::all_of(name.begin(), name.end(), [](char c) {
+           return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' ||
+                  c == '.';
+         });
+}
+
+bool is_store_file(int fd, const std::string& name) {
+  return UringFile::is_physical_name(name, StoreDir::kStoreFile) && type_at(fd, name) == S_IFREG;
+}
+
+// Unlinks `name` in `fd` unless it is already gone.
+void unlink_at(int fd, const std::string& dir, const std::string& name, int flags) {
+  if (::unlinkat(fd, name.c_str(), flags) != 0 && errno != ENOENT) {
+    throw_io_error(errno, "remove", join(dir, name), 0);
+  }
+}
+
+// Removes the empty directory `name` in `fd`; one that someone filled stays.
+void remove_dir_at(int fd, const std::string& dir, const std::string& name) {
+  if (::unlinkat(fd, name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT &&
+      errno != ENOTEMPTY && errno != EEXIST) {
+    throw_io_error(errno, "remove directory", join(dir, name), 0);
+  }
+}
+
+// Unlinks the store files (regular files named as one) in the directory `fd`.
+void unlink_store_files(int fd, const std::string& path) {
+  for (const std::string& name : list(fd, path)) {
+    if (is_store_file(fd, name)) unlink_at(fd, path, name, 0);
+  }
+}
+
+// The first entry below the directory `fd` that statepager does not create there ("" if
+// none): at the top the marker, the lock, store files and store subdirectories; in a
+// subdirectory store files only.
+std::string foreign_entry(int fd, const std::string& path, bool top) {
+  for (const std::string& name : list(fd, path)) {
+    if (is_store_file(fd, name)) continue;
+    if (!top) return name;
+    const mode_t type = type_at(fd, name);
+    if (type == S_IFREG && (name == StoreDir::kMarker || name == kLock)) continue;
+    if (type != S_IFDIR || !is_plain_name(name)) return name;
+    Fd sub(open_dir_at(fd, name));
+    if (sub.get() < 0) throw_io_error(errno, "open directory", join(path, name), 0);
+    const std::string inner = foreign_entry(sub.get(), join(path, name), false);
+    if (!inner.empty()) return name + "/" + inner;
+  }
+  return "";
+}
+
+// A store (a directory holding the marker) below the directory `fd`, up to `depth`
+// levels down, or "". `budget` bounds the directories looked into.
+std::string find_store_below(int fd, const std::string& path, int depth, int* budget) {
+  if (depth == 0) return "";
+  for (const std::string& name : list(fd, path)) {
+    if (*budget <= 0) return "";
+    if (type_at(fd, name) != S_IFDIR) continue;
+    --*budget;
+    Fd sub(open_dir_at(fd, name));
+    if (sub.get() < 0) continue;  // unreadable: not ours to judge
+    if (type_at(sub.get(), StoreDir::kMarker) != 0) return join(path, name);
+    const std::string found = find_store_below(sub.get(), join(path, name), depth - 1, budget);
+    if (!found.empty()) return found;
+  }
+  return "";
+}
+
+[[noreturn]] void refuse_not_empty(int fd, const std::string& path,
+                                   const std::vector<std::string>& names) {
+  std::string held;
+  for (size_t i = 0; i < std::min<size_t>(names.size(), 3); ++i) {
+    held += (i > 0 ? ", " : "") + quoted(names[i]);
+  }
+  if (names.size() > 3) held += " and " + std::to_string(names.size() - 3) + " more";
+  int budget = kScanDirs;
+  const std::string store = find_store_below(fd, path, kScanDepth, &budget);
+  throw UsageError("store directory " + path + " is not empty (it holds " + held +
+                   ") and is not a statepager store" +
+                   (store.empty() ? "" : "; among its contents is the statepager store " + store +
+                                             ", in use or left by another run") +
+                   ": statepager deletes only what it creates, so it takes a new or empty "
+                   "directory, or one holding only a store it left; " + kChoose);
+}
+
+struct Marker {
+  std::string format;              // the first line; "" when the marker cannot be read
+  bool created_directory = false;  // statepager made the directory (remove() deletes it)
+};
+
+Marker read_marker(int dir_fd) {
+  Fd fd(::openat(dir_fd, StoreDir::kMarker, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  struct stat st;
+  if (fd.get() < 0 || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return {};
+  char buf[256] = {};
+  const ssize_t n = ::pread(fd.get(), buf, sizeof(buf) - 1, 0);
+  if (n <= 0) return {};
+  const std::string text(buf, static_cast<size_t>(n));
+  return {text.substr(0, text.find('\n')), text.find("\ndirectory created\n") != std::string::npos};
+}
+
+void write_all(int fd, const std::string& text, const std::string& path) {
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::pwrite(fd, text.data() + done, text.size() - done,
+                               static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw_io_error(n < 0 ? errno : EIO, "write", path, done);
+    done += static_cast<size_t>(n);
+  }
+}
+
+// Creates the marker of a new store: its format, a random id, this process's pid and
+// whether statepager made the directory. Returns false when another process created it
+// first.
+bool create_marker(int dir_fd, const std::string& dir, bool created_directory) {
+  const std::string path = join(dir, StoreDir::kMarker);
+  Fd fd(::openat(dir_fd, StoreDir::kMarker, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                 0644));
+  if (fd.get() < 0 && errno == EEXIST) return false;
+  if (fd.get() < 0) throw_io_error(errno, "create", path, 0);
+  std::random_device random;
+  char id[33];
+  std::snprintf(id, sizeof(id), "%08x%08x%08x%08x", random(), random(), random(), random());
+  write_all(fd.get(), std::string(kFormat) + "\nid " + id + "\npid " +
+                          std::to_string(::getpid()) + "\ndirectory " +
+                          (created_directory ? "created" : "given") + "\n", path);
+  return true;
+}
 
 // The pid the holder wrote into the lock file, or "" when it has not written one yet.
 std::string read_holder_pid(int fd) {
   char buf[32] = {};
-  ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
   std::string pid;
   for (ssize_t i = 0; i < n && buf[i] >= '0' && buf[i] <= '9'; ++i) pid += buf[i];
   return pid;
 }
 
-void write_pid(int fd, const std::string& path) {
-  const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd, 0) != 0) throw_io_error(errno, "ftruncate", path, 0);
-  const ssize_t n = ::pwrite(fd, pid.data(), pid.size(), 0);
-  if (n < 0) throw_io_error(errno, "write", path, 0);
-  if (static_cast<size_t>(n) != pid.size()) throw_io_error(EIO, "write", path, 0);
+std::string absolute(const std::string& path) {
+  if (path.empty()) throw UsageError("store directory: the path is empty; name a directory");
+  std::string abs = path;
+  if (abs[0] != '/') {
+    char cwd[PATH_MAX];
+    if (::getcwd(cwd, sizeof(cwd)) == nullptr) throw_io_error(errno, "getcwd", path, 0);
+    abs = join(cwd, path);
+  }
+  while (abs.size() > 1 && abs.back() == '/') abs.pop_back();
+  return abs;
 }
 
-int remove_entry(const char* path, const struct stat*, int, FTW*) {
-  return ::remove(path) == 0 ? 0 : errno;
-}
-
-// Deletes `path` and everything below it; a missing path is fine.
-void remove_tree(const std::string& path) {
-  const int err = ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
-  if (err != 0 && errno != ENOENT) throw_io_error(err > 0 ? err : errno, "remove", path, 0);
+std::string real_path(const std::string& path) {
+  char* real = ::realpath(path.c_str(), nullptr);
+  if (real == nullptr) throw_io_error(errno, "resolve", path, 0);
+  std::string resolved = real;
+  std::free(real);
+  return resolved;
 }
 
 // mkdir -p
@@ -60,92 +265,209 @@ void make_dirs(const std::string& path) {
     }
     if (slash == std::string::npos) break;
   }
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) throw_io_error(errno, "create directory", path, 0);
-  if (!S_ISDIR(st.st_mode)) throw_io_error(ENOTDIR, "create directory", path, 0);
 }
 
-// Deletes every entry of `dir` except `keep`.
-void wipe(const std::string& dir, const std::string& keep) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) throw_io_error(errno, "list directory", dir, 0);
-  std::vector<std::string> entries;  // collected first: removing while reading may skip some
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != ".." && name != keep) entries.push_back(dir + "/" + name);
+[[noreturn]] void refuse_symlink(const std::string& path) {
+  char target[PATH_MAX] = {};
+  const ssize_t n = ::readlink(path.c_str(), target, sizeof(target) - 1);
+  const std::string to = n > 0 ? std::string(target, static_cast<size_t>(n)) : "?";
+  throw UsageError("store directory " + path + " is a symbolic link (to " + to +
+                   "): statepager takes a directory itself, never through a link; pass the "
+                   "directory it points to, or " + kChoose);
+}
+
+// Refuses a store at `path` when `dir` (an existing ancestor of it, resolved) or one of
+// the ancestors of `dir` is a store.
+void refuse_inside_store(const std::string& path, std::string dir) {
+  for (;; dir = parent_of(dir)) {
+    if (type_at(AT_FDCWD, join(dir, StoreDir::kMarker)) != 0) {
+      throw UsageError("store directory " + path + " is inside the statepager store " + dir +
+                       " (it holds " + join(dir, StoreDir::kMarker) + "): stores do not nest; " +
+                       kChoose + " outside " + dir);
+    }
+    if (dir == "/") return;
   }
-  ::closedir(d);
-  for (const std::string& entry : entries) remove_tree(entry);
+}
+
+// The nearest ancestor of `path` that exists.
+std::string existing_ancestor(const std::string& path) {
+  std::string dir = parent_of(path);
+  while (dir != "/" && ::access(dir.c_str(), F_OK) != 0) dir = parent_of(dir);
+  return dir;
 }
 
 }  // namespace
 
-StoreDir::StoreDir(std::string path) : path_(std::move(path)) {
-  make_dirs(path_);
-
-  const std::string lock_path = file(kLockName);
-  do {
-    lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  } while (lock_fd_ < 0 && errno == EINTR);
-  if (lock_fd_ < 0) throw_io_error(errno, "open", lock_path, 0);
-
-  // The destructor does not run when the constructor throws: release the lock here.
+StoreDir::StoreDir(const std::string& path) {
   try {
-    int ret;
-    do {
-      ret = ::flock(lock_fd_, LOCK_EX | LOCK_NB);
-    } while (ret != 0 && errno == EINTR);
-    if (ret != 0 && errno == EWOULDBLOCK) {
-      const std::string pid = read_holder_pid(lock_fd_);
-      throw StoreBusyError("store directory " + path_ + " is in use by " +
-                           (pid.empty() ? std::string("another process") : "process " + pid) +
-                           ": give each Pager (each rank, each optimizer) its own directory, "
-                           "or stop the other process");
-    }
-    if (ret != 0) throw_io_error(errno, "flock", lock_path, 0);
-    write_pid(lock_fd_, lock_path);
-    wipe(path_, kLockName);
+    claim(path);
   } catch (...) {
-    ::close(lock_fd_);
-    lock_fd_ = -1;
+    // A store this StoreDir started is undone; one that another process got first stays.
+    if (lock_fd_ >= 0 && created_marker_) {
+      ::unlinkat(dir_fd_, kMarker, 0);
+      ::unlinkat(dir_fd_, kLock, 0);
+    }
+    if (created_) ::unlinkat(parent_fd_, leaf_.c_str(), AT_REMOVEDIR);  // when still empty
+    release();
     throw;
   }
 }
 
-StoreDir::~StoreDir() {
-  if (lock_fd_ >= 0) ::close(lock_fd_);
+StoreDir::~StoreDir() { release(); }
+
+void StoreDir::release() {
+  for (auto& [name, fd] : subdirs_) ::close(fd);
+  subdirs_.clear();
+  for (int* fd : {&lock_fd_, &dir_fd_, &parent_fd_}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
 }
 
-std::string StoreDir::file(std::string_view name) const {
-  std::string p = path_;
-  p += '/';
-  p += name;
-  return p;
+// Resolves the path, makes or checks the directory, locks it and clears what a previous
+// run left (see the header).
+void StoreDir::claim(const std::string& given) {
+  const std::string abs = absolute(given);
+  struct stat st;
+  bool exists = ::lstat(abs.c_str(), &st) == 0;
+  if (exists && S_ISLNK(st.st_mode)) refuse_symlink(abs);
+  if (exists && !S_ISDIR(st.st_mode)) {
+    throw UsageError("store directory " + abs + " exists and is not a directory: " + kChoose);
+  }
+  if (!exists && errno != ENOENT) throw_io_error(errno, "open directory", abs, 0);
+  if (exists) {
+    path_ = real_path(abs);
+  } else {
+    const std::string leaf = abs.substr(abs.rfind('/') + 1);
+    if (leaf == "." || leaf == "..") throw_io_error(ENOENT, "open directory", abs, 0);
+    refuse_inside_store(abs, real_path(existing_ancestor(abs)));  // before making any
+    make_dirs(parent_of(abs));
+    path_ = join(real_path(parent_of(abs)), leaf);
+  }
+  if (path_ == "/") throw UsageError("store directory /: the root directory is not empty; " +
+                                     std::string(kChoose));
+  leaf_ = path_.substr(path_.rfind('/') + 1);
+  refuse_inside_store(path_, parent_of(path_));
+
+  parent_fd_ = ::open(parent_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (parent_fd_ < 0) throw_io_error(errno, "open directory", parent_of(path_), 0);
+  if (!exists) {
+    created_ = ::mkdirat(parent_fd_, leaf_.c_str(), 0755) == 0;
+    if (!created_ && errno != EEXIST) throw_io_error(errno, "create directory", path_, 0);
+  }
+  dir_fd_ = open_dir_at(parent_fd_, leaf_);
+  if (dir_fd_ < 0 && errno == ELOOP) refuse_symlink(path_);
+  if (dir_fd_ < 0) throw_io_error(errno, "open directory", path_, 0);
+
+  const std::vector<std::string> names = list(dir_fd_, path_);
+  const bool marked = std::find(names.begin(), names.end(), kMarker) != names.end();
+  if (!marked && !names.empty()) refuse_not_empty(dir_fd_, path_, names);
+  // When another process made the marker first, the lock decides between us.
+  if (!marked) created_marker_ = create_marker(dir_fd_, path_, created_);
+  take_lock();
+  clear_leftovers();
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(lock_fd_, 0) != 0) throw_io_error(errno, "ftruncate", join(path_, kLock), 0);
+  write_all(lock_fd_, pid, join(path_, kLock));
 }
 
-std::string StoreDir::subdirectory(std::string_view name) const {
-  const bool plain = !name.empty() && name.size() <= 128 && name[0] != '.' &&
-                     std::all_of(name.begin(), name.end(), [](char c) {
-                       return std::isalnum(static_cast<unsigned char>(c)) || c == '-' ||
-                              c == '_' || c == '.';
-                     });
-  if (!plain) {
+void StoreDir::take_lock() {
+  const std::string path = join(path_, kLock);
+  // O_NONBLOCK: a planted FIFO or device must not hang the open; it is refused below.
+  Fd fd(::openat(dir_fd_, kLock, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+  if (fd.get() < 0 && errno == ELOOP) {
+    throw UsageError(path + " is a symbolic link: statepager never opens its files through one "
+                     "and touched nothing; remove the link, or " + kChoose);
+  }
+  if (fd.get() < 0) throw_io_error(errno, "open", path, 0);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) throw_io_error(errno, "fstat", path, 0);
+  if (!S_ISREG(st.st_mode) || st.st_nlink != 1) {
+    throw UsageError(path + " is not a regular file of its own (a hard link, a device or a "
+                     "FIFO): statepager writes only its own files and touched nothing; remove "
+                     "it, or " + kChoose);
+  }
+  int ret;
+  do {
+    ret = ::flock(fd.get(), LOCK_EX | LOCK_NB);
+  } while (ret != 0 && errno == EINTR);
+  if (ret != 0 && errno == EWOULDBLOCK) {
+    const std::string pid = read_holder_pid(fd.get());
+    throw StoreBusyError("store directory " + path_ + " is in use by " +
+                         (pid.empty() ? std::string("another process") : "process " + pid) +
+                         ": give each Pager (each rank, each optimizer) its own directory, "
+                         "or stop the other process");
+  }
+  if (ret != 0) throw_io_error(errno, "flock", path, 0);
+  lock_fd_ = fd.release();
+}
+
+// Under the lock: a store left by an earlier run is cleared when it holds nothing but
+// statepager's own entries, and refused, untouched, otherwise.
+void StoreDir::clear_leftovers() {
+  const Marker marker = read_marker(dir_fd_);
+  const std::string& format = marker.format;
+  if (format != kFormat) {
+    const std::string found =
+        format.empty() ? "not a readable file" : "it begins '" + format.substr(0, 40) + "'";
+    throw UsageError("store directory " + path_ + " holds a " + kMarker + " that is not a '" +
+                     kFormat + "' marker (" + found + "): another program or another version "
+                     "of statepager made it; nothing was touched; " + kChoose);
+  }
+  const std::string foreign = foreign_entry(dir_fd_, path_, true);
+  if (!foreign.empty()) {
+    throw UsageError("store directory " + path_ + " holds a statepager store and also " +
+                     quoted(foreign) + ", which statepager did not create: it deletes only "
+                     "what it creates and touched nothing; move " + quoted(foreign) +
+                     " out, or " + kChoose);
+  }
+  for (const std::string& name : list(dir_fd_, path_)) {
+    if (type_at(dir_fd_, name) != S_IFDIR) continue;  // only store subdirectories are
+    Fd sub(open_dir_at(dir_fd_, name));
+    if (sub.get() < 0) throw_io_error(errno, "open directory", join(path_, name), 0);
+    unlink_store_files(sub.get(), join(path_, name));
+    remove_dir_at(dir_fd_, path_, name);
+  }
+  unlink_store_files(dir_fd_, path_);
+  created_ = created_ || marker.created_directory;  // a store left: made by statepager?
+}
+
+UringFile::Location StoreDir::store_file(std::string_view name) {
+  if (name.empty()) return {dir_fd_, path_, kStoreFile};
+  if (!is_plain_name(name)) {
     throw UsageError("store name '" + std::string(name) + "' is not a plain file name: use up "
                      "to 128 letters, digits, '-', '_' and '.', not starting with '.'");
   }
-  const std::string path = file(name);
-  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
-    throw_io_error(errno, "create directory", path, 0);
+  const std::string sub(name);
+  auto it = subdirs_.find(sub);
+  if (it == subdirs_.end()) {
+    const std::string path = join(path_, sub);
+    if (::mkdirat(dir_fd_, sub.c_str(), 0755) != 0) {
+      if (errno == EEXIST) {
+        throw IoError(path + " already exists, and this Pager did not create it: statepager "
+                      "writes only into what it creates; remove it, or give the Pager a new "
+                      "directory", path, 0, EEXIST);
+      }
+      throw_io_error(errno, "create directory", path, 0);
+    }
+    const int fd = open_dir_at(dir_fd_, sub);
+    if (fd < 0) throw_io_error(errno, "open directory", path, 0);
+    it = subdirs_.emplace(sub, fd).first;
   }
-  return path;
+  return {it->second, join(path_, sub), kStoreFile};
 }
 
 void StoreDir::remove() {
   if (lock_fd_ < 0) return;
-  // Everything, .lock included, goes while we still hold the lock.
-  remove_tree(path_);
-  ::close(lock_fd_);
-  lock_fd_ = -1;
+  for (const auto& [name, fd] : subdirs_) {
+    unlink_store_files(fd, join(path_, name));
+    remove_dir_at(dir_fd_, path_, name);
+  }
+  unlink_store_files(dir_fd_, path_);
+  unlink_at(dir_fd_, path_, kMarker, 0);
+  unlink_at(dir_fd_, path_, kLock, 0);  // while still holding the lock
+  if (created_) remove_dir_at(parent_fd_, parent_of(path_), leaf_);
+  release();
 }
 
 }  // namespace statepager

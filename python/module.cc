@@ -345,6 +345,7 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })
       .def_property_readonly("file_path", [](PyPager& self) { return self.pager->file_path(); })
+      .def_property_readonly("directory", [](PyPager& self) { return self.pager->directory(); })
       .def("close", [](PyPager& self) {
         py::gil_scoped_release release;
         self.pager->close();

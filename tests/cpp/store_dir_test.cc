@@ -1,3 +1,4 @@
+// StoreDir: what it takes, what it refuses (untouched), what it deletes.
 #include "backing/store_dir.h"
 
 #include <gtest/gtest.h>
@@ -7,11 +8,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 
 #include "backing/errors.h"
+#include "backing/uring_file.h"
 
 namespace statepager {
 namespace {
@@ -45,39 +48,305 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-TEST(StoreDir, CreatesParentsAndJoinsNames) {
+// Every entry below `root` (links not followed) with its contents (files), its target
+// (links) or "/" (directories): what a refused StoreDir must leave exactly as it was.
+std::map<std::string, std::string> snapshot(const std::string& root) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(root)) {
+    const std::string rel = fs::relative(e.path(), root);
+    if (e.is_symlink()) {
+      out[rel] = "-> " + fs::read_symlink(e.path()).string();
+    } else if (e.is_directory()) {
+      out[rel] = "/";
+    } else {
+      out[rel] = slurp(e.path());
+    }
+  }
+  return out;
+}
+
+// A store statepager left: made by a StoreDir that was never removed.
+void leave_store(const std::string& path) { StoreDir dir(path); }
+
+// Runs `make` and expects a UsageError whose message names every one of `names`.
+template <typename F>
+void expect_refused(F make, const std::vector<std::string>& names) {
+  try {
+    make();
+    ADD_FAILURE() << "not refused";
+  } catch (const UsageError& e) {
+    for (const std::string& name : names) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(StoreDir, CreatesParentsMarksAndLocks) {
   TempDir tmp;
   const std::string path = tmp.sub("a/b/store");
   StoreDir dir(path);
   EXPECT_TRUE(fs::is_directory(path));
   EXPECT_EQ(dir.path(), path);
-  EXPECT_EQ(dir.file("pages"), path + "/pages");
+  const std::string marker = slurp(path + "/" + StoreDir::kMarker);
+  EXPECT_EQ(marker.rfind("statepager-store 1\nid ", 0), 0u) << marker;
+  EXPECT_NE(marker.find("\npid " + std::to_string(::getpid()) + "\n"), std::string::npos);
+  EXPECT_NE(marker.find("\ndirectory created\n"), std::string::npos) << marker;
+  EXPECT_EQ(slurp(path + "/.lock"), std::to_string(::getpid()) + "\n");
+  const UringFile::Location file = dir.store_file("");
+  EXPECT_EQ(file.dir, path);
+  EXPECT_EQ(file.name, "state.bin");
 }
 
-TEST(StoreDir, WipesLeftoverEntriesAndRecordsPid) {
+TEST(StoreDir, NonEmptyDirectoryIsRefusedUntouched) {
+  TempDir tmp;
+  const std::string path = tmp.sub("project");
+  fs::create_directories(path + "/src");
+  touch(path + "/src/main.cc", "int main() {}");
+  touch(path + "/README", "mine");
+  touch(path + "/state.bin", "not a store file");
+  touch(path + "/.lock", "someone else's lock");
+  const auto before = snapshot(path);
+  expect_refused([&] { StoreDir dir(path); }, {path, "not empty", "choose a new or empty"});
+  EXPECT_EQ(snapshot(path), before);
+}
+
+TEST(StoreDir, EmptyDirectoryGivenStaysEmptyAfterRemove) {
+  TempDir tmp;
+  const std::string path = tmp.sub("given");
+  fs::create_directory(path);
+  StoreDir dir(path);
+  UringFile file(dir.store_file(""), UringFile::Options{4, true, true});
+  UringFile sub(dir.store_file("opt0"), UringFile::Options{4, true, true});
+  EXPECT_TRUE(fs::exists(path + "/opt0/state.bin"));
+  dir.remove();
+  ASSERT_TRUE(fs::is_directory(path)) << "a directory the user gave was deleted";
+  EXPECT_TRUE(fs::is_empty(path));
+}
+
+TEST(StoreDir, GivenDirectoryStaysAlsoWhenItHeldALeftoverStore) {
+  TempDir tmp;
+  const std::string path = tmp.sub("given");
+  fs::create_directory(path);
+  leave_store(path);
+  StoreDir again(path);
+  again.remove();
+  ASSERT_TRUE(fs::is_directory(path));
+  EXPECT_TRUE(fs::is_empty(path));
+}
+
+TEST(StoreDir, CreatedDirectoryIsRemovedWithEverythingItMade) {
   TempDir tmp;
   const std::string path = tmp.sub("store");
-  fs::create_directories(path + "/nested/deeper");
-  touch(path + "/pages");
-  touch(path + "/nested/deeper/file");
-  touch(path + "/.hidden");
-  touch(path + "/.lock", "stale");
-  touch(tmp.sub("outside"));
-  fs::create_symlink(tmp.sub("outside"), path + "/link");
-
   StoreDir dir(path);
+  {
+    UringFile file(dir.store_file(""), UringFile::Options{4, true, true});
+    UringFile sub(dir.store_file("0-dense"), UringFile::Options{4, true, true});
+  }
+  dir.remove();
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_TRUE(fs::exists(tmp.sub(""))) << "the parent must stay";
+  dir.remove();  // idempotent
+}
+
+TEST(StoreDir, EntriesAddedByOthersSurviveRemove) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  StoreDir dir(path);
+  UringFile sub(dir.store_file("opt0"), UringFile::Options{4, true, true});
+  touch(path + "/notes.txt", "keep me");
+  touch(path + "/opt0/notes.txt", "keep me too");
+  dir.remove();
+  EXPECT_EQ(slurp(path + "/notes.txt"), "keep me");
+  EXPECT_EQ(slurp(path + "/opt0/notes.txt"), "keep me too");
+  EXPECT_FALSE(fs::exists(path + "/opt0/state.bin"));
+  EXPECT_FALSE(fs::exists(path + "/" + StoreDir::kMarker));
+  EXPECT_FALSE(fs::exists(path + "/.lock"));
+}
+
+TEST(StoreDir, RelativePathThenChdirRemovesOnlyItsOwn) {
+  TempDir tmp;
+  fs::create_directories(tmp.sub("here"));
+  fs::create_directories(tmp.sub("there/store/opt0"));
+  // Names a store would use, in the other folder: none of them may be touched.
+  touch(tmp.sub("there/store/state.bin"), "other");
+  touch(tmp.sub("there/store/opt0/state.bin"), "other");
+  touch(tmp.sub("there/store/.lock"), "other");
+  const auto there = snapshot(tmp.sub("there"));
+  const fs::path cwd = fs::current_path();
+  fs::current_path(tmp.sub("here"));
+  {
+    StoreDir dir("store");
+    UringFile sub(dir.store_file("opt0"), UringFile::Options{4, true, true});
+    EXPECT_EQ(dir.path(), tmp.sub("here/store"));
+    fs::current_path(tmp.sub("there"));
+    dir.remove();
+  }
+  fs::current_path(cwd);
+  EXPECT_FALSE(fs::exists(tmp.sub("here/store")));
+  EXPECT_EQ(snapshot(tmp.sub("there")), there);
+}
+
+TEST(StoreDir, SymlinkAsTheStoreIsRefused) {
+  TempDir tmp;
+  fs::create_directories(tmp.sub("target"));
+  touch(tmp.sub("target/file"), "mine");
+  fs::create_directory_symlink(tmp.sub("target"), tmp.sub("link"));
+  fs::create_directories(tmp.sub("empty"));
+  fs::create_directory_symlink(tmp.sub("empty"), tmp.sub("link-to-empty"));
+  const auto before = snapshot(tmp.sub(""));
+  expect_refused([&] { StoreDir dir(tmp.sub("link")); },
+                 {tmp.sub("link"), tmp.sub("target"), "symbolic link"});
+  expect_refused([&] { StoreDir dir(tmp.sub("link-to-empty/")); },
+                 {tmp.sub("link-to-empty"), tmp.sub("empty")});
+  EXPECT_EQ(snapshot(tmp.sub("")), before);
+}
+
+TEST(StoreDir, SymlinkedAncestorIsResolvedOnce) {
+  TempDir tmp;
+  fs::create_directories(tmp.sub("real"));
+  fs::create_directory_symlink(tmp.sub("real"), tmp.sub("alias"));
+  StoreDir dir(tmp.sub("alias/store"));
+  EXPECT_EQ(dir.path(), tmp.sub("real/store"));
+  fs::remove(tmp.sub("alias"));
+  fs::create_directories(tmp.sub("alias/store"));  // the alias now names another folder
+  touch(tmp.sub("alias/store/keep"), "mine");
+  dir.remove();
+  EXPECT_FALSE(fs::exists(tmp.sub("real/store")));
+  EXPECT_EQ(slurp(tmp.sub("alias/store/keep")), "mine");
+}
+
+TEST(StoreDir, LeftoverStoreOfOursIsClearedAndReused) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  {
+    StoreDir dir(path);
+    UringFile file(dir.store_file(""), UringFile::Options{4, true, true});
+    UringFile sub(dir.store_file("1-expert"), UringFile::Options{4, true, true});
+  }  // no remove(): as after a crash
+  touch(path + "/state.bin.3", "stripe");  // a RAM store's stripe
+  ASSERT_TRUE(fs::exists(path + "/1-expert/state.bin"));
+  StoreDir again(path);
   std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(path)) left.push_back(e.path().filename());
-  EXPECT_EQ(left, std::vector<std::string>{".lock"});
-  EXPECT_EQ(slurp(path + "/.lock"), std::to_string(::getpid()) + "\n");
-  EXPECT_TRUE(fs::exists(tmp.sub("outside"))) << "a symlink's target was deleted";
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{".lock", StoreDir::kMarker}));
+  UringFile file(again.store_file(""), UringFile::Options{4, true, true});  // new again
+  again.remove();
+  EXPECT_FALSE(fs::exists(path)) << "a store left by a crash is statepager's to remove";
+}
+
+TEST(StoreDir, LeftoverWithForeignEntriesIsRefusedUntouched) {
+  TempDir tmp;
+  // An entry statepager does not create, and how the refusal names it.
+  const std::vector<std::pair<std::string, std::string>> extras = {
+      {"notes.txt", "notes.txt"}, {"opt0/notes.txt", "opt0/notes.txt"},
+      {".hidden", ".hidden"}, {"sub/deeper/file", "sub/deeper"}};
+  for (size_t i = 0; i < extras.size(); ++i) {
+    const auto& [extra, named] = extras[i];
+    const std::string path = tmp.sub("store" + std::to_string(i));
+    leave_store(path);
+    touch(path + "/state.bin", "left");
+    fs::create_directories(fs::path(path + "/" + extra).parent_path());
+    touch(path + "/" + extra, "mine");
+    const auto before = snapshot(path);
+    expect_refused([&] { StoreDir dir(path); }, {path, named, "did not create"});
+    EXPECT_EQ(snapshot(path), before) << extra;
+  }
+}
+
+TEST(StoreDir, PlantedLockSymlinkIsRefusedAndItsTargetUnchanged) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  leave_store(path);
+  touch(tmp.sub("victim"), "precious");
+  fs::remove(path + "/.lock");
+  fs::create_symlink(tmp.sub("victim"), path + "/.lock");
+  expect_refused([&] { StoreDir dir(path); }, {path + "/.lock", "symbolic link"});
+  EXPECT_EQ(slurp(tmp.sub("victim")), "precious");
+  EXPECT_TRUE(fs::is_symlink(path + "/.lock"));
+
+  fs::remove(path + "/.lock");
+  fs::create_hard_link(tmp.sub("victim"), path + "/.lock");
+  expect_refused([&] { StoreDir dir(path); }, {path + "/.lock", "hard link"});
+  EXPECT_EQ(slurp(tmp.sub("victim")), "precious");
+}
+
+TEST(StoreDir, PlantedStoreFileOrSubdirectorySymlinkIsRefused) {
+  TempDir tmp;
+  touch(tmp.sub("victim"), "precious");
+  fs::create_directories(tmp.sub("victim-dir"));
+  touch(tmp.sub("victim-dir/state.bin"), "precious");
+  const std::string a = tmp.sub("a"), b = tmp.sub("b");
+  leave_store(a);
+  fs::create_symlink(tmp.sub("victim"), a + "/state.bin");
+  expect_refused([&] { StoreDir dir(a); }, {a, "state.bin"});
+  leave_store(b);
+  fs::create_directory_symlink(tmp.sub("victim-dir"), b + "/0-dense");
+  expect_refused([&] { StoreDir dir(b); }, {b, "0-dense"});
+  EXPECT_EQ(slurp(tmp.sub("victim")), "precious");
+  EXPECT_EQ(slurp(tmp.sub("victim-dir/state.bin")), "precious");
+  EXPECT_TRUE(fs::is_symlink(a + "/state.bin"));
+}
+
+TEST(StoreDir, StoreFilesAreCreatedNewNeverThroughALink) {
+  TempDir tmp;
+  touch(tmp.sub("victim"), "precious");
+  StoreDir dir(tmp.sub("store"));
+  // Planted in the live store before the store files are created.
+  fs::create_symlink(tmp.sub("victim"), tmp.sub("store/state.bin"));
+  EXPECT_THROW(UringFile(dir.store_file(""), UringFile::Options{4, true, true}), IoError);
+  fs::create_directory_symlink(tmp.sub(""), tmp.sub("store/opt0"));
+  EXPECT_THROW(dir.store_file("opt0"), IoError);
+  EXPECT_EQ(slurp(tmp.sub("victim")), "precious");
+  // Without O_EXCL the link is still never followed.
+  EXPECT_THROW(UringFile(dir.store_file(""), UringFile::Options{4, true, false}), IoError);
+  EXPECT_EQ(slurp(tmp.sub("victim")), "precious");
+  dir.remove();
+  EXPECT_EQ(slurp(tmp.sub("victim")), "precious");
+}
+
+TEST(StoreDir, StoreInsideAStoreIsRefused) {
+  TempDir tmp;
+  const std::string outer = tmp.sub("outer");
+  {
+    StoreDir live(outer);
+    UringFile file(live.store_file(""), UringFile::Options{4, true, true});
+    expect_refused([&] { StoreDir dir(outer + "/inner"); }, {outer + "/inner", outer});
+    expect_refused([&] { StoreDir dir(outer + "/x/y/inner"); }, {outer + "/x/y/inner", outer});
+    EXPECT_FALSE(fs::exists(outer + "/inner"));
+    EXPECT_FALSE(fs::exists(outer + "/x"));
+  }
+  // Left, not removed: still a store.
+  expect_refused([&] { StoreDir dir(outer + "/inner"); }, {outer + "/inner", outer});
+  EXPECT_TRUE(fs::exists(outer + "/state.bin"));
+}
+
+TEST(StoreDir, ParentOfALiveStoreIsRefused) {
+  TempDir tmp;
+  const std::string parent = tmp.sub("runs");
+  StoreDir live(parent + "/rank0");
+  UringFile file(live.store_file(""), UringFile::Options{4, true, true});
+  const auto before = snapshot(parent);
+  expect_refused([&] { StoreDir dir(parent); }, {parent, parent + "/rank0", "statepager store"});
+  expect_refused([&] { StoreDir dir(tmp.sub("")); }, {parent + "/rank0"});  // two levels up
+  EXPECT_EQ(snapshot(parent), before);
+}
+
+TEST(StoreDir, ForeignMarkerIsRefused) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  fs::create_directories(path);
+  touch(path + "/" + StoreDir::kMarker, "statepager-store 99\n");
+  touch(path + "/state.bin", "left");
+  expect_refused([&] { StoreDir dir(path); }, {path, "statepager-store 99"});
+  EXPECT_EQ(slurp(path + "/state.bin"), "left");
 }
 
 TEST(StoreDir, SecondInSameProcessIsBusy) {
   TempDir tmp;
   const std::string path = tmp.sub("store");
   StoreDir first(path);
-  touch(first.file("pages"));
+  UringFile file(first.store_file(""), UringFile::Options{4, true, true});
   try {
     StoreDir second(path);
     FAIL() << "a second StoreDir on " << path << " was allowed";
@@ -86,7 +355,8 @@ TEST(StoreDir, SecondInSameProcessIsBusy) {
     EXPECT_NE(what.find(path), std::string::npos) << what;
     EXPECT_NE(what.find("process " + std::to_string(::getpid())), std::string::npos) << what;
   }
-  EXPECT_TRUE(fs::exists(first.file("pages"))) << "the refused StoreDir wiped the live store";
+  EXPECT_TRUE(fs::exists(path + "/state.bin")) << "the refused StoreDir wiped the live store";
+  EXPECT_TRUE(fs::exists(path + "/" + StoreDir::kMarker));
 }
 
 TEST(StoreDir, ForkedChildSeesParentsLock) {
@@ -124,9 +394,10 @@ TEST(StoreDir, HeldByAnotherProcessIsBusyUntilItExits) {
     ::close(release[1]);  // so that the parent's exit, too, releases the child
     char c = 0;
     std::unique_ptr<StoreDir> dir;  // held until the child exits
+    std::unique_ptr<UringFile> file;
     try {
       dir = std::make_unique<StoreDir>(path);
-      touch(dir->file("pages"));
+      file = std::make_unique<UringFile>(dir->store_file(""), UringFile::Options{4, true, true});
       c = 1;
     } catch (...) {
     }
@@ -148,7 +419,7 @@ TEST(StoreDir, HeldByAnotherProcessIsBusyUntilItExits) {
     } catch (const std::exception& e) {
       ADD_FAILURE() << "expected StoreBusyError, got: " << e.what();
     }
-    EXPECT_TRUE(fs::exists(path + "/pages"));
+    EXPECT_TRUE(fs::exists(path + "/state.bin"));
   }
   ::close(release[1]);  // lets the child exit
   ::close(ready[0]);
@@ -156,37 +427,20 @@ TEST(StoreDir, HeldByAnotherProcessIsBusyUntilItExits) {
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(child_ready) << "the child could not take the store";
 
-  StoreDir dir(path);  // free now, and wiped
-  EXPECT_FALSE(fs::exists(path + "/pages"));
+  StoreDir dir(path);  // free now: the child's leftover store is cleared
+  EXPECT_FALSE(fs::exists(path + "/state.bin"));
 }
 
-TEST(StoreDir, DestructorReleasesLockAndKeepsFiles) {
+TEST(StoreDir, StoreNamesArePlainFileNames) {
   TempDir tmp;
-  const std::string path = tmp.sub("store");
-  {
-    StoreDir dir(path);
-    touch(dir.file("pages"));
+  StoreDir dir(tmp.sub("store"));
+  for (const char* bad : {".hidden", "../escape", "a/b", ""}) {
+    if (*bad == '\0') continue;  // "" is the default store
+    EXPECT_THROW(dir.store_file(bad), UsageError) << bad;
   }
-  EXPECT_TRUE(fs::exists(path + "/pages")) << "files must survive for inspection";
-  StoreDir again(path);
-  EXPECT_FALSE(fs::exists(path + "/pages")) << "the next start must wipe them";
-}
-
-TEST(StoreDir, RemoveDeletesTheDirectory) {
-  TempDir tmp;
-  const std::string path = tmp.sub("store");
-  {
-    StoreDir dir(path);
-    fs::create_directories(dir.file("sub"));
-    touch(dir.file("sub/file"));
-    touch(dir.file("pages"));
-    dir.remove();
-    EXPECT_FALSE(fs::exists(path));
-    dir.remove();  // idempotent
-    EXPECT_FALSE(fs::exists(path));
-  }
-  StoreDir again(path);
-  EXPECT_TRUE(fs::is_directory(path));
+  EXPECT_FALSE(fs::exists(tmp.sub("escape")));
+  EXPECT_EQ(dir.store_file("0-dense").dir, tmp.sub("store/0-dense"));
+  EXPECT_EQ(dir.store_file("0-dense").dir, tmp.sub("store/0-dense"));  // once made, reused
 }
 
 TEST(StoreDir, ParentIsARegularFile) {
