@@ -25,6 +25,7 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench_pager import bench_directory
 from statepager.bench_report import faster, show, spread
 from statepager.pager import GiB, MiB, Pager
 from statepager.progress import Progress
@@ -70,14 +71,9 @@ def _fingerprint(binding) -> list:
 
 
 def bench_ckpt(args) -> dict:
-    work = os.path.join(os.path.abspath(args.dir), "statepager-bench-ckpt")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    try:
-        with Progress("bench ckpt", phases=3 + 3 * args.repeat) as bar:
-            return _run(args, args.size, work, bar)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with bench_directory(args.dir) as work, \
+            Progress("bench ckpt", phases=3 + 3 * args.repeat) as bar:
+        return _run(args, args.size, work, bar)
 
 
 def _run(args, size: int, work: str, bar) -> dict:

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from statepager.bench_pager import bench_directory
 from statepager.bench_report import faster, show, spread
 from statepager.optim import PagedAdamW
 from statepager.pager import MiB, Pager
@@ -30,9 +31,10 @@ def bench_formats(args) -> dict:
     device = torch.device(args.device)
     n = args.params
     rows = []
-    with Progress("bench formats", phases=len(COMBINATIONS) * args.steps) as bar:
+    with Progress("bench formats", phases=len(COMBINATIONS) * args.steps) as bar, \
+            bench_directory(args.dir) as work:
         for moments, mains in COMBINATIONS:
-            rows.append(_combination(args, device, n, moments, mains, bar))
+            rows.append(_combination(args, work, device, n, moments, mains, bar))
     base = rows[0]
     for r in rows:
         r["bytes_ratio"] = (r["read_per_param"] + r["written_per_param"]) / (
@@ -40,11 +42,11 @@ def bench_formats(args) -> dict:
     return {"device": str(device), "params": n, "dir": args.dir, "rows": rows}
 
 
-def _combination(args, device, n: int, moments: str, mains: str, bar) -> dict:
+def _combination(args, work: str, device, n: int, moments: str, mains: str, bar) -> dict:
     params = _model(n, device)
     for p in params:
         p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-3).bfloat16()
-    store = os.path.join(args.dir, f"statepager-bench-formats-{moments}-{mains}")
+    store = os.path.join(work, f"store-{moments}-{mains}")
     with Pager(store, device=device, page_size=2 * MiB) as pager:
         opt = PagedAdamW(params, pager=pager, lr=1e-4, bucket_size=args.bucket,
                          moments=moments, mains=mains, fused=True)

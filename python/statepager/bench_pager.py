@@ -7,10 +7,12 @@ map    the cost of mapping and unmapping pages, per GiB, and its share of a tran
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -19,6 +21,18 @@ from statepager import _C
 from statepager.bench_report import faster, show, spread
 from statepager.pager import GiB, MiB, Pager
 from statepager.progress import Progress
+
+
+@contextlib.contextmanager
+def bench_directory(parent: str):
+    """A new directory for one bench run, made inside `parent` (created when missing) and
+    deleted afterwards with what the run wrote into it: a bench touches nothing else."""
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="statepager-bench-", dir=parent)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | None:
@@ -37,16 +51,19 @@ def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | N
 
 
 def bench_store(args) -> dict:
+    with bench_directory(args.dir) as work:
+        return _bench_store(args, work)
+
+
+def _bench_store(args, work: str) -> dict:
     size = args.size
-    os.makedirs(args.dir, exist_ok=True)
-    store = os.path.join(args.dir, "statepager-bench")
     result = {"repeat": args.repeat, "size_bytes": size, "cold_pages": args.cold}
     # The pool keeps its physical pages (steady state: no page creation in the timed part,
     # as in a training loop), unless --cold asks for fresh pages on every page-in.
     keep = 0 if args.cold else size + 64 * MiB
     with Progress("bench store", phases=2 + 4 * args.repeat) as bar, \
-            Pager(store, device=args.device, io_depth=args.io_depth, io_block=args.io_block,
-                  keep=keep) as pager:
+            Pager(os.path.join(work, "store"), device=args.device, io_depth=args.io_depth,
+                  io_block=args.io_block, keep=keep) as pager:
         bar.phase("filling the tensors")
         # fio and the raw loop run with the pager's I/O shape.
         depth, block = pager.stats()["io_depth"], pager.stats()["io_block_bytes"]
@@ -74,19 +91,19 @@ def bench_store(args) -> dict:
         for r in range(args.repeat):
             round_ = f"round {r + 1}/{args.repeat}"
             bar.phase(f"{round_}: fio write")
-            w = fio(args.dir, "write", size, block, depth)
+            w = fio(work, "write", size, block, depth)
             bar.phase(f"{round_}: page-out")
             rates["write"].append(_timed(pager, buckets, out=True))
             bar.phase(f"{round_}: page-in")
             rates["read"].append(_timed(pager, buckets, out=False))
             bar.phase(f"{round_}: fio read")
-            rd = fio(args.dir, "read", size, block, depth)
+            rd = fio(work, "read", size, block, depth)
             if w is not None:
                 rates["fio_write"].append(w)
                 rates["fio_read"].append(rd)
         bar.phase("raw io_uring loop")
-        raw_read = _C.measure_raw_io(args.dir, size, block, depth, True, False)
-        raw_write = _C.measure_raw_io(args.dir, size, block, depth, False, True)
+        raw_read = _C.measure_raw_io(work, size, block, depth, True, False)
+        raw_write = _C.measure_raw_io(work, size, block, depth, False, True)
 
         ok = sums == [[float(t[:: 1 + t.numel() // 97].sum()) for t in b] for b in buckets]
         result.update(
@@ -101,10 +118,6 @@ def bench_store(args) -> dict:
             raw_read_gbps=raw_read["read_gbps"],
             data_intact=ok,
         )
-    try:
-        os.remove(os.path.join(args.dir, "fio.dat"))
-    except FileNotFoundError:
-        pass
     return result
 
 
@@ -156,11 +169,14 @@ def _mixed_tensors(pager: Pager, size: int, seed: int = 0) -> list:
 
 
 def bench_sleep(args) -> dict:
+    with bench_directory(args.dir) as work:
+        return _bench_sleep(args, work)
+
+
+def _bench_sleep(args, work: str) -> dict:
     size = args.size
-    os.makedirs(args.dir, exist_ok=True)
-    store = os.path.join(args.dir, "statepager-bench-sleep")
     with Progress("bench sleep", phases=3 + 2 * (1 + args.repeat)) as bar, \
-            Pager(store, device=args.device, io_depth=args.io_depth,
+            Pager(os.path.join(work, "store"), device=args.device, io_depth=args.io_depth,
                   io_block=args.io_block) as pager:
         bar.phase("filling the tensors")
         ts = _mixed_tensors(pager, size)
@@ -190,8 +206,8 @@ def bench_sleep(args) -> dict:
         # The raw loop with the pager's I/O shape.
         bar.phase("raw io_uring loop")
         depth, block = stats["io_depth"], stats["io_block_bytes"]
-        raw_r = _C.measure_raw_io(args.dir, nbytes, block, depth, True, False)
-        raw_w = _C.measure_raw_io(args.dir, nbytes, block, depth, False, True)
+        raw_r = _C.measure_raw_io(work, nbytes, block, depth, True, False)
+        raw_w = _C.measure_raw_io(work, nbytes, block, depth, False, True)
     pause = [nbytes / p / 1e9 for p, _ in rounds]
     resume = [nbytes / r / 1e9 for _, r in rounds]
     return {"device": args.device, "dir": args.dir, "bytes": nbytes, "tensors": len(ts),

@@ -16,6 +16,7 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench_pager import bench_directory
 from statepager.bench_report import faster, show, spread
 from statepager.pager import MiB, Pager
 from statepager.progress import Progress
@@ -51,8 +52,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def paged_steps(args, device, n, bar) -> dict:
-    store = os.path.join(args.dir, "statepager-bench-step")
+def paged_steps(args, work: str, device, n, bar) -> dict:
+    store = os.path.join(work, "store")
     bucket = args.bucket
     with Pager(store, device=device, page_size=args.page_size, io_depth=args.io_depth,
                io_block=args.io_block) as pager:
@@ -113,13 +114,13 @@ def _io(fd: int, t: torch.Tensor, nbytes: int, offset: int, write: bool) -> None
         done += n
 
 
-def sync_steps(args, device, n, bar) -> dict:
+def sync_steps(args, work: str, device, n, bar) -> dict:
     """The public per-bucket store, reproduced: each bucket a [main | m | v] range of one
     file; step = for each bucket: pread -> H2D, fused AdamW, D2H -> pwrite; no overlap."""
     staging_bytes = 256 * MiB
     bucket_numel = max(1, args.bucket // STATE_BYTES) // 1024 * 1024
-    path = os.path.join(args.dir, "sync-baseline.bin")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
+    path = os.path.join(work, "sync-baseline.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0))
     staging = _pinned(staging_bytes, device)
     try:
         buckets = [(s, min(bucket_numel, n - s)) for s in range(0, n, bucket_numel)]
@@ -170,22 +171,26 @@ def sync_steps(args, device, n, bar) -> dict:
 
 
 def bench_step(args) -> dict:
+    with bench_directory(args.dir) as work:
+        return _bench_step(args, work)
+
+
+def _bench_step(args, work: str) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     n = args.params
     state = STATE_BYTES * n
-    os.makedirs(args.dir, exist_ok=True)
     phases = args.steps + 1 + (0 if args.no_baseline else args.steps)
     with Progress("bench step", phases) as bar:
-        paged = paged_steps(args, device, n, bar)
+        paged = paged_steps(args, work, device, n, bar)
         # The raw loop with the pager's I/O shape; at once, each direction gets half the slots.
         bar.phase("raw io_uring loop")
         depth, block = paged["io_depth"], paged["io_block"]
-        raw = _C.measure_raw_io(args.dir, state, block, depth // 2, True, True)
-        raw_read = _C.measure_raw_io(args.dir, state, block, depth, True, False)
-        raw_write = _C.measure_raw_io(args.dir, state, block, depth, False, True)
-        sync = None if args.no_baseline else sync_steps(args, device, n, bar)
+        raw = _C.measure_raw_io(work, state, block, depth // 2, True, True)
+        raw_read = _C.measure_raw_io(work, state, block, depth, True, False)
+        raw_write = _C.measure_raw_io(work, state, block, depth, False, True)
+        sync = None if args.no_baseline else sync_steps(args, work, device, n, bar)
     floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
     result = {
         "device": str(device), "params": n, "state_bytes": state, "dir": args.dir,

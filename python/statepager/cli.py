@@ -19,7 +19,9 @@ def _bench(bench, name: str, help: str, *, dir: bool = True, default_device: str
     p = bench.add_parser(name, help=help)
     if dir:
         p.add_argument("--dir", required=True, type=directory,
-                       help="directory of the store (the device measured)")
+                       help="where to measure (the device measured): the bench makes a new "
+                            "directory in it for its store and files, and deletes that "
+                            "directory afterwards; nothing else in DIR is touched")
     p.add_argument("--device", type=device,
                    default=default_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     p.add_argument("--json", action="store_true")

@@ -34,11 +34,17 @@ class PageHandle:
 class Pager:
     """Tensors whose bytes live in a paged pool and, when not resident, in a store file.
 
-    directory: the store directory; exclusive to this Pager (a second one is refused),
-        wiped on start, deleted by close(). "{rank}" in it becomes the torch.distributed
-        rank (0 when not initialized), so each rank of a job gets its own store. Each
-        attached optimizer keeps its state in its own store, directory/<its name>/;
-        other tensors in the default one, directory/state.bin.
+    directory: the store directory, exclusive to this Pager (a second one is refused with
+        StoreBusyError). A new directory (created), an empty one, or one holding a store
+        that statepager left (after a crash: its files are deleted); any other directory
+        is refused with UsageError, untouched, as are a symbolic link to a directory (pass
+        the directory itself) and a directory inside another store. The path is made
+        absolute once (self.directory); statepager creates its files new and never through
+        a symbolic link. close() deletes what statepager created there, and the directory
+        if statepager made it. "{rank}" in it becomes the torch.distributed rank (0 when
+        not initialized), so each rank of a job gets its own store. Each attached
+        optimizer keeps its state in its own store, directory/<its name>/; other tensors
+        in the default one, directory/state.bin.
     device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory).
     page_size: bytes per physical page; a multiple of the device granularity.
     hbm_budget: physical bytes the pool may hold at once (None: unbounded).
@@ -70,7 +76,7 @@ class Pager:
             io_depth or 0, io_block or 0, direct_io,
         )
         self._unbounded = hbm_budget is None
-        self.directory = str(directory)
+        self.directory = self._core.directory  # absolute, ancestors' links resolved
         self.page_size = page_size
         self.keep = keep
         self._paused = None
@@ -273,7 +279,8 @@ class Pager:
         return self._core.file_path
 
     def close(self) -> None:
-        """Waits for paging to finish, drops all state and deletes the store directory."""
+        """Waits for paging to finish, drops all state and deletes what the Pager created in
+        its directory (the directory too, when the Pager made it)."""
         self._core.close()
         if self._mem_pool is not None:
             from statepager import scope

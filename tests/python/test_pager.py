@@ -146,14 +146,20 @@ def test_second_process_on_same_directory_refused(store_dir):
         assert str(os.getpid()) in r.stdout
 
 
-def test_store_directory_is_wiped_on_start_and_removed_on_close(store_dir):
+def test_directory_with_other_files_is_refused_and_a_new_one_removed_on_close(store_dir,
+                                                                             tmp_path):
+    # More cases (a store left by a crash, links, chdir) in test_fault_store_dir.py.
     os.makedirs(store_dir)
     with open(os.path.join(store_dir, "leftover"), "w") as f:
         f.write("x")
-    p = Pager(store_dir)
-    assert "leftover" not in os.listdir(store_dir)
+    with pytest.raises(statepager.UsageError, match="not empty"):
+        Pager(store_dir)
+    assert os.listdir(store_dir) == ["leftover"]
+    fresh = str(tmp_path / "fresh")
+    p = Pager(fresh)
+    assert sorted(os.listdir(fresh)) == [".lock", ".statepager-store", "state.bin"]
     p.close()
-    assert not os.path.exists(store_dir)
+    assert not os.path.exists(fresh)
 
 
 def test_full_disk_keeps_data_resident(store_dir):
