@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include "allocator/device.h"
 #include "allocator/pager.h"
@@ -227,10 +228,25 @@ PYBIND11_MODULE(_C, m) {
            py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"))
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
-              const std::string& store) {
+              const std::string& store, std::optional<std::vector<int64_t>> strides) {
+             if (strides && strides->size() != shape.size()) {
+               throw UsageError("empty(): " + std::to_string(strides->size()) +
+                                " strides for " + std::to_string(shape.size()) +
+                                " dimensions: give one stride per dimension");
+             }
+             // Elements the tensor spans in memory: its numel when contiguous, else
+             // 1 + the offset of its last element (no element past the extent).
              int64_t numel = 1;
              for (int64_t s : shape) numel *= s;
-             const size_t bytes = size_t(numel) * c10::elementSize(scalar);
+             int64_t span = numel;
+             if (strides && numel > 0) {
+               span = 1;
+               for (size_t i = 0; i < shape.size(); i++) {
+                 if ((*strides)[i] < 0) throw UsageError("empty(): negative stride");
+                 span += (shape[i] - 1) * (*strides)[i];
+               }
+             }
+             const size_t bytes = size_t(span) * c10::elementSize(scalar);
              const ExtentId id = self.pager->create(bytes, self.pager->open_store(store));
              std::shared_ptr<Pager> keep = self.pager;
              auto deleter = [keep, id](void*) {
@@ -244,13 +260,15 @@ PYBIND11_MODULE(_C, m) {
              };
              // target_device: an unmapped address is unknown to cudaPointerGetAttributes,
              // so torch must not try to infer the device from it.
-             return at::for_blob(reinterpret_cast<void*>(self.pager->address(id)), shape)
-                 .deleter(deleter)
+             auto blob = at::for_blob(reinterpret_cast<void*>(self.pager->address(id)), shape);
+             if (strides) blob.strides(*strides);
+             return blob.deleter(deleter)
                  .options(torch::TensorOptions().dtype(scalar).device(self.device))
                  .target_device(self.device)
                  .make_tensor();
            },
-           py::arg("shape"), py::arg("dtype"), py::arg("store") = "")
+           py::arg("shape"), py::arg("dtype"), py::arg("store") = "",
+           py::arg("strides") = py::none())
       .def("move_to_store",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, const std::string& store) {
              self.pager->move_to_store(self.extents_of(tensors), self.pager->open_store(store));

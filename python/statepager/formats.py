@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from statepager import codecs
+from statepager.pager import flat_view
 
 MOMENT_FORMATS = ("fp32", "bf16", "q8")
 MAIN_FORMATS = ("fp32", "residual")
@@ -58,24 +59,24 @@ class StoredForm:
         """Decodes into the working tensor. Residual format: returns a device bool, True
         when the model parameter is no longer the bf16 rounding of the rebuilt master
         (checked by the caller, once per bucket); otherwise None."""
-        w = self.working.view(-1)
+        w = flat_view(self.working)
         if self.fmt == "bf16":
             w.copy_(self.tensors[0])
         elif self.fmt == "q8":
             codecs.q8_decode(self.tensors[0], self.tensors[1], w, self.kind)
         elif self.fmt == "residual":
-            return codecs.residual_rebuild(self.model_param.view(-1), self.tensors[0],
+            return codecs.residual_rebuild(flat_view(self.model_param), self.tensors[0],
                                            self.exceptions, w).any()
         return None
 
     def encode(self) -> None:
-        w = self.working.view(-1)
+        w = flat_view(self.working)
         if self.fmt == "bf16":
             self.tensors[0].copy_(w)
         elif self.fmt == "q8":
             codecs.q8_encode(w, self.tensors[0], self.tensors[1], self.kind)
         elif self.fmt == "residual":
-            self.exceptions = codecs.residual_encode(w, self.model_param.view(-1),
+            self.exceptions = codecs.residual_encode(w, flat_view(self.model_param),
                                                      self.tensors[0])
             self.fingerprint = codecs.param_checksum(self.model_param)
 

@@ -31,7 +31,7 @@ class PagedAdamW(torch.optim.AdamW):
         for group in groups:
             masters = []
             for p in group["params"]:
-                m = pager.empty(p.shape, dtype=torch.float32)
+                m = pager.empty_like(p, dtype=torch.float32)  # p's memory layout
                 m.requires_grad_(p.requires_grad)
                 self._model_of[id(m)] = p
                 masters.append(m)

@@ -85,18 +85,26 @@ class Pager:
 
     # -- tensors ---------------------------------------------------------------------
 
-    def empty(self, *shape, dtype: torch.dtype = torch.float32, store: str = "") -> torch.Tensor:
+    def empty(self, *shape, dtype: torch.dtype = torch.float32, store: str = "",
+              strides: Sequence[int] | None = None) -> torch.Tensor:
         """A deferred tensor: address reserved, no memory and no I/O until page_in().
-        `store` names the store its bytes go to ("" the default one)."""
+        `store` names the store its bytes go to ("" the default one); `strides` its
+        memory layout (None: contiguous)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
-        return self._core.empty(list(shape), dtype, store)
+        return self._core.empty(list(shape), dtype, store,
+                                None if strides is None else list(strides))
 
-    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
-        return self.empty(t.shape, dtype=t.dtype)
+    def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """empty() shaped and laid out as torch.empty_like(t) would be (preserve_format:
+        a channels_last or transposed t gives the same strides), optionally another dtype."""
+        like = torch.empty_like(t, dtype=dtype, device="meta")
+        return self.empty(like.shape, dtype=like.dtype, strides=like.stride())
 
-    def owns(self, t: torch.Tensor) -> bool:
-        return self._core.owns(t)
+    def owns(self, t) -> bool:
+        """True when t is a tensor whose bytes are a tensor of this pager (a view of one
+        included); False for anything else (sparse tensors, numbers)."""
+        return isinstance(t, torch.Tensor) and t.layout == torch.strided and self._core.owns(t)
 
     def store_of(self, t: torch.Tensor) -> str:
         """The name of the store t's bytes live in ("" the default one)."""
@@ -293,6 +301,17 @@ class Pager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as a 1-D view in memory order. t must be dense (contiguous, or a
+    permutation of that: channels_last, a transpose), as every pager tensor is."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not torch.ops.aten.is_non_overlapping_and_dense.default(t):
+        raise _C.UsageError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
+                            "has gaps or overlaps in memory: it has no flat view (clone it)")
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
 def _rank() -> int:
