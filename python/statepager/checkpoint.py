@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from statepager import _C
+from statepager.pager import flat_view
 from statepager.stream import _params_in_order
 
 log = logging.getLogger("statepager")
@@ -197,16 +198,18 @@ class _Plan:
         index = {id(p): i for i, p in enumerate(params)}
         # Per bucket: (manifest entry, tensor) of each stored tensor.
         self.buckets = [[({"param": index[id(p)], "name": name, "dtype": str(t.dtype),
-                           "shape": list(t.shape), "bytes": t.numel() * t.element_size()}, t)
+                           "shape": list(t.shape), "strides": list(t.stride()),
+                           "bytes": t.numel() * t.element_size()}, t)
                          for p in b.params for name, t in _stored(binding, p)]
                         for b in binding.buckets]
         self.entries = [e for items in self.buckets for e, _ in items]
         self.tensors = [t for items in self.buckets for _, t in items]
-        small = {}
+        small, names = {}, {}
         for p in params:
             i = str(index[id(p)])
             small[i] = {k: _encode(v) for k, v in opt.state.get(p, {}).items()
                         if not binding.pager.owns(v)}
+            names[i] = list(opt.state.get(p, {}))  # torch's order of the entries
             for name, form in binding.forms(p):
                 if form.fmt == "residual":
                     small[i][f"{name}:exceptions"] = [_encode(e) for e in form.exceptions]
@@ -216,7 +219,7 @@ class _Plan:
                       "param_groups": [{k: _encode(v) for k, v in g.items() if k != "params"}
                                        for g in opt.param_groups],
                       "data": f"{binding.name}/{_DATA}", "tensors": self.entries,
-                      "small_state": small}
+                      "small_state": small, "state_names": names}
         self.data_bytes = 0
 
     def place(self, states: list) -> None:
@@ -240,7 +243,7 @@ class _Plan:
                 pager.page_in([t for _, t in moved])
                 try:
                     for e, t in moved:
-                        data = t.detach().view(-1).view(torch.uint8).cpu().numpy()
+                        data = flat_view(t.detach()).view(torch.uint8).cpu().numpy()
                         f.seek(e["offset"])
                         f.write(data.data)
                         f.write(b"\0" * (_align(data.size) - data.size))
@@ -298,7 +301,12 @@ def load(pager, path: str) -> bool:
     entries = _check_layout(pager, read_manifest(path), path)
     _verify(entries, path)
     for binding, entry in zip(pager._bindings, entries):
-        _load_optimizer(binding, entry, os.path.join(path, entry["data"]))
+        created = _create_state(binding, _missing_state(binding, entry))
+        try:
+            _load_optimizer(binding, entry, os.path.join(path, entry["data"]))
+        except BaseException:
+            _drop_state(binding, created)
+            raise
     return True
 
 
@@ -331,6 +339,45 @@ def verify(path: str, manifest: dict) -> None:
     _verify(manifest["optimizers"], path)
 
 
+def _missing_state(binding, entry: dict) -> dict:
+    """Parameter index -> {state name: (shape, dtype, strides)} of the paged state the
+    checkpoint holds for parameters that have no state in the attached optimizer. With
+    a narrow format the state entry is the fp32 working tensor, shaped like its param."""
+    params = _params_in_order(binding.optimizer)
+    out = {}
+    for t in entry["tensors"]:
+        p = params[t["param"]]
+        name, _, suffix = t["name"].partition(":")
+        if name == "param" or binding.optimizer.state.get(p):
+            continue
+        spec = ((t["shape"], t["dtype"], t.get("strides")) if not suffix
+                else (list(p.shape), str(p.dtype), list(p.stride())))
+        out.setdefault(t["param"], {})[name] = spec
+    return out
+
+
+def _create_state(binding, missing: dict) -> dict:
+    """Creates the state entries of _missing_state (ZERO pager tensors, to be restored)."""
+    opt, pager = binding.optimizer, binding.pager
+    params = _params_in_order(opt)
+    created = {}
+    for j, specs in missing.items():
+        p = params[j]
+        for name, (shape, dtype, strides) in specs.items():
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+            opt.state[p][name] = pager.empty(shape, dtype=dtype, strides=strides)
+        created[p] = list(specs)
+    binding.state_changed()
+    return created
+
+
+def _drop_state(binding, created: dict) -> None:
+    """Undoes _create_state: those parameters have no state again."""
+    for p in created:
+        binding.optimizer.state.pop(p, None)
+    binding.state_changed()
+
+
 def _check_layout(pager, manifest: dict, path: str) -> list:
     """The manifest's optimizer entries, in attach order, once they fit what is attached."""
     def refuse(what: str):
@@ -360,6 +407,14 @@ def _check_layout(pager, manifest: dict, path: str) -> list:
         expected = {(j, n): (list(t.shape), str(t.dtype)) for j, p in enumerate(params)
                     for n, t in _stored(binding, p)}
         stored = {(t["param"], t["name"]): (t["shape"], t["dtype"]) for t in entry["tensors"]}
+        # Parameters without state yet (a fresh optimizer: torch creates state in the
+        # first step) get the checkpoint's, which must be shaped like them.
+        for j, specs in _missing_state(binding, entry).items():
+            for n, (shape, _, _) in specs.items():
+                if shape != list(params[j].shape):
+                    refuse(f"optimizer {name!r} parameter {j} {n} is {shape}, the "
+                           f"parameter {list(params[j].shape)}")
+            expected.update({k: v for k, v in stored.items() if k[0] == j})
         for key in expected.keys() ^ stored.keys():
             refuse(f"optimizer {name!r} parameter {key[0]} {key[1]} is only in "
                    f"{'the checkpoint' if key in stored else 'the attached optimizer'}")
@@ -421,6 +476,11 @@ def _load_optimizer(binding, entry: dict, data: str) -> None:
                 form.exceptions = tuple(_decode(e, form.working) for e in v)
             else:
                 opt.state[p][k] = _decode(v, opt.state[p].get(k))
+    for i, names in entry.get("state_names", {}).items():
+        p = params[int(i)]
+        state = opt.state.get(p)
+        if state:  # torch's order of the entries, as saved
+            opt.state[p] = {**{n: state[n] for n in names if n in state}, **state}
     for group, g in zip(opt.param_groups, entry["param_groups"]):
         for k, v in g.items():
             group[k] = _decode(v, group.get(k))
@@ -443,6 +503,10 @@ def _align(n: int) -> int:
 
 
 def _encode(v):
+    if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+        raise _C.UsageError(f"a {v.layout} tensor in the optimizer's state (e.g. SGD momentum "
+                            "of sparse gradients) cannot go into a pager checkpoint: save "
+                            "that optimizer with torch.save(opt.state_dict()) instead")
     if isinstance(v, torch.Tensor):
         return {"tensor": v.tolist(), "dtype": str(v.dtype), "device": str(v.device)}
     if isinstance(v, tuple):

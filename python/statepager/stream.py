@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from statepager import _C
+from statepager import _C, state_dict, support
 from statepager.formats import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 
 log = logging.getLogger("statepager")
@@ -54,11 +54,13 @@ class StepStats:
 
 @dataclass
 class Bucket:
-    params: list
+    params: list                                 # distinct parameters, in param_groups order
+    groups: list = field(default_factory=list)   # per param group: its params in this bucket
     stored: list = field(default_factory=list)   # paged tensors that persist (moved by I/O)
     working: list = field(default_factory=list)  # scratch fp32 tensors of narrow formats
     forms: list = field(default_factory=list)    # StoredForm of every paged tensor
     nbytes: int = 0                              # bytes resident while the bucket steps
+    planned: int = 0                             # bytes planned for it (state to come included)
 
 
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
@@ -80,6 +82,7 @@ class StreamedOptimizer:
         if moments not in MOMENT_FORMATS or mains not in MAIN_FORMATS:
             raise ValueError(f"moments must be one of {MOMENT_FORMATS} and mains one of "
                              f"{MAIN_FORMATS}, not {moments!r} / {mains!r}")
+        support.check_optimizer(optimizer)
         self.pager = pager
         self.optimizer = optimizer
         self.name = name
@@ -93,17 +96,18 @@ class StreamedOptimizer:
         self._model_param = model_param
         self.last = StepStats()
         self._steps = 0
-        self._forms: dict[tuple[int, str], StoredForm] = {}
+        # Per parameter (by id): its paged state entries' StoredForms, by name.
+        self._forms: dict[int, dict[str, StoredForm]] = {}
         self._raw_step = _raw_step_function(optimizer)
-        created = self._precreate_state()
-        self.buckets = self._plan()
+        self._deferred = support.DeferredState.for_optimizer(optimizer)
+        for i, group in enumerate(optimizer.param_groups):
+            self.check_group(group, i)
+        self._buckets = self._plan()
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
-        window = depth * (max((b.nbytes for b in self.buckets), default=0) + 2 * pager.page_size)
+        window = self._window()
         budget = pager.stats()["budget_bytes"]  # None: no budget
         if budget is not None and window > budget:
-            for p in created:  # leave the optimizer as it was given
-                del optimizer.state[p]
             raise _C.UsageError(
                 f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: depth "
                 f"{depth} x the largest bucket ({window // depth / MiB:.0f} MiB with its page "
@@ -117,59 +121,40 @@ class StreamedOptimizer:
         # (_opt_called), so mark it the way theirs is marked.
         step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
-        optimizer.state_dict = types.MethodType(_paged_state_dict, optimizer)
-        optimizer.load_state_dict = types.MethodType(_paged_load_state_dict, optimizer)
+        optimizer.state_dict = types.MethodType(state_dict.paged_state_dict, optimizer)
+        optimizer.load_state_dict = types.MethodType(state_dict.paged_load_state_dict,
+                                                     optimizer)
+        optimizer.add_param_group = types.MethodType(_paged_add_param_group, optimizer)
 
     # -- setup ---------------------------------------------------------------------
 
-    def _params(self):
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                yield group, p
+    def check_group(self, group: dict, index: int) -> None:
+        """Refuses (UsageError) a param group whose state the pager cannot hold."""
+        support.check_group(group, index, self.pager.device, self._resident)
 
-    def _precreate_state(self) -> list:
-        """Adam and AdamW state, created exactly as their first step would, but deferred:
-        the moments are ZERO extents, so the first step reads nothing for them. Returns
-        the parameters it created state for."""
-        opt = self.optimizer
-        created = []
-        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-            return created  # other optimizers create their state in their first step
-        from torch.optim.optimizer import _get_scalar_dtype
-
-        for group, p in self._params():
-            if self._resident(p) or len(opt.state.get(p, {})) != 0:
-                continue
-            state = opt.state[p]
-            if group["capturable"] or group["fused"]:
-                state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]),
-                                            device=p.device)
-            else:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-            for name in names:
-                state[name] = self.pager.empty_like(p)
-            created.append(p)
-        return created
+    def resident(self, p) -> bool:
+        """True for parameters whose state stays in ordinary memory (keep_resident)."""
+        return self._resident(p)
 
     def forms(self, p) -> list[tuple[str, StoredForm]]:
         """(name, form) of parameter p's paged tensors, in a stable order; 'param' is the
         parameter itself when the pager owns it (an fp32 master)."""
-        out = []
+        known = self._forms.get(id(p), {})
+        forms = {}
         for name, v in self.optimizer.state.get(p, {}).items():  # .get: state is a defaultdict
             if isinstance(v, torch.Tensor) and self.pager.owns(v):
-                out.append((name, self._form(p, name, v, self.moments)))
+                forms[name] = self._form(p, name, v, self.moments, known.get(name))
         if self.pager.owns(p):
-            out.append(("param", self._form(p, "param", p, self.mains)))
-        return out
+            forms["param"] = self._form(p, "param", p, self.mains, known.get("param"))
+        self._forms[id(p)] = forms  # entries no longer in the state are let go
+        return list(forms.items())
 
-    def _form(self, p, name: str, working: torch.Tensor, fmt: str) -> StoredForm:
-        key = (id(p), name)
-        form = self._forms.get(key)
+    def _form(self, p, name: str, working: torch.Tensor, fmt: str,
+              form: StoredForm | None) -> StoredForm:
         if form is None or form.working is not working:
             kind = "nonneg" if "sq" in name else "signed"
             model = self._model_param(p) if fmt == "residual" and self._model_param else None
-            form = self._forms[key] = StoredForm(self.pager, working, fmt, kind, model)
+            form = StoredForm(self.pager, working, fmt, kind, model)
         return form
 
     def _fill(self, b: Bucket) -> None:
@@ -179,23 +164,68 @@ class StreamedOptimizer:
         b.working = [f.working for f in b.forms if f.scratch]
         b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working)
 
+    def _layout(self) -> list:
+        """What a plan is made for: the parameters of each param group, by identity."""
+        return [[id(p) for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def _planned_bytes(self, p, group: dict) -> int:
+        """Bytes p's paged tensors take while its bucket steps; for state yet to be
+        created, an estimate (the optimizer's count of param-shaped tensors, else 2)."""
+        if self._resident(p):
+            return 0
+        nbytes = sum(t.numel() * t.element_size() for _, f in self.forms(p)
+                     for t in f.tensors + ([f.working] if f.scratch else []))
+        if not self.optimizer.state.get(p):
+            count = self._deferred.moments(group) if self._deferred else 2
+            per = p.numel() * p.element_size() * (1 if self.moments == "fp32" else 2)
+            nbytes += count * per
+        return nbytes
+
     def _plan(self) -> list[Bucket]:
-        buckets, cur = [], Bucket(params=[])
-        for _, p in self._params():
-            nbytes = p.numel() * 4 * 3  # planned as fp32 main + two moments until state exists
-            state = [f.working for _, f in self.forms(p)]
-            if state or self._resident(p):
-                nbytes = sum(t.numel() * t.element_size() for t in state)
-            if cur.params and cur.nbytes + nbytes > self.bucket_size:
-                buckets.append(cur)
-                cur = Bucket(params=[])
-            cur.params.append(p)
-            cur.nbytes += nbytes
-        if cur.params:
-            buckets.append(cur)
+        """Buckets of about bucket_size over the param groups' parameters, in order (a
+        parameter listed twice in a group steps twice, as in torch, in one bucket)."""
+        groups = self.optimizer.param_groups
+        buckets, cur, where = [], None, {}
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                b = where.get(id(p))
+                if b is None:
+                    nbytes = self._planned_bytes(p, group)
+                    if cur is None or (cur.params and cur.planned + nbytes > self.bucket_size):
+                        cur = Bucket(params=[], groups=[[] for _ in groups])
+                        buckets.append(cur)
+                    cur.params.append(p)
+                    cur.planned += nbytes
+                    b = where[id(p)] = cur
+                b.groups[gi].append(p)
         for b in buckets:
             self._fill(b)
+        self._planned_layout = self._layout()
         return buckets
+
+    def _window(self) -> int:
+        """Physical bytes the step's pipeline maps at most: depth x the largest bucket."""
+        largest = max((max(b.nbytes, b.planned) for b in self._buckets), default=0)
+        return self.depth * (largest + 2 * self.pager.page_size)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The plan for the param groups as they are now: groups added, removed or changed
+        since the last plan (add_param_group, direct edits) are planned anew, so they are
+        streamed from the next step on."""
+        if self._layout() != self._planned_layout:
+            for i, group in enumerate(self.optimizer.param_groups):
+                self.check_group(group, i)
+            self._buckets = self._plan()
+            self.pager.keep_at_least(self._window())
+        return self._buckets
+
+    def state_changed(self) -> None:
+        """Paged state entries were added or replaced outside a step (a checkpoint load):
+        the buckets take them in."""
+        for b in self.buckets:
+            self._fill(b)
+        self.pager.keep_at_least(self._window())
 
     def _adopt_existing_state(self) -> None:
         """State that already exists in ordinary memory moves into the pager, bucket by bucket."""
@@ -206,22 +236,36 @@ class StreamedOptimizer:
                 self._encode(b)
                 self._release(b)
 
+    @torch.no_grad()
     def _adopt(self, bucket: Bucket) -> bool:
-        """Moves the bucket's state tensors that are not in the pager into it (resident)."""
+        """Moves the bucket's state tensors that are not in the pager into it (resident),
+        each in the memory layout it had."""
         moved = False
         known = {id(f.working) for f in bucket.forms}  # already paged: skip the lookups
         for p in bucket.params:
-            if self._resident(p):
+            state = self.optimizer.state.get(p)  # .get: no entry where torch made none
+            if not state or self._resident(p):
                 continue
-            state = self.optimizer.state[p]
             for name, v in list(state.items()):
-                if id(v) not in known and _is_param_shaped(v, p) and not self.pager.owns(v):
+                if id(v) not in known and support.pageable(v, p) and not self.pager.owns(v):
                     paged = self.pager.empty_like(v)
                     self.pager.page_in(paged)
                     paged.copy_(v)
                     state[name] = paged
                     moved = True
         return moved
+
+    def _create_deferred_state(self, bucket: Bucket) -> bool:
+        """The state the optimizer's step would create now for the bucket's parameters
+        that got their first gradient, created in the pager (support.DeferredState)."""
+        if self._deferred is None:
+            return False
+        created = False
+        for group, params in zip(self.optimizer.param_groups, bucket.groups):
+            for p in params:
+                if not self._resident(p):
+                    created |= self._deferred.create(group, p, self.pager.empty_like)
+        return created
 
     # -- residency of one bucket ---------------------------------------------------
 
@@ -253,17 +297,23 @@ class StreamedOptimizer:
                 h.wait()
         return handles
 
-    def state_in_buckets(self, rebuild_mains: bool = False):
+    def state_in_buckets(self, rebuild_mains: bool = False, write: bool = True):
         """Yields each bucket with its state resident and decoded to fp32; encodes and
-        pages it out again afterwards. rebuild_mains: the caller overwrites the masters
-        from changed model params, so their stored form is not checked against them."""
+        pages it out again afterwards. The caller may replace the bucket's parameters'
+        state entries by resident pager tensors of its own: they are stored from then on.
+        rebuild_mains: the caller overwrites the masters from changed model params, so
+        their stored form is not checked against them. write=False: the caller only
+        reads; nothing is encoded."""
         for b in self.buckets:
             self.pager.page_in(b.stored)
             self._decode(b, check_params=not rebuild_mains)
             try:
                 yield b
             finally:
-                self._encode(b)
+                if write:
+                    self._fill(b)  # the caller's new tensors and their stored forms
+                    self.pager.page_in(b.stored + b.working)
+                    self._encode(b)
                 self._release(b)
 
     def stored_in_buckets(self):
@@ -317,6 +367,7 @@ class StreamedOptimizer:
                 h.wait()
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
+        pager.keep_at_least(self._window())  # state created in this step
         t_end = time.perf_counter()
         stats.wait_out_seconds += t_end - t0
         stats.seconds = t_end - t_start
@@ -344,12 +395,14 @@ class StreamedOptimizer:
         self._decode(bucket)
         if self.before_bucket:
             self.before_bucket(bucket.params)
-        members = set(map(id, bucket.params))
+        if self._create_deferred_state(bucket):
+            self._fill(bucket)
+            self.pager.page_in(bucket.stored + bucket.working)  # zero-filled, nothing read
         groups = self.optimizer.param_groups
         saved = [g["params"] for g in groups]
         try:
-            for g, counter in zip(groups, self._group_steps):
-                g["params"] = [p for p in g["params"] if id(p) in members]
+            for g, params, counter in zip(groups, bucket.groups, self._group_steps):
+                g["params"] = params
                 _set_counter(g, counter)
             self._raw_step(self.optimizer)
             for i, g in enumerate(groups):
@@ -406,10 +459,6 @@ def _raw_step_function(optimizer) -> Callable:
     return getattr(step, "__wrapped__", step)
 
 
-def _is_param_shaped(v, p) -> bool:
-    return isinstance(v, torch.Tensor) and v.shape == p.shape and v.device == p.device and v.dim() > 0
-
-
 def _paged_step(self, closure=None):
     loss = None
     if closure is not None:
@@ -431,53 +480,12 @@ def _params_in_order(optimizer) -> list:
     return out
 
 
-def _paged_state_dict(self):
-    """torch's state_dict, with paged state copied out bucket by bucket to host memory."""
-    binding: StreamedOptimizer = self._statepager
-    copies = {}
-    for b in binding.state_in_buckets():
-        for p in b.params:
-            for name, v in self.state[p].items():
-                if binding.pager.owns(v):
-                    copies[(id(p), name)] = v.to("cpu", copy=True)
-    sd = type(self).state_dict(self)
-    params = _params_in_order(self)
-    for i, st in sd["state"].items():
-        for name in st:
-            st[name] = copies.get((id(params[i]), name), st[name])
-    return sd
-
-
-def _paged_load_state_dict(self, state_dict):
-    """torch's load_state_dict for everything but the paged state, which is copied into
-    the pager bucket by bucket (never all of it on the device at once)."""
-    binding: StreamedOptimizer = self._statepager
-    pager = binding.pager
-    params = _params_in_order(self)
-    paged, rest = {}, {}
-    for i, st in state_dict["state"].items():
-        rest[i] = {}
-        for name, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == params[i].shape:
-                paged[(id(params[i]), name)] = v
-            else:
-                rest[i][name] = v
-    old = {(id(p), name): v for p in params for name, v in self.state[p].items() if pager.owns(v)}
-    type(self).load_state_dict(self, {"state": rest, "param_groups": state_dict["param_groups"]})
-    for b in binding.buckets:
-        pager.page_in(b.stored)
-        binding._decode(b)
-        for p in b.params:
-            for (pid, name), v in paged.items():
-                if pid != id(p):
-                    continue
-                t = old.get((pid, name))
-                if t is None:
-                    t = pager.empty_like(p)
-                    pager.page_in(t)
-                t.copy_(v)
-                self.state[p][name] = t
-        binding._fill(b)
-        pager.page_in(b.stored + b.working)  # new tensors and their stored forms
-        binding._encode(b)
-        binding._release(b)
+def _paged_add_param_group(self, param_group: dict) -> None:
+    """torch's add_param_group, refused (and undone) when the pager cannot hold the new
+    group's state; the group is streamed from the next step on."""
+    type(self).add_param_group(self, param_group)
+    try:
+        self._statepager.check_group(self.param_groups[-1], len(self.param_groups) - 1)
+    except _C.UsageError:
+        self.param_groups.pop()
+        raise

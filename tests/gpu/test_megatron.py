@@ -143,20 +143,18 @@ def test_reload_model_params_goes_through_the_pager(gpt, store_dir):
     setup = gpt.Setup(steps=3)
     with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
         model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB)
-        # Moments are created deferred at attach: the first step reads only the mains.
-        for d in members(optimizer):
-            for main in (m for g in d.shard_fp32_from_float16_groups for m in g):
-                state = d.optimizer.state[main]
-                assert [pager.residency(state[k]) for k in ("exp_avg", "exp_avg_sq")] == \
-                    ["zero", "zero"]
-        mains_bytes = sum(m.numel() * 4 for d in members(optimizer)
-                          for g in d.shard_fp32_from_float16_groups for m in g)
+        # No state before the first step, as in torch; the first step creates the
+        # moments in the pager (ZERO): it reads only the mains.
+        mains = [(d, m) for d in members(optimizer) for g in d.shard_fp32_from_float16_groups
+                 for m in g]
+        assert not any(d.optimizer.state.get(main) for d, main in mains)
+        mains_bytes = sum(m.numel() * 4 for _, m in mains)
         for i in range(setup.steps):
             gpt.train_step(setup, model, optimizer, scheduler, i)
             if i == 0:
-                assert sum(s.bytes_read for s in binding.last) <= mains_bytes + 4096 * len(
-                    [m for d in members(optimizer) for g in d.shard_fp32_from_float16_groups
-                     for m in g])
+                assert sum(s.bytes_read for s in binding.last) <= mains_bytes + 4096 * len(mains)
+                assert all(pager.owns(d.optimizer.state[main][k]) for d, main in mains
+                           for k in ("exp_avg", "exp_avg_sq"))
         gpt.finish(model)
         with torch.no_grad():
             for p in model.parameters():

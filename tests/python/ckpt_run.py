@@ -54,9 +54,10 @@ def snapshot(model, opt, pager):
     masters = [m for g in opt.param_groups for m in g["params"]]
     state = []
     for m in masters:
-        ts = [m] + [opt.state[m][k] for k in ("exp_avg", "exp_avg_sq")]
+        st = opt.state.get(m, {})  # none before the first step, as in torch
+        ts = [m] + [st[k] for k in ("exp_avg", "exp_avg_sq") if k in st]
         pager.page_in(ts)
-        state.append([t.clone() for t in ts] + [opt.state[m]["step"].clone()])
+        state.append([t.clone() for t in ts] + ([st["step"].clone()] if st else []))
         pager.page_out(ts)
     return {"params": [p.detach().clone() for p in model.parameters()], "state": state,
             "lr": [g["lr"] for g in opt.param_groups]}

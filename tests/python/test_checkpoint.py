@@ -102,14 +102,14 @@ def test_background_save_is_the_state_of_its_moment(tmp_path):
     assert not equal(at_save["state"], torch.load(tmp_path / "after.pt")["state"])
 
 
-def adamw_pair(store, fmt="fp32"):
+def adamw_pair(store, fmt="fp32", mains="fp32"):
     """A PagedAdamW ("opt0") and a plain AdamW over fp32 params ("expert"), one pager."""
     torch.manual_seed(0)
     dense = torch.nn.Linear(40, 300).bfloat16()
     expert = torch.nn.Linear(300, 30)
     pager = statepager.Pager(store, page_size=64 * 1024)
     opt = statepager.PagedAdamW(dense.parameters(), pager=pager, lr=1e-3, moments=fmt,
-                                bucket_size=16 * 1024)
+                                mains=mains, bucket_size=16 * 1024)
     opt2 = torch.optim.AdamW(expert.parameters(), lr=2e-3)
     pager.attach(opt2, bucket_size=16 * 1024, name="expert")
     return dense, expert, pager, opt, opt2
@@ -142,10 +142,10 @@ def pair_state(pager, *opts):
 @pytest.mark.parametrize("fmt", ["fp32", "q8"])
 def test_store_copy_is_byte_identical_to_the_device_path(tmp_path, where, fmt):
     """Checkpoints copied from the store (striped over files on a RAM filesystem) and
-    streamed through the device are the same bytes, before any step (ZERO moments) and
-    after some."""
+    streamed through the device are the same bytes, before any step (no moments yet, as
+    in torch; residual masters ZERO, recorded and not copied) and after some."""
     base = str(tmp_path) if where == "disk" else f"/dev/shm/statepager-test-{os.getpid()}"
-    dense, expert, pager, opt, opt2 = adamw_pair(f"{base}/store", fmt)
+    dense, expert, pager, opt, opt2 = adamw_pair(f"{base}/store", fmt, mains="residual")
     try:
         for k, n_steps in enumerate((0, 3)):
             pair_steps(dense, expert, opt, opt2, 0, n_steps)
@@ -211,6 +211,49 @@ def test_other_optimizer_names_are_refused(tmp_path):
         other.attach(opt2, bucket_size=16 * 1024, name="moe")
         with pytest.raises(statepager.CheckpointMismatchError, match="'moe'"):
             other.load_from(str(tmp_path / "ck"))
+
+
+def test_fresh_optimizer_gets_the_state_of_the_checkpoint(tmp_path):
+    """A fresh attached optimizer has no state (torch creates it in the first step):
+    load() creates what the checkpoint holds, in torch's order and the saved layout."""
+    def build(store):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        pager = statepager.Pager(store, page_size=64 * 1024)
+        opt = torch.optim.RMSprop(conv.parameters(), lr=1e-2, momentum=0.9, centered=True)
+        pager.attach(opt, bucket_size=4 * 1024)
+        return conv, pager, opt
+
+    def train(conv, opt, first, count):
+        for i in range(first, first + count):
+            x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            conv(x.contiguous(memory_format=torch.channels_last)).square().mean().backward()
+            opt.step()
+
+    conv, pager, opt = build(str(tmp_path / "s1"))
+    train(conv, opt, 0, 3)
+    pager.save(str(tmp_path / "ckpt"))
+    conv2, pager2, opt2 = build(str(tmp_path / "s2"))
+    with torch.no_grad():
+        for a, b in zip(conv.parameters(), conv2.parameters()):
+            b.copy_(a)
+    assert not opt2.state
+    assert pager2.load(str(tmp_path / "ckpt"))
+    sd, sd2 = opt.state_dict(), opt2.state_dict()
+    assert [list(st) for st in sd["state"].values()] == \
+        [list(st) for st in sd2["state"].values()]
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            got = sd2["state"][i][k]
+            assert v.stride() == got.stride() and torch.equal(v, got), (i, k)
+    square_avg = opt2.state[conv2.weight]["square_avg"]
+    assert pager2.owns(square_avg) and square_avg.stride() == conv2.weight.stride()
+    train(conv, opt, 3, 2)
+    train(conv2, opt2, 3, 2)
+    assert all(torch.equal(a, b) for a, b in zip(conv.parameters(), conv2.parameters()))
+    pager.close()
+    pager2.close()
 
 
 @pytest.fixture

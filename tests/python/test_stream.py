@@ -294,3 +294,163 @@ def test_each_attached_optimizer_has_its_own_store(store_dir):
             assert os.path.getsize(path) >= nbytes, name
         with pytest.raises(statepager.UsageError, match="plain file name"):
             pager.attach(torch.optim.AdamW(make_model().parameters()), name="../elsewhere")
+
+
+# -- what an attached optimizer refuses, and where ----------------------------------------
+
+def test_attach_refuses_what_it_cannot_page(store_dir):
+    model = make_model()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    differentiable = torch.optim.Adam(model.parameters(), differentiable=True)
+    sparse = torch.optim.SGD([torch.zeros(4, 3).to_sparse().requires_grad_()], lr=0.1)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        with pytest.raises(statepager.UsageError, match="LBFGS cannot be attached.*first-order"):
+            pager.attach(lbfgs)
+        with pytest.raises(statepager.UsageError,
+                           match="differentiable=True.*differentiable=False"):
+            pager.attach(differentiable)
+        with pytest.raises(statepager.UsageError, match="sparse_coo tensor.*keep_resident"):
+            pager.attach(sparse)
+        for opt in (lbfgs, differentiable, sparse):  # left as they were given
+            assert "step" not in vars(opt) and getattr(opt, "_statepager", None) is None
+            assert not opt.state
+
+
+def test_add_param_group_refused_is_undone(store_dir):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        pager.attach(opt, bucket_size=100 * KiB)
+        with pytest.raises(statepager.UsageError, match="differentiable=True"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))],
+                                 "differentiable": True})
+        assert len(opt.param_groups) == 1
+        train(model, opt, None, 2)
+
+
+def test_group_added_after_attach_is_streamed_from_its_next_step(store_dir):
+    runs = []
+    for paged in (False, True):
+        model = make_model()
+        layers = list(model)
+        opt = torch.optim.AdamW(layers[0].parameters(), lr=1e-2)
+        pager = Pager(f"{store_dir}-{paged}", page_size=64 * KiB) if paged else None
+        if pager:
+            binding = pager.attach(opt, bucket_size=40 * KiB)
+        train(model, opt, None, 2)
+        opt.add_param_group({"params": list(layers[3].parameters()), "lr": 1e-3})
+        train(model, opt, None, 2, seed=3)
+        if pager:
+            added = list(layers[3].parameters())
+            assert all(pager.owns(opt.state[p]["exp_avg"]) for p in added)
+            assert {id(p) for b in binding.buckets for p in b.params} >= set(map(id, added))
+        runs.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
+        if pager:
+            pager.close()
+    (ref_params, ref_sd), (params, sd) = runs
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    assert sd["state"].keys() == ref_sd["state"].keys()
+    for i in ref_sd["state"]:
+        for k, v in ref_sd["state"][i].items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)
+
+
+def test_no_state_for_parameters_without_grads(store_dir):
+    model = make_model()
+    frozen = list(model[0].parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)  # no momentum: no state at all
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        pager.attach(opt, bucket_size=40 * KiB)
+        pager.attach(sgd, bucket_size=40 * KiB)
+        for p in frozen:
+            p.requires_grad_(False)
+        train(model, opt, None, 2)
+        train(model, sgd, None, 1)
+        assert all(p not in opt.state for p in frozen)
+        assert len(opt.state) == len(list(model.parameters())) - len(frozen)
+        assert len(sgd.state) == 0
+        assert pager.stats()["extents"] == 2 * len(opt.state)  # moments of the trained only
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+@pytest.mark.parametrize("name", ["Adam", "Adagrad", "SGD"])
+def test_fused_state_keeps_the_parameter_layout(store_dir, layout, name):
+    def params():
+        gen = torch.Generator().manual_seed(0)
+        if layout == "channels_last":
+            t = torch.randn(4, 6, 5, 5, generator=gen).contiguous(memory_format=torch.channels_last)
+        else:
+            t = torch.randn(40, 30, generator=gen).t()
+        return [torch.nn.Parameter(t)]
+
+    kwargs = {"momentum": 0.9} if name == "SGD" else {}
+    ref_p, p = params(), params()
+    ref = getattr(torch.optim, name)(ref_p, lr=0.1, fused=True, **kwargs)
+    opt = getattr(torch.optim, name)(p, lr=0.1, fused=True, **kwargs)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        pager.attach(opt, bucket_size=64 * KiB)
+        for k in range(3):
+            g = torch.randn(ref_p[0].shape, generator=torch.Generator().manual_seed(k))
+            ref_p[0].grad = torch.empty_like(ref_p[0]).copy_(g)
+            p[0].grad = torch.empty_like(p[0]).copy_(g)
+            ref.step()
+            opt.step()
+        assert torch.equal(ref_p[0], p[0])
+        for k, v in ref.state[ref_p[0]].items():
+            t = opt.state[p[0]][k]
+            if v.dim():
+                assert pager.owns(t) and t.stride() == v.stride() == p[0].stride(), k
+                pager.page_in(t)
+            assert torch.equal(t, v), k
+
+
+# -- state_dict() and load_state_dict() of an attached optimizer ---------------------------
+
+def test_state_dict_never_replaces_the_live_state(store_dir, tmp_path):
+    model = make_model()
+    opt = torch.optim.AdamW(groups(model), lr=1e-3)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        pager.attach(opt, bucket_size=100 * KiB)
+        train(model, opt, None, 2)
+        live = {id(p): dict(st) for p, st in opt.state.items()}
+        pager.save(tmp_path / "good")
+        sd = opt.state_dict()
+        assert {id(p): dict(st) for p, st in opt.state.items()} == live  # the same objects
+        assert all(pager.owns(v) for st in opt.state.values() for v in st.values() if v.dim())
+        assert all(v.device.type == "cpu" and not pager.owns(v)
+                   for st in sd["state"].values() for v in st.values())
+        pager.save(tmp_path / "after")  # the moments are still paged: a full checkpoint
+        assert pager.load(tmp_path / "after") and pager.load(tmp_path / "good")
+        train(model, opt, None, 1)
+
+
+@pytest.mark.parametrize("source", ["attached", "unattached"])
+def test_load_state_dict_copies_into_the_paged_tensors(store_dir, source):
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.Adam(groups(ref_model), lr=1e-3, amsgrad=True)
+    opt = torch.optim.Adam(groups(model), lr=1e-3, amsgrad=True)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        binding = pager.attach(opt, bucket_size=100 * KiB)
+        train(ref_model, ref, None, 3)
+        train(model, opt, None, 2, seed=5)  # other state, to be overwritten
+        live = {id(p): dict(st) for p, st in opt.state.items()}
+        sd = copy.deepcopy(ref.state_dict())
+        if source == "attached":
+            other = make_model(seed=3)
+            other_opt = torch.optim.Adam(groups(other), lr=1e-3, amsgrad=True)
+            pager.attach(other_opt, bucket_size=100 * KiB)
+            other_opt.load_state_dict(sd)
+            sd = other_opt.state_dict()
+        with torch.no_grad():
+            for a, b in zip(ref_model.parameters(), model.parameters()):
+                b.copy_(a)
+        before = pager.stats()["buckets_in"]
+        opt.load_state_dict(sd)
+        assert pager.stats()["buckets_in"] - before <= len(binding.buckets)  # one pass
+        assert pager.stats()["mapped_bytes"] == 0
+        for p, st in opt.state.items():  # loaded in place: the same paged tensors
+            assert all(st[k] is v for k, v in live[id(p)].items() if v.dim())
+        assert train(model, opt, None, 3, seed=9) == train(ref_model, ref, None, 3, seed=9)
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(a, b)
