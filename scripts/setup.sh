@@ -18,8 +18,10 @@ if [ "$need_apt" -eq 1 ]; then
 fi
 
 PYTHON=${PYTHON:-python3}
-# torch is pinned to the version on the GPU machine.
-$PYTHON -m pip install -q "torch==2.11.0" pybind11 pytest "scikit-build-core>=0.10" numpy
+# torch is pinned to the version on the GPU machine. expecttest and hypothesis: torch's
+# own optimizer test inputs (tests/python/test_optim_db.py) import them.
+$PYTHON -m pip install -q "torch==2.11.0" pybind11 pytest "scikit-build-core>=0.10" numpy \
+  expecttest hypothesis
 
 cmake -S . -B build/cpp -G Ninja -DSTATEPAGER_BUILD_PYTHON=OFF >/dev/null
 cmake --build build/cpp

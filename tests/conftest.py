@@ -15,6 +15,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """Lines a test module left in config.summary_lines (e.g. test_optim_db's counts)."""
+    for line in getattr(config, "summary_lines", []):
+        terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAVE_GPU:
         return
