@@ -119,6 +119,10 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
   m.def(
+      "storage_use_count", [](const torch::Tensor& t) { return t.storage().use_count(); },
+      py::arg("tensor"),
+      "Tensors (and storage handles) sharing t's storage: 1 when nothing else refers to it");
+  m.def(
       "route_device",
       [](int device, PyPager* pager) { route_device(device, pager ? pager->pager : nullptr); },
       py::arg("device"), py::arg("pager").none(true),

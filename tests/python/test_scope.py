@@ -40,15 +40,31 @@ def test_megatron_style_mains_stay_within_budget(store_dir, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_small_and_non_fp32_tensors_are_left_alone(store_dir, device):
     with Pager(store_dir, device=device, page_size=64 * KiB if device == "cpu" else 2 * MiB) as pager:
-        x = torch.ones(1000, device=device)
+        x, ref = torch.ones(1000, device=device), torch.ones(1 << 20, device=device)
         with pager.scope():
             small = x.clone()                       # below min_bytes
             half = torch.zeros(1 << 20, dtype=torch.bfloat16, device=device)
-            big = torch.zeros(1 << 20, device=device)  # fp32 factory: captured, zero
+            plain = torch.zeros(1 << 20, device=device)  # plain factory (how modules build)
+            big = torch.zeros_like(ref)             # made from a tensor: captured, zero
             y = big + 1                             # not a copy/factory op: ordinary
-        assert not pager.owns(small) and not pager.owns(half) and not pager.owns(y)
+        assert not any(pager.owns(t) for t in (small, half, plain, y))
         assert pager.owns(big) and int(torch.count_nonzero(big)) == 0
         assert bool((y == 1).all())
+
+
+def test_like_factories_are_tracked_and_paged_within_budget(store_dir):
+    """zeros_like() hands its caller a detached alias of what scope() made: that alias
+    is what is tracked, so the moments page out under the budget like clone()s do."""
+    ref = torch.ones(256 * 1024 + 3)  # just over 1 MiB of fp32
+    with Pager(store_dir, page_size=64 * KiB, hbm_budget=4 * MiB) as pager:
+        with pager.scope() as capture:
+            moments = [torch.zeros_like(ref) for _ in range(6)] + [ref.new_zeros(ref.shape)]
+            twins = [ref.clone().detach() for _ in range(2)]
+        made = moments + twins
+        assert len(capture.tensors) == len(made)
+        assert all(t is m for t, m in zip(capture.tensors, made)) and not capture.kept
+        assert sum(pager.is_resident(m) for m in made) < len(made)
+        assert pager.stats()["peak_mapped_bytes"] <= 4 * MiB + 2 * 64 * KiB
 
 
 def test_scope_state_streams_through_attach(store_dir):
