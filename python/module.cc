@@ -5,7 +5,10 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "allocator/device.h"
 #include "allocator/pager.h"
@@ -77,6 +80,37 @@ const char* residency_name(Residency r) {
   return "?";
 }
 
+// Every Pager made here, for residency_of(). Weak: a Pager lives while its Python object
+// or any of its tensors (their deleters hold it) does, so a live tensor's Pager is found.
+std::mutex live_pagers_mu;
+std::vector<std::weak_ptr<Pager>> live_pagers;  // guarded by live_pagers_mu
+
+void register_pager(const std::shared_ptr<Pager>& pager) {
+  std::lock_guard lock(live_pagers_mu);
+  std::erase_if(live_pagers, [](const std::weak_ptr<Pager>& w) { return w.expired(); });
+  live_pagers.push_back(pager);
+}
+
+// The residency of the pager extent that is t's storage, in whichever live Pager made it;
+// nullopt for any other tensor (also one without storage or data pointer). Never throws.
+std::optional<std::string> residency_of(const torch::Tensor& t) {
+  uintptr_t addr = 0;
+  try {
+    if (!t.defined() || !t.has_storage()) return std::nullopt;
+    addr = reinterpret_cast<uintptr_t>(t.storage().data());
+  } catch (const c10::Error&) {  // e.g. fake or functional tensors: no data pointer
+    return std::nullopt;
+  }
+  if (addr == 0) return std::nullopt;
+  std::lock_guard lock(live_pagers_mu);
+  for (const auto& w : live_pagers) {
+    const std::shared_ptr<Pager> pager = w.lock();
+    if (!pager) continue;
+    if (auto id = pager->find(addr)) return std::string(residency_name(pager->residency(*id)));
+  }
+  return std::nullopt;
+}
+
 // Pages `ids` in or out in buckets of about `bucket_bytes`, all buckets in flight at once.
 void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
   std::vector<Ticket> tickets;
@@ -118,6 +152,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("TORCH_VERSION") = STATEPAGER_TORCH_VERSION;
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
+  m.def("residency_of", &residency_of, py::arg("tensor"),
+        "Residency ('zero', 'file', 'resident', 'paging_in', 'paging_out') of the pager "
+        "tensor whose storage `tensor` uses, whichever live Pager made it; None for any "
+        "other tensor");
   m.def(
       "storage_use_count", [](const torch::Tensor& t) { return t.storage().use_count(); },
       py::arg("tensor"),
@@ -225,6 +263,7 @@ PYBIND11_MODULE(_C, m) {
              o.io_block_bytes = io_block_bytes;
              o.try_direct = try_direct;
              auto pager = std::make_shared<Pager>(make_device(device), std::move(o));
+             register_pager(pager);
              return PyPager{std::move(pager), torch::Device(device)};
            }),
            py::arg("directory"), py::arg("device"), py::arg("page_bytes"),

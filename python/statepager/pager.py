@@ -6,7 +6,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from statepager import _C
+from statepager import _C, guard
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -66,6 +66,7 @@ class Pager:
         io_block: int | None = None,
         direct_io: bool = True,
     ):
+        guard.install()  # repr/pickle/copy of its tensors cannot crash (statepager.guard)
         directory = str(directory).replace("{rank}", str(_rank()))
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -210,6 +211,7 @@ class Pager:
 
             return megatron.attach(self, optimizer, bucket_size=bucket_size, depth=depth,
                                    log_steps=log_steps, moments=moments, mains=mains)
+        guard.refuse_model_params(self, optimizer)
         name = name or f"opt{len(self._bindings)}"
         if any(b.name == name for b in self._bindings):
             raise _C.UsageError(f"an optimizer named {name!r} is already attached to this "
