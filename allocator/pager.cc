@@ -32,6 +32,9 @@ struct Chunk {
 
 }  // namespace
 
+// A bucket. Set by submit() under mu_ and fixed once queued: out .. file_ends and
+// bytes_moved. The I/O thread's alone: next_chunk .. fence, requests, error and
+// start_time (error and the times are read by others once done is set). Under mu_: done.
 struct Job {
   bool out = false;
   bool discard = false;                // page-out that drops the bytes instead of writing
@@ -46,7 +49,7 @@ struct Job {
   bool held = false;                   // a page-out found waiting for a held range
   std::optional<Fence> fence;          // device work to finish before completing
   uint64_t bytes_moved = 0;
-  uint64_t requests = 0;
+  uint64_t requests = 0;               // file requests completed (added to the counters once)
   bool done = false;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
@@ -69,11 +72,13 @@ unsigned store_index(uint64_t store_offset) {
   return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
 }
 
+// Guarded by mu_.
 struct Pager::Store {
   std::string name;
   Arena space;       // its ranges, as logical offsets of file_ (see UringFile)
 };
 
+// Guarded by mu_ (a Job carries copies of what the I/O thread needs: addresses, ranges).
 struct Pager::Extent {
   uintptr_t addr;
   size_t bytes;
@@ -84,6 +89,7 @@ struct Pager::Extent {
   bool segment = false;  // PyTorch's: stays mapped until PyTorch frees it, even after close
 };
 
+// A staging slot: the I/O thread's alone.
 struct Pager::Slot {
   unsigned index = 0;
   char* buf = nullptr;
@@ -745,6 +751,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   for (const auto& c : done) {
     progressed = true;
     Slot& slot = slots_[c.tag];
+    slot.job->requests++;
     if (c.error == 0 && !slot.job->out && !slot.job->error) {
       try {
         for (const Piece& p : slot.chunk->pieces) {
@@ -810,11 +817,6 @@ void Pager::finish_slot(Slot& slot, int error, uint64_t offset) {
     } catch (...) {
       job.error = std::current_exception();
     }
-  }
-  if (job.out) {
-    counters_.write_requests++;
-  } else {
-    counters_.read_requests++;
   }
   job.chunks_in_flight--;
   slot.job = nullptr;

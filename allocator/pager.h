@@ -24,8 +24,12 @@
 //
 // Ownership: the Pager owns its Device, Pool, store directory and file. Extent addresses
 // stay valid (reserved) until the Pager is destroyed, also after close().
-// Thread-safety: all public methods may be called from any thread.
+// Thread-safety: all public methods may be called from any thread. Fields shared with
+// the I/O thread are guarded by mu_; fields marked "I/O thread" are touched only by the
+// I/O thread while it runs (and by close() once it has stopped).
 // Errors: typed statepager errors (backing/errors.h); wait() rethrows a bucket's error.
+// Construction refuses options outside their ranges (UsageError naming the option, its
+// value and the range) before touching the store directory.
 #pragma once
 
 #include <condition_variable>
@@ -108,6 +112,7 @@ struct Job;
 using Ticket = std::shared_ptr<Job>;
 // When a finished bucket's I/O started and when it completed, in seconds of the steady
 // clock (time.monotonic() in Python). Both are 0 for a bucket that had nothing to move.
+// Only once the bucket is done (after Pager::wait() or is_done()): the I/O thread sets them.
 std::pair<double, double> job_times(const Job& job);
 
 class Pager {
@@ -219,27 +224,30 @@ class Pager {
   const Extent& extent_locked(ExtentId id) const;
   void check_open_locked() const;
 
-  std::unique_ptr<Device> device_;
-  PagerOptions options_;
-  Pool pool_;
-  std::unique_ptr<StoreDir> dir_;
-  std::unique_ptr<UringFile> file_;           // all stores' files, one ring
-  std::vector<std::unique_ptr<Store>> stores_;  // stores_[i] is file i of file_
-  std::vector<Slot> slots_;
+  // Fields shared with the I/O thread are guarded by mu_, except those marked otherwise.
+  std::unique_ptr<Device> device_;     // set at construction; Device is thread-safe
+  PagerOptions options_;               // set at construction (io shape resolved), then read
+  Pool pool_;                          // mu_
+  std::unique_ptr<StoreDir> dir_;      // mu_ (close() removes it)
+  // All stores' files, one ring: submit/reap/allocate on the I/O thread only; add_file()
+  // and the path and span queries under mu_ (UringFile allows them alongside).
+  std::unique_ptr<UringFile> file_;
+  std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
+  std::vector<Slot> slots_;            // I/O thread (freed by close() after the join)
 
   mutable std::mutex mu_;
-  std::condition_variable work_cv_;   // wakes the I/O thread
-  std::condition_variable done_cv_;   // wakes waiters
-  std::unordered_map<ExtentId, std::unique_ptr<Extent>> extents_;
-  std::unordered_map<uintptr_t, ExtentId> by_address_;
-  ExtentId next_id_ = 1;
-  std::deque<Ticket> queue_;          // buckets not finished, in submission order
-  size_t outs_in_flight_ = 0;         // page-out buckets queued or running
-  std::map<uint64_t, uint64_t> held_; // held store ranges, start -> end, disjoint
-  PagerStats counters_;
-  bool closed_ = false;
-  bool stopping_ = false;
-  std::thread io_thread_;
+  std::condition_variable work_cv_;    // wakes the I/O thread
+  std::condition_variable done_cv_;    // wakes waiters
+  std::unordered_map<ExtentId, std::unique_ptr<Extent>> extents_;  // mu_
+  std::unordered_map<uintptr_t, ExtentId> by_address_;             // mu_
+  ExtentId next_id_ = 1;               // mu_
+  std::deque<Ticket> queue_;           // mu_: buckets not finished, in submission order
+  size_t outs_in_flight_ = 0;          // mu_: page-out buckets queued or running
+  std::map<uint64_t, uint64_t> held_;  // mu_: held store ranges, start -> end, disjoint
+  PagerStats counters_;                // mu_: counts of finished buckets (complete())
+  bool closed_ = false;                // mu_
+  bool stopping_ = false;              // mu_: tells the I/O thread to return once idle
+  std::thread io_thread_;              // started last by the constructor, joined by close()
 };
 
 }  // namespace statepager

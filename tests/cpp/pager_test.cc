@@ -85,7 +85,8 @@ TEST(Pager, ZeroExtentsAreNeverRead) {
   EXPECT_GT(s.zero_filled_bytes, 0u);
   for (ExtentId id : bucket) {
     auto* p = reinterpret_cast<const uint8_t*>(pager.address(id));
-    for (size_t i = 0; i < pager.size(id); i++) ASSERT_EQ(p[i], 0);
+    const size_t bytes = pager.size(id);
+    for (size_t i = 0; i < bytes; i++) ASSERT_EQ(p[i], 0);
   }
 }
 

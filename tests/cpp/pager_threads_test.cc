@@ -1,0 +1,169 @@
+// Pager used from several threads at once, and its request counts. CI runs these (with
+// the whole suite) under ThreadSanitizer (build/tsan, see scripts/test.sh), where any
+// data race fails the test.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "allocator/pager.h"
+#include "backing/errors.h"
+#include "temp_dir.h"
+
+namespace statepager {
+namespace {
+
+constexpr size_t kBlock = 16 << 10;  // bytes per request: buckets of many requests
+
+PagerOptions options(const TempDir& dir) {
+  PagerOptions o;
+  o.directory = dir.file("store");
+  o.pool.page_bytes = 64 << 10;
+  o.pool.arena_bytes = size_t(1) << 32;
+  o.io_depth = 4;
+  o.io_block_bytes = kBlock;
+  return o;
+}
+
+void fill(Pager& pager, ExtentId id, uint8_t value) {
+  std::memset(reinterpret_cast<void*>(pager.address(id)), value, pager.size(id));
+}
+
+bool holds(Pager& pager, ExtentId id, uint8_t value) {
+  const auto* b = reinterpret_cast<const uint8_t*>(pager.address(id));
+  const size_t bytes = pager.size(id);
+  for (size_t i = 0; i < bytes; i++) {
+    if (b[i] != value) return false;
+  }
+  return true;
+}
+
+// Two threads page their own buckets in and out in a loop, checking every byte, while
+// others poll stats() and residency(), take and release holds on the store ranges, and
+// create and release extents.
+TEST(PagerThreads, PagingWhileOthersPollHoldAndCreate) {
+  TempDir dir;
+  Pager pager(make_host_device(), options(dir));
+  constexpr int kPagers = 2, kBuckets = 3, kPerBucket = 3, kRounds = 8;
+  // Each extent is 3 requests long and starts a request: 9 requests per bucket each way.
+  constexpr size_t kExtentBytes = 3 * kBlock;
+  std::vector<std::vector<std::vector<ExtentId>>> buckets(kPagers);
+  std::vector<ExtentId> all;
+  for (auto& mine : buckets) {
+    for (int b = 0; b < kBuckets; b++) {
+      std::vector<ExtentId> bucket;
+      for (int i = 0; i < kPerBucket; i++) bucket.push_back(pager.create(kExtentBytes));
+      all.insert(all.end(), bucket.begin(), bucket.end());
+      mine.push_back(bucket);
+    }
+  }
+  // Every extent FILE to begin with, so each round reads and writes all of it.
+  pager.wait(pager.page_in(all));
+  for (ExtentId id : all) fill(pager, id, 0);
+  pager.wait(pager.page_out(all));
+  const PagerStats before = pager.stats();
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0}, holds_taken{0};
+  auto page = [&](int t) {
+    for (int round = 1; round <= kRounds; round++) {
+      for (const auto& bucket : buckets[t]) {
+        pager.wait(pager.page_in(bucket));
+        for (ExtentId id : bucket) {
+          if (!holds(pager, id, uint8_t(round - 1))) failures++;
+          fill(pager, id, uint8_t(round));
+        }
+        pager.wait(pager.page_out(bucket));
+      }
+    }
+  };
+  auto poll = [&] {
+    while (!stop) {
+      const PagerStats s = pager.stats();
+      if (s.buckets_in < before.buckets_in || s.mapped_bytes > (size_t(1) << 30)) failures++;
+      for (ExtentId id : all) (void)pager.residency(id);
+      (void)pager.resident_extents();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  };
+  auto hold = [&] {
+    size_t next = 0;
+    while (!stop) {
+      const auto& bucket = buckets[next % kPagers][next / kPagers % kBuckets];
+      next++;
+      try {
+        const std::vector<Placement> held = pager.hold(bucket);
+        holds_taken++;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));  // page-outs wait
+        for (const Placement& p : held) pager.unhold(p.store_offset);
+      } catch (const UsageError&) {
+        // Some extent of the bucket was resident or being paged: try the next one.
+      }
+    }
+  };
+  auto churn = [&] {
+    while (!stop) {
+      const ExtentId id = pager.create(5000);
+      pager.wait(pager.page_in({id}));
+      fill(pager, id, 7);
+      pager.wait(pager.page_out({id}));
+      pager.wait(pager.page_in({id}));
+      if (!holds(pager, id, 7)) failures++;
+      pager.release(id);
+    }
+  };
+
+  std::vector<std::thread> others;
+  others.emplace_back(poll);
+  others.emplace_back(poll);
+  others.emplace_back(hold);
+  others.emplace_back(churn);
+  std::vector<std::thread> pagers;
+  for (int t = 0; t < kPagers; t++) pagers.emplace_back(page, t);
+  for (auto& t : pagers) t.join();
+  stop = true;
+  for (auto& t : others) t.join();
+
+  EXPECT_EQ(failures, 0);
+  EXPECT_GT(holds_taken, 0);
+  const PagerStats s = pager.stats();
+  const uint64_t moves = uint64_t{kPagers} * kBuckets * kRounds;  // per direction
+  // Each round of the churn thread: a ZERO page-in (no read), then one request each way.
+  const uint64_t churned = s.buckets_out - before.buckets_out - moves;
+  EXPECT_EQ(s.buckets_in - before.buckets_in, moves + 2 * churned);
+  EXPECT_EQ(s.read_requests - before.read_requests, moves * kPerBucket * 3 + churned);
+  EXPECT_EQ(s.write_requests - before.write_requests, moves * kPerBucket * 3 + churned);
+  EXPECT_EQ(s.bytes_read - before.bytes_read, moves * kPerBucket * kExtentBytes + churned * 5000);
+  EXPECT_EQ(s.mapped_bytes, 0u);
+}
+
+// Each file request is counted once, when its bucket completes; a failed bucket counts
+// nothing (every counter stays as it was).
+TEST(PagerThreads, RequestsAreCountedOnceAndOnlyForBucketsThatMoved) {
+  TempDir dir;
+  Pager pager(make_host_device(), options(dir));
+  const ExtentId id = pager.create(5 * kBlock);
+  pager.wait(pager.page_in({id}));
+  EXPECT_EQ(pager.stats().read_requests, 0u);  // ZERO: filled, not read
+  pager.wait(pager.page_out({id}));
+  EXPECT_EQ(pager.stats().write_requests, 5u);
+  pager.wait(pager.page_in({id}));
+  PagerStats s = pager.stats();
+  EXPECT_EQ(s.read_requests, 5u);
+  EXPECT_EQ(s.bytes_read, 5 * kBlock);
+  pager.wait(pager.page_out({id}));
+  ASSERT_EQ(::truncate(pager.file_path().c_str(), 2 * kBlock), 0);
+  s = pager.stats();
+  EXPECT_THROW(pager.wait(pager.page_in({id})), CorruptStoreError);
+  const PagerStats after = pager.stats();
+  EXPECT_EQ(after.read_requests, s.read_requests);
+  EXPECT_EQ(after.bytes_read, s.bytes_read);
+  EXPECT_EQ(after.buckets_in, s.buckets_in);
+}
+
+}  // namespace
+}  // namespace statepager
