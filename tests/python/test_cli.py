@@ -52,16 +52,6 @@ def test_cuda_without_a_device_is_refused(capsys, tmp_path):
             "no CUDA device is visible here")
 
 
-def test_errors_while_running_print_a_message_not_a_traceback(capsys, tmp_path):
-    """The bench's directory is taken by another Pager's store: a statepager error
-    (which one depends on how the store directory is refused), as one line."""
-    with statepager.Pager(str(tmp_path / "statepager-bench")):
-        assert cli.main(["bench", "store", "--dir", str(tmp_path), "--size", "1M"]) == 1
-    err = capsys.readouterr().err
-    assert "statepager bench: " in err and "Error:" in err, err
-    assert "Traceback" not in err
-
-
 def test_comparisons_never_call_a_ratio_below_one_faster():
     assert faster(2.0, 1.0, higher_is_better=True) == "2.00 x faster"
     assert faster(1.0, 1.96, higher_is_better=True) == "1.96 x slower"
