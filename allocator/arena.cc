@@ -13,7 +13,7 @@ uintptr_t Arena::allocate(size_t bytes, size_t align) {
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     const uintptr_t start = (it->first + align - 1) & ~(uintptr_t(align) - 1);
     const uintptr_t end = it->first + it->second;
-    if (start + bytes > end) continue;
+    if (start >= end || bytes > end - start) continue;  // (start + bytes could wrap)
     const uintptr_t range_start = it->first;
     free_.erase(it);
     if (start > range_start) free_[range_start] = start - range_start;

@@ -102,8 +102,16 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
     : device_(std::move(device)),
       options_(std::move(options)),
       pool_(*device_, options_.pool) {
-  if (options_.io_block_bytes % kFileAlign != 0) {
-    throw UsageError("io_block_bytes must be a multiple of 4096 (0: chosen for the medium)");
+  if (options_.io_depth > kMaxIoDepth) {
+    throw UsageError("io_depth (PagerOptions::io_depth) " + std::to_string(options_.io_depth) +
+                     " is not allowed: it must be 1 to " + std::to_string(kMaxIoDepth) +
+                     " (0 or None: chosen for the medium)");
+  }
+  if (options_.io_block_bytes % kFileAlign != 0 || options_.io_block_bytes > kMaxIoBlockBytes) {
+    throw UsageError("io_block (PagerOptions::io_block_bytes) " +
+                     std::to_string(options_.io_block_bytes) + " is not allowed: it must be a "
+                     "multiple of 4096 up to " + std::to_string(kMaxIoBlockBytes) +
+                     " (256 MiB) (0 or None: chosen for the medium)");
   }
   // A file-size limit must surface as EFBIG on the write, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
@@ -164,6 +172,12 @@ ExtentId Pager::create(size_t bytes, unsigned store) {
   std::unique_lock lock(mu_);
   check_open_locked();
   check_store_locked(store);
+  if (bytes > pool_.arena_bytes()) {
+    throw UsageError("a tensor of " + std::to_string(bytes) + " bytes is larger than the "
+                     "pager's whole address arena (arena_size " +
+                     std::to_string(pool_.arena_bytes()) + " bytes): create the Pager with "
+                     "a larger arena_size");
+  }
   auto extent = std::make_unique<Extent>();
   extent->bytes = bytes;
   extent->file_bytes = align_up(std::max<size_t>(bytes, 1), kFileAlign);

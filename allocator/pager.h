@@ -68,11 +68,16 @@ IoShape io_shape_for(bool direct_io);
 
 struct PagerOptions {
   std::string directory;                    // the store directory (see backing/store_dir.h)
-  PoolOptions pool;
-  unsigned io_depth = 0;                    // staging slots; 0: io_shape_for(the medium)
-  size_t io_block_bytes = 0;                // bytes per request (multiple of 4 KiB); 0: same
+  PoolOptions pool;                         // ranges: see pool.h
+  unsigned io_depth = 0;                    // staging slots, 1..kMaxIoDepth; 0: io_shape_for
+  size_t io_block_bytes = 0;                // bytes per request: a multiple of 4 KiB up to
+                                            // kMaxIoBlockBytes; 0: io_shape_for(the medium)
   bool try_direct = true;                   // O_DIRECT where the filesystem allows it
 };
+// Far past what any medium was measured to need (see IoShape); the staging memory is
+// io_depth x io_block_bytes of pinned memory.
+constexpr unsigned kMaxIoDepth = 1024;
+constexpr size_t kMaxIoBlockBytes = size_t(256) << 20;
 
 enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut };
 
@@ -123,7 +128,8 @@ class Pager {
   Pager& operator=(const Pager&) = delete;
 
   // A new extent of `bytes` in ZERO state in store `store`: address reserved, nothing
-  // mapped, no file I/O.
+  // mapped, no file I/O. UsageError when `bytes` exceeds the whole arena (arena_bytes);
+  // OutOfMemoryError when the arena has no free range that large.
   ExtentId create(size_t bytes, unsigned store = 0);
 
   // The store named `name` ("" is the default store, 0), opened on first use as

@@ -7,21 +7,39 @@
 namespace statepager {
 
 namespace {
+
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// The options, once checked against the ranges in pool.h (before anything is reserved).
+const PoolOptions& checked(const PoolOptions& o, const Device& device) {
+  const size_t grain = device.granularity();
+  if (o.page_bytes == 0 || o.page_bytes % grain != 0 || o.page_bytes > kMaxPageBytes) {
+    throw UsageError("page_size (PoolOptions::page_bytes) " + std::to_string(o.page_bytes) +
+                     " is not allowed: it must be a positive multiple of " + device.name() +
+                     "'s granularity (" + std::to_string(grain) + " bytes) and at most " +
+                     std::to_string(kMaxPageBytes) + " (1 GiB); 32 MiB is a good size");
+  }
+  if (o.arena_bytes == 0 || o.arena_bytes > kMaxArenaBytes) {
+    throw UsageError("arena_size (PoolOptions::arena_bytes) " + std::to_string(o.arena_bytes) +
+                     " is not allowed: it must be between 1 and " +
+                     std::to_string(kMaxArenaBytes) + " (128 TiB, the user address space)");
+  }
+  if (o.budget_bytes < o.page_bytes) {
+    throw UsageError("hbm_budget (PoolOptions::budget_bytes) " + std::to_string(o.budget_bytes) +
+                     " is less than one page (page_size " + std::to_string(o.page_bytes) +
+                     "): nothing could be mapped. Raise it, or lower page_size");
+  }
+  return o;
+}
+
 }  // namespace
 
 Pool::Pool(Device& device, PoolOptions options)
     : device_(device),
-      page_bytes_(options.page_bytes),
+      page_bytes_(checked(options, device).page_bytes),
       arena_(device.reserve(round_up(options.arena_bytes, options.page_bytes)),
              round_up(options.arena_bytes, options.page_bytes)),
-      pages_(device, options.page_bytes, options.budget_bytes, options.keep_bytes) {
-  if (page_bytes_ == 0 || page_bytes_ % device.granularity() != 0) {
-    device.unreserve(arena_.base(), arena_.size());
-    throw UsageError("page_bytes must be a positive multiple of " + device.name() +
-                     "'s granularity (" + std::to_string(device.granularity()) + " bytes)");
-  }
-}
+      pages_(device, options.page_bytes, options.budget_bytes, options.keep_bytes) {}
 
 Pool::~Pool() {
   for (auto& [index, entry] : table_) {

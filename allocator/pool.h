@@ -6,8 +6,10 @@
 // pages they touch, so a page shared by two resident extents is mapped once.
 //
 // Thread-safety: none; the Pager serializes calls under its lock.
-// Errors: ref() throws OutOfMemoryError at the page budget and leaves every count as it
-// was (all or nothing); device errors pass through.
+// Errors: construction throws UsageError for options outside the ranges below, naming
+// the option, its value and the range, before reserving anything; ref() throws
+// OutOfMemoryError at the page budget and leaves every count as it was (all or nothing);
+// device errors pass through.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +29,13 @@ struct PoolOptions {
   size_t budget_bytes = ~size_t(0);       // physical bytes mapped or cached, at most
   size_t keep_bytes = 0;                  // unmapped pages kept for reuse, at most
 };
+
+// page_bytes: a positive multiple of the device's granularity, at most kMaxPageBytes (a
+// page is created whole: a larger one only costs memory and time per map).
+constexpr size_t kMaxPageBytes = size_t(1) << 30;
+// arena_bytes: 1 to kMaxArenaBytes, the user address space of x86-64 (rounded up to
+// whole pages). budget_bytes: at least one page.
+constexpr size_t kMaxArenaBytes = size_t(1) << 47;
 
 class Pool {
  public:
@@ -51,6 +60,7 @@ class Pool {
   const PagePool& pages() const { return pages_; }
   PagePool& pages() { return pages_; }
   size_t page_bytes() const { return page_bytes_; }
+  size_t arena_bytes() const { return arena_.size(); }
   size_t mapped_bytes() const { return table_.size() * page_bytes_; }
 
  private:

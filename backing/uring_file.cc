@@ -373,14 +373,17 @@ UringFile::UringFile(const std::string& path, Options options)
 UringFile::UringFile(const Location& file, Options options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.options = options;
-  if (options.queue_depth == 0) throw UsageError("UringFile: queue_depth must be at least 1");
+  if (options.queue_depth == 0 || options.queue_depth > kMaxQueueDepth) {
+    throw UsageError("UringFile: queue_depth " + std::to_string(options.queue_depth) +
+                     " is not allowed: it must be 1 to " + std::to_string(kMaxQueueDepth));
+  }
   m.files[0] = Impl::open(file, options);
   m.path = m.files[0]->path;
   m.file_count.store(1, std::memory_order_release);
 
-  // Room for every request to be in several pieces, within the kernel's maximum.
-  const auto entries = static_cast<unsigned>(
-      std::min<uint64_t>(uint64_t{options.queue_depth} * kStripes, 32768));
+  // Room for every request to be in several pieces (at most 4096 x 8: the kernel's maximum).
+  static_assert(kMaxQueueDepth * kStripes <= 32768);
+  const unsigned entries = options.queue_depth * kStripes;
   int ret = io_uring_queue_init(entries, &m.ring, 0);
   if (ret < 0) throw_io_uring_setup_error(-ret, m.path);
   m.ring_ready = true;

@@ -33,9 +33,10 @@
 // physical_paths(),
 // which may be called from any thread (add_file() from one at a time) while another
 // submits and reaps (the Pager's I/O thread).
-// Errors: construction and allocate() throw IoError subclasses (backing/errors.h) naming
-// the file, construction IoUringUnavailableError where io_uring is blocked or missing;
-// per-request failures come back as Completion::error (an errno value).
+// Errors: construction throws UsageError for a queue_depth out of range; construction and
+// allocate() throw IoError subclasses (backing/errors.h) naming the file, construction
+// IoUringUnavailableError where io_uring is blocked or missing; per-request failures come
+// back as Completion::error (an errno value).
 #pragma once
 
 #include <sys/uio.h>
@@ -55,8 +56,10 @@ class UringFile {
   static constexpr uint64_t kRegionBytes = uint64_t{1} << 48;  // logical offsets per file
   static constexpr unsigned kMaxFiles = 256;
 
+  static constexpr unsigned kMaxQueueDepth = 4096;  // the ring takes 8 pieces per request
+
   struct Options {
-    unsigned queue_depth = 32;  // requests in flight at most
+    unsigned queue_depth = 32;  // requests in flight at most: 1 to kMaxQueueDepth
     bool try_direct = true;     // false: always buffered I/O
     bool create_new = false;    // true: every physical file must not exist yet (O_EXCL)
   };

@@ -111,6 +111,52 @@ std::optional<std::string> residency_of(const torch::Tensor& t) {
   return std::nullopt;
 }
 
+// Bytes a tensor of `shape` (laid out by `strides`, or contiguous) spans: its numel when
+// contiguous, else 1 + the offset of its last element, so no element lies past its extent.
+// UsageError for negative sizes or strides, a stride per dimension missing, or overflow.
+size_t tensor_bytes(const std::vector<int64_t>& shape,
+                    const std::optional<std::vector<int64_t>>& strides, at::ScalarType scalar) {
+  auto describe = [&] {
+    std::string dims;
+    for (int64_t s : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(s);
+    return "Pager.empty: shape [" + dims + "] of " + std::string(c10::toString(scalar));
+  };
+  if (strides && strides->size() != shape.size()) {
+    throw UsageError(describe() + ": " + std::to_string(strides->size()) +
+                     " strides for " + std::to_string(shape.size()) +
+                     " dimensions: give one stride per dimension");
+  }
+  bool empty = false;
+  for (size_t i = 0; i < shape.size(); i++) {
+    if (shape[i] < 0) throw UsageError(describe() + " has a negative size: sizes must be >= 0");
+    if (strides && (*strides)[i] < 0) {
+      throw UsageError(describe() + " has a negative stride: strides must be >= 0");
+    }
+    empty = empty || shape[i] == 0;
+  }
+  if (empty) return 0;
+  // span = 1 + sum((size - 1) * stride), or the product of the sizes when contiguous.
+  uint64_t span = 1;
+  bool overflow = false;
+  for (size_t i = 0; i < shape.size(); i++) {
+    const auto size = static_cast<uint64_t>(shape[i]);
+    if (strides) {
+      uint64_t step = 0;
+      const auto stride = static_cast<uint64_t>((*strides)[i]);
+      overflow = overflow || __builtin_mul_overflow(size - 1, stride, &step) ||
+                 __builtin_add_overflow(span, step, &span);
+    } else {
+      overflow = overflow || __builtin_mul_overflow(span, size, &span);
+    }
+  }
+  uint64_t bytes = 0;
+  overflow = overflow || __builtin_mul_overflow(span, uint64_t(c10::elementSize(scalar)), &bytes);
+  if (overflow || bytes > static_cast<uint64_t>(INT64_MAX)) {
+    throw UsageError(describe() + " needs 2^63 bytes or more: no tensor can be that large");
+  }
+  return bytes;
+}
+
 // Pages `ids` in or out in buckets of about `bucket_bytes`, all buckets in flight at once.
 void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
   std::vector<Ticket> tickets;
@@ -128,6 +174,28 @@ void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_byte
   }
   submit();
   for (const Ticket& t : tickets) pager.wait(t);
+}
+
+// Bytes of a tensor of `shape` and `scalar`, refused (UsageError) when a size is negative
+// or the bytes do not fit in an int64 (torch's limit), so no size can wrap around.
+size_t tensor_bytes(const std::vector<int64_t>& shape, at::ScalarType scalar) {
+  auto describe = [&] {
+    std::string dims;
+    for (int64_t s : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(s);
+    return "Pager.empty: shape [" + dims + "] of " + c10::toString(scalar);
+  };
+  size_t bytes = c10::elementSize(scalar);
+  bool overflow = false, empty = false;
+  for (int64_t s : shape) {
+    if (s < 0) throw UsageError(describe() + " has a negative size: sizes must be >= 0");
+    empty = empty || s == 0;
+    overflow = overflow || __builtin_mul_overflow(bytes, static_cast<size_t>(s), &bytes);
+  }
+  if (empty) return 0;
+  if (overflow || bytes > static_cast<size_t>(INT64_MAX)) {
+    throw UsageError(describe() + " needs 2^63 bytes or more: no tensor can be that large");
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -206,10 +274,18 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& device, size_t page_bytes, size_t total_bytes, int rounds) {
         // Map + set access, then unmap, `total_bytes` in pages of `page_bytes` (pages
         // created once, as the pool recycles them): the pager's per-page cost.
+        if (rounds < 1 || page_bytes == 0 || total_bytes < page_bytes) {
+          throw UsageError("measure_mapping: need rounds >= 1 and 0 < page_bytes <= total_bytes");
+        }
         double map_s = 0, unmap_s = 0;
         {
           py::gil_scoped_release release;
           auto dev = make_device(device);
+          if (page_bytes % dev->granularity() != 0) {
+            throw UsageError("page size " + std::to_string(page_bytes) + " is not a multiple of " +
+                             dev->name() + "'s granularity (" +
+                             std::to_string(dev->granularity()) + " bytes)");
+          }
           const size_t n = total_bytes / page_bytes;
           const uintptr_t base = dev->reserve(n * page_bytes);
           std::vector<PageHandle> pages;
@@ -272,24 +348,7 @@ PYBIND11_MODULE(_C, m) {
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
               const std::string& store, std::optional<std::vector<int64_t>> strides) {
-             if (strides && strides->size() != shape.size()) {
-               throw UsageError("empty(): " + std::to_string(strides->size()) +
-                                " strides for " + std::to_string(shape.size()) +
-                                " dimensions: give one stride per dimension");
-             }
-             // Elements the tensor spans in memory: its numel when contiguous, else
-             // 1 + the offset of its last element (no element past the extent).
-             int64_t numel = 1;
-             for (int64_t s : shape) numel *= s;
-             int64_t span = numel;
-             if (strides && numel > 0) {
-               span = 1;
-               for (size_t i = 0; i < shape.size(); i++) {
-                 if ((*strides)[i] < 0) throw UsageError("empty(): negative stride");
-                 span += (shape[i] - 1) * (*strides)[i];
-               }
-             }
-             const size_t bytes = size_t(span) * c10::elementSize(scalar);
+             const size_t bytes = tensor_bytes(shape, strides, scalar);
              const ExtentId id = self.pager->create(bytes, self.pager->open_store(store));
              std::shared_ptr<Pager> keep = self.pager;
              auto deleter = [keep, id](void*) {

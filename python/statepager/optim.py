@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from statepager import args
 from statepager.pager import MiB, Pager
 
 
@@ -23,6 +24,7 @@ class PagedAdamW(torch.optim.AdamW):
                  weight_decay=1e-2, amsgrad=False, foreach=None, fused=None,
                  bucket_size: int = 256 * MiB, depth: int = 3, log_steps: bool = False,
                  moments: str = "fp32", mains: str = "fp32"):
+        bucket_size, depth = args.bucketing(bucket_size, depth)  # before filling masters
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]

@@ -6,7 +6,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from statepager import _C, guard
+from statepager import _C, args, guard
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -46,11 +46,17 @@ class Pager:
         optimizer keeps its state in its own store, directory/<its name>/; other tensors
         in the default one, directory/state.bin.
     device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory).
-    page_size: bytes per physical page; a multiple of the device granularity.
-    hbm_budget: physical bytes the pool may hold at once (None: unbounded).
+    page_size: bytes per physical page; a multiple of the device granularity (4 KiB on
+        the host, 2 MiB on CUDA), at most 1 GiB.
+    hbm_budget: physical bytes the pool may hold at once, at least one page (None:
+        unbounded).
     keep: unmapped physical bytes kept for reuse instead of being returned.
-    io_depth, io_block: I/O requests in flight and bytes per request; None: chosen for
-        the store's medium (64 x 4 MiB on a disk, 32 x 1 MiB in RAM; stats() says).
+    arena_size: address space reserved for the pager's tensors (up to 128 TiB; costs no
+        memory); no tensor can be larger.
+    io_depth, io_block: I/O requests in flight (1 to 1024) and bytes per request (a
+        multiple of 4 KiB up to 256 MiB); None: chosen for the store's medium (64 x 4 MiB
+        on a disk, 32 x 1 MiB in RAM; stats() says).
+    Arguments outside these ranges are refused with a UsageError naming them.
     """
 
     def __init__(
@@ -67,14 +73,21 @@ class Pager:
         direct_io: bool = True,
     ):
         guard.install()  # repr/pickle/copy of its tensors cannot crash (statepager.guard)
+        # Types and signs here; the core checks the ranges (it knows the device).
+        page_size = args.integer("page_size", page_size)
+        hbm_budget = args.optional_integer("hbm_budget", hbm_budget)
+        keep = args.integer("keep", keep)
+        arena_size = args.integer("arena_size", arena_size)
+        io_depth = args.optional_integer("io_depth", io_depth, minimum=1)  # 0 would be None
+        io_block = args.optional_integer("io_block", io_block, minimum=1)
         directory = str(directory).replace("{rank}", str(_rank()))
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        budget = hbm_budget if hbm_budget is not None else (1 << 63)
+        budget = hbm_budget if hbm_budget is not None else (1 << 64) - 1
         self._core = _C.Pager(
-            str(directory), str(self.device), page_size, budget, keep, arena_size,
-            io_depth or 0, io_block or 0, direct_io,
+            directory, str(self.device), page_size, budget, keep, arena_size,
+            io_depth or 0, io_block or 0, bool(direct_io),
         )
         self._unbounded = hbm_budget is None
         self.directory = self._core.directory  # absolute, ancestors' links resolved
@@ -93,8 +106,8 @@ class Pager:
         memory layout (None: contiguous)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
-        return self._core.empty(list(shape), dtype, store,
-                                None if strides is None else list(strides))
+        return self._core.empty(args.shape(shape), args.dtype(dtype), args.text("store", store),
+                                None if strides is None else args.shape(strides))
 
     def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """empty() shaped and laid out as torch.empty_like(t) would be (preserve_format:
@@ -159,6 +172,7 @@ class Pager:
         would pass hbm_budget. Yields the Capture, whose `.tensors` lists them."""
         from statepager import scope
 
+        min_bytes = args.integer("min_bytes", min_bytes)
         capture = scope.Capture(self, min_bytes)
         with contextlib.ExitStack() as stack:
             if self.device.type == "cuda":
@@ -175,12 +189,14 @@ class Pager:
     def pause(self, bucket_size: int = 256 * MiB) -> None:
         """Pages out everything resident and returns all physical memory to the device
         (e.g. to lend the GPU to an inference engine). resume() brings it back."""
+        bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
         if self._paused is not None:
             raise _C.UsageError("this Pager is already paused: call resume() first")
         self._paused = self._core.pause(bucket_size)
 
     def resume(self, bucket_size: int = 256 * MiB) -> None:
         """Pages back in, bit-exact and at the same addresses, what pause() paged out."""
+        bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
         if self._paused is None:
             raise _C.UsageError("this Pager is not paused")
         self._core.resume(self._paused, bucket_size)
@@ -206,6 +222,7 @@ class Pager:
         Returns the StreamedOptimizer binding; its `.last` holds the last step's StepStats."""
         from statepager.stream import StreamedOptimizer
 
+        bucket_size, depth = args.bucketing(bucket_size, depth)
         if type(optimizer).__module__.startswith("megatron."):
             from statepager import megatron
 
@@ -277,6 +294,7 @@ class Pager:
 
     def keep_at_least(self, nbytes: int) -> None:
         """Keeps at least `nbytes` of unmapped pages for reuse (never lowers `keep`)."""
+        nbytes = args.integer("nbytes", nbytes)
         if nbytes > self.keep:
             self.keep = nbytes
             self._core.set_keep_bytes(nbytes)

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <random>
 
+#include "allocator/arena.h"
 #include "backing/errors.h"
+#include "backing/uring_file.h"
 
 namespace statepager {
 namespace {
@@ -325,6 +327,44 @@ TEST(Pager, IoShapeFollowsTheMedium) {
   Pager pager(make_host_device(), o);  // set: kept as given
   EXPECT_EQ(pager.stats().io_depth, 8u);
   EXPECT_EQ(pager.stats().io_block_bytes, size_t(32) << 10);
+}
+
+// Options outside their ranges are refused before the store directory is touched (no
+// SIGFPE for a zero page, no OOM kill for a 1 TiB one).
+TEST(Pager, OptionsOutOfRangeAreRefused) {
+  auto refused = [](void (*change)(PagerOptions&), const char* what) {
+    PagerOptions o = small_options("options");
+    change(o);
+    try {
+      Pager pager(make_host_device(), o);
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::strstr(e.what(), what), nullptr) << e.what();
+    }
+    EXPECT_NE(::access(o.directory.c_str(), F_OK), 0) << what;
+  };
+  refused([](PagerOptions& o) { o.pool.page_bytes = 0; }, "page_bytes");
+  refused([](PagerOptions& o) { o.pool.page_bytes = 4097; }, "page_bytes");
+  refused([](PagerOptions& o) { o.pool.page_bytes = size_t(1) << 40; }, "page_bytes");
+  refused([](PagerOptions& o) { o.pool.arena_bytes = 0; }, "arena_bytes");
+  refused([](PagerOptions& o) { o.pool.arena_bytes = size_t(1) << 50; }, "arena_bytes");
+  refused([](PagerOptions& o) { o.pool.budget_bytes = 4096; }, "budget_bytes");
+  refused([](PagerOptions& o) { o.io_depth = kMaxIoDepth + 1; }, "io_depth");
+  refused([](PagerOptions& o) { o.io_block_bytes = 1000; }, "io_block_bytes");
+  refused([](PagerOptions& o) { o.io_block_bytes = kMaxIoBlockBytes + 4096; }, "io_block_bytes");
+  EXPECT_THROW(UringFile("/tmp/statepager-uring-depth", UringFile::Options{5000, true}),
+               UsageError);
+}
+
+// An extent larger than the arena is refused; the arena never hands out a range that
+// wraps around the address space.
+TEST(Pager, ExtentLargerThanTheArenaIsRefused) {
+  Pager pager(make_host_device(), small_options("huge"));
+  EXPECT_THROW(pager.create(size_t(1) << 33), UsageError);
+  EXPECT_THROW(pager.create(~size_t(0) - 100), UsageError);
+  EXPECT_EQ(pager.stats().extents, 0u);
+  Arena arena(uintptr_t(1) << 40, size_t(1) << 20);
+  EXPECT_THROW(arena.allocate(~size_t(0) - 4096, 4096), OutOfMemoryError);
 }
 
 }  // namespace
