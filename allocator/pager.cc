@@ -328,6 +328,11 @@ const std::string& Pager::path_of(uint64_t store_offset) const {
   return file_->file_path(store_index(store_offset));
 }
 
+bool Pager::exists(ExtentId id) const {
+  std::unique_lock lock(mu_);
+  return extents_.count(id) != 0;
+}
+
 uintptr_t Pager::address(ExtentId id) const {
   std::unique_lock lock(mu_);
   return extent_locked(id).addr;

@@ -151,6 +151,7 @@ class Pager {
   void release_at(uintptr_t addr);
   bool owns_address(uintptr_t addr) const;  // inside this pager's arena
 
+  bool exists(ExtentId id) const;  // created and not released
   uintptr_t address(ExtentId id) const;
   size_t size(ExtentId id) const;
   Residency residency(ExtentId id) const;

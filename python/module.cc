@@ -158,22 +158,39 @@ size_t tensor_bytes(const std::vector<int64_t>& shape,
 }
 
 // Pages `ids` in or out in buckets of about `bucket_bytes`, all buckets in flight at once.
+// Extents released since `ids` was taken are skipped. Waits for every bucket, also after
+// one failed, and then rethrows the first error: none is left in flight, and each bucket
+// either moved or (failed) kept its state.
 void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
+  if (bucket_bytes == 0) throw UsageError("bucket_size must be at least 1 byte");
   std::vector<Ticket> tickets;
-  std::vector<ExtentId> bucket;
-  size_t bytes = 0;
-  auto submit = [&] {
-    if (!bucket.empty()) tickets.push_back(out ? pager.page_out(bucket) : pager.page_in(bucket));
-    bucket.clear();
-    bytes = 0;
-  };
-  for (ExtentId id : ids) {
-    bucket.push_back(id);
-    bytes += pager.size(id);
-    if (bytes >= bucket_bytes) submit();
+  std::exception_ptr error;
+  try {
+    std::vector<ExtentId> bucket;
+    size_t bytes = 0;
+    auto submit = [&] {
+      if (!bucket.empty()) tickets.push_back(out ? pager.page_out(bucket) : pager.page_in(bucket));
+      bucket.clear();
+      bytes = 0;
+    };
+    for (ExtentId id : ids) {
+      if (!pager.exists(id)) continue;
+      bucket.push_back(id);
+      bytes += pager.size(id);
+      if (bytes >= bucket_bytes) submit();
+    }
+    submit();
+  } catch (...) {
+    error = std::current_exception();
   }
-  submit();
-  for (const Ticket& t : tickets) pager.wait(t);
+  for (const Ticket& t : tickets) {
+    try {
+      pager.wait(t);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 // Bytes of a tensor of `shape` and `scalar`, refused (UsageError) when a size is negative
@@ -432,20 +449,17 @@ PYBIND11_MODULE(_C, m) {
              d["io_block_bytes"] = s.io_block_bytes;
              return d;
            })
-      .def("pause",
-           [](PyPager& self, size_t bucket_bytes) {
-             // Everything resident goes out, then the cached pages go back to the device.
+      .def("resident_extents", [](PyPager& self) { return self.pager->resident_extents(); },
+           "Ids of the extents resident now (for pause/resume)")
+      .def("page_all",
+           [](PyPager& self, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
              py::gil_scoped_release release;
-             const std::vector<ExtentId> ids = self.pager->resident_extents();
-             page_all(*self.pager, ids, bucket_bytes, true);
-             self.pager->trim();
-             return ids;
-           })
-      .def("resume",
-           [](PyPager& self, const std::vector<ExtentId>& ids, size_t bucket_bytes) {
-             py::gil_scoped_release release;
-             page_all(*self.pager, ids, bucket_bytes, false);
-           })
+             page_all(*self.pager, ids, bucket_bytes, out);
+           },
+           py::arg("ids"), py::arg("bucket_bytes"), py::arg("out"),
+           "Pages extents out (or in) in buckets, all in flight; waits for all of them")
+      .def("trim", [](PyPager& self) { self.pager->trim(); },
+           "Returns the cached pages to the device")
       .def("snapshot",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
              return PySnapshot{self.pager,

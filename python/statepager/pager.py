@@ -140,15 +140,18 @@ class Pager:
     # -- paging ----------------------------------------------------------------------
 
     def page_in_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
+        self.check_not_paused("page_in()")
         return PageHandle(self, self._core.page_in(list(tensors)))
 
     def page_out_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Pages out after the work already queued on the current stream."""
+        self.check_not_paused("page_out()")
         return PageHandle(self, self._core.page_out(list(tensors), self._stream()))
 
     def discard_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Unmaps the tensors without writing them (they become 'zero'), after the work
         already queued on the current stream."""
+        self.check_not_paused("discard()")
         return PageHandle(self, self._core.discard(list(tensors), self._stream()))
 
     def page_in(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
@@ -173,6 +176,7 @@ class Pager:
         from statepager import scope
 
         min_bytes = args.integer("min_bytes", min_bytes)
+        self.check_not_paused("scope()")
         capture = scope.Capture(self, min_bytes)
         with contextlib.ExitStack() as stack:
             if self.device.type == "cuda":
@@ -187,20 +191,52 @@ class Pager:
     # -- sleep / wake ----------------------------------------------------------------
 
     def pause(self, bucket_size: int = 256 * MiB) -> None:
-        """Pages out everything resident and returns all physical memory to the device
-        (e.g. to lend the GPU to an inference engine). resume() brings it back."""
+        """Pages out everything resident, in buckets of about `bucket_size` bytes, and
+        returns all physical memory to the device (e.g. to lend the GPU to an inference
+        engine). resume() brings it back. While paused, paging (page_in, page_out, an
+        attached optimizer's step, scope(), save, load) is refused: call resume() first.
+
+        All or nothing: when a bucket fails (a full disk, say), what went out is paged
+        back in and the error raised, leaving the Pager as before. Should paging back in
+        fail too, the Pager stays paused, and resume() brings back what is out."""
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
         if self._paused is not None:
             raise _C.UsageError("this Pager is already paused: call resume() first")
-        self._paused = self._core.pause(bucket_size)
+        ids = self._core.resident_extents()
+        try:
+            self._core.page_all(ids, bucket_size, True)
+        except BaseException:
+            try:
+                self._core.page_all(ids, bucket_size, False)
+            except BaseException as unwind_error:
+                self._paused = ids
+                unwind_error.args = (f"{unwind_error} (while paging back in after pause() "
+                                     "failed: the Pager stays paused, and resume() brings "
+                                     "back what is out)",) + unwind_error.args[1:]
+                raise
+            raise
+        self._core.trim()
+        self._paused = ids
 
     def resume(self, bucket_size: int = 256 * MiB) -> None:
-        """Pages back in, bit-exact and at the same addresses, what pause() paged out."""
+        """Pages back in, bit-exact and at the same addresses, what pause() paged out.
+        When it fails, what came back stays in and the Pager stays paused: resume()
+        again brings back the rest."""
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
         if self._paused is None:
             raise _C.UsageError("this Pager is not paused")
-        self._core.resume(self._paused, bucket_size)
+        self._core.page_all(self._paused, bucket_size, False)
         self._paused = None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused is not None
+
+    def check_not_paused(self, what: str) -> None:
+        """UsageError while paused: `what` (e.g. "step()") would page tensors."""
+        if self._paused is not None:
+            raise _C.UsageError(f"this Pager is paused: call resume() first ({what} pages "
+                                "tensors in or out, and a paused Pager holds no memory)")
 
     # -- optimizers ------------------------------------------------------------------
 
@@ -223,6 +259,7 @@ class Pager:
         from statepager.stream import StreamedOptimizer
 
         bucket_size, depth = args.bucketing(bucket_size, depth)
+        self.check_not_paused("attach()")
         if type(optimizer).__module__.startswith("megatron."):
             from statepager import megatron
 
@@ -256,6 +293,7 @@ class Pager:
         done(), and .method, .bytes, .seconds of the save."""
         from statepager import checkpoint
 
+        self.check_not_paused("save()")
         return checkpoint.save(self, path, background=background, via=via)
 
     def load(self, path: str) -> bool:
@@ -264,6 +302,7 @@ class Pager:
         Returns False, with a logged notice, when `path` holds no statepager state."""
         from statepager import checkpoint
 
+        self.check_not_paused("load()")
         return checkpoint.load(self, path)
 
     def save_to(self, base: str, *, background: bool = False):
@@ -272,6 +311,7 @@ class Pager:
         subdirectory per attached optimizer (by name), atomic as a whole."""
         from statepager import checkpoint
 
+        self.check_not_paused("save_to()")
         return checkpoint.save(self, checkpoint.rank_directory(base), background=background)
 
     def load_from(self, base: str) -> bool:
@@ -279,6 +319,7 @@ class Pager:
         when there is none (e.g. a checkpoint from a run without statepager)."""
         from statepager import checkpoint
 
+        self.check_not_paused("load_from()")
         return checkpoint.load(self, checkpoint.rank_directory(base))
 
     # -- state -----------------------------------------------------------------------

@@ -460,6 +460,7 @@ def _raw_step_function(optimizer) -> Callable:
 
 
 def _paged_step(self, closure=None):
+    self._statepager.pager.check_not_paused("step()")
     loss = None
     if closure is not None:
         with torch.enable_grad():
