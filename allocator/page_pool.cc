@@ -7,7 +7,13 @@ namespace statepager {
 PagePool::PagePool(Device& device, size_t page_bytes, size_t budget_bytes, size_t keep_bytes)
     : device_(device), page_bytes_(page_bytes), budget_bytes_(budget_bytes), keep_bytes_(keep_bytes) {}
 
-PagePool::~PagePool() { trim(); }
+// Never throws (see ~Pool).
+PagePool::~PagePool() {
+  try {
+    trim();
+  } catch (...) {
+  }
+}
 
 std::optional<PageHandle> PagePool::acquire(bool past_budget) {
   PageHandle page;

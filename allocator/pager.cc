@@ -665,21 +665,32 @@ void Pager::close() {
   stopping_ = true;
   work_cv_.notify_all();
   lock.unlock();
-  if (io_thread_.joinable()) io_thread_.join();
-  device_->synchronize();  // kernels may still be using resident tensors
+  if (io_thread_.joinable()) io_thread_.join();  // nothing before can throw: always joined
+  // Every step is taken even when the device fails (a CUDA context with a sticky error),
+  // so the store is deleted all the same; the first error is rethrown at the end.
+  std::exception_ptr error;
+  auto attempt = [&](auto&& step) {
+    try {
+      step();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  };
+  attempt([&] { device_->synchronize(); });  // kernels may still be using resident tensors
   lock.lock();
   for (auto& [id, e] : extents_) {
     if (e->segment) continue;  // PyTorch's MemPool may still hand out its blocks
-    if (e->state == Residency::kResident) pool_.unref(e->addr, e->bytes);
+    if (e->state == Residency::kResident) attempt([&] { pool_.unref(e->addr, e->bytes); });
     e->state = Residency::kZero;
   }
-  pool_.trim();
+  attempt([&] { pool_.trim(); });
   if (!slots_.empty()) {
-    device_->free_staging(slots_[0].buf, slots_.size() * options_.io_block_bytes);
+    attempt([&] { device_->free_staging(slots_[0].buf, slots_.size() * options_.io_block_bytes); });
     slots_.clear();
   }
   file_.reset();
-  dir_->remove();
+  attempt([&] { dir_->remove(); });
+  if (error) std::rethrow_exception(error);
 }
 
 // ---- I/O thread ----------------------------------------------------------------------

@@ -204,7 +204,8 @@ class Pager {
   // Waits for all buckets and the device, unmaps everything but PyTorch's segments
   // (those stay mapped until PyTorch frees them), stops the I/O thread and deletes what
   // it created in the store directory (StoreDir::remove()). Idempotent; later calls other
-  // than release() throw UsageError.
+  // than release() throw UsageError. When the device fails meanwhile, every step is still
+  // taken and the first error thrown at the end. The destructor closes and never throws.
   void close();
 
  private:

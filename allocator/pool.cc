@@ -41,14 +41,20 @@ Pool::Pool(Device& device, PoolOptions options)
              round_up(options.arena_bytes, options.page_bytes)),
       pages_(device, options.page_bytes, options.budget_bytes, options.keep_bytes) {}
 
+// Never throws: a destructor may run while the device is failing (a CUDA context with a
+// sticky error, a driver shutting down at exit); what cannot be returned then is left to
+// the process's end.
 Pool::~Pool() {
-  for (auto& [index, entry] : table_) {
-    device_.unmap(arena_.base() + index * page_bytes_, page_bytes_);
-    pages_.release(entry.page);
+  try {
+    for (auto& [index, entry] : table_) {
+      device_.unmap(arena_.base() + index * page_bytes_, page_bytes_);
+      pages_.release(entry.page);
+    }
+    table_.clear();
+    pages_.trim();
+    device_.unreserve(arena_.base(), arena_.size());
+  } catch (...) {
   }
-  table_.clear();
-  pages_.trim();
-  device_.unreserve(arena_.base(), arena_.size());
 }
 
 uintptr_t Pool::allocate(size_t bytes, size_t align) { return arena_.allocate(bytes, align); }

@@ -94,10 +94,18 @@ RawIoResult measure_raw_io(const std::string& dir, uint64_t bytes, size_t block,
   double read_s = 0, write_s = 0;
   std::exception_ptr read_error, write_error;
   std::thread read_thread, write_thread;
-  if (read) read_thread = std::thread(drive, reader.get(), &read_s, &read_error);
-  if (write) write_thread = std::thread(drive, writer.get(), &write_s, &write_error);
-  if (read_thread.joinable()) read_thread.join();
-  if (write_thread.joinable()) write_thread.join();
+  auto join = [&] {  // on every path: a joinable std::thread destroyed is std::terminate
+    if (read_thread.joinable()) read_thread.join();
+    if (write_thread.joinable()) write_thread.join();
+  };
+  try {
+    if (read) read_thread = std::thread(drive, reader.get(), &read_s, &read_error);
+    if (write) write_thread = std::thread(drive, writer.get(), &write_s, &write_error);
+  } catch (...) {
+    join();
+    throw;
+  }
+  join();
   if (read_error) std::rethrow_exception(read_error);
   if (write_error) std::rethrow_exception(write_error);
   RawIoResult r;

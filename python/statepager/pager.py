@@ -1,7 +1,11 @@
 """Pager: the user-facing object. Policy lives here; the byte moving is in C++ (_C)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
+import itertools
+import sys
+import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -89,6 +93,7 @@ class Pager:
             directory, str(self.device), page_size, budget, keep, arena_size,
             io_depth or 0, io_block or 0, bool(direct_io),
         )
+        _track(self)
         self._unbounded = hbm_budget is None
         self.directory = self._core.directory  # absolute, ancestors' links resolved
         self.page_size = page_size
@@ -373,6 +378,35 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
         raise _C.UsageError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
                             "has gaps or overlaps in memory: it has no flat view (clone it)")
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+# Pagers not yet garbage-collected, by creation order; closed at interpreter exit.
+_live: "weakref.WeakValueDictionary[int, Pager]" = weakref.WeakValueDictionary()
+_serials = itertools.count()
+
+
+def _track(pager: Pager) -> None:
+    serial = next(_serials)
+    if serial == 0:
+        atexit.register(_close_at_exit)
+    _live[serial] = pager
+
+
+def _close_at_exit() -> None:
+    """Closes the Pagers still open when the interpreter exits, newest first: their I/O
+    threads are joined and their stores deleted while torch, CUDA and Python are whole,
+    before Python tears down its objects (in no set order) and C++ its statics. Registered
+    when the first Pager is made, so it runs before the atexit handlers of torch and of
+    anything set up before that, and after those registered later."""
+    for serial in sorted(_live.keys(), reverse=True):
+        pager = _live.get(serial)
+        if pager is None:
+            continue
+        try:
+            pager.close()
+        except Exception as e:  # an exit status or traceback of the program's own matters more
+            print(f"statepager: closing the Pager on {pager.directory} at exit failed: {e}",
+                  file=sys.stderr)
 
 
 def _rank() -> int:

@@ -1,0 +1,52 @@
+"""A script that fails while a Pager is live exits with its traceback and exit status,
+never an abort, and its stores are closed (deleted) at exit. Each case runs
+tests/python/exit_run.py in a fresh process on the host backend; tests/gpu/test_cuda_exit.py
+runs them on CUDA."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+RUNNER = os.path.join(os.path.dirname(__file__), "exit_run.py")
+
+# case -> (exit status, text the traceback must end with)
+CASES = {
+    "attach-usage-error": (1, "UsageError: hbm_budget"),
+    "raise-after-step": (1, "AssertionError: user code failed after a step"),
+    "bucket-in-flight": (1, "RuntimeError: user code failed with a bucket in flight"),
+    "save-in-flight": (1, "RuntimeError: user code failed with a background save in flight"),
+    "scope-open": (1, "RuntimeError: user code failed inside scope()"),
+    "paused": (1, "RuntimeError: user code failed while paused"),
+    "with-block": (1, "RuntimeError: user code failed inside `with Pager()`"),
+    "sys-exit": (3, None),
+    "clean": (0, None),
+}
+
+
+def run_case(case: str, store: str, device: str = "cpu", timeout: float = 300):
+    proc = subprocess.run([sys.executable, RUNNER, case, store, "--device", device],
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def check_exit(proc, status: int, last_line: str | None, store: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == status, f"exit status {proc.returncode}, not {status}:\n{out[-4000:]}"
+    assert "terminate called" not in out and "Fatal Python error" not in out, out[-4000:]
+    if last_line is not None:
+        assert "Traceback (most recent call last)" in proc.stderr, proc.stderr[-4000:]
+        assert last_line in proc.stderr.strip().splitlines()[-1], proc.stderr[-4000:]
+    else:
+        assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    # Every Pager the script made was closed at exit: its store directory is gone.
+    parent, name = os.path.split(store)
+    left = [f for f in os.listdir(parent) if f.startswith(name) and not f.endswith("-ckpt")]
+    assert left == [], f"store directories left behind: {left}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_failing_script_exits_with_its_traceback_and_status(case, tmp_path):
+    status, last_line = CASES[case]
+    store = str(tmp_path / "store")
+    check_exit(run_case(case, store), status, last_line, store)
