@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -207,6 +208,8 @@ def test_a_data_path_outside_the_checkpoint_is_refused(tmp_path, saved, where):
     edit(saved, lambda m: opt0(m).update(data=data))
     refused(tmp_path, saved, statepager.CorruptStoreError,
             f"optimizer 'opt0'.s data file '{data}' is not 'opt0/state.bin'", str(other))
+    with pytest.raises(statepager.CorruptStoreError, match="is not 'opt0/state.bin'"):
+        checkpoint.verify(saved, checkpoint.read_manifest(saved))  # inspect --verify's
 
 
 @pytest.mark.parametrize("link", ["file", "directory"])
