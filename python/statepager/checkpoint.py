@@ -1,12 +1,7 @@
 """Pager.save(path) / Pager.load(path): checkpoints of the state of attached optimizers.
 
 A checkpoint is a directory written once:
-    manifest.json     format version; per optimizer (by binding name): class, formats,
-                      parameter shapes, param-group hyperparameters, the small
-                      per-parameter state (step counters), and every paged tensor
-                      (parameter index, state name, dtype, shape, bytes, offset, and the
-                      crc32 of each CHUNK bytes of it; ZERO tensors, never written, are
-                      recorded as zero and take no bytes)
+    manifest.json     what it holds, with a checksum of its own (statepager.manifest)
     <name>/state.bin  per optimizer: its tensors' bytes, each at a 4 KiB-aligned offset,
                       zeros in between
 
@@ -16,50 +11,56 @@ backing/file_copy.h) and nothing passes through the device. The ranges are held 
 moment of the call (allocator/store_snapshot.h): with background=True save() returns
 then, training goes on, and a page-out into a range not yet copied waits until it is.
 The checksums are computed from the written files on several threads, after the copy.
+Everything is written into a temporary directory beside `path`, fsynced and renamed: a
+crash leaves either the complete checkpoint or none, and the next save or load beside it
+removes the temporary of a killed save (statepager.checkpoint_dirs). A path inside a
+store directory is refused before anything is written.
 
-Everything is written into a temporary directory beside `path`, fsynced and renamed:
-a crash leaves either the complete checkpoint or none. Load checks the format, the
-layout against the attached optimizers and every checksum before it changes anything,
-then copies the ranges back into the store (Pager::restore); any difference is refused
-with an error that names it.
+A load is all or nothing. First it checks the manifest's format, version and own checksum
+(statepager.manifest), each data file's place inside the checkpoint and each tensor's
+range in it, the layout against the attached optimizers, and every tensor's crc32s. Then
+it creates, ZERO, the state entries the checkpoint holds for parameters that have none
+yet, checks each stored tensor against the live one (dtype, shape, strides, size) and
+decodes the small state and hyperparameters into staging (statepager.checkpoint_staging);
+a failure there drops what it created. Only then is each optimizer's state copied into
+the store (Pager::restore, which keeps the old bytes if it fails) and its staged values
+assigned, which cannot fail. Any difference is refused with an error that names it. With
+several optimizers, a copy failing in one leaves those before it loaded; the error's note
+says which.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
-import shutil
 import threading
 import time
-import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from statepager import _C
+from statepager import _C, checkpoint_dirs
+from statepager.checkpoint_dirs import DATA, MANIFEST
+from statepager.checkpoint_staging import Staged, check_layout, missing_state
+from statepager.manifest import (CHUNK, DIGEST, FORMAT, VERSION, CheckpointMismatchError,
+                                 DataFile, align, digest, encode, read_manifest, stored,
+                                 valid_name)
 from statepager.pager import flat_view
 from statepager.stream import _params_in_order
 
 log = logging.getLogger("statepager")
 
-FORMAT, VERSION = "statepager-checkpoint", 2
-ALIGN = 4096
-CHUNK = 32 << 20      # bytes per checksum: big tensors are checksummed on several threads
 _READ = 4 << 20       # bytes per read while checksumming
-_DATA = "state.bin"
 _VIAS = ("store", "device")
-
-
-class CheckpointMismatchError(_C.Error):
-    """The checkpoint was written for another layout or format than the one loading it."""
 
 
 class SaveHandle:
     """A checkpoint being written. wait() returns once it is complete and in place, and
-    raises the save's error if it failed (no checkpoint is left at `path` then); an error
-    not waited for is raised by the pager's next save() or load()."""
+    raises the save's error, each time it is called, if it failed (nothing is left at
+    `path` then). A background save's error that no wait() has raised is raised once by
+    the pager's next save() or load(), which then does nothing else; the pager forgets it
+    either way, so the save after that proceeds."""
 
     def __init__(self, path: str, nbytes: int):
         self.path = path
@@ -70,16 +71,30 @@ class SaveHandle:
         self.checksum_seconds = 0.0
         self.seconds: float | None = None  # from the call until the checkpoint was in place
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # set by the saving thread before it ends
+        self._raised = False          # whether wait() has raised _error
 
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
+            self._raised = True
             raise self._error
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
+
+
+def wait_for_save(pager) -> None:
+    """Waits for the pager's background save, if one is running (one at a time), and
+    raises its error if no wait() has: the pager reports a failed save once."""
+    handle, pager._saving = pager._saving, None
+    if handle is None:
+        return
+    if handle._thread is not None:
+        handle._thread.join()
+    if not handle._raised:
+        handle.wait()
 
 
 def rank_directory(base: str) -> str:
@@ -98,11 +113,13 @@ def save(pager, path: str, *, background: bool = False, via: str = "store") -> S
     wait_for_save(pager)
     t_call = time.perf_counter()
     path = os.path.abspath(path)
+    checkpoint_dirs.refuse_store_target(path, pager.directory)
     if os.path.exists(path):
         raise _C.UsageError(f"checkpoint {path} exists: checkpoints are written once, "
                             "give each one a new path (e.g. one per step)")
     for binding in pager._bindings:
         _check_name(binding.name)
+    checkpoint_dirs.remove_dead_temporaries(path)
     # At rest: a save between steps finds nothing resident, so this moves no bytes.
     for h in [pager.page_out_async(b.stored) for bd in pager._bindings for b in bd.buckets]:
         h.wait()
@@ -118,9 +135,8 @@ def save(pager, path: str, *, background: bool = False, via: str = "store") -> S
             at += len(p.tensors)
         manifest = {"format": FORMAT, "version": VERSION, "checksum": "crc32",
                     "chunk_bytes": CHUNK, "optimizers": [p.entry for p in plan]}
-        _make_parents(os.path.dirname(path))
-        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        os.makedirs(tmp)
+        checkpoint_dirs.make_parents(os.path.dirname(path))
+        tmp = checkpoint_dirs.Temporary(path)
     except BaseException:
         if snapshot is not None:
             snapshot.release()
@@ -129,7 +145,7 @@ def save(pager, path: str, *, background: bool = False, via: str = "store") -> S
 
     def finish():
         try:
-            files = [os.path.join(tmp, p.binding.name, _DATA) for p in plan]
+            files = [os.path.join(tmp.path, p.binding.name, DATA) for p in plan]
             for f in files:
                 os.makedirs(os.path.dirname(f))
                 open(f, "wb").close()
@@ -150,19 +166,18 @@ def save(pager, path: str, *, background: bool = False, via: str = "store") -> S
             for p in plan:
                 for e in p.entries:
                     e["crc32"] = [] if e["zero"] else next(sums)
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            manifest[DIGEST] = digest(manifest)
+            with open(os.path.join(tmp.path, MANIFEST), "w") as f:
                 json.dump(manifest, f)
                 f.flush()
                 os.fsync(f.fileno())
             for p in plan:
-                _fsync_dir(os.path.join(tmp, p.binding.name))
-            _fsync_dir(tmp)
-            os.rename(tmp, path)
-            _fsync_dir(os.path.dirname(path))
+                checkpoint_dirs.fsync_dir(os.path.join(tmp.path, p.binding.name))
+            tmp.commit()
             handle.seconds = time.perf_counter() - t_call
         except BaseException as e:
             handle._error = e
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.discard()
         finally:
             if snapshot is not None:
                 snapshot.release()
@@ -179,13 +194,6 @@ def save(pager, path: str, *, background: bool = False, via: str = "store") -> S
     return handle
 
 
-def wait_for_save(pager) -> None:
-    """Waits for the pager's background save, if one is running (one at a time)."""
-    handle, pager._saving = pager._saving, None
-    if handle is not None:
-        handle.wait()
-
-
 class _Plan:
     """One optimizer's part of a checkpoint: its stored tensors in bucket order (the order
     the step pages them out in, so the copy frees the first bucket first), their places
@@ -200,25 +208,25 @@ class _Plan:
         self.buckets = [[({"param": index[id(p)], "name": name, "dtype": str(t.dtype),
                            "shape": list(t.shape), "strides": list(t.stride()),
                            "bytes": t.numel() * t.element_size()}, t)
-                         for p in b.params for name, t in _stored(binding, p)]
+                         for p in b.params for name, t in stored(binding, p)]
                         for b in binding.buckets]
         self.entries = [e for items in self.buckets for e, _ in items]
         self.tensors = [t for items in self.buckets for _, t in items]
         small, names = {}, {}
         for p in params:
             i = str(index[id(p)])
-            small[i] = {k: _encode(v) for k, v in opt.state.get(p, {}).items()
+            small[i] = {k: encode(v) for k, v in opt.state.get(p, {}).items()
                         if not binding.pager.owns(v)}
             names[i] = list(opt.state.get(p, {}))  # torch's order of the entries
             for name, form in binding.forms(p):
                 if form.fmt == "residual":
-                    small[i][f"{name}:exceptions"] = [_encode(e) for e in form.exceptions]
+                    small[i][f"{name}:exceptions"] = [encode(e) for e in form.exceptions]
         self.entry = {"name": binding.name, "class": type(opt).__name__, "params": len(params),
                       "formats": {"moments": binding.moments, "mains": binding.mains},
                       "shapes": [list(p.shape) for p in params],
-                      "param_groups": [{k: _encode(v) for k, v in g.items() if k != "params"}
+                      "param_groups": [{k: encode(v) for k, v in g.items() if k != "params"}
                                        for g in opt.param_groups],
-                      "data": f"{binding.name}/{_DATA}", "tensors": self.entries,
+                      "data": f"{binding.name}/{DATA}", "tensors": self.entries,
                       "small_state": small, "state_names": names}
         self.data_bytes = 0
 
@@ -229,7 +237,7 @@ class _Plan:
             e["zero"] = state == "zero"
             e["offset"] = None if e["zero"] else offset
             if not e["zero"]:
-                offset += _align(e["bytes"])
+                offset += align(e["bytes"])
                 self.data_bytes += e["bytes"]
         self.entry["data_bytes"] = offset
 
@@ -246,7 +254,7 @@ class _Plan:
                         data = flat_view(t.detach()).view(torch.uint8).cpu().numpy()
                         f.seek(e["offset"])
                         f.write(data.data)
-                        f.write(b"\0" * (_align(data.size) - data.size))
+                        f.write(b"\0" * (align(data.size) - data.size))
                 finally:
                     pager.page_out([t for _, t in moved])
             f.flush()
@@ -258,7 +266,8 @@ def checksums(ranges: list) -> list:
     The chunks are read and summed on several threads (zlib and reads release the GIL)."""
     chunks = [(i, path, offset + k, min(CHUNK, n - k))
               for i, (path, offset, n) in enumerate(ranges) for k in range(0, n, CHUNK)]
-    fds = {path: os.open(path, os.O_RDONLY) for path in {r[0] for r in ranges}}
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # a load checked each path first
+    fds = {path: os.open(path, flags) for path in {r[0] for r in ranges}}
     local = threading.local()
 
     def crc(chunk) -> int:
@@ -291,83 +300,101 @@ def checksums(ranges: list) -> list:
 
 
 def load(pager, path: str) -> bool:
-    """Loads `path` into the attached optimizers. False (with a logged notice) when `path`
-    holds no statepager checkpoint, so runs from older checkpoints start fresh."""
+    """Loads `path` into the attached optimizers, all or nothing (see the module
+    docstring). False (with a logged notice) when `path` holds no statepager checkpoint,
+    so runs from older checkpoints start fresh."""
     wait_for_save(pager)
     path = os.path.abspath(path)
-    if not os.path.exists(os.path.join(path, "manifest.json")):
+    checkpoint_dirs.remove_dead_temporaries(path)
+    if not os.path.exists(os.path.join(path, MANIFEST)):
         log.warning("statepager: no checkpoint at %s; the optimizer state starts fresh", path)
         return False
-    entries = _check_layout(pager, read_manifest(path), path)
-    _verify(entries, path)
-    for binding, entry in zip(pager._bindings, entries):
-        created = _create_state(binding, _missing_state(binding, entry))
-        try:
-            _load_optimizer(binding, entry, os.path.join(path, entry["data"]))
-        except BaseException:
-            _drop_state(binding, created)
-            raise
+    manifest = read_manifest(path)
+    saved = {e["name"]: e for e in manifest["optimizers"]}
+    attached = [b.name for b in pager._bindings]
+    if sorted(saved) != sorted(attached):
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit: optimizers {sorted(saved)} saved, "
+            f"{sorted(attached)} attached. Load it into the same model, optimizers and "
+            "sharding it was saved from.")
+    entries = [saved[b.name] for b in pager._bindings]
+    data = [DataFile(entry, path) for entry in entries]
+    for binding, entry, d in zip(pager._bindings, entries, data):
+        check_layout(binding, entry, d)
+    missing = [missing_state(binding, d) for binding, d in zip(pager._bindings, data)]
+    _verify(data)
+    # The live state changes from here on; until an optimizer is loaded, what changed in
+    # it is undone on failure.
+    created, loaded = {}, []
+    try:
+        for binding, m in zip(pager._bindings, missing):
+            created[binding.name] = _create_state(binding, m)
+        staged = [Staged(b, e, d) for b, e, d in zip(pager._bindings, entries, data)]
+        _restore(pager, staged, loaded)
+    except BaseException as e:
+        for binding in pager._bindings:
+            if binding.name not in loaded:
+                _drop_state(binding, created.get(binding.name, {}))
+        if loaded:
+            e.add_note(f"statepager: optimizers {loaded} were loaded from {path} before "
+                       "this error; the others are as they were")
+        raise
     return True
 
 
-def read_manifest(path: str) -> dict:
-    """The manifest of checkpoint `path`, once it is readable and of this statepager's
-    format, version and checksums (CorruptStoreError, CheckpointMismatchError)."""
-    manifest_path = os.path.join(path, "manifest.json")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise _C.CorruptStoreError(f"{manifest_path} is not a readable manifest: {e}") from e
-
-    def refuse(what: str):
-        raise CheckpointMismatchError(f"checkpoint {path} does not fit: {what}. Load it with "
-                                      "the statepager that wrote it.")
-
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        refuse(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-               f"this statepager reads {FORMAT!r} version {VERSION}")
-    if manifest.get("checksum") != "crc32" or manifest.get("chunk_bytes") != CHUNK:
-        refuse(f"checksums {manifest.get('checksum')!r} per {manifest.get('chunk_bytes')} "
-               f"bytes, this statepager reads crc32 per {CHUNK}")
-    return manifest
+def _restore(pager, staged: list, loaded: list) -> None:
+    """Each optimizer's bytes into the store (all or nothing: Pager::restore), then its
+    staged values. Appends the name of each optimizer loaded to `loaded`."""
+    # Resident tensors go out first (between steps there are none), so their bytes are
+    # at rest in the store, where Pager::restore keeps them if it fails.
+    resident = [t for s in staged for t in s.restore[0] if pager.is_resident(t)]
+    if resident:
+        pager.page_out(resident)
+    for s in staged:
+        tensors, zero, offsets = s.restore
+        pager._core.restore(tensors, zero, s.data.path, offsets)
+        s.apply()
+        loaded.append(s.binding.name)
 
 
 def verify(path: str, manifest: dict) -> None:
     """Every tensor's bytes in checkpoint `path` against the checksums in its manifest
-    (read_manifest): CorruptStoreError naming the first that fails."""
-    _verify(manifest["optimizers"], path)
+    (read_manifest), with the data files' places and ranges checked as a load checks them:
+    CorruptStoreError naming the first that fails."""
+    _verify([DataFile(entry, path) for entry in manifest["optimizers"]])
 
 
-def _missing_state(binding, entry: dict) -> dict:
-    """Parameter index -> {state name: (shape, dtype, strides)} of the paged state the
-    checkpoint holds for parameters that have no state in the attached optimizer. With
-    a narrow format the state entry is the fp32 working tensor, shaped like its param."""
-    params = _params_in_order(binding.optimizer)
-    out = {}
-    for t in entry["tensors"]:
-        p = params[t["param"]]
-        name, _, suffix = t["name"].partition(":")
-        if name == "param" or binding.optimizer.state.get(p):
+def _verify(data: list) -> None:
+    """Every tensor's bytes against its checksums (data: manifest.DataFile per optimizer)."""
+    ranges = [(d.path, offset, nbytes) for d in data for offset, nbytes, *_ in d.ranges]
+    owners = [(d, r) for d in data for r in d.ranges]
+    for (path, *_), (d, (offset, nbytes, crcs, param, name)), found in zip(
+            ranges, owners, checksums(ranges)):
+        if found == crcs:
             continue
-        spec = ((t["shape"], t["dtype"], t.get("strides")) if not suffix
-                else (list(p.shape), str(p.dtype), list(p.stride())))
-        out.setdefault(t["param"], {})[name] = spec
-    return out
+        k = next((k for k, (a, b) in enumerate(zip(found, crcs)) if a != b),
+                 min(len(found), len(crcs)))
+        at = offset + k * CHUNK
+        raise _C.CorruptStoreError(
+            f"{path}: optimizer {d.name!r} parameter {param} {name} fails its checksum in "
+            f"bytes {at}..{min(at + CHUNK, offset + nbytes)} (chunk {k}: crc32 "
+            f"{found[k:k + 1]}, the manifest records {crcs[k:k + 1]}): the checkpoint is "
+            "corrupt; nothing was loaded")
 
 
 def _create_state(binding, missing: dict) -> dict:
-    """Creates the state entries of _missing_state (ZERO pager tensors, to be restored)."""
+    """Creates the state entries of missing_state (ZERO pager tensors, to be restored).
+    Returns {param: [names]} of what it created."""
     opt, pager = binding.optimizer, binding.pager
     params = _params_in_order(opt)
     created = {}
     for j, specs in missing.items():
         p = params[j]
-        for name, (shape, dtype, strides) in specs.items():
-            dtype = getattr(torch, dtype.removeprefix("torch."))
-            opt.state[p][name] = pager.empty(shape, dtype=dtype, strides=strides)
         created[p] = list(specs)
-    binding.state_changed()
+        for name, (shape, dtype, strides) in specs.items():
+            opt.state[p][name] = pager.empty(shape, dtype=dtype, strides=strides)
+    if created:
+        binding.state_changed()
     return created
 
 
@@ -375,170 +402,11 @@ def _drop_state(binding, created: dict) -> None:
     """Undoes _create_state: those parameters have no state again."""
     for p in created:
         binding.optimizer.state.pop(p, None)
-    binding.state_changed()
-
-
-def _check_layout(pager, manifest: dict, path: str) -> list:
-    """The manifest's optimizer entries, in attach order, once they fit what is attached."""
-    def refuse(what: str):
-        raise CheckpointMismatchError(f"checkpoint {path} does not fit: {what}. Load it into "
-                                      "the same model, optimizers and sharding it was saved "
-                                      "from.")
-
-    saved = {e["name"]: e for e in manifest["optimizers"]}
-    attached = [b.name for b in pager._bindings]
-    if sorted(saved) != sorted(attached):
-        refuse(f"optimizers {sorted(saved)} saved, {sorted(attached)} attached")
-    for binding in pager._bindings:
-        entry, name = saved[binding.name], binding.name
-        opt = binding.optimizer
-        params = _params_in_order(opt)
-        if entry["class"] != type(opt).__name__:
-            refuse(f"optimizer {name!r} was a {entry['class']}, is a {type(opt).__name__}")
-        formats = {"moments": binding.moments, "mains": binding.mains}
-        if entry.get("formats") != formats:
-            refuse(f"optimizer {name!r} was saved with formats {entry.get('formats')}, is "
-                   f"attached with {formats}")
-        if entry["shapes"] != [list(p.shape) for p in params]:
-            refuse(f"optimizer {name!r}'s parameter shapes differ")
-        if len(entry["param_groups"]) != len(opt.param_groups):
-            refuse(f"optimizer {name!r} had {len(entry['param_groups'])} param groups, has "
-                   f"{len(opt.param_groups)}")
-        expected = {(j, n): (list(t.shape), str(t.dtype)) for j, p in enumerate(params)
-                    for n, t in _stored(binding, p)}
-        stored = {(t["param"], t["name"]): (t["shape"], t["dtype"]) for t in entry["tensors"]}
-        # Parameters without state yet (a fresh optimizer: torch creates state in the
-        # first step) get the checkpoint's, which must be shaped like them.
-        for j, specs in _missing_state(binding, entry).items():
-            for n, (shape, _, _) in specs.items():
-                if shape != list(params[j].shape):
-                    refuse(f"optimizer {name!r} parameter {j} {n} is {shape}, the "
-                           f"parameter {list(params[j].shape)}")
-            expected.update({k: v for k, v in stored.items() if k[0] == j})
-        for key in expected.keys() ^ stored.keys():
-            refuse(f"optimizer {name!r} parameter {key[0]} {key[1]} is only in "
-                   f"{'the checkpoint' if key in stored else 'the attached optimizer'}")
-        for key, (shape, dtype) in stored.items():
-            if (shape, dtype) != expected[key]:
-                refuse(f"optimizer {name!r} parameter {key[0]} {key[1]} is {dtype} {shape}, "
-                       f"expected {expected[key][1]} {expected[key][0]}")
-    return [saved[b.name] for b in pager._bindings]
-
-
-def _verify(entries: list, path: str) -> None:
-    """Every tensor's bytes against its checksums, before anything is changed."""
-    ranges, owners = [], []
-    for entry in entries:
-        data = os.path.join(path, entry["data"])
-        try:
-            size = os.path.getsize(data)
-        except OSError as e:
-            raise _C.CorruptStoreError(f"{data} cannot be read: {e}") from e
-        if size < entry["data_bytes"]:
-            raise _C.CorruptStoreError(f"{data} is truncated: {size} bytes, the manifest "
-                                       f"records {entry['data_bytes']}")
-        for t in entry["tensors"]:
-            if not t["zero"]:
-                ranges.append((data, t["offset"], t["bytes"]))
-                owners.append((entry["name"], t))
-    for (data, *_), (name, t), found in zip(ranges, owners, checksums(ranges)):
-        if found == t["crc32"]:
-            continue
-        k = next((k for k, (a, b) in enumerate(zip(found, t["crc32"])) if a != b),
-                 min(len(found), len(t["crc32"])))
-        at = t["offset"] + k * CHUNK
-        raise _C.CorruptStoreError(
-            f"{data}: optimizer {name!r} parameter {t['param']} {t['name']} fails its checksum "
-            f"in bytes {at}..{min(at + CHUNK, t['offset'] + t['bytes'])} (chunk {k}: crc32 "
-            f"{found[k:k + 1]}, the manifest records {t['crc32'][k:k + 1]}): the checkpoint "
-            "is corrupt; nothing was loaded")
-
-
-def _load_optimizer(binding, entry: dict, data: str) -> None:
-    pager = binding.pager
-    opt = binding.optimizer
-    params = _params_in_order(opt)
-    saved = {(t["param"], t["name"]): t for t in entry["tensors"]}
-    index = {id(p): i for i, p in enumerate(params)}
-    pairs = [(saved[(index[id(p)], name)], t) for b in binding.buckets for p in b.params
-             for name, t in _stored(binding, p)]
-    tensors = [t for _, t in pairs]
-    # Resident bytes are about to be replaced: unmap them without writing.
-    pager.discard_async([t for t in tensors if pager.is_resident(t)]).wait()
-    pager._core.restore(tensors, [s["zero"] for s, _ in pairs], data,
-                        [s["offset"] or 0 for s, _ in pairs])
-    for i, small in entry["small_state"].items():
-        p = params[int(i)]
-        forms = dict(binding.forms(p))
-        for k, v in small.items():
-            if k.endswith(":exceptions"):
-                form = forms[k.removesuffix(":exceptions")]
-                form.exceptions = tuple(_decode(e, form.working) for e in v)
-            else:
-                opt.state[p][k] = _decode(v, opt.state[p].get(k))
-    for i, names in entry.get("state_names", {}).items():
-        p = params[int(i)]
-        state = opt.state.get(p)
-        if state:  # torch's order of the entries, as saved
-            opt.state[p] = {**{n: state[n] for n in names if n in state}, **state}
-    for group, g in zip(opt.param_groups, entry["param_groups"]):
-        for k, v in g.items():
-            group[k] = _decode(v, group.get(k))
+    if created:
+        binding.state_changed()
 
 
 def _check_name(name: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name) or name == "manifest.json":
+    if not valid_name(name):
         raise _C.UsageError(f"optimizer name {name!r} names its checkpoint directory: use "
                             "letters, digits and _ . + - (attach(..., name=...))")
-
-
-def _stored(binding, p):
-    """(name, tensor) of parameter p's stored tensors, in a stable order."""
-    return [(n, t) for name, form in binding.forms(p)
-            for n, t in zip(form.names(name), form.tensors)]
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _encode(v):
-    if isinstance(v, torch.Tensor) and v.layout != torch.strided:
-        raise _C.UsageError(f"a {v.layout} tensor in the optimizer's state (e.g. SGD momentum "
-                            "of sparse gradients) cannot go into a pager checkpoint: save "
-                            "that optimizer with torch.save(opt.state_dict()) instead")
-    if isinstance(v, torch.Tensor):
-        return {"tensor": v.tolist(), "dtype": str(v.dtype), "device": str(v.device)}
-    if isinstance(v, tuple):
-        return {"tuple": [_encode(x) for x in v]}
-    return v
-
-
-def _decode(v, current):
-    if isinstance(v, dict) and "tensor" in v:
-        dtype = getattr(torch, v["dtype"].removeprefix("torch."))
-        device = current.device if isinstance(current, torch.Tensor) else v["device"]
-        return torch.tensor(v["tensor"], dtype=dtype, device=device)
-    if isinstance(v, dict) and "tuple" in v:
-        return tuple(_decode(x, None) for x in v["tuple"])
-    return v
-
-
-def _make_parents(path: str) -> None:
-    """mkdir -p, with each new directory's entry made durable in its parent."""
-    if os.path.isdir(path):
-        return
-    _make_parents(os.path.dirname(path))
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        return
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
