@@ -260,8 +260,8 @@ class Pager {
   PagerOptions options_;               // set at construction (io shape resolved), then read
   Pool pool_;                          // mu_
   std::unique_ptr<StoreDir> dir_;      // mu_ (close() removes it)
-  // All stores' files, one ring: submit/reap/allocate on the I/O thread only; add_file()
-  // and the path and span queries under mu_ (UringFile allows them alongside).
+  // All stores' files, one ring: submit/reap/allocate on the I/O thread only; add_file(),
+  // punch() and the path and span queries under mu_ (UringFile allows them alongside).
   std::unique_ptr<UringFile> file_;
   std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
   std::vector<Slot> slots_;            // I/O thread (freed by close() after the join)

@@ -54,8 +54,8 @@ class UndoCopies:
                         self.targets(params)):
             copy = self._copies.get(id(p))
             if copy is None or copy.shape != t.shape or copy.dtype != t.dtype:
-                copy = self._copies[id(p)] = self.pager.empty(t.shape, dtype=t.dtype,
-                                                              store=self.store)
+                copy = self._copies[id(p)] = self.pager.empty_like(t)  # t's layout: a memcpy
+                self.pager.move_to_store([copy], self.store)
             out.append(copy)
         return out
 
@@ -138,22 +138,14 @@ class AtomicStep:
 
 
 def _copy_state(state, pager) -> dict:
-    """param -> {name: (value, copy of it or None)}: unpaged tensors are copied (the step
-    updates them in place), paged ones and other values kept as they are."""
-    out, values = {}, []
-    for p, entries in state.items():
-        out[p] = {}
-        for name, v in entries.items():
-            unpaged = isinstance(v, torch.Tensor) and not pager.owns(v)
-            out[p][name] = [v, None]
-            if unpaged:
-                values.append((out[p][name], v))
-    if values:
-        copies = [torch.empty_like(v) for _, v in values]
-        torch._foreach_copy_(copies, [v for _, v in values])
-        for (entry, _), c in zip(values, copies):
-            entry[1] = c
-    return out
+    """param -> {name: (value, copy of it or None)}: unpaged tensors (step counters, the
+    state of resident parameters, sparse state) are copied, as the step may update them in
+    place; paged ones and other values are kept as they are."""
+    with torch.no_grad():
+        return {p: {name: (v, v.clone() if isinstance(v, torch.Tensor) and not pager.owns(v)
+                           else None)
+                    for name, v in entries.items()}
+                for p, entries in state.items()}
 
 
 def _restore_state(state, saved: dict) -> None:
