@@ -87,6 +87,20 @@ struct Pager::Extent {
   uint64_t next_offset = kNoOffset;    // a FILE extent's range in the store it moves to
   Residency state = Residency::kZero;
   bool segment = false;  // PyTorch's: stays mapped until PyTorch frees it, even after close
+  // In an open epoch (epoch != 0): what it was at the epoch's begin, its committed state.
+  uint64_t epoch = 0;
+  Residency committed_state = Residency::kZero;
+  uint64_t committed_offset = kNoOffset;  // file_offset then: the committed bytes when FILE
+  uint64_t committed_next = kNoOffset;    // next_offset then
+
+  // The store ranges it refers to now, and in an epoch also those it committed.
+  std::vector<uint64_t> ranges() const {
+    std::vector<uint64_t> out;
+    for (uint64_t r : {file_offset, next_offset, committed_offset, committed_next}) {
+      if (r != kNoOffset && std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
+    }
+    return out;
+  }
 };
 
 // A staging slot: the I/O thread's alone.
@@ -238,8 +252,7 @@ void Pager::release(ExtentId id) {
   Extent& e = extent_locked(id);
   if (e.state == Residency::kResident && (!closed_ || e.segment)) pool_.unref(e.addr, e.bytes);
   pool_.free(e.addr);
-  free_range_locked(e.file_offset);
-  if (e.next_offset != kNoOffset) free_range_locked(e.next_offset);
+  for (uint64_t range : e.ranges()) free_range_locked(range, e.file_bytes);
   by_address_.erase(e.addr);
   extents_.erase(id);
 }
@@ -285,6 +298,8 @@ void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
       throw UsageError("extent " + std::to_string(id) + " is being paged: wait for its bucket "
                        "before moving it to another store");
     }
+    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+    if (store_index(now) != store) check_not_in_epoch_locked(e, id, "change stores");
   }
   for (ExtentId id : ids) {
     Extent& e = extent_locked(id);
@@ -311,16 +326,32 @@ unsigned Pager::store_of(ExtentId id) const {
   return store_index(e.next_offset != kNoOffset ? e.next_offset : e.file_offset);
 }
 
-void Pager::free_range_locked(uint64_t store_offset) {
+// A range a save holds is freed once it is copied (unhold()): until then nothing may be
+// written into it. punch_bytes > 0: its blocks go back to the filesystem (its extent is
+// gone; ranges freed by steps are not punched, the next step writes them again).
+void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
+  if (held_.count(store_offset) != 0) {
+    freed_held_[store_offset] = punch_bytes;
+    return;
+  }
+  if (punch_bytes > 0 && file_) file_->punch(store_offset, punch_bytes);
   stores_[store_index(store_offset)]->space.free(store_offset);
 }
 
 // The extent's bytes are no longer needed in its old store: it now lives in the new one.
+// In an epoch the old range holds the committed bytes: the epoch's end frees it.
 void Pager::finish_move_locked(Extent& e) {
   if (e.next_offset == kNoOffset) return;
-  free_range_locked(e.file_offset);
+  if (e.file_offset != e.committed_offset) free_range_locked(e.file_offset);
   e.file_offset = e.next_offset;
   e.next_offset = kNoOffset;
+}
+
+void Pager::check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const {
+  if (e.epoch != 0) {
+    throw UsageError("extent " + std::to_string(id) + " is in an open epoch (a step is "
+                     "running): it cannot " + what + " until the epoch ends");
+  }
 }
 
 // Safe without the lock: UringFile's files never move (the I/O thread calls this).
@@ -397,8 +428,11 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       throw UsageError("extent " + std::to_string(id) +
                        " is already being paged by another bucket: wait for that bucket first");
     }
-    if (out ? s == Residency::kResident : s != Residency::kResident) job->extents.push_back(id);
+    const bool moves = !out ? s != Residency::kResident
+                            : s == Residency::kResident || (discard && s == Residency::kFile);
+    if (moves) job->extents.push_back(id);
   }
+  if (out && !discard) redirect_writes_locked(job->extents);
   if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
   for (ExtentId id : job->extents) {
     Extent& e = extent_locked(id);
@@ -432,6 +466,27 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   if (out) outs_in_flight_++;
   work_cv_.notify_one();
   return job;
+}
+
+// In an epoch a page-out never overwrites committed bytes: an extent whose range holds
+// them is written to a fresh range of its store (copy-on-write).
+void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
+  std::vector<std::pair<Extent*, uint64_t>> fresh;
+  try {
+    for (ExtentId id : ids) {
+      Extent& e = extent_locked(id);
+      if (e.epoch == 0 || e.committed_state != Residency::kFile ||
+          e.file_offset != e.committed_offset) {
+        continue;
+      }
+      Arena& space = stores_[store_index(e.file_offset)]->space;
+      fresh.emplace_back(&e, space.allocate(e.file_bytes, kFileAlign));
+    }
+  } catch (...) {
+    for (auto [e, range] : fresh) free_range_locked(range);
+    throw;
+  }
+  for (auto [e, range] : fresh) e->file_offset = range;
 }
 
 // Cuts the bucket's file ranges into requests of at most io_block_bytes. Extents that are
@@ -555,6 +610,7 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
                        "out (and wait) before copying the store");
     }
+    check_not_in_epoch_locked(e, id, "be copied");
     out.push_back(placement_locked(e, e.file_offset));
   }
   for (const Placement& p : out) {
@@ -568,6 +624,12 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
 void Pager::unhold(uint64_t store_offset) {
   std::unique_lock lock(mu_);
   if (held_.erase(store_offset) == 0) return;
+  auto freed = freed_held_.find(store_offset);
+  if (freed != freed_held_.end()) {
+    const size_t punch_bytes = freed->second;
+    freed_held_.erase(freed);
+    free_range_locked(store_offset, punch_bytes);
+  }
   work_cv_.notify_one();  // a page-out may be waiting for this range
 }
 
@@ -599,7 +661,14 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
   if (zero.size() != ids.size() || src_offsets.size() != ids.size()) {
     throw UsageError("restore: ids, zero and src_offsets must have the same length");
   }
-  std::vector<Placement> places;
+  std::vector<ExtentId> sorted = ids;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    throw UsageError("restore: an extent is given twice");
+  }
+  std::vector<uint64_t> fresh(ids.size(), kNoOffset);  // where the new bytes go
+  std::vector<Placement> places(ids.size());
+  std::vector<Residency> before;
   std::vector<std::string> paths;
   {
     std::unique_lock lock(mu_);
@@ -610,51 +679,158 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
         throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
                          "it out or discard it (and wait) before restoring it");
       }
-      const uint64_t to = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
-      auto next = held_.lower_bound(to + e.file_bytes);
-      if (next != held_.begin() && std::prev(next)->second > to) {
+      if (held_.count(e.file_offset) != 0) {
         throw UsageError("a checkpoint copy still holds the store range of extent " +
                          std::to_string(id) + ": wait for the save to finish first");
       }
+      check_not_in_epoch_locked(e, id, "be restored");
     }
-    for (ExtentId id : ids) {
-      Extent& e = extent_locked(id);
-      // The new bytes go to the store it moves to; the move is done once they are there.
-      places.push_back(placement_locked(e, e.next_offset != kNoOffset ? e.next_offset
-                                                                      : e.file_offset));
+    try {
+      for (size_t i = 0; i < ids.size(); i++) {
+        if (zero[i]) continue;
+        const Extent& e = extent_locked(ids[i]);
+        // In the store it moves to, if it moves: the move is done once the bytes are there.
+        const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+        fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
+      }
+    } catch (...) {
+      for (uint64_t range : fresh) {
+        if (range != kNoOffset) free_range_locked(range);
+      }
+      throw;
+    }
+    for (size_t i = 0; i < ids.size(); i++) {
+      Extent& e = extent_locked(ids[i]);
+      if (!zero[i]) places[i] = placement_locked(e, fresh[i]);
+      before.push_back(e.state);
       e.state = Residency::kPagingIn;
     }
     paths = file_->physical_paths();
   }
-  size_t done = 0;
-  auto settle = [&] {
-    std::unique_lock lock(mu_);
-    for (size_t i = 0; i < ids.size(); i++) {
-      Extent& e = extent_locked(ids[i]);
-      e.state = i >= done ? places[i].state : zero[i] ? Residency::kZero : Residency::kFile;
-      if (i < done) finish_move_locked(e);
-    }
-    done_cv_.notify_all();
-  };
   CopyMethod method = CopyMethod::kReflink;
   try {
     const OpenFile from(src, OpenFile::kRead);
     std::vector<OpenFile> store;
     for (const std::string& path : paths) store.emplace_back(path, OpenFile::kWrite);
-    for (; done < ids.size(); done++) {
-      if (zero[done]) continue;
-      uint64_t at = src_offsets[done];
-      for (const UringFile::Span& s : places[done].spans) {
+    for (size_t i = 0; i < ids.size(); i++) {
+      uint64_t at = src_offsets[i];
+      for (const UringFile::Span& s : places[i].spans) {
         method = copy_range(from, at, store[s.file], s.offset, s.length, method);
         at += s.length;
       }
     }
   } catch (...) {
-    settle();
+    std::unique_lock lock(mu_);
+    for (size_t i = 0; i < ids.size(); i++) {
+      if (fresh[i] != kNoOffset) free_range_locked(fresh[i]);
+      extent_locked(ids[i]).state = before[i];
+    }
+    done_cv_.notify_all();
     throw;
   }
-  settle();
+  std::unique_lock lock(mu_);
+  for (size_t i = 0; i < ids.size(); i++) {
+    Extent& e = extent_locked(ids[i]);
+    if (zero[i]) {
+      e.state = Residency::kZero;
+      finish_move_locked(e);
+      continue;
+    }
+    for (uint64_t range : e.ranges()) free_range_locked(range);
+    e.file_offset = fresh[i];
+    e.next_offset = kNoOffset;
+    e.state = Residency::kFile;
+  }
+  done_cv_.notify_all();
   return method;
+}
+
+// ---- epochs ----------------------------------------------------------------------------
+
+uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  std::vector<ExtentId> members = ids;
+  std::sort(members.begin(), members.end());
+  members.erase(std::unique(members.begin(), members.end()), members.end());
+  for (ExtentId id : members) {
+    const Extent& e = extent_locked(id);
+    if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot be in an epoch");
+    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+      throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
+                       "out (and wait) before an epoch begins");
+    }
+    check_not_in_epoch_locked(e, id, "join another one");
+  }
+  const uint64_t epoch = next_epoch_++;
+  for (ExtentId id : members) {
+    Extent& e = extent_locked(id);
+    e.epoch = epoch;
+    e.committed_state = e.state;
+    e.committed_offset = e.file_offset;
+    e.committed_next = e.next_offset;
+  }
+  epochs_[epoch] = std::move(members);
+  return epoch;
+}
+
+// The epoch's extents (those not released meanwhile), once none is being paged.
+std::vector<Pager::Extent*> Pager::settled_epoch_locked(std::unique_lock<std::mutex>& lock,
+                                                        uint64_t epoch) {
+  check_open_locked();
+  auto it = epochs_.find(epoch);
+  if (it == epochs_.end()) throw UsageError("no open epoch " + std::to_string(epoch));
+  std::vector<Extent*> members;
+  done_cv_.wait(lock, [&] {
+    members.clear();
+    for (ExtentId id : it->second) {
+      auto e = extents_.find(id);
+      if (e == extents_.end() || e->second->epoch != epoch) continue;
+      const Residency s = e->second->state;
+      if (s == Residency::kPagingIn || s == Residency::kPagingOut) return false;
+      members.push_back(e->second.get());
+    }
+    return true;
+  });
+  return members;
+}
+
+// Ends e's epoch. keep: what it holds now becomes committed; else it returns to what it
+// committed. The ranges it no longer refers to are freed.
+void Pager::end_epoch_locked(Extent& e, bool keep) {
+  const std::vector<uint64_t> before = e.ranges();
+  if (!keep) {
+    if (e.state == Residency::kResident) pool_.unref(e.addr, e.bytes);
+    e.state = e.committed_state;
+    e.file_offset = e.committed_offset;
+    e.next_offset = e.committed_next;
+  }
+  e.epoch = 0;
+  e.committed_offset = e.committed_next = kNoOffset;
+  const std::vector<uint64_t> now = e.ranges();
+  for (uint64_t range : before) {
+    if (std::find(now.begin(), now.end(), range) == now.end()) free_range_locked(range);
+  }
+}
+
+void Pager::commit_epoch(uint64_t epoch) {
+  std::unique_lock lock(mu_);
+  for (Extent* e : settled_epoch_locked(lock, epoch)) end_epoch_locked(*e, true);
+  epochs_.erase(epoch);
+}
+
+void Pager::abort_epoch(uint64_t epoch) {
+  std::unique_lock lock(mu_);
+  std::vector<Extent*> members = settled_epoch_locked(lock, epoch);
+  if (std::any_of(members.begin(), members.end(),
+                  [](const Extent* e) { return e->state == Residency::kResident; })) {
+    lock.unlock();
+    device_->synchronize();  // kernels may still use what is about to be unmapped
+    lock.lock();
+    members = settled_epoch_locked(lock, epoch);
+  }
+  for (Extent* e : members) end_epoch_locked(*e, false);
+  epochs_.erase(epoch);
 }
 
 void Pager::close() {
@@ -859,8 +1035,8 @@ void Pager::complete(Job& job) {
   for (size_t i = 0; i < job.extents.size(); i++) {
     Extent& e = extent_locked(job.extents[i]);
     if (job.out) {
-      e.state = !ok ? Residency::kResident : job.discard ? Residency::kZero : Residency::kFile;
-      if (ok) pool_.unref(e.addr, e.bytes);
+      e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : Residency::kFile;
+      if (ok && job.before[i] == Residency::kResident) pool_.unref(e.addr, e.bytes);
     } else {
       e.state = ok ? Residency::kResident : job.before[i];
       if (ok) finish_move_locked(e);

@@ -22,6 +22,14 @@
 // Checkpoints copy extents straight between the store and other files (see hold() and
 // restore()): an extent at rest keeps its range of a store file until it moves.
 //
+// Epochs make a set of changes all-or-nothing (an optimizer step: see begin_epoch()).
+// Inside one, a page-out never overwrites the bytes an extent had at the epoch's begin
+// (copy-on-write into a fresh range of its store); commit_epoch() keeps the new bytes
+// and frees the old ranges, abort_epoch() returns every extent to its old bytes and
+// state. Freed ranges are reused first-fit, so a store written in epochs stays within
+// about twice its extents' bytes; the ranges of released extents are punched (their
+// blocks go back to the filesystem).
+//
 // Ownership: the Pager owns its Device, Pool, store directory and file. Extent addresses
 // stay valid (reserved) until the Pager is destroyed, also after close().
 // Thread-safety: all public methods may be called from any thread. Fields shared with
@@ -163,8 +171,9 @@ class Pager {
   // by another bucket is a UsageError. `stream`: see the class comment.
   Ticket page_in(const std::vector<ExtentId>& bucket);
   Ticket page_out(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
-  // Unmaps resident extents without writing them: they return to ZERO (scratch tensors
-  // whose bytes live elsewhere in another form). Ordered after `stream` like page_out().
+  // Drops extents' bytes: resident ones are unmapped without writing, FILE ones forget
+  // their bytes at rest; all become ZERO (scratch tensors whose bytes live elsewhere in
+  // another form, or are no longer needed). Ordered after `stream` like page_out().
   Ticket discard(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
   void wait(const Ticket& ticket);      // rethrows the bucket's error
   bool is_done(const Ticket& ticket) const;
@@ -189,11 +198,29 @@ class Pager {
   void unhold(uint64_t store_offset);  // the held range starting there; no-op if none
   // Sets at-rest extents' bytes from the file `src` (a checkpoint): extent i becomes FILE
   // with the store_bytes found at src_offsets[i], or ZERO when zero[i]. Extents must be
-  // at rest and not held (UsageError); each is 'paging_in' while its bytes are copied.
-  // On an I/O error the extents not yet copied keep their state, and the one being
-  // copied may hold a mix of old and new bytes. Returns the copy method used last.
+  // at rest, not held and in no epoch (UsageError); each is 'paging_in' while its bytes
+  // are copied. All or nothing: the bytes go to fresh ranges of the store and the
+  // extents switch to them once every copy has succeeded; on an error nothing changed.
+  // Returns the copy method used last.
   CopyMethod restore(const std::vector<ExtentId>& ids, const std::vector<bool>& zero,
                      const std::string& src, const std::vector<uint64_t>& src_offsets);
+
+  // -- epochs: all-or-nothing changes of a set of extents (an optimizer step)
+  // Opens an epoch over `ids`, which must be at rest and in no other epoch (UsageError),
+  // and returns its id. Until the epoch ends, each of them keeps the bytes it has now
+  // (its committed bytes): a page-out of an extent whose range holds them writes a fresh
+  // range of its store instead, so that range is never written in the epoch (nor waited
+  // for when a save holds it). Its extents cannot change stores, be held or be restored
+  // in the meantime (UsageError). Epochs on disjoint sets may be open at once.
+  uint64_t begin_epoch(const std::vector<ExtentId>& ids);
+  // Ends the epoch keeping what its extents hold now; the ranges of committed bytes they
+  // no longer use are freed. Waits for the epoch's buckets in flight first.
+  void commit_epoch(uint64_t epoch);
+  // Ends the epoch returning each extent to its committed state and bytes: waits for
+  // the epoch's buckets in flight (whatever their outcome), waits for the device's queued
+  // work, unmaps resident extents without writing, and frees the ranges written in the
+  // epoch. Extents that were ZERO are ZERO again.
+  void abort_epoch(uint64_t epoch);
 
   PagerStats stats() const;
   void reset_peak();
@@ -225,8 +252,12 @@ class Pager {
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
   unsigned add_store_locked(const std::string& name);
   void check_store_locked(unsigned store) const;
-  void free_range_locked(uint64_t store_offset);
+  void free_range_locked(uint64_t store_offset, size_t punch_bytes = 0);
   void finish_move_locked(Extent& e);
+  void redirect_writes_locked(const std::vector<ExtentId>& ids);
+  std::vector<Extent*> settled_epoch_locked(std::unique_lock<std::mutex>& lock, uint64_t epoch);
+  void end_epoch_locked(Extent& e, bool keep);
+  void check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const;
   const std::string& path_of(uint64_t store_offset) const;
   Extent& extent_locked(ExtentId id);
   const Extent& extent_locked(ExtentId id) const;
@@ -237,8 +268,8 @@ class Pager {
   PagerOptions options_;               // set at construction (io shape resolved), then read
   Pool pool_;                          // mu_
   std::unique_ptr<StoreDir> dir_;      // mu_ (close() removes it)
-  // All stores' files, one ring: submit/reap/allocate on the I/O thread only; add_file()
-  // and the path and span queries under mu_ (UringFile allows them alongside).
+  // All stores' files, one ring: submit/reap/allocate on the I/O thread only; add_file(),
+  // punch() and the path and span queries under mu_ (UringFile allows them alongside).
   std::unique_ptr<UringFile> file_;
   std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
   std::vector<Slot> slots_;            // I/O thread (freed by close() after the join)
@@ -252,6 +283,9 @@ class Pager {
   std::deque<Ticket> queue_;           // mu_: buckets not finished, in submission order
   size_t outs_in_flight_ = 0;          // mu_: page-out buckets queued or running
   std::map<uint64_t, uint64_t> held_;  // mu_: held store ranges, start -> end, disjoint
+  std::map<uint64_t, size_t> freed_held_;  // mu_: held ranges freed meanwhile -> bytes to punch
+  std::unordered_map<uint64_t, std::vector<ExtentId>> epochs_;  // mu_: open epochs' extents
+  uint64_t next_epoch_ = 1;            // mu_
   PagerStats counters_;                // mu_: counts of finished buckets (complete())
   bool closed_ = false;                // mu_
   bool stopping_ = false;              // mu_: tells the I/O thread to return once idle

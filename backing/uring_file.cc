@@ -578,6 +578,19 @@ void UringFile::sync() {
   }
 }
 
+void UringFile::punch(uint64_t offset, uint64_t length) {
+  const Impl& m = *impl_;
+  for (uint64_t at = offset, end = offset + length; at < end;) {
+    const Impl::Place p = m.locate(at);
+    uint64_t n = end - at;
+    if (p.file->stripes() > 1) n = std::min(n, kStripeBytes - at % kStripeBytes);
+    // A failure leaves the blocks allocated, which loses nothing.
+    (void)::fallocate(p.file->fds[p.stripe], FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                      static_cast<off_t>(p.offset), static_cast<off_t>(n));
+    at += n;
+  }
+}
+
 void UringFile::remove_files(const std::string& path) {
   for (unsigned k = 0; k < kStripes; ++k) ::unlink(stripe_path(path, k).c_str());
 }

@@ -29,10 +29,9 @@
 // Ownership: owns the file descriptors and the ring; buffers stay the caller's and must
 // outlive the requests that use them. A Location's directory descriptor is borrowed for
 // the call that opens it only.
-// Thread-safety: none, except add_file(), file_count(), file_path(), spans() and
-// physical_paths(),
-// which may be called from any thread (add_file() from one at a time) while another
-// submits and reaps (the Pager's I/O thread).
+// Thread-safety: none, except add_file(), file_count(), file_path(), spans(),
+// physical_paths() and punch(), which may be called from any thread (add_file() from one
+// at a time) while another submits and reaps (the Pager's I/O thread).
 // Errors: construction throws UsageError for a queue_depth out of range; construction and
 // allocate() throw IoError subclasses (backing/errors.h) naming the file, construction
 // IoUringUnavailableError where io_uring is blocked or missing; per-request failures come
@@ -139,6 +138,11 @@ class UringFile {
   // striped, its siblings.
   std::vector<std::string> physical_paths() const;
   void sync();             // fdatasync of every physical file
+  // Gives the blocks under logical [offset, offset + length) back to the filesystem
+  // (FALLOC_FL_PUNCH_HOLE; the size stays): they read as zeros until written again.
+  // Best effort: where the filesystem cannot punch, the blocks stay allocated. May be
+  // called from any thread, for a range no request in flight uses.
+  void punch(uint64_t offset, uint64_t length);
 
   // Unlinks the physical files of the logical file `path`, those that exist (best effort).
   static void remove_files(const std::string& path);

@@ -475,6 +475,21 @@ PYBIND11_MODULE(_C, m) {
              return std::string(copy_method_name(self.pager->restore(ids, zero, src, offsets)));
            },
            py::arg("tensors"), py::arg("zero"), py::arg("src"), py::arg("offsets"))
+      .def("begin_epoch",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
+             return self.pager->begin_epoch(self.extents_of(tensors));
+           },
+           "Opens an all-or-nothing epoch over the tensors (at rest); returns its id")
+      .def("commit_epoch",
+           [](PyPager& self, uint64_t epoch) {
+             py::gil_scoped_release release;
+             self.pager->commit_epoch(epoch);
+           })
+      .def("abort_epoch",
+           [](PyPager& self, uint64_t epoch) {
+             py::gil_scoped_release release;
+             self.pager->abort_epoch(epoch);
+           })
       .def("set_keep_bytes", [](PyPager& self, size_t n) { self.pager->set_keep_bytes(n); })
       .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })

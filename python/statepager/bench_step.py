@@ -2,7 +2,9 @@
 
 One run measures, side by side on the same directory:
   raw      the store's io_uring engine reading and writing at once, nothing else (floor);
-  paged    AdamW attached to a Pager: pipelined page-in, fused step, page-out;
+  paged    AdamW attached to a Pager: pipelined page-in, fused step, page-out; atomic
+           (copy-on-write into fresh store ranges, undo copies of unowned params), and
+           again with atomic=False (in place) for what all-or-nothing steps cost;
   sync     the public per-bucket NVMe store's method: per bucket read, step, write, through
            one 256 MiB pinned staging buffer with pread/pwrite (O_DIRECT), no overlap.
 """
@@ -52,20 +54,36 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def paged_steps(args, work: str, device, n, bar) -> dict:
+def _unowned_params(pager: Pager, n: int, device: torch.device) -> list:
+    """The same parameters as _params, as ordinary tensors (the pager holds the moments)."""
+    out = []
+    for p in _params(pager, n, device):
+        pager.page_in(p)
+        out.append(p.clone())
+        pager.page_out(p)
+    return out
+
+
+def _store_bytes(directory: str) -> int:
+    """Apparent size of a store's files (a RAM store stripes over several)."""
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+
+
+def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
     store = os.path.join(work, "store")
     bucket = args.bucket
     with Pager(store, device=device, page_size=args.page_size, io_depth=args.io_depth,
                io_block=args.io_block) as pager:
-        params = _params(pager, n, device)
+        params = (_unowned_params if args.unowned else _params)(pager, n, device)
         grads = _grads(params, device)
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
-        binding = pager.attach(opt, bucket_size=bucket, depth=args.depth)
+        binding = pager.attach(opt, bucket_size=bucket, depth=args.depth, atomic=atomic)
         for p, g in zip(params, grads):
             p.grad = g
         times, last = [], None
+        kind = "paged step" if atomic else "paged step in place"
         for step in range(args.steps):
-            bar.phase(f"paged step {step + 1}/{args.steps}")
+            bar.phase(f"{kind} {step + 1}/{args.steps}")
             _sync(device)
             t0 = time.perf_counter()
             opt.step()
@@ -89,6 +107,7 @@ def paged_steps(args, work: str, device, n, bar) -> dict:
             "direct_io": pager.stats()["direct_io"],
             "io_depth": pager.stats()["io_depth"],
             "io_block": pager.stats()["io_block_bytes"],
+            "store_bytes": _store_bytes(os.path.join(store, binding.name)),
         }
 
 
@@ -180,10 +199,13 @@ def _bench_step(args, work: str) -> dict:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     n = args.params
-    state = STATE_BYTES * n
-    phases = args.steps + 1 + (0 if args.no_baseline else args.steps)
+    state = (STATE_BYTES - 4 if args.unowned else STATE_BYTES) * n  # read and written
+    phases = (args.steps * (1 if args.no_in_place else 2) + 1 +
+              (0 if args.no_baseline else args.steps))
     with Progress("bench step", phases) as bar:
         paged = paged_steps(args, work, device, n, bar)
+        in_place = (None if args.no_in_place
+                    else paged_steps(args, work, device, n, bar, atomic=False))
         # The raw loop with the pager's I/O shape; at once, each direction gets half the slots.
         bar.phase("raw io_uring loop")
         depth, block = paged["io_depth"], paged["io_block"]
@@ -193,7 +215,8 @@ def _bench_step(args, work: str) -> dict:
         sync = None if args.no_baseline else sync_steps(args, work, device, n, bar)
     floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
     result = {
-        "device": str(device), "params": n, "state_bytes": state, "dir": args.dir,
+        "device": str(device), "params": n, "unowned": args.unowned, "state_bytes": state,
+        "dir": args.dir,
         "bucket_bytes": args.bucket, "depth": args.depth,
         "raw_read_gbps": raw_read["read_gbps"], "raw_write_gbps": raw_write["write_gbps"],
         "raw_both_read_gbps": raw["read_gbps"], "raw_both_write_gbps": raw["write_gbps"],
@@ -201,6 +224,8 @@ def _bench_step(args, work: str) -> dict:
         "paged_gbps": (paged["bytes_read"] + paged["bytes_written"]) / paged["step_s"]["median"]
         / 1e9,
     }
+    if in_place is not None:
+        result["in_place"] = in_place
     if sync is not None:
         result["sync"] = sync
     return result
@@ -209,7 +234,8 @@ def _bench_step(args, work: str) -> dict:
 def print_step(r: dict) -> None:
     p = r["paged"]
     step = p["step_s"]["median"]
-    print(f"step bench: {r['params'] / 1e9:.2f} B params on {r['device']}, "
+    print(f"step bench: {r['params'] / 1e9:.2f} B params "
+          f"{'(ordinary tensors; moments paged) ' if r['unowned'] else ''}on {r['device']}, "
           f"{r['state_bytes'] / 1e9:.1f} GB of state each way, dir {r['dir']}, "
           f"buckets of {r['bucket_bytes'] // MiB} MiB x depth {r['depth']}, "
           f"direct_io={p['direct_io']}, io {p['io_depth']} x {p['io_block'] // MiB} MiB")
@@ -227,6 +253,12 @@ def print_step(r: dict) -> None:
           f"{p['wait_in_s']:.3f} s, for writes {p['wait_out_s']:.3f} s, compute "
           f"{p['compute_s']:.3f} s, peak mapped {p['peak_mapped_bytes'] / MiB:.0f} MiB "
           f"(bound {p['bound_bytes'] / MiB:.0f})")
+    if "in_place" in r:
+        q = r["in_place"]
+        print(f"  in place (atomic=False): {show(q['step_s'], 's', 3)}: atomic steps are "
+              f"{faster(step, q['step_s']['median'], higher_is_better=False)}; written per "
+              f"step {p['bytes_written'] / 1e9:.2f} vs {q['bytes_written'] / 1e9:.2f} GB, store "
+              f"{p['store_bytes'] / 1e9:.2f} vs {q['store_bytes'] / 1e9:.2f} GB")
     if "sync" in r:
         sync = r["sync"]["step_s"]
         print(f"  synchronous per-bucket baseline: {show(sync, 's', 3)}: paged is "

@@ -79,6 +79,11 @@ def parser(prog: str) -> argparse.ArgumentParser:
     step.add_argument("--page-size", type=size, default=size("32M"))
     _io_arguments(step)
     step.add_argument("--no-baseline", action="store_true")
+    step.add_argument("--no-in-place", action="store_true",
+                      help="skip the comparison run with atomic=False")
+    step.add_argument("--unowned", action="store_true",
+                      help="params as ordinary tensors: the pager holds the moments (and, in "
+                           "atomic steps, the params' undo copies)")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", type=size, default=size("4G"))
     _io_arguments(sleep)

@@ -19,6 +19,11 @@ instance (never on its class):
   coefficient; the step applies that coefficient to the upcast grads. fp32 grads
   (grad_reduce_in_fp32) are used in place, as upstream does;
 - native fp32 params (views of an fp32 param buffer) keep their state resident;
+- a step that raises is undone (statepager.atomic): mains and moments return to their
+  bytes of before it, and so does the DDP param buffer, rewritten from the restored mains
+  (`_shard16`, the same memory as the buffer's slice; with residual mains from undo
+  copies). Each member is undone on its own: in a ChainedOptimizer, members that
+  Megatron stepped before the failing one stay stepped;
 - reload_model_params refreshes the mains through the pager; checkpoint methods that
   would read the state behind the pager's back are refused with what to use instead
   (Pager.save_to / load_from), and offload_to_cpu / restore_from_cpu point to

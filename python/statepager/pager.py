@@ -35,6 +35,24 @@ class PageHandle:
         return self._ticket.times
 
 
+class Epoch:
+    """An all-or-nothing change of pager tensors (Pager.begin_epoch): end it with commit()
+    or abort()."""
+
+    def __init__(self, pager: "Pager", epoch: int):
+        self._pager = pager
+        self._epoch = epoch
+
+    def commit(self) -> None:
+        """Keeps what the tensors hold now."""
+        self._pager._core.commit_epoch(self._epoch)
+
+    def abort(self) -> None:
+        """Returns every tensor to its bytes and residency of the epoch's begin, once its
+        paging in flight is done; resident ones are dropped without being written."""
+        self._pager._core.abort_epoch(self._epoch)
+
+
 class Pager:
     """Tensors whose bytes live in a paged pool and, when not resident, in a store file.
 
@@ -154,8 +172,8 @@ class Pager:
         return PageHandle(self, self._core.page_out(list(tensors), self._stream()))
 
     def discard_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
-        """Unmaps the tensors without writing them (they become 'zero'), after the work
-        already queued on the current stream."""
+        """Drops the tensors' bytes, resident or at rest, without any I/O (they become
+        'zero'), after the work already queued on the current stream."""
         self.check_not_paused("discard()")
         return PageHandle(self, self._core.discard(list(tensors), self._stream()))
 
@@ -164,6 +182,12 @@ class Pager:
 
     def page_out(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
         self.page_out_async(_as_list(tensors)).wait()
+
+    def begin_epoch(self, tensors: Iterable[torch.Tensor]) -> Epoch:
+        """Opens an epoch over `tensors` (at rest, in no other epoch): until it ends, paging
+        them out never overwrites the bytes they hold now (copy-on-write into fresh store
+        ranges), so Epoch.abort() can return to them. An optimizer step runs in one."""
+        return Epoch(self, self._core.begin_epoch(list(tensors)))
 
     def _stream(self) -> int:
         if self.device.type != "cuda":
@@ -248,7 +272,7 @@ class Pager:
     def attach(self, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
                log_steps: bool = False, before_bucket=None, after_bucket=None,
                moments: str = "fp32", mains: str = "fp32", model_param=None,
-               name: str | None = None, keep_resident=None):
+               name: str | None = None, keep_resident=None, atomic: bool = True):
         """Streams `optimizer`'s state through this pager: its state tensors (and its
         parameters, when this pager owns them) live here, and step() pages each bucket
         of about `bucket_size` bytes in, steps it, and pages it out, with `depth`
@@ -257,7 +281,11 @@ class Pager:
         choose the on-disk formats (statepager.formats). `name` identifies the binding in
         checkpoints and names its own store, directory/<name>/ (default "opt<i>", i its
         attach order); parameters for which `keep_resident(p)` is true keep their state
-        in ordinary memory and step unpaged.
+        in ordinary memory and step unpaged. `model_param(master)` is also the model
+        parameter that after_bucket writes from a master: a failed step restores it.
+        atomic: a step that raises changes nothing and a retry steps once
+        (statepager.atomic; the store needs room for a second copy of the state);
+        atomic=False steps in place and a failed step leaves the state partly stepped.
         A Megatron DistributedOptimizer or ChainedOptimizer is attached through
         statepager.megatron (one binding per member; returns a MegatronBinding).
         Returns the StreamedOptimizer binding; its `.last` holds the last step's StepStats."""
@@ -280,7 +308,7 @@ class Pager:
                                     log_steps=log_steps, before_bucket=before_bucket,
                                     after_bucket=after_bucket, moments=moments, mains=mains,
                                     model_param=model_param, name=name,
-                                    keep_resident=keep_resident)
+                                    keep_resident=keep_resident, atomic=atomic)
         self._bindings.append(binding)
         return binding
 

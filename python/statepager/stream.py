@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from statepager import _C, state_dict, support
+from statepager.atomic import AtomicStep, UndoCopies
 from statepager.formats import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 
 log = logging.getLogger("statepager")
@@ -59,6 +60,8 @@ class Bucket:
     stored: list = field(default_factory=list)   # paged tensors that persist (moved by I/O)
     working: list = field(default_factory=list)  # scratch fp32 tensors of narrow formats
     forms: list = field(default_factory=list)    # StoredForm of every paged tensor
+    undo: list = field(default_factory=list)     # copies of what a step overwrites outside
+                                                 # the pager (statepager.atomic)
     nbytes: int = 0                              # bytes resident while the bucket steps
     planned: int = 0                             # bytes planned for it (state to come included)
 
@@ -74,7 +77,8 @@ class StreamedOptimizer:
                  after_bucket: BucketHook | None, moments: str = "fp32", mains: str = "fp32",
                  model_param: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  name: str = "opt0",
-                 keep_resident: Callable[[torch.Tensor], bool] | None = None):
+                 keep_resident: Callable[[torch.Tensor], bool] | None = None,
+                 atomic: bool = True):
         if depth < 2:
             raise ValueError("depth must be at least 2 (one bucket stepping, one in flight)")
         if getattr(optimizer, "_statepager", None) is not None:
@@ -102,6 +106,8 @@ class StreamedOptimizer:
         self._deferred = support.DeferredState.for_optimizer(optimizer)
         for i, group in enumerate(optimizer.param_groups):
             self.check_group(group, i)
+        self.atomic = atomic
+        self._undo = UndoCopies(pager, name, model_param if mains == "residual" else None)
         self._buckets = self._plan()
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
@@ -162,7 +168,8 @@ class StreamedOptimizer:
         b.stored = [t for f in b.forms for t in f.tensors]
         self.pager.move_to_store(b.stored, self.name)  # this binding's own store
         b.working = [f.working for f in b.forms if f.scratch]
-        b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working)
+        b.undo = self._undo.copies(b.params) if self.atomic else []
+        b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working + b.undo)
 
     def _layout(self) -> list:
         """What a plan is made for: the parameters of each param group, by identity."""
@@ -191,6 +198,9 @@ class StreamedOptimizer:
                 b = where.get(id(p))
                 if b is None:
                     nbytes = self._planned_bytes(p, group)
+                    if self.atomic:  # its undo copy (statepager.atomic)
+                        nbytes += sum(t.numel() * t.element_size()
+                                      for t in self._undo.targets([p]))
                     if cur is None or (cur.params and cur.planned + nbytes > self.bucket_size):
                         cur = Bucket(params=[], groups=[[] for _ in groups])
                         buckets.append(cur)
@@ -289,7 +299,7 @@ class StreamedOptimizer:
 
     def _release(self, b: Bucket, wait: bool = True) -> list:
         """Pages the stored form out and drops the scratch; returns the handles."""
-        handles = [self.pager.page_out_async(b.stored)]
+        handles = [self.pager.page_out_async(b.stored + b.undo)]
         if b.working:
             handles.append(self.pager.discard_async(b.working))
         if wait:
@@ -328,6 +338,27 @@ class StreamedOptimizer:
     # -- the step ------------------------------------------------------------------
 
     def step_buckets(self) -> None:
+        """One step, all or nothing when atomic: a step that raises has changed nothing
+        (statepager.atomic), and a retry steps once."""
+        if not self.atomic:
+            self._stream(None)
+            return
+        mirror = self._model_param if self.mains == "fp32" else None
+        step = AtomicStep(self, self._undo, mirror)
+        try:
+            self._stream(step)
+        except BaseException as error:
+            try:
+                step.roll_back()
+                for b in self.buckets:  # without the state the failed step created
+                    self._fill(b)
+            except BaseException as failed:
+                error.add_note(f"statepager: undoing the failed step failed too ({failed!r}): "
+                               "the optimizer state may be partly stepped")
+            raise
+        step.commit()
+
+    def _stream(self, atomic: AtomicStep | None) -> None:
         pager, buckets, n = self.pager, self.buckets, len(self.buckets)
         stats = StepStats(step=self._steps + 1, buckets=n)
         before = pager.stats()
@@ -338,33 +369,39 @@ class StreamedOptimizer:
         self._group_steps = [g.get("step", _ABSENT) for g in self.optimizer.param_groups]
         self._group_steps_after = list(self._group_steps)
         ahead = max(1, self.depth - 2)
-        ins = {j: pager.page_in_async(buckets[j].stored) for j in range(min(ahead + 1, n))}
-        outs = collections.deque()  # per bucket: its page-out (and discard) handles
+        ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
         done_in, done_out = [], []
-        for i, b in enumerate(buckets):
-            t0 = time.perf_counter()
-            h = ins.pop(i)
-            h.wait()
-            done_in.append(h)
-            t1 = time.perf_counter()
-            self._step_bucket(b)
-            t2 = time.perf_counter()
-            stats.wait_in_seconds += t1 - t0
-            stats.compute_seconds += t2 - t1
-            outs.append(self._release(b, wait=False))
-            done_out.append(outs[-1][0])
-            j = i + ahead + 1
-            if j < n:
+        try:
+            for j in range(min(ahead + 1, n)):
+                ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
+            for i, b in enumerate(buckets):
                 t0 = time.perf_counter()
-                while len(outs) + len(ins) >= self.depth:
-                    for h in outs.popleft():
-                        h.wait()
-                stats.wait_out_seconds += time.perf_counter() - t0
-                ins[j] = pager.page_in_async(buckets[j].stored)
-        t0 = time.perf_counter()
-        for handles in outs:
-            for h in handles:
+                h = ins.pop(i)
                 h.wait()
+                done_in.append(h)
+                t1 = time.perf_counter()
+                self._step_bucket(b, atomic)
+                t2 = time.perf_counter()
+                stats.wait_in_seconds += t1 - t0
+                stats.compute_seconds += t2 - t1
+                outs.append(self._release(b, wait=False))
+                done_out.append(outs[-1][0])
+                j = i + ahead + 1
+                if j < n:
+                    t0 = time.perf_counter()
+                    while len(outs) + len(ins) >= self.depth:
+                        for h in outs[0]:
+                            h.wait()
+                        outs.popleft()
+                    stats.wait_out_seconds += time.perf_counter() - t0
+                    ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
+            t0 = time.perf_counter()
+            for handles in outs:
+                for h in handles:
+                    h.wait()
+        except BaseException:
+            _settle(list(ins.values()) + [h for handles in outs for h in handles])
+            raise
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
         pager.keep_at_least(self._window())  # state created in this step
@@ -391,8 +428,10 @@ class StreamedOptimizer:
                      100 * stats.overlap, stats.wait_in_seconds, stats.wait_out_seconds,
                      stats.compute_seconds, stats.peak_mapped_bytes / MiB)
 
-    def _step_bucket(self, bucket: Bucket) -> None:
+    def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None) -> None:
         self._decode(bucket)
+        if atomic:
+            atomic.save(bucket)
         if self.before_bucket:
             self.before_bucket(bucket.params)
         if self._create_deferred_state(bucket):
@@ -414,6 +453,8 @@ class StreamedOptimizer:
         if self._adopt(bucket):  # state the optimizer created lazily in this step
             self._fill(bucket)
             self.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
+        if atomic:
+            atomic.writing(bucket)
         if self.after_bucket:
             self.after_bucket(bucket.params)
         self._encode(bucket)
@@ -428,6 +469,16 @@ def _set_counter(group: dict, counter) -> None:
         group.pop("step", None)
     else:
         group["step"] = counter
+
+
+def _settle(handles) -> None:
+    """Waits for every handle, whatever its outcome (a failed step must not leave buckets
+    in flight; the error that stopped it is the one raised)."""
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:
+            pass
 
 
 def _union(intervals) -> list:

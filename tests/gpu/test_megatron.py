@@ -170,6 +170,50 @@ def test_reload_model_params_goes_through_the_pager(gpt, store_dir):
                         assert torch.equal(main, model_param.view(-1)[r.start:r.end].float())
 
 
+@pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
+                                  "moe-fp32-grads-overlap"])
+def test_failed_step_changes_nothing_and_the_retry_is_exact(gpt, case, store_dir):
+    """A step that fails after some buckets' mains went into the DDP param buffer: the
+    model params, mains and moments are as before it (the param buffer rewritten from the
+    restored mains, or from undo copies with residual mains), and training on from there
+    matches unpaged Megatron bit for bit."""
+    options = dict(CASES[case])
+    attach = options.pop("attach", {})
+    setup = gpt.Setup(steps=6, **options)
+    base = run(gpt, setup)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
+                                                         **attach)
+        losses = [gpt.train_step(setup, model, optimizer, scheduler, i) for i in range(3)]
+        gpt.finish(model)
+        params = [p.detach().clone() for p in model.parameters()]
+        state = snapshot(optimizer, binding)
+        stream = binding.streams[0]
+        assert len(stream.buckets) >= 3
+        hook, calls = stream.after_bucket, []
+
+        def failing(bucket_params):
+            hook(bucket_params)  # this bucket's stepped mains are in the param buffer now
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+
+        stream.after_bucket = failing
+        with pytest.raises(RuntimeError, match="injected failure"):
+            gpt.train_step(setup, model, optimizer, scheduler, 3)
+        stream.after_bucket = hook
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+        for ma, mb in zip(state, snapshot(optimizer, binding)):
+            assert all(torch.equal(x, y) for ta, tb in zip(ma, mb) for x, y in zip(ta, tb))
+        losses += [gpt.train_step(setup, model, optimizer, scheduler, i)
+                   for i in range(3, setup.steps)]  # the retry of step 3, and on
+        gpt.finish(model)
+        paged = (losses, [p.detach().cpu() for p in model.parameters()],
+                 snapshot(optimizer, binding), None)
+    assert_same(base, paged)
+
+
 def test_refusals_name_what_to_use_instead(gpt, store_dir):
     setup = gpt.Setup(steps=1)
     with Pager(store_dir, "cuda") as pager:

@@ -1,0 +1,164 @@
+"""All-or-nothing streamed steps: a step that fails leaves the optimizer as it was.
+
+A streamed step (statepager.stream) changes three kinds of things; AtomicStep keeps what
+it needs to put each back:
+- the paged state (moments, and the masters the pager owns): the step runs in a pager
+  epoch (Pager.begin_epoch). Page-outs write fresh store ranges, so until the commit the
+  bytes of before the step stay where they were, and an abort returns every tensor to
+  them without any I/O;
+- what the optimizer changes in ordinary memory: unpaged state (step counters, the
+  resident state of parameters kept out of the pager) is copied at the start, param
+  groups and grads are remembered, and so are the residual formats' exception lists;
+  parameters the pager does not own, which the optimizer updates in place, are copied
+  into pager tensors (UndoCopies) right before their bucket steps, paged out with the
+  bucket and read back only when the step fails;
+- model parameters that the after_bucket hook writes from the masters (`model_param`):
+  with fp32 masters they are rewritten from the restored masters, which costs the step
+  nothing; residual masters are stored relative to them, so there they get undo copies.
+
+What it costs: the store needs room for a second copy of what a step writes (the old
+bytes stay until the commit; freed ranges are reused by the next step), and unowned
+parameters (and residual masters' model parameters) are written once more per step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class UndoCopies:
+    """Per binding: one pager tensor for each tensor a step overwrites outside the pager,
+    created on first use and kept (ZERO, holding nothing) between steps.
+
+    targets(params): the parameters the pager does not own, and for owned masters their
+    model parameter when `mirror` is given (residual masters)."""
+
+    def __init__(self, pager, store: str, mirror: Callable | None = None):
+        self.pager, self.store, self.mirror = pager, store, mirror
+        self._copies: dict[int, torch.Tensor] = {}  # id(param) -> the copy of its target
+
+    def targets(self, params) -> list:
+        out = []
+        for p in params:
+            if not self.pager.owns(p):
+                out.append(p)
+            elif self.mirror is not None:
+                out.append(self.mirror(p))
+        return out
+
+    def copies(self, params) -> list:
+        """The pager tensors for targets(params), in the same order."""
+        out = []
+        for p, t in zip([p for p in params if self.mirror or not self.pager.owns(p)],
+                        self.targets(params)):
+            copy = self._copies.get(id(p))
+            if copy is None or copy.shape != t.shape or copy.dtype != t.dtype:
+                copy = self._copies[id(p)] = self.pager.empty_like(t)  # t's layout: a memcpy
+                self.pager.move_to_store([copy], self.store)
+            out.append(copy)
+        return out
+
+
+class AtomicStep:
+    """One step's way back. Construction opens the pager epoch and takes what the step
+    will change; save() and writing() are called per bucket by the step; commit() or
+    roll_back() ends it. `rebuild_mirror(master)` returns the model parameter that
+    after_bucket writes from an fp32 master (rewritten from it on roll_back)."""
+
+    def __init__(self, binding, undo: UndoCopies, rebuild_mirror: Callable | None = None):
+        self.pager, self.optimizer, self.buckets = binding.pager, binding.optimizer, binding.buckets
+        self.undo, self.rebuild_mirror = undo, rebuild_mirror
+        pager = self.pager
+        paged = [t for b in self.buckets for t in b.stored + b.working]
+        # At rest, so that the epoch covers their bytes (a tensor left resident since the
+        # last step is written now, as the step would have written it).
+        pager.page_out([t for b in self.buckets for t in b.stored])
+        pager.discard_async([t for b in self.buckets for t in b.working + b.undo]).wait()
+        self._state = _copy_state(self.optimizer.state, pager)
+        self._groups = [{k: v for k, v in g.items() if k != "params"}
+                        for g in self.optimizer.param_groups]
+        self._grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
+        self._forms = [(f, f.exceptions, f.fingerprint) for b in self.buckets for f in b.forms]
+        self._saved = []    # buckets whose undo copies are taken
+        self._written = []  # buckets whose model parameters after_bucket may have written
+        self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
+
+    def save(self, bucket) -> None:
+        """Before the bucket steps: copies what it will overwrite (its pages are in)."""
+        targets = self.undo.targets(bucket.params)
+        if targets:
+            with torch.no_grad():
+                torch._foreach_copy_(bucket.undo, targets)
+        self._saved.append(bucket)
+
+    def writing(self, bucket) -> None:
+        """Before after_bucket: it may write model parameters from this bucket's masters."""
+        self._written.append(bucket)
+
+    def commit(self) -> None:
+        self.epoch.commit()
+        self.pager.discard_async([t for b in self._saved for t in b.undo]).wait()
+
+    def roll_back(self) -> None:
+        """After a failure, once no bucket is in flight: everything as before the step."""
+        pager = self.pager
+        self.epoch.abort()
+        with torch.no_grad():
+            for b in [b for b in self._saved if b.undo]:  # one bucket's copies at a time
+                pager.page_in(b.undo)  # the bucket being stepped still has them resident
+                torch._foreach_copy_(self.undo.targets(b.params), b.undo)
+                pager.discard_async(b.undo).wait()
+            if self.rebuild_mirror is not None:
+                for b in self._written:
+                    self._rebuild_mirrors(b)
+        _restore_state(self.optimizer.state, self._state)
+        for g, saved in zip(self.optimizer.param_groups, self._groups):
+            for k in [k for k in g if k != "params" and k not in saved]:
+                del g[k]
+            g.update(saved)
+        for p, grad in self._grads:
+            p.grad = grad
+        for f, exceptions, fingerprint in self._forms:
+            f.exceptions, f.fingerprint = exceptions, fingerprint
+
+    def _rebuild_mirrors(self, bucket) -> None:
+        """The model parameters of the bucket's (restored) fp32 masters, written from them;
+        the masters are read and let go without being written (an epoch, aborted)."""
+        masters = [p for p in bucket.params if self.pager.owns(p)]
+        if not masters:
+            return
+        epoch = self.pager.begin_epoch(masters)
+        try:
+            self.pager.page_in(masters)
+            for m in masters:  # rounded as after_bucket rounds them (copy_)
+                self.rebuild_mirror(m).copy_(m)
+        finally:
+            epoch.abort()
+
+
+def _copy_state(state, pager) -> dict:
+    """param -> {name: (value, copy of it or None)}: unpaged tensors (step counters, the
+    state of resident parameters, sparse state) are copied, as the step may update them in
+    place; paged ones and other values are kept as they are."""
+    with torch.no_grad():
+        return {p: {name: (v, v.clone() if isinstance(v, torch.Tensor) and not pager.owns(v)
+                           else None)
+                    for name, v in entries.items()}
+                for p, entries in state.items()}
+
+
+def _restore_state(state, saved: dict) -> None:
+    """The optimizer's state as copied: entries the step created are dropped, unpaged
+    tensors get their bytes back in place (the same tensor objects)."""
+    for p in [p for p in state if p not in saved]:
+        del state[p]
+    with torch.no_grad():
+        for p, entries in saved.items():
+            current = state[p]
+            for name in [n for n in current if n not in entries]:
+                del current[name]
+            for name, (value, copy) in entries.items():
+                if copy is not None:
+                    value.copy_(copy)
+                current[name] = value
