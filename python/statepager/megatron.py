@@ -167,6 +167,9 @@ class _Member:
         attributes; Megatron's references to each (its groups, the inner optimizer's
         param groups and state, model_param.main_param) are repointed."""
         d, pager = self.d, self.pager
+        # What scope() left resident goes out first: the budget may hold little more.
+        pager.page_out([m for mains in d.shard_fp32_from_float16_groups for m in mains
+                        if pager.owns(m)])
         moved = {}
         for models, mains in zip(d.model_float16_groups, d.shard_fp32_from_float16_groups):
             for i, (model_param, main) in enumerate(zip(models, mains)):
