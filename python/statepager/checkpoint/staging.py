@@ -21,8 +21,8 @@ import re
 import torch
 
 from statepager import _C
-from statepager.manifest import CheckpointMismatchError, DataFile, stored
-from statepager.stream import _params_in_order
+from statepager.checkpoint.manifest import CheckpointMismatchError, DataFile, stored
+from statepager.core.stream import _params_in_order
 
 
 def check_layout(binding, entry: dict, data: DataFile) -> None:

@@ -14,7 +14,7 @@ from itertools import chain
 
 import torch
 
-from statepager import support
+from statepager.core import support
 
 
 def paged_state_dict(self) -> dict:

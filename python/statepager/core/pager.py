@@ -10,7 +10,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from statepager import _C, args, guard
+from statepager import _C
+from statepager.core import args, guard
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -202,7 +203,7 @@ class Pager:
         allocations on this pager's device go to its pool, new fp32 tensors of at least
         `min_bytes` become pager tensors, and the oldest are paged out whenever the pool
         would pass hbm_budget. Yields the Capture, whose `.tensors` lists them."""
-        from statepager import scope
+        from statepager.core import scope
 
         min_bytes = args.integer("min_bytes", min_bytes)
         self.check_not_paused("scope()")
@@ -289,12 +290,12 @@ class Pager:
         A Megatron DistributedOptimizer or ChainedOptimizer is attached through
         statepager.megatron (one binding per member; returns a MegatronBinding).
         Returns the StreamedOptimizer binding; its `.last` holds the last step's StepStats."""
-        from statepager.stream import StreamedOptimizer
+        from statepager.core.stream import StreamedOptimizer
 
         bucket_size, depth = args.bucketing(bucket_size, depth)
         self.check_not_paused("attach()")
         if type(optimizer).__module__.startswith("megatron."):
-            from statepager import megatron
+            from statepager.integrations import megatron
 
             return megatron.attach(self, optimizer, bucket_size=bucket_size, depth=depth,
                                    log_steps=log_steps, moments=moments, mains=mains)
@@ -324,7 +325,7 @@ class Pager:
         of this moment is secured: steps may run while the copy finishes, and a bucket's
         page-out waits until that bucket has been copied. Returns a SaveHandle: wait(),
         done(), and .method, .bytes, .seconds of the save."""
-        from statepager import checkpoint
+        from statepager.checkpoint import save_load as checkpoint
 
         self.check_not_paused("save()")
         return checkpoint.save(self, path, background=background, via=via)
@@ -333,7 +334,7 @@ class Pager:
         """Loads a checkpoint written by save() into the attached optimizers, after
         verifying format, layout and checksums; nothing changes if any check fails.
         Returns False, with a logged notice, when `path` holds no statepager state."""
-        from statepager import checkpoint
+        from statepager.checkpoint import save_load as checkpoint
 
         self.check_not_paused("load()")
         return checkpoint.load(self, path)
@@ -342,7 +343,7 @@ class Pager:
         """save() into this rank's part of a training loop's checkpoint directory:
         base/statepager/rankNNNNN (rank from torch.distributed, else 0), one
         subdirectory per attached optimizer (by name), atomic as a whole."""
-        from statepager import checkpoint
+        from statepager.checkpoint import save_load as checkpoint
 
         self.check_not_paused("save_to()")
         return checkpoint.save(self, checkpoint.rank_directory(base), background=background)
@@ -350,7 +351,7 @@ class Pager:
     def load_from(self, base: str) -> bool:
         """load() of what save_to(base) wrote for this rank; False, with a logged notice,
         when there is none (e.g. a checkpoint from a run without statepager)."""
-        from statepager import checkpoint
+        from statepager.checkpoint import save_load as checkpoint
 
         self.check_not_paused("load_from()")
         return checkpoint.load(self, checkpoint.rank_directory(base))
@@ -385,7 +386,7 @@ class Pager:
         its directory (the directory too, when the Pager made it)."""
         self._core.close()
         if self._mem_pool is not None:
-            from statepager import scope
+            from statepager.core import scope
 
             self._mem_pool = None
             scope.retire_pool_of(id(self))

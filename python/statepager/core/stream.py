@@ -16,9 +16,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from statepager import _C, state_dict, support
-from statepager.atomic import AtomicStep, UndoCopies
-from statepager.formats import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
+from statepager import _C
+from statepager.core import state_dict, support
+from statepager.core.atomic import AtomicStep, UndoCopies
+from statepager.formats.stored import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 
 log = logging.getLogger("statepager")
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from statepager import _C
-from statepager.pager import MiB
+from statepager.core.pager import MiB
 
 _REFUSED_CHECKPOINT_METHODS = (
     "sharded_state_dict", "load_state_dict", "save_parameter_state",

@@ -40,14 +40,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from statepager import _C, checkpoint_dirs
-from statepager.checkpoint_dirs import DATA, MANIFEST
-from statepager.checkpoint_staging import Staged, check_layout, missing_state
-from statepager.manifest import (CHUNK, DIGEST, FORMAT, VERSION, CheckpointMismatchError,
+from statepager import _C
+from statepager.checkpoint import dirs as checkpoint_dirs
+from statepager.checkpoint.dirs import DATA, MANIFEST
+from statepager.checkpoint.staging import Staged, check_layout, missing_state
+from statepager.checkpoint.manifest import (CHUNK, DIGEST, FORMAT, VERSION, CheckpointMismatchError,
                                  DataFile, align, digest, encode, read_manifest, stored,
                                  valid_name)
-from statepager.pager import flat_view
-from statepager.stream import _params_in_order
+from statepager.core.pager import flat_view
+from statepager.core.stream import _params_in_order
 
 log = logging.getLogger("statepager")
 
@@ -100,7 +101,7 @@ def wait_for_save(pager) -> None:
 def rank_directory(base: str) -> str:
     """base/statepager/rankNNNNN: this rank's checkpoint under a training loop's
     checkpoint directory (rank from torch.distributed, 0 when not initialized)."""
-    from statepager.pager import _rank
+    from statepager.core.pager import _rank
 
     return os.path.join(os.path.abspath(base), "statepager", f"rank{_rank():05d}")
 

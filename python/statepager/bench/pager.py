@@ -18,8 +18,8 @@ import time
 import torch
 
 from statepager import _C
-from statepager.bench_report import faster, show, spread
-from statepager.pager import GiB, MiB, Pager
+from statepager.bench.report import faster, show, spread
+from statepager.core.pager import GiB, MiB, Pager
 from statepager.progress import Progress
 
 
