@@ -26,6 +26,8 @@ from statepager.core.pager import PageHandle, Pager  # noqa: E402, F401
 from statepager.core.stream import StepStats, StreamedOptimizer  # noqa: E402, F401
 from statepager.core.optim import PagedAdamW  # noqa: E402, F401
 from statepager.checkpoint.save_load import CheckpointMismatchError  # noqa: E402, F401
+# Integrations register their adapters with Pager.attach (statepager.core.adapters).
+from statepager.integrations import megatron as _megatron  # noqa: E402, F401
 
 __all__ = [
     "Pager",

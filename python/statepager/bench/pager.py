@@ -185,7 +185,7 @@ def _bench_sleep(args, work: str) -> dict:
         for t in ts:
             t.view(torch.uint8).random_(generator=g)
         sums = [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
-        free_resident = pager._core.free_device_memory()
+        free_resident = pager.free_device_memory()
         # Round 1 writes store ranges never written before (on tmpfs the kernel allocates
         # and zeroes their pages); the rounds after it are the steady state of a job that
         # sleeps and wakes every iteration.
@@ -195,7 +195,7 @@ def _bench_sleep(args, work: str) -> dict:
             t0 = time.perf_counter()
             pager.pause()
             pause_s = time.perf_counter() - t0
-            freed = pager._core.free_device_memory() - free_resident
+            freed = pager.free_device_memory() - free_resident
             bar.phase(f"round {r + 1}/{1 + args.repeat}: resume")
             t0 = time.perf_counter()
             pager.resume()
