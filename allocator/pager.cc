@@ -87,6 +87,7 @@ struct Pager::Extent {
   uint64_t next_offset = kNoOffset;    // a FILE extent's range in the store it moves to
   Residency state = Residency::kZero;
   bool segment = false;  // PyTorch's: stays mapped until PyTorch frees it, even after close
+  bool dead = false;     // released while its bucket was in flight: freed when it completes
   // In an open epoch (epoch != 0): what it was at the epoch's begin, its committed state.
   uint64_t epoch = 0;
   Residency committed_state = Residency::kZero;
@@ -244,11 +245,17 @@ bool Pager::owns_address(uintptr_t addr) const {
 
 void Pager::release(ExtentId id) {
   std::unique_lock lock(mu_);
-  // A tensor may die while its bucket is in flight: let the bucket finish first.
-  done_cv_.wait(lock, [&] {
-    const Residency s = extent_locked(id).state;
-    return s != Residency::kPagingIn && s != Residency::kPagingOut;
-  });
+  Extent& e = extent_locked(id);
+  // A tensor may die while its bucket is in flight (its page-out may even wait for a
+  // range a save holds): never wait here, the bucket frees it when it completes.
+  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut) {
+    e.dead = true;
+    return;
+  }
+  free_extent_locked(id);
+}
+
+void Pager::free_extent_locked(ExtentId id) {
   Extent& e = extent_locked(id);
   if (e.state == Residency::kResident && (!closed_ || e.segment)) pool_.unref(e.addr, e.bytes);
   pool_.free(e.addr);
@@ -1055,6 +1062,9 @@ void Pager::complete(Job& job) {
       counters_.buckets_in++;
       for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
     }
+  }
+  for (ExtentId id : job.extents) {
+    if (extent_locked(id).dead) free_extent_locked(id);
   }
   if (job.out) outs_in_flight_--;
   job.end_time = std::chrono::steady_clock::now();

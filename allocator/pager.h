@@ -150,6 +150,8 @@ class Pager {
   // The store an extent lives in (or moves to, on its next page-in).
   unsigned store_of(ExtentId id) const;
   // Forgets an extent: unmaps its pages if resident, frees its address and file range.
+  // Never waits: an extent being paged is marked dead and freed when its bucket completes
+  // (its address and range stay reserved until then).
   void release(ExtentId id);
 
   // A resident extent, mapped at once even past the page budget: a segment PyTorch's
@@ -244,6 +246,7 @@ class Pager {
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
+  void free_extent_locked(ExtentId id);  // release() of an extent not being paged
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
   void start_chunk(Slot& slot);
