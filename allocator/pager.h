@@ -239,7 +239,7 @@ class Pager {
 
  private:
   struct Extent;
-  struct Slot;
+  struct StagingSlot;
   struct Store;
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
   void plan_chunks(Job& job);
@@ -249,8 +249,8 @@ class Pager {
   void free_extent_locked(ExtentId id);  // release() of an extent not being paged
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
-  void start_chunk(Slot& slot);
-  void finish_slot(Slot& slot, int error, uint64_t offset);
+  void start_chunk(StagingSlot& slot);
+  void finish_slot(StagingSlot& slot, int error, uint64_t offset);
   void complete(Job& job);
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
   unsigned add_store_locked(const std::string& name);
@@ -275,7 +275,7 @@ class Pager {
   // punch() and the path and span queries under mu_ (UringFile allows them alongside).
   std::unique_ptr<UringFile> file_;
   std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
-  std::vector<Slot> slots_;            // I/O thread (freed by close() after the join)
+  std::vector<StagingSlot> slots_;            // I/O thread (freed by close() after the join)
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;    // wakes the I/O thread

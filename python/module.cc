@@ -305,7 +305,7 @@ PYBIND11_MODULE(_C, m) {
           }
           const size_t n = total_bytes / page_bytes;
           const uintptr_t base = dev->reserve(n * page_bytes);
-          std::vector<PageHandle> pages;
+          std::vector<PhysicalPage> pages;
           for (size_t i = 0; i < n; i++) pages.push_back(dev->create_page(page_bytes));
           for (int r = 0; r < rounds; r++) {
             auto t0 = std::chrono::steady_clock::now();
@@ -316,7 +316,7 @@ PYBIND11_MODULE(_C, m) {
             map_s += std::chrono::duration<double>(t1 - t0).count();
             unmap_s += std::chrono::duration<double>(t2 - t1).count();
           }
-          for (PageHandle p : pages) dev->release_page(p, page_bytes);
+          for (PhysicalPage p : pages) dev->release_page(p, page_bytes);
           dev->unreserve(base, n * page_bytes);
         }
         const double gib = double(total_bytes) / double(1 << 30) * rounds;

@@ -375,9 +375,9 @@ class FailingDevice final : public Device {
   size_t granularity() const override { return host_->granularity(); }
   uintptr_t reserve(size_t b) override { return host_->reserve(b); }
   void unreserve(uintptr_t a, size_t b) override { check(); host_->unreserve(a, b); }
-  PageHandle create_page(size_t b) override { return host_->create_page(b); }
-  void release_page(PageHandle p, size_t b) override { check(); host_->release_page(p, b); }
-  void map(uintptr_t a, size_t b, PageHandle p) override { host_->map(a, b, p); }
+  PhysicalPage create_page(size_t b) override { return host_->create_page(b); }
+  void release_page(PhysicalPage p, size_t b) override { check(); host_->release_page(p, b); }
+  void map(uintptr_t a, size_t b, PhysicalPage p) override { host_->map(a, b, p); }
   void unmap(uintptr_t a, size_t b) override { check(); host_->unmap(a, b); }
   void* alloc_staging(size_t b) override { return host_->alloc_staging(b); }
   void free_staging(void* p, size_t b) override { check(); host_->free_staging(p, b); }
