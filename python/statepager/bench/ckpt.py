@@ -25,7 +25,7 @@ import time
 import torch
 
 from statepager import _C
-from statepager.bench.pager import bench_directory
+from statepager.bench.common import bench_directory
 from statepager.bench.report import faster, show, spread
 from statepager.core.pager import GiB, MiB, Pager
 from statepager.progress import Progress

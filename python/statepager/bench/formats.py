@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from statepager.bench.pager import bench_directory
+from statepager.bench.common import bench_directory
 from statepager.bench.report import faster, show, spread
 from statepager.core.optim import PagedAdamW
 from statepager.core.pager import MiB, Pager
