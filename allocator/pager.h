@@ -161,7 +161,7 @@ class Pager {
   void release_at(uintptr_t addr);
   bool owns_address(uintptr_t addr) const;  // inside this pager's arena
 
-  bool exists(ExtentId id) const;  // created and not released
+  bool exists(ExtentId id) const;  // created and not freed (see release())
   uintptr_t address(ExtentId id) const;
   size_t size(ExtentId id) const;
   Residency residency(ExtentId id) const;

@@ -4,20 +4,22 @@
    statement in A, at module level or inside a function (lazy imports count: they are
    circles all the same, merely deferred), naming module B: `import statepager.B`,
    `from statepager.B import x`, `from statepager import B` (when B is a module), and
-   the relative forms. The edges a package's __init__ implies (importing statepager.core.pager
-   runs statepager/__init__.py) are not counted: every module would be in a circle with
-   the package that re-exports it. The C++ extension statepager._C imports nothing of
-   the package and is a leaf.
+   the relative forms. The edges a package's __init__ implies (importing
+   statepager.core.pager runs statepager/__init__.py) are not counted: every module would
+   be in a circle with the package that re-exports it. The C++ extension statepager._C
+   imports nothing of the package and is a leaf.
 
 2. No module reads or writes another's private names. In module M:
    - `from statepager.X import _name` (X another module) is a violation, except for the
      package-private modules _C (the extension, the binding every layer uses) and _build;
-   - an attribute access `expr._name` (one leading underscore; dunders are Python's) is a
-     violation unless M itself defines `_name`: as a module-level or class-body name, a
+   - an attribute access `expr._name` (one leading underscore; dunders are Python's) is
+     a violation unless M itself defines `_name`: as a module-level or class-body name, a
      function or class it defines (at any depth), or an attribute that a method of one of
-     its classes assigns on self or cls (`self._name = ...`). Writes count as uses: `pager._saving = h` in a module
-     that does not define `_saving` is a violation. `self._x` of an attribute that only a base class
-     in another module defines is a violation too.
+     its classes assigns on self or cls (`self._name = ...`). Writes count as uses:
+     `pager._saving = h` in a module that does not define `_saving` is a violation, and
+     so is `self._x` of an attribute that only a base class in another module defines.
+   The check goes by name, not by type: a module that defines `_core` itself could read
+   another object's `_core` unnoticed (none does; reviewers look for it).
    The few private names of other libraries that statepager must use (torch's LR
    scheduler protocol, Megatron internals) are allowed in exactly one module each, by
    name, in FOREIGN below, with the reason.
