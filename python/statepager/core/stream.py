@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import time
 import types
@@ -130,15 +131,17 @@ class StreamedOptimizer:
                 "bucket_size (a parameter larger than bucket_size is a bucket of its own).")
         pager.keep_at_least(window)
         self._adopt_existing_state()
-        _attached[optimizer] = self
-        step = torch.optim.Optimizer.profile_hook_step(_paged_step)
+        _attached.add(optimizer)
+        # The optimizer's methods below refer to this binding (a reference cycle, which the
+        # garbage collector frees with the optimizer).
+        step = torch.optim.Optimizer.profile_hook_step(functools.partial(_paged_step, self))
         # LR schedulers wrap step() to notice it ran; ours sets the same flag
         # (_opt_called), so mark it the way theirs is marked.
         step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
         optimizer.state_dict = types.MethodType(state_dict.paged_state_dict, self)
         optimizer.load_state_dict = types.MethodType(state_dict.paged_load_state_dict, self)
-        optimizer.add_param_group = types.MethodType(_paged_add_param_group, optimizer)
+        optimizer.add_param_group = functools.partial(_paged_add_param_group, self)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -548,29 +551,30 @@ def _raw_step_function(optimizer) -> Callable:
     return getattr(step, "__wrapped__", step)
 
 
-# The binding of each attached optimizer (an optimizer is attached once).
-_attached: "weakref.WeakKeyDictionary[torch.optim.Optimizer, StreamedOptimizer]" = \
-    weakref.WeakKeyDictionary()
+# Optimizers attached to a Pager (an optimizer is attached once). Weak: a binding lives
+# as long as its optimizer, through the methods it set on it.
+_attached: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
-def _paged_step(self, closure=None):
-    binding = _attached[self]
+def _paged_step(binding: StreamedOptimizer, optimizer, closure=None):
+    """optimizer.step() of an attached optimizer."""
     binding.pager.check_not_paused("step()")
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    self._opt_called = True  # what LR schedulers check; their step wrapper is replaced
+    optimizer._opt_called = True  # what LR schedulers check; their step wrapper is replaced
     binding.step_buckets()
     return loss
 
 
-def _paged_add_param_group(self, param_group: dict) -> None:
+def _paged_add_param_group(binding: StreamedOptimizer, param_group: dict) -> None:
     """torch's add_param_group, refused (and undone) when the pager cannot hold the new
     group's state; the group is streamed from the next step on."""
-    type(self).add_param_group(self, param_group)
+    optimizer = binding.optimizer
+    type(optimizer).add_param_group(optimizer, param_group)
     try:
-        _attached[self].check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        binding.check_group(optimizer.param_groups[-1], len(optimizer.param_groups) - 1)
     except _C.UsageError:
-        self.param_groups.pop()
+        optimizer.param_groups.pop()
         raise
