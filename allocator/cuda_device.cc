@@ -150,7 +150,7 @@ class CudaDevice final : public Device {
     check(d_.cuMemAddressFree(base, bytes), "cuMemAddressFree");
   }
 
-  PageHandle create_page(size_t bytes) override {
+  PhysicalPage create_page(size_t bytes) override {
     ScopedContext scope(d_, ctx_);
     CUmemGenericAllocationHandle handle = 0;
     CUresult r = d_.cuMemCreate(&handle, bytes, &prop_, 0);
@@ -163,12 +163,12 @@ class CudaDevice final : public Device {
     return handle;
   }
 
-  void release_page(PageHandle page, size_t /*bytes*/) override {
+  void release_page(PhysicalPage page, size_t /*bytes*/) override {
     ScopedContext scope(d_, ctx_);
     check(d_.cuMemRelease(page), "cuMemRelease");
   }
 
-  void map(uintptr_t addr, size_t bytes, PageHandle page) override {
+  void map(uintptr_t addr, size_t bytes, PhysicalPage page) override {
     ScopedContext scope(d_, ctx_);
     check(d_.cuMemMap(addr, bytes, 0, page, 0), "cuMemMap");
     CUmemAccessDesc access = {};

@@ -22,7 +22,7 @@
 
 namespace statepager {
 
-using PageHandle = uint64_t;
+using PhysicalPage = uint64_t;
 using Fence = uint64_t;
 
 enum class CopyQueue { kToHost = 0, kToDevice = 1 };
@@ -39,12 +39,12 @@ class Device {
   virtual void unreserve(uintptr_t base, size_t bytes) = 0;
 
   // Physical pages: create_page() returns one page of `bytes` (OutOfMemoryError if none).
-  virtual PageHandle create_page(size_t bytes) = 0;
-  virtual void release_page(PageHandle page, size_t bytes) = 0;
+  virtual PhysicalPage create_page(size_t bytes) = 0;
+  virtual void release_page(PhysicalPage page, size_t bytes) = 0;
 
   // Mapping: a whole page at a granularity-aligned address inside a reservation.
   // unmap() must only be called once no queued copy or kernel can still touch the range.
-  virtual void map(uintptr_t addr, size_t bytes, PageHandle page) = 0;
+  virtual void map(uintptr_t addr, size_t bytes, PhysicalPage page) = 0;
   virtual void unmap(uintptr_t addr, size_t bytes) = 0;
 
   // Staging memory: pinned host memory, aligned to 4 KiB, usable by the copy queues.

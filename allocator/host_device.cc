@@ -42,7 +42,7 @@ class HostDevice final : public Device {
     munmap(reinterpret_cast<void*>(base), bytes);
   }
 
-  PageHandle create_page(size_t bytes) override {
+  PhysicalPage create_page(size_t bytes) override {
     const int fd = memfd_create("statepager-page", MFD_CLOEXEC);
     if (fd < 0) fail("memfd_create");
     // Allocate the page now, as cuMemCreate does, rather than fault it in 4 KiB at a time.
@@ -50,12 +50,12 @@ class HostDevice final : public Device {
       close(fd);
       fail("fallocate(memfd)");
     }
-    return PageHandle(fd);
+    return PhysicalPage(fd);
   }
 
-  void release_page(PageHandle page, size_t) override { close(int(page)); }
+  void release_page(PhysicalPage page, size_t) override { close(int(page)); }
 
-  void map(uintptr_t addr, size_t bytes, PageHandle page) override {
+  void map(uintptr_t addr, size_t bytes, PhysicalPage page) override {
     void* p = mmap(reinterpret_cast<void*>(addr), bytes, PROT_READ | PROT_WRITE,
                    MAP_SHARED | MAP_FIXED, int(page), 0);
     if (p == MAP_FAILED) fail("mmap(map)");

@@ -15,8 +15,8 @@ PagePool::~PagePool() {
   }
 }
 
-std::optional<PageHandle> PagePool::acquire(bool past_budget) {
-  PageHandle page;
+std::optional<PhysicalPage> PagePool::acquire(bool past_budget) {
+  PhysicalPage page;
   if (!cache_.empty()) {
     page = cache_.back();
     cache_.pop_back();
@@ -29,7 +29,7 @@ std::optional<PageHandle> PagePool::acquire(bool past_budget) {
   return page;
 }
 
-void PagePool::release(PageHandle page) {
+void PagePool::release(PhysicalPage page) {
   in_use_--;
   if ((cache_.size() + 1) * page_bytes_ <= keep_bytes_) {
     cache_.push_back(page);
@@ -39,7 +39,7 @@ void PagePool::release(PageHandle page) {
 }
 
 void PagePool::trim() {
-  for (PageHandle page : cache_) device_.release_page(page, page_bytes_);
+  for (PhysicalPage page : cache_) device_.release_page(page, page_bytes_);
   cache_.clear();
 }
 

@@ -25,8 +25,8 @@ class PagePool {
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
-  std::optional<PageHandle> acquire(bool past_budget = false);
-  void release(PageHandle page);
+  std::optional<PhysicalPage> acquire(bool past_budget = false);
+  void release(PhysicalPage page);
   void trim();  // returns every cached page to the device
   void set_keep_bytes(size_t keep_bytes) { keep_bytes_ = keep_bytes; }
 
@@ -44,7 +44,7 @@ class PagePool {
   size_t keep_bytes_;
   size_t in_use_ = 0;
   size_t peak_in_use_ = 0;
-  std::vector<PageHandle> cache_;
+  std::vector<PhysicalPage> cache_;
 };
 
 }  // namespace statepager

@@ -17,7 +17,7 @@ constexpr size_t kAddressAlign = 4096;
 size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // One device<->staging copy inside a chunk.
-struct Piece {
+struct StagingCopy {
   size_t staging_offset;
   uintptr_t addr;
   size_t bytes;
@@ -25,9 +25,9 @@ struct Piece {
 
 // One I/O request: a contiguous, aligned range of the store file.
 struct Chunk {
-  uint64_t file_offset = 0;
+  uint64_t store_offset = 0;
   size_t file_bytes = 0;
-  std::vector<Piece> pieces;
+  std::vector<StagingCopy> pieces;
 };
 
 }  // namespace
@@ -82,21 +82,22 @@ struct Pager::Store {
 struct Pager::Extent {
   uintptr_t addr;
   size_t bytes;
-  uint64_t file_offset;                // its range in its store
+  uint64_t store_offset;               // its range in its store
   size_t file_bytes;
   uint64_t next_offset = kNoOffset;    // a FILE extent's range in the store it moves to
   Residency state = Residency::kZero;
   bool segment = false;  // PyTorch's: stays mapped until PyTorch frees it, even after close
+  bool dead = false;     // released while its bucket was in flight: freed when it completes
   // In an open epoch (epoch != 0): what it was at the epoch's begin, its committed state.
   uint64_t epoch = 0;
   Residency committed_state = Residency::kZero;
-  uint64_t committed_offset = kNoOffset;  // file_offset then: the committed bytes when FILE
+  uint64_t committed_offset = kNoOffset;  // store_offset then: the committed bytes when FILE
   uint64_t committed_next = kNoOffset;    // next_offset then
 
   // The store ranges it refers to now, and in an epoch also those it committed.
   std::vector<uint64_t> ranges() const {
     std::vector<uint64_t> out;
-    for (uint64_t r : {file_offset, next_offset, committed_offset, committed_next}) {
+    for (uint64_t r : {store_offset, next_offset, committed_offset, committed_next}) {
       if (r != kNoOffset && std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
     }
     return out;
@@ -104,7 +105,7 @@ struct Pager::Extent {
 };
 
 // A staging slot: the I/O thread's alone.
-struct Pager::Slot {
+struct Pager::StagingSlot {
   unsigned index = 0;
   char* buf = nullptr;
   Job* job = nullptr;
@@ -142,7 +143,7 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   char* staging = static_cast<char*>(
       device_->alloc_staging(size_t(options_.io_depth) * options_.io_block_bytes));
   for (unsigned i = 0; i < options_.io_depth; i++) {
-    Slot slot;
+    StagingSlot slot;
     slot.index = i;
     slot.buf = staging + size_t(i) * options_.io_block_bytes;
     slots_.push_back(slot);
@@ -197,7 +198,7 @@ ExtentId Pager::create(size_t bytes, unsigned store) {
   extent->file_bytes = align_up(std::max<size_t>(bytes, 1), kFileAlign);
   extent->addr = pool_.allocate(std::max<size_t>(bytes, 1), kAddressAlign);
   try {
-    extent->file_offset = stores_[store]->space.allocate(extent->file_bytes, kFileAlign);
+    extent->store_offset = stores_[store]->space.allocate(extent->file_bytes, kFileAlign);
   } catch (...) {
     pool_.free(extent->addr);
     throw;
@@ -244,11 +245,17 @@ bool Pager::owns_address(uintptr_t addr) const {
 
 void Pager::release(ExtentId id) {
   std::unique_lock lock(mu_);
-  // A tensor may die while its bucket is in flight: let the bucket finish first.
-  done_cv_.wait(lock, [&] {
-    const Residency s = extent_locked(id).state;
-    return s != Residency::kPagingIn && s != Residency::kPagingOut;
-  });
+  Extent& e = extent_locked(id);
+  // A tensor may die while its bucket is in flight (its page-out may even wait for a
+  // range a save holds): never wait here, the bucket frees it when it completes.
+  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut) {
+    e.dead = true;
+    return;
+  }
+  free_extent_locked(id);
+}
+
+void Pager::free_extent_locked(ExtentId id) {
   Extent& e = extent_locked(id);
   if (e.state == Residency::kResident && (!closed_ || e.segment)) pool_.unref(e.addr, e.bytes);
   pool_.free(e.addr);
@@ -298,24 +305,24 @@ void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
       throw UsageError("extent " + std::to_string(id) + " is being paged: wait for its bucket "
                        "before moving it to another store");
     }
-    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
     if (store_index(now) != store) check_not_in_epoch_locked(e, id, "change stores");
   }
   for (ExtentId id : ids) {
     Extent& e = extent_locked(id);
-    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
     if (store_index(now) == store) continue;
     if (e.next_offset != kNoOffset) {  // a move not done yet goes elsewhere
       free_range_locked(e.next_offset);
       e.next_offset = kNoOffset;
-      if (store_index(e.file_offset) == store) continue;
+      if (store_index(e.store_offset) == store) continue;
     }
     const uint64_t to = stores_[store]->space.allocate(e.file_bytes, kFileAlign);
     if (e.state == Residency::kFile) {
       e.next_offset = to;  // its bytes are read from the old range once more
     } else {
-      free_range_locked(e.file_offset);
-      e.file_offset = to;
+      free_range_locked(e.store_offset);
+      e.store_offset = to;
     }
   }
 }
@@ -323,7 +330,7 @@ void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
 unsigned Pager::store_of(ExtentId id) const {
   std::unique_lock lock(mu_);
   const Extent& e = extent_locked(id);
-  return store_index(e.next_offset != kNoOffset ? e.next_offset : e.file_offset);
+  return store_index(e.next_offset != kNoOffset ? e.next_offset : e.store_offset);
 }
 
 // A range a save holds is freed once it is copied (unhold()): until then nothing may be
@@ -342,8 +349,8 @@ void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
 // In an epoch the old range holds the committed bytes: the epoch's end frees it.
 void Pager::finish_move_locked(Extent& e) {
   if (e.next_offset == kNoOffset) return;
-  if (e.file_offset != e.committed_offset) free_range_locked(e.file_offset);
-  e.file_offset = e.next_offset;
+  if (e.store_offset != e.committed_offset) free_range_locked(e.store_offset);
+  e.store_offset = e.next_offset;
   e.next_offset = kNoOffset;
 }
 
@@ -476,17 +483,17 @@ void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
     for (ExtentId id : ids) {
       Extent& e = extent_locked(id);
       if (e.epoch == 0 || e.committed_state != Residency::kFile ||
-          e.file_offset != e.committed_offset) {
+          e.store_offset != e.committed_offset) {
         continue;
       }
-      Arena& space = stores_[store_index(e.file_offset)]->space;
+      Arena& space = stores_[store_index(e.store_offset)]->space;
       fresh.emplace_back(&e, space.allocate(e.file_bytes, kFileAlign));
     }
   } catch (...) {
     for (auto [e, range] : fresh) free_range_locked(range);
     throw;
   }
-  for (auto [e, range] : fresh) e->file_offset = range;
+  for (auto [e, range] : fresh) e->store_offset = range;
 }
 
 // Cuts the bucket's file ranges into requests of at most io_block_bytes. Extents that are
@@ -498,7 +505,7 @@ void Pager::plan_chunks(Job& job) {
     if (job.out || job.before[i] == Residency::kFile) moved.push_back(&e);
   }
   std::sort(moved.begin(), moved.end(),
-            [](const Extent* a, const Extent* b) { return a->file_offset < b->file_offset; });
+            [](const Extent* a, const Extent* b) { return a->store_offset < b->store_offset; });
   const size_t block = options_.io_block_bytes;
   Chunk chunk;
   auto flush = [&] {
@@ -508,17 +515,17 @@ void Pager::plan_chunks(Job& job) {
   for (const Extent* e : moved) {
     size_t pos = 0;
     while (pos < e->bytes) {
-      const uint64_t at = e->file_offset + pos;
-      if (chunk.file_bytes == block || (chunk.file_bytes > 0 && chunk.file_offset + chunk.file_bytes != at)) {
+      const uint64_t at = e->store_offset + pos;
+      if (chunk.file_bytes == block || (chunk.file_bytes > 0 && chunk.store_offset + chunk.file_bytes != at)) {
         flush();
       }
-      if (chunk.file_bytes == 0) chunk.file_offset = at;
+      if (chunk.file_bytes == 0) chunk.store_offset = at;
       const size_t n = std::min(block - chunk.file_bytes, e->bytes - pos);
-      chunk.pieces.push_back(Piece{chunk.file_bytes, e->addr + pos, n});
+      chunk.pieces.push_back(StagingCopy{chunk.file_bytes, e->addr + pos, n});
       chunk.file_bytes += align_up(n, kFileAlign);
       pos += n;
     }
-    const uint64_t end = e->file_offset + e->file_bytes;
+    const uint64_t end = e->store_offset + e->file_bytes;
     if (job.file_ends.empty() || store_index(job.file_ends.back()) != store_index(end - 1)) {
       job.file_ends.push_back(end);  // sorted by offset: stores come one after another
     } else {
@@ -611,7 +618,7 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
                        "out (and wait) before copying the store");
     }
     check_not_in_epoch_locked(e, id, "be copied");
-    out.push_back(placement_locked(e, e.file_offset));
+    out.push_back(placement_locked(e, e.store_offset));
   }
   for (const Placement& p : out) {
     if (p.state == Residency::kFile && p.store_bytes > 0) {
@@ -637,9 +644,9 @@ void Pager::unhold(uint64_t store_offset) {
 bool Pager::waits_for_hold_locked(Job& job) {
   if (!job.out || job.discard || held_.empty()) return false;
   for (const Chunk& c : job.chunks) {
-    auto next = held_.upper_bound(c.file_offset);  // ranges are disjoint: check two
-    const bool before = next != held_.begin() && std::prev(next)->second > c.file_offset;
-    const bool after = next != held_.end() && next->first < c.file_offset + c.file_bytes;
+    auto next = held_.upper_bound(c.store_offset);  // ranges are disjoint: check two
+    const bool before = next != held_.begin() && std::prev(next)->second > c.store_offset;
+    const bool after = next != held_.end() && next->first < c.store_offset + c.file_bytes;
     if (before || after) {
       if (!job.held) counters_.buckets_held++;
       job.held = true;
@@ -679,7 +686,7 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
         throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
                          "it out or discard it (and wait) before restoring it");
       }
-      if (held_.count(e.file_offset) != 0) {
+      if (held_.count(e.store_offset) != 0) {
         throw UsageError("a checkpoint copy still holds the store range of extent " +
                          std::to_string(id) + ": wait for the save to finish first");
       }
@@ -690,7 +697,7 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
         if (zero[i]) continue;
         const Extent& e = extent_locked(ids[i]);
         // In the store it moves to, if it moves: the move is done once the bytes are there.
-        const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+        const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
         fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
       }
     } catch (...) {
@@ -737,7 +744,7 @@ CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bo
       continue;
     }
     for (uint64_t range : e.ranges()) free_range_locked(range);
-    e.file_offset = fresh[i];
+    e.store_offset = fresh[i];
     e.next_offset = kNoOffset;
     e.state = Residency::kFile;
   }
@@ -767,7 +774,7 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
     Extent& e = extent_locked(id);
     e.epoch = epoch;
     e.committed_state = e.state;
-    e.committed_offset = e.file_offset;
+    e.committed_offset = e.store_offset;
     e.committed_next = e.next_offset;
   }
   epochs_[epoch] = std::move(members);
@@ -802,7 +809,7 @@ void Pager::end_epoch_locked(Extent& e, bool keep) {
   if (!keep) {
     if (e.state == Residency::kResident) pool_.unref(e.addr, e.bytes);
     e.state = e.committed_state;
-    e.file_offset = e.committed_offset;
+    e.store_offset = e.committed_offset;
     e.next_offset = e.committed_next;
   }
   e.epoch = 0;
@@ -917,7 +924,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
       job->error = std::current_exception();
     }
   }
-  for (Slot& slot : slots_) {
+  for (StagingSlot& slot : slots_) {
     if (slot.job) continue;
     for (const Ticket& job : jobs) {
       if (job->error || job->next_chunk == job->chunks.size()) continue;
@@ -929,7 +936,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
       break;
     }
   }
-  for (Slot& slot : slots_) {
+  for (StagingSlot& slot : slots_) {
     if (!slot.copy) continue;
     try {
       if (!device_->is_done(*slot.copy)) {
@@ -944,7 +951,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
     progressed = true;
     if (slot.job->out && !slot.job->error) {
       file_->submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
-                                       slot.chunk->file_offset, 0});
+                                       slot.chunk->store_offset, 0});
     } else {
       finish_slot(slot, 0, 0);
     }
@@ -956,11 +963,11 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   }
   for (const auto& c : done) {
     progressed = true;
-    Slot& slot = slots_[c.tag];
+    StagingSlot& slot = slots_[c.tag];
     slot.job->requests++;
     if (c.error == 0 && !slot.job->out && !slot.job->error) {
       try {
-        for (const Piece& p : slot.chunk->pieces) {
+        for (const StagingCopy& p : slot.chunk->pieces) {
           device_->copy_to_device(p.addr, slot.buf + p.staging_offset, p.bytes);
         }
         slot.copy = device_->record(CopyQueue::kToDevice);
@@ -986,12 +993,12 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   return progressed;
 }
 
-void Pager::start_chunk(Slot& slot) {
+void Pager::start_chunk(StagingSlot& slot) {
   const Chunk& chunk = *slot.chunk;
   try {
     if (slot.job->out) {
       size_t at = 0;
-      for (const Piece& p : chunk.pieces) {
+      for (const StagingCopy& p : chunk.pieces) {
         std::memset(slot.buf + at, 0, p.staging_offset - at);  // padding between extents
         device_->copy_to_host(slot.buf + p.staging_offset, p.addr, p.bytes);
         at = p.staging_offset + p.bytes;
@@ -1000,7 +1007,7 @@ void Pager::start_chunk(Slot& slot) {
       slot.copy = device_->record(CopyQueue::kToHost);
     } else {
       file_->submit(UringFile::Request{slot.index, false, slot.buf, chunk.file_bytes,
-                                       chunk.file_offset, 0});
+                                       chunk.store_offset, 0});
     }
   } catch (...) {
     slot.job->error = std::current_exception();
@@ -1008,7 +1015,7 @@ void Pager::start_chunk(Slot& slot) {
   }
 }
 
-void Pager::finish_slot(Slot& slot, int error, uint64_t offset) {
+void Pager::finish_slot(StagingSlot& slot, int error, uint64_t offset) {
   Job& job = *slot.job;
   if (error != 0 && !job.error) {
     try {
@@ -1055,6 +1062,9 @@ void Pager::complete(Job& job) {
       counters_.buckets_in++;
       for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
     }
+  }
+  for (ExtentId id : job.extents) {
+    if (extent_locked(id).dead) free_extent_locked(id);
   }
   if (job.out) outs_in_flight_--;
   job.end_time = std::chrono::steady_clock::now();

@@ -150,6 +150,8 @@ class Pager {
   // The store an extent lives in (or moves to, on its next page-in).
   unsigned store_of(ExtentId id) const;
   // Forgets an extent: unmaps its pages if resident, frees its address and file range.
+  // Never waits: an extent being paged is marked dead and freed when its bucket completes
+  // (its address and range stay reserved until then).
   void release(ExtentId id);
 
   // A resident extent, mapped at once even past the page budget: a segment PyTorch's
@@ -159,7 +161,7 @@ class Pager {
   void release_at(uintptr_t addr);
   bool owns_address(uintptr_t addr) const;  // inside this pager's arena
 
-  bool exists(ExtentId id) const;  // created and not released
+  bool exists(ExtentId id) const;  // created and not freed (see release())
   uintptr_t address(ExtentId id) const;
   size_t size(ExtentId id) const;
   Residency residency(ExtentId id) const;
@@ -237,17 +239,18 @@ class Pager {
 
  private:
   struct Extent;
-  struct Slot;
+  struct StagingSlot;
   struct Store;
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
   void plan_chunks(Job& job);
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
+  void free_extent_locked(ExtentId id);  // release() of an extent not being paged
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
-  void start_chunk(Slot& slot);
-  void finish_slot(Slot& slot, int error, uint64_t offset);
+  void start_chunk(StagingSlot& slot);
+  void finish_slot(StagingSlot& slot, int error, uint64_t offset);
   void complete(Job& job);
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
   unsigned add_store_locked(const std::string& name);
@@ -272,7 +275,7 @@ class Pager {
   // punch() and the path and span queries under mu_ (UringFile allows them alongside).
   std::unique_ptr<UringFile> file_;
   std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
-  std::vector<Slot> slots_;            // I/O thread (freed by close() after the join)
+  std::vector<StagingSlot> slots_;            // I/O thread (freed by close() after the join)
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;    // wakes the I/O thread

@@ -77,7 +77,7 @@ void Pool::ref(uintptr_t addr, size_t bytes, bool past_budget) {
       it->second.refs++;
       continue;
     }
-    std::optional<PageHandle> page;
+    std::optional<PhysicalPage> page;
     try {
       page = pages_.acquire(past_budget);
       if (!page) {

@@ -65,7 +65,7 @@ class Pool {
 
  private:
   struct Entry {
-    PageHandle page;
+    PhysicalPage page;
     uint32_t refs;
   };
   size_t first_page(uintptr_t addr) const { return (addr - arena_.base()) / page_bytes_; }

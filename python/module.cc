@@ -277,11 +277,11 @@ PYBIND11_MODULE(_C, m) {
               const std::vector<std::pair<unsigned, uint64_t>>& targets) {
              std::vector<StoreSnapshot::Target> t;
              for (auto [file, offset] : targets) t.push_back({file, offset});
-             py::gil_scoped_release release;
              return std::string(copy_method_name(s.snapshot->copy_to(files, t)));
            },
-           py::arg("files"), py::arg("targets"))
-      .def("release", [](PySnapshot& s) { s.snapshot->release(); });
+           py::arg("files"), py::arg("targets"), py::call_guard<py::gil_scoped_release>())
+      .def("release", [](PySnapshot& s) { s.snapshot->release(); },
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<PyTicket>(m, "Ticket")
       .def_property_readonly("times", [](const PyTicket& t) { return job_times(*t.ticket); });
@@ -305,7 +305,7 @@ PYBIND11_MODULE(_C, m) {
           }
           const size_t n = total_bytes / page_bytes;
           const uintptr_t base = dev->reserve(n * page_bytes);
-          std::vector<PageHandle> pages;
+          std::vector<PhysicalPage> pages;
           for (size_t i = 0; i < n; i++) pages.push_back(dev->create_page(page_bytes));
           for (int r = 0; r < rounds; r++) {
             auto t0 = std::chrono::steady_clock::now();
@@ -316,7 +316,7 @@ PYBIND11_MODULE(_C, m) {
             map_s += std::chrono::duration<double>(t1 - t0).count();
             unmap_s += std::chrono::duration<double>(t2 - t1).count();
           }
-          for (PageHandle p : pages) dev->release_page(p, page_bytes);
+          for (PhysicalPage p : pages) dev->release_page(p, page_bytes);
           dev->unreserve(base, n * page_bytes);
         }
         const double gib = double(total_bytes) / double(1 << 30) * rounds;
@@ -340,6 +340,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dir"), py::arg("bytes"), py::arg("block"), py::arg("depth"), py::arg("read"),
       py::arg("write"),
       "Raw sequential bandwidth of the store's io_uring engine, read and/or write at once");
+
+  // The GIL is released (kvcached's torch_bindings.cpp does the same) around every call
+  // that can wait: for buckets in flight (wait, close, epochs), for page-outs to return
+  // pages at the budget (page_in), for the device's stream (page_out, discard), for
+  // copies (restore, snapshots, pause/resume's page_all) or for the device (trim). Held,
+  // it would deadlock: a page-out into a range that a background save holds completes
+  // only when the save's Python thread copies that range, and that thread needs the GIL.
+  // py::call_guard releases it after the arguments are converted and takes it back before
+  // the result is; the bodies touch no Python object (at::Tensor is C++). Calls that only
+  // read or set the core's state under its mutex (never held across a wait) keep it.
+  using release_gil = py::call_guard<py::gil_scoped_release>;
 
   py::class_<PyPager>(m, "Pager")
       .def(py::init([](const std::string& directory, const std::string& device,
@@ -368,6 +379,9 @@ PYBIND11_MODULE(_C, m) {
              const size_t bytes = tensor_bytes(shape, strides, scalar);
              const ExtentId id = self.pager->create(bytes, self.pager->open_store(store));
              std::shared_ptr<Pager> keep = self.pager;
+             // Pager::release never waits (a tensor still paging is freed when its bucket
+             // completes), so the deleter needs no GIL release: torch may run it with or
+             // without the GIL, on any thread.
              auto deleter = [keep, id](void*) {
                try {
                  keep->release(id);
@@ -401,22 +415,20 @@ PYBIND11_MODULE(_C, m) {
       .def("page_in",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
              return PyTicket{self.pager->page_in(self.extents_of(tensors))};
-           })
+           },
+           release_gil())
       .def("page_out",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream) {
              return PyTicket{self.pager->page_out(self.extents_of(tensors), stream)};
            },
-           py::arg("tensors"), py::arg("stream") = 0)
+           py::arg("tensors"), py::arg("stream") = 0, release_gil())
       .def("discard",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream) {
              return PyTicket{self.pager->discard(self.extents_of(tensors), stream)};
            },
-           py::arg("tensors"), py::arg("stream") = 0)
-      .def("wait",
-           [](PyPager& self, const PyTicket& t) {
-             py::gil_scoped_release release;
-             self.pager->wait(t.ticket);
-           })
+           py::arg("tensors"), py::arg("stream") = 0, release_gil())
+      .def("wait", [](PyPager& self, const PyTicket& t) { self.pager->wait(t.ticket); },
+           release_gil())
       .def("is_done", [](PyPager& self, const PyTicket& t) { return self.pager->is_done(t.ticket); })
       .def("residency",
            [](PyPager& self, const torch::Tensor& t) {
@@ -453,50 +465,39 @@ PYBIND11_MODULE(_C, m) {
            "Ids of the extents resident now (for pause/resume)")
       .def("page_all",
            [](PyPager& self, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
-             py::gil_scoped_release release;
              page_all(*self.pager, ids, bucket_bytes, out);
            },
-           py::arg("ids"), py::arg("bucket_bytes"), py::arg("out"),
+           py::arg("ids"), py::arg("bucket_bytes"), py::arg("out"), release_gil(),
            "Pages extents out (or in) in buckets, all in flight; waits for all of them")
-      .def("trim", [](PyPager& self) { self.pager->trim(); },
+      .def("trim", [](PyPager& self) { self.pager->trim(); }, release_gil(),
            "Returns the cached pages to the device")
       .def("snapshot",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
              return PySnapshot{self.pager,
                                std::make_unique<StoreSnapshot>(*self.pager, self.extents_of(tensors))};
            },
-           "Holds the tensors' store ranges (they must be at rest) for a copy of this moment")
+           release_gil(), "Holds the tensors' store ranges (they must be at rest) for a copy of this moment")
       .def("restore",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors,
               const std::vector<bool>& zero, const std::string& src,
               const std::vector<uint64_t>& offsets) {
              const std::vector<ExtentId> ids = self.extents_of(tensors);
-             py::gil_scoped_release release;
              return std::string(copy_method_name(self.pager->restore(ids, zero, src, offsets)));
            },
-           py::arg("tensors"), py::arg("zero"), py::arg("src"), py::arg("offsets"))
+           py::arg("tensors"), py::arg("zero"), py::arg("src"), py::arg("offsets"), release_gil())
       .def("begin_epoch",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
              return self.pager->begin_epoch(self.extents_of(tensors));
            },
            "Opens an all-or-nothing epoch over the tensors (at rest); returns its id")
-      .def("commit_epoch",
-           [](PyPager& self, uint64_t epoch) {
-             py::gil_scoped_release release;
-             self.pager->commit_epoch(epoch);
-           })
-      .def("abort_epoch",
-           [](PyPager& self, uint64_t epoch) {
-             py::gil_scoped_release release;
-             self.pager->abort_epoch(epoch);
-           })
+      .def("commit_epoch", [](PyPager& self, uint64_t epoch) { self.pager->commit_epoch(epoch); },
+           release_gil())
+      .def("abort_epoch", [](PyPager& self, uint64_t epoch) { self.pager->abort_epoch(epoch); },
+           release_gil())
       .def("set_keep_bytes", [](PyPager& self, size_t n) { self.pager->set_keep_bytes(n); })
       .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })
       .def_property_readonly("file_path", [](PyPager& self) { return self.pager->file_path(); })
       .def_property_readonly("directory", [](PyPager& self) { return self.pager->directory(); })
-      .def("close", [](PyPager& self) {
-        py::gil_scoped_release release;
-        self.pager->close();
-      });
+      .def("close", [](PyPager& self) { self.pager->close(); }, release_gil());
 }

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from statepager import codecs as C
+from statepager.formats import codecs as C
 
 VOCAB, SEQ, BATCH, DIM, LAYERS = 2048, 32, 32, 64, 2
 LR, BETAS, EPS, WD = 2e-3, (0.9, 0.999), 1e-8, 0.01

@@ -22,10 +22,12 @@ from statepager._C import (  # noqa: E402, F401
     UsageError,
     cuda_available,
 )
-from statepager.pager import PageHandle, Pager  # noqa: E402, F401
-from statepager.stream import StepStats, StreamedOptimizer  # noqa: E402, F401
-from statepager.optim import PagedAdamW  # noqa: E402, F401
-from statepager.checkpoint import CheckpointMismatchError  # noqa: E402, F401
+from statepager.core.pager import PageHandle, Pager  # noqa: E402, F401
+from statepager.core.stream import StepStats, StreamedOptimizer  # noqa: E402, F401
+from statepager.core.optim import PagedAdamW  # noqa: E402, F401
+from statepager.checkpoint.save_load import CheckpointMismatchError  # noqa: E402, F401
+# Integrations register their adapters with Pager.attach (statepager.core.adapters).
+from statepager.integrations import megatron as _megatron  # noqa: E402, F401
 
 __all__ = [
     "Pager",

@@ -129,13 +129,13 @@ def main(argv=None, prog: str = "statepager") -> int:
 
 def _run_bench(args) -> int:
     if args.what == "step":
-        from statepager.bench_step import bench_step as run, print_step as show
+        from statepager.bench.step import bench_step as run, print_step as show
     elif args.what == "ckpt":
-        from statepager.bench_ckpt import bench_ckpt as run, print_ckpt as show
+        from statepager.bench.ckpt import bench_ckpt as run, print_ckpt as show
     elif args.what == "formats":
-        from statepager.bench_formats import bench_formats as run, print_formats as show
+        from statepager.bench.formats import bench_formats as run, print_formats as show
     else:
-        from statepager import bench_pager
+        from statepager.bench import pager as bench_pager
 
         run, show = {"store": (bench_pager.bench_store, bench_pager.print_store),
                      "sleep": (bench_pager.bench_sleep, bench_pager.print_sleep),

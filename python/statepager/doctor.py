@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from statepager import _C
-from statepager.bench_report import spread
+from statepager.bench.report import spread
 from statepager.progress import Progress
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -179,7 +179,7 @@ def _free_space(base: str, size: int | None) -> Check:
 def _pager_checks(work: str, mount: dict | None, probe_bytes: int) -> tuple[list, int | None]:
     """A host Pager in `work` (what the pager itself chooses there), checkpoint copies and
     the raw io_uring bandwidth with the pager's I/O shape."""
-    from statepager.pager import Pager
+    from statepager.core.pager import Pager
 
     checks = []
     try:

@@ -18,7 +18,8 @@ import json
 import os
 import time
 
-from statepager import _C, checkpoint
+from statepager import _C
+from statepager.checkpoint import save_load as checkpoint
 
 _MANIFEST = "manifest.json"
 _LOCK = ".lock"

@@ -44,7 +44,7 @@ TEST(CudaDevice, CopiesAreBitExact) {
 
   uintptr_t base = dev->reserve(2 * g);
   ASSERT_EQ(base % g, 0u);
-  PageHandle page = dev->create_page(g);
+  PhysicalPage page = dev->create_page(g);
   dev->map(base, g, page);
   auto* in = static_cast<uint8_t*>(dev->alloc_staging(g));
   auto* out = static_cast<uint8_t*>(dev->alloc_staging(g));
@@ -69,7 +69,7 @@ TEST(CudaDevice, FillZero) {
   auto dev = make_cuda_device(0);
   const size_t g = dev->granularity();
   uintptr_t base = dev->reserve(g);
-  PageHandle page = dev->create_page(g);
+  PhysicalPage page = dev->create_page(g);
   dev->map(base, g, page);
   auto* buf = static_cast<uint8_t*>(dev->alloc_staging(g));
 
@@ -109,8 +109,8 @@ TEST(CudaDevice, RemapKeepsAddressAndPageContents) {
   auto dev = make_cuda_device(0);
   const size_t g = dev->granularity();
   uintptr_t base = dev->reserve(g);
-  PageHandle a = dev->create_page(g);
-  PageHandle b = dev->create_page(g);
+  PhysicalPage a = dev->create_page(g);
+  PhysicalPage b = dev->create_page(g);
   auto* data_a = static_cast<uint8_t*>(dev->alloc_staging(g));
   auto* data_b = static_cast<uint8_t*>(dev->alloc_staging(g));
   auto* out = static_cast<uint8_t*>(dev->alloc_staging(g));
@@ -146,7 +146,7 @@ TEST(CudaDevice, AbsurdPageThrows) {
   auto dev = make_cuda_device(0);
   const size_t bytes = round_up(size_t{1} << 40, dev->granularity());  // 1 TiB
   try {
-    PageHandle page = dev->create_page(bytes);
+    PhysicalPage page = dev->create_page(bytes);
     dev->release_page(page, bytes);
     FAIL() << "create_page(1 TiB) succeeded";
   } catch (const OutOfMemoryError& e) {
@@ -165,12 +165,12 @@ TEST(CudaDevice, FreeMemoryTracksPages) {
   const size_t slack = total / 4;  // other processes may allocate or free meanwhile
 
   const size_t before = dev->free_memory();
-  std::vector<PageHandle> pages;
+  std::vector<PhysicalPage> pages;
   for (size_t i = 0; i < count; i++) pages.push_back(dev->create_page(page_bytes));
   const size_t held = dev->free_memory();
   EXPECT_LT(held + total - slack, before);
 
-  for (PageHandle p : pages) dev->release_page(p, page_bytes);
+  for (PhysicalPage p : pages) dev->release_page(p, page_bytes);
   const size_t after = dev->free_memory();
   EXPECT_GT(after, held + total - slack);
 }

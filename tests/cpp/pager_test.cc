@@ -220,6 +220,28 @@ TEST(Pager, ReleaseUnmapsAndCloseRemovesDirectory) {
 namespace statepager {
 namespace {
 
+// A tensor may die while its page-out waits for a range a save holds; the save's thread
+// may need the dying thread's lock (Python's GIL) to copy it. Release never waits: the
+// extent is freed when its bucket completes.
+TEST(Pager, ReleaseWhilePagingNeverWaits) {
+  Pager pager(make_host_device(), small_options("release-paging"));
+  const ExtentId a = pager.create(100000);
+  pager.wait(pager.page_in({a}));
+  fill_random(pager.address(a), 100000, 7);
+  pager.wait(pager.page_out({a}));
+  const std::vector<Placement> held = pager.hold({a});
+  pager.wait(pager.page_in({a}));
+  const Ticket out = pager.page_out({a});  // waits, unstarted, for the held range
+  pager.release(a);
+  EXPECT_EQ(pager.stats().extents, 1u);  // address and range reserved until it completes
+  EXPECT_FALSE(pager.is_done(out));
+  pager.unhold(held.at(0).store_offset);
+  pager.wait(out);
+  EXPECT_EQ(pager.stats().extents, 0u);
+  EXPECT_FALSE(pager.exists(a));
+  EXPECT_EQ(pager.stats().mapped_bytes, 0u);
+}
+
 TEST(Pager, DiscardUnmapsWithoutWriting) {
   Pager pager(make_host_device(), small_options("discard"));
   const ExtentId id = pager.create(300000);
@@ -375,9 +397,9 @@ class FailingDevice final : public Device {
   size_t granularity() const override { return host_->granularity(); }
   uintptr_t reserve(size_t b) override { return host_->reserve(b); }
   void unreserve(uintptr_t a, size_t b) override { check(); host_->unreserve(a, b); }
-  PageHandle create_page(size_t b) override { return host_->create_page(b); }
-  void release_page(PageHandle p, size_t b) override { check(); host_->release_page(p, b); }
-  void map(uintptr_t a, size_t b, PageHandle p) override { host_->map(a, b, p); }
+  PhysicalPage create_page(size_t b) override { return host_->create_page(b); }
+  void release_page(PhysicalPage p, size_t b) override { check(); host_->release_page(p, b); }
+  void map(uintptr_t a, size_t b, PhysicalPage p) override { host_->map(a, b, p); }
   void unmap(uintptr_t a, size_t b) override { check(); host_->unmap(a, b); }
   void* alloc_staging(size_t b) override { return host_->alloc_staging(b); }
   void free_staging(void* p, size_t b) override { check(); host_->free_staging(p, b); }

@@ -168,8 +168,8 @@ def test_reload_model_params_goes_through_the_pager(gpt, store_dir):
         for d, stream in zip(members(optimizer), binding.streams):
             for b in stream.state_in_buckets():
                 for main in b.params:
-                    model_param = next((m for m in binding.members if m.d is d)).model_of.get(
-                        id(main))
+                    member = next(m for m in binding.members if m.optimizer is d)
+                    model_param = member.model_of.get(id(main))
                     if model_param is not None:
                         r = d._get_model_param_range_map(model_param)["param"]
                         assert torch.equal(main, model_param.view(-1)[r.start:r.end].float())

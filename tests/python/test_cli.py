@@ -12,7 +12,7 @@ import torch
 
 import statepager
 from statepager import cli
-from statepager.bench_report import faster, show, spread
+from statepager.bench.report import faster, show, spread
 
 
 def refused(capsys, argv, message):

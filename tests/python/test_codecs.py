@@ -4,7 +4,7 @@ scheme's error bound."""
 import pytest
 import torch
 
-from statepager import codecs as C
+from statepager.formats import codecs as C
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import statepager
-from statepager import checkpoint
+from statepager.checkpoint import save_load as checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

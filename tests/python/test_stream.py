@@ -459,3 +459,21 @@ def test_load_state_dict_copies_into_the_paged_tensors(store_dir, source):
         assert train(model, opt, None, 3, seed=9) == train(ref_model, ref, None, 3, seed=9)
         for a, b in zip(ref_model.parameters(), model.parameters()):
             assert torch.equal(a, b)
+
+
+def test_an_attached_optimizer_is_freed_with_its_binding(store_dir):
+    """Nothing of statepager keeps an attached optimizer (or its binding and Pager)
+    alive: a leak would hold each Pager's address reservation until the host runs out."""
+    import gc
+    import weakref
+
+    pager = Pager(store_dir, page_size=64 * KiB)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    binding = pager.attach(opt, bucket_size=40 * KiB)
+    train(model, opt, None, 1)
+    pager.close()
+    refs = [weakref.ref(o) for o in (opt, binding, pager)]
+    del opt, binding, pager
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]

@@ -29,7 +29,8 @@ import re
 
 import torch
 
-from statepager import _C, checkpoint_dirs
+from statepager import _C
+from statepager.checkpoint import dirs as checkpoint_dirs
 
 FORMAT, VERSION = "statepager-checkpoint", 3
 ALIGN = 4096

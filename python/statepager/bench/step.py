@@ -18,9 +18,9 @@ import time
 import torch
 
 from statepager import _C
-from statepager.bench_pager import bench_directory
-from statepager.bench_report import faster, show, spread
-from statepager.pager import MiB, Pager
+from statepager.bench.common import bench_directory
+from statepager.bench.report import faster, show, spread
+from statepager.core.pager import MiB, Pager
 from statepager.progress import Progress
 
 STATE_BYTES = 12  # fp32 main + exp_avg + exp_avg_sq, per parameter, each way

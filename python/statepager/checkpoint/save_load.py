@@ -40,14 +40,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from statepager import _C, checkpoint_dirs
-from statepager.checkpoint_dirs import DATA, MANIFEST
-from statepager.checkpoint_staging import Staged, check_layout, missing_state
-from statepager.manifest import (CHUNK, DIGEST, FORMAT, VERSION, CheckpointMismatchError,
+from statepager import _C
+from statepager.checkpoint import dirs as checkpoint_dirs
+from statepager.checkpoint.dirs import DATA, MANIFEST
+from statepager.checkpoint.staging import Staged, check_layout, missing_state
+from statepager.checkpoint.manifest import (CHUNK, DIGEST, FORMAT, VERSION, CheckpointMismatchError,
                                  DataFile, align, digest, encode, read_manifest, stored,
                                  valid_name)
-from statepager.pager import flat_view
-from statepager.stream import _params_in_order
+from statepager.core import ranks
+from statepager.core.flat import flat_view
 
 log = logging.getLogger("statepager")
 
@@ -84,48 +85,49 @@ class SaveHandle:
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
-
-def wait_for_save(pager) -> None:
-    """Waits for the pager's background save, if one is running (one at a time), and
-    raises its error if no wait() has: the pager reports a failed save once."""
-    handle, pager._saving = pager._saving, None
-    if handle is None:
-        return
-    if handle._thread is not None:
-        handle._thread.join()
-    if not handle._raised:
-        handle.wait()
+    def settle(self) -> None:
+        """Waits for the save and raises its error if no wait() has: the pager's next
+        save or load reports a failed background save once."""
+        if self._thread is not None:
+            self._thread.join()
+        if not self._raised:
+            self.wait()
 
 
 def rank_directory(base: str) -> str:
     """base/statepager/rankNNNNN: this rank's checkpoint under a training loop's
     checkpoint directory (rank from torch.distributed, 0 when not initialized)."""
-    from statepager.pager import _rank
-
-    return os.path.join(os.path.abspath(base), "statepager", f"rank{_rank():05d}")
+    return os.path.join(os.path.abspath(base), "statepager", f"rank{ranks.rank():05d}")
 
 
-def save(pager, path: str, *, background: bool = False, via: str = "store") -> SaveHandle:
+def check_save_options(background: bool, via: str) -> None:
     if via not in _VIAS:
         raise _C.UsageError(f"via must be one of {_VIAS}, not {via!r}")
     if background and via != "store":
         raise _C.UsageError("a background save copies the store: use via='store'")
-    wait_for_save(pager)
+
+
+def save(pager, core, path: str, *, background: bool = False,
+         via: str = "store") -> SaveHandle:
+    """Pager.save (core: the pager's _C.Pager, whose snapshot() holds the store ranges).
+    The caller has settled the previous background save and keeps the handle of a
+    background one (the next save or load settles it)."""
+    check_save_options(background, via)
     t_call = time.perf_counter()
     path = os.path.abspath(path)
     checkpoint_dirs.refuse_store_target(path, pager.directory)
     if os.path.exists(path):
         raise _C.UsageError(f"checkpoint {path} exists: checkpoints are written once, "
                             "give each one a new path (e.g. one per step)")
-    for binding in pager._bindings:
+    for binding in pager.bindings:
         _check_name(binding.name)
     checkpoint_dirs.remove_dead_temporaries(path)
     # At rest: a save between steps finds nothing resident, so this moves no bytes.
-    for h in [pager.page_out_async(b.stored) for bd in pager._bindings for b in bd.buckets]:
+    for h in [pager.page_out_async(b.stored) for bd in pager.bindings for b in bd.buckets]:
         h.wait()
-    plan = [_Plan(binding) for binding in pager._bindings]
+    plan = [_Plan(binding) for binding in pager.bindings]
     tensors = [t for p in plan for t in p.tensors]
-    snapshot = pager._core.snapshot(tensors) if via == "store" else None
+    snapshot = core.snapshot(tensors) if via == "store" else None
     try:
         states = ([s for s, _, _ in snapshot.placements] if snapshot is not None
                   else [pager.residency(t) for t in tensors])
@@ -185,7 +187,6 @@ def save(pager, path: str, *, background: bool = False, via: str = "store") -> S
     if background:
         handle._thread = threading.Thread(target=finish, name="statepager-save")
         handle._thread.start()
-        pager._saving = handle
         handle.call_seconds = time.perf_counter() - t_call
         return handle
     finish()
@@ -202,7 +203,7 @@ class _Plan:
     def __init__(self, binding):
         self.binding = binding
         opt = binding.optimizer
-        params = _params_in_order(opt)
+        params = binding.params_in_order()
         index = {id(p): i for i, p in enumerate(params)}
         # Per bucket: (manifest entry, tensor) of each stored tensor.
         self.buckets = [[({"param": index[id(p)], "name": name, "dtype": str(t.dtype),
@@ -299,11 +300,11 @@ def checksums(ranges: list) -> list:
     return out
 
 
-def load(pager, path: str) -> bool:
+def load(pager, core, path: str) -> bool:
     """Loads `path` into the attached optimizers, all or nothing (see the module
-    docstring). False (with a logged notice) when `path` holds no statepager checkpoint,
-    so runs from older checkpoints start fresh."""
-    wait_for_save(pager)
+    docstring; core: the pager's _C.Pager, whose restore() copies the bytes in). False
+    (with a logged notice) when `path` holds no statepager checkpoint, so runs from older
+    checkpoints start fresh. The caller has settled a background save."""
     path = os.path.abspath(path)
     checkpoint_dirs.remove_dead_temporaries(path)
     if not os.path.exists(os.path.join(path, MANIFEST)):
@@ -311,28 +312,29 @@ def load(pager, path: str) -> bool:
         return False
     manifest = read_manifest(path)
     saved = {e["name"]: e for e in manifest["optimizers"]}
-    attached = [b.name for b in pager._bindings]
+    bindings = pager.bindings
+    attached = [b.name for b in bindings]
     if sorted(saved) != sorted(attached):
         raise CheckpointMismatchError(
             f"checkpoint {path} does not fit: optimizers {sorted(saved)} saved, "
             f"{sorted(attached)} attached. Load it into the same model, optimizers and "
             "sharding it was saved from.")
-    entries = [saved[b.name] for b in pager._bindings]
+    entries = [saved[b.name] for b in bindings]
     data = [DataFile(entry, path) for entry in entries]
-    for binding, entry, d in zip(pager._bindings, entries, data):
+    for binding, entry, d in zip(bindings, entries, data):
         check_layout(binding, entry, d)
-    missing = [missing_state(binding, d) for binding, d in zip(pager._bindings, data)]
+    missing = [missing_state(binding, d) for binding, d in zip(bindings, data)]
     _verify(data)
     # The live state changes from here on; until an optimizer is loaded, what changed in
     # it is undone on failure.
     created, loaded = {}, []
     try:
-        for binding, m in zip(pager._bindings, missing):
+        for binding, m in zip(bindings, missing):
             created[binding.name] = _create_state(binding, m)
-        staged = [Staged(b, e, d) for b, e, d in zip(pager._bindings, entries, data)]
-        _restore(pager, staged, loaded)
+        staged = [Staged(b, e, d) for b, e, d in zip(bindings, entries, data)]
+        _restore(pager, core, staged, loaded)
     except BaseException as e:
-        for binding in pager._bindings:
+        for binding in bindings:
             if binding.name not in loaded:
                 _drop_state(binding, created.get(binding.name, {}))
         if loaded:
@@ -342,7 +344,7 @@ def load(pager, path: str) -> bool:
     return True
 
 
-def _restore(pager, staged: list, loaded: list) -> None:
+def _restore(pager, core, staged: list, loaded: list) -> None:
     """Each optimizer's bytes into the store (all or nothing: Pager::restore), then its
     staged values. Appends the name of each optimizer loaded to `loaded`."""
     # Resident tensors go out first (between steps there are none), so their bytes are
@@ -352,7 +354,7 @@ def _restore(pager, staged: list, loaded: list) -> None:
         pager.page_out(resident)
     for s in staged:
         tensors, zero, offsets = s.restore
-        pager._core.restore(tensors, zero, s.data.path, offsets)
+        core.restore(tensors, zero, s.data.path, offsets)
         s.apply()
         loaded.append(s.binding.name)
 
@@ -386,7 +388,7 @@ def _create_state(binding, missing: dict) -> dict:
     """Creates the state entries of missing_state (ZERO pager tensors, to be restored).
     Returns {param: [names]} of what it created."""
     opt, pager = binding.optimizer, binding.pager
-    params = _params_in_order(opt)
+    params = binding.params_in_order()
     created = {}
     for j, specs in missing.items():
         p = params[j]

@@ -8,17 +8,21 @@ parameters, and paged out, while the next bucket is read and the previous one wr
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import logging
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from statepager import _C, state_dict, support
-from statepager.atomic import AtomicStep, UndoCopies
-from statepager.formats import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
+from statepager import _C
+from statepager.core import state_dict, support
+from statepager.core.atomic import AtomicStep, UndoCopies
+from statepager.formats.stored import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 
 log = logging.getLogger("statepager")
 
@@ -81,7 +85,7 @@ class StreamedOptimizer:
                  atomic: bool = True):
         if depth < 2:
             raise ValueError("depth must be at least 2 (one bucket stepping, one in flight)")
-        if getattr(optimizer, "_statepager", None) is not None:
+        if optimizer in _attached:
             raise ValueError("this optimizer is already attached to a Pager")
         if moments not in MOMENT_FORMATS or mains not in MAIN_FORMATS:
             raise ValueError(f"moments must be one of {MOMENT_FORMATS} and mains one of "
@@ -96,6 +100,12 @@ class StreamedOptimizer:
         self.log_steps = log_steps
         self.before_bucket = before_bucket
         self.after_bucket = after_bucket
+        # Called with no arguments around each step's buckets (the Megatron adapter reads
+        # its clip coefficient before, and knows the mains are copied after).
+        self.before_step: Callable[[], None] | None = None
+        self.after_step: Callable[[], None] | None = None
+        # False within state_dict_by_reference().
+        self.copies_state_dict = True
         self.moments, self.mains = moments, mains
         self._model_param = model_param
         self.last = StepStats()
@@ -121,22 +131,34 @@ class StreamedOptimizer:
                 "bucket_size (a parameter larger than bucket_size is a bucket of its own).")
         pager.keep_at_least(window)
         self._adopt_existing_state()
-        optimizer._statepager = self
-        step = torch.optim.Optimizer.profile_hook_step(_paged_step)
+        _attached.add(optimizer)
+        # The optimizer's methods below refer to this binding (a reference cycle, which the
+        # garbage collector frees with the optimizer).
+        step = torch.optim.Optimizer.profile_hook_step(functools.partial(_paged_step, self))
         # LR schedulers wrap step() to notice it ran; ours sets the same flag
         # (_opt_called), so mark it the way theirs is marked.
         step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
-        optimizer.state_dict = types.MethodType(state_dict.paged_state_dict, optimizer)
-        optimizer.load_state_dict = types.MethodType(state_dict.paged_load_state_dict,
-                                                     optimizer)
-        optimizer.add_param_group = types.MethodType(_paged_add_param_group, optimizer)
+        optimizer.state_dict = types.MethodType(state_dict.paged_state_dict, self)
+        optimizer.load_state_dict = types.MethodType(state_dict.paged_load_state_dict, self)
+        optimizer.add_param_group = functools.partial(_paged_add_param_group, self)
 
     # -- setup ---------------------------------------------------------------------
 
     def check_group(self, group: dict, index: int) -> None:
         """Refuses (UsageError) a param group whose state the pager cannot hold."""
         support.check_group(group, index, self.pager.device, self._resident)
+
+    def params_in_order(self) -> list:
+        """The optimizer's parameters in the order torch's state_dict numbers them (and
+        checkpoints do)."""
+        seen, out = set(), []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def resident(self, p) -> bool:
         """True for parameters whose state stays in ordinary memory (keep_resident)."""
@@ -326,6 +348,17 @@ class StreamedOptimizer:
                     self._encode(b)
                 self._release(b)
 
+    @contextlib.contextmanager
+    def state_dict_by_reference(self):
+        """Within it, the optimizer's state_dict() is torch's own: its state entries are
+        the live paged tensors, not read (for callers that keep only the rest, such as
+        Megatron's DistributedOptimizer.state_dict)."""
+        self.copies_state_dict = False
+        try:
+            yield
+        finally:
+            self.copies_state_dict = True
+
     def stored_in_buckets(self):
         """Yields each bucket with its stored form resident (no decoding)."""
         for b in self.buckets:
@@ -339,7 +372,15 @@ class StreamedOptimizer:
 
     def step_buckets(self) -> None:
         """One step, all or nothing when atomic: a step that raises has changed nothing
-        (statepager.atomic), and a retry steps once."""
+        (statepager.core.atomic), and a retry steps once. before_step and after_step, when
+        set, run before the first bucket and after the last (not after a failed step)."""
+        if self.before_step:
+            self.before_step()
+        self._step_all()
+        if self.after_step:
+            self.after_step()
+
+    def _step_all(self) -> None:
         if not self.atomic:
             self._stream(None)
             return
@@ -510,34 +551,30 @@ def _raw_step_function(optimizer) -> Callable:
     return getattr(step, "__wrapped__", step)
 
 
-def _paged_step(self, closure=None):
-    self._statepager.pager.check_not_paused("step()")
+# Optimizers attached to a Pager (an optimizer is attached once). Weak: a binding lives
+# as long as its optimizer, through the methods it set on it.
+_attached: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _paged_step(binding: StreamedOptimizer, optimizer, closure=None):
+    """optimizer.step() of an attached optimizer."""
+    binding.pager.check_not_paused("step()")
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    self._opt_called = True  # what LR schedulers check; their step wrapper is replaced
-    self._statepager.step_buckets()
+    optimizer._opt_called = True  # what LR schedulers check; their step wrapper is replaced
+    binding.step_buckets()
     return loss
 
 
-def _params_in_order(optimizer) -> list:
-    """Parameters in the order torch's state_dict numbers them."""
-    seen, out = set(), []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
-def _paged_add_param_group(self, param_group: dict) -> None:
+def _paged_add_param_group(binding: StreamedOptimizer, param_group: dict) -> None:
     """torch's add_param_group, refused (and undone) when the pager cannot hold the new
     group's state; the group is streamed from the next step on."""
-    type(self).add_param_group(self, param_group)
+    optimizer = binding.optimizer
+    type(optimizer).add_param_group(optimizer, param_group)
     try:
-        self._statepager.check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        binding.check_group(optimizer.param_groups[-1], len(optimizer.param_groups) - 1)
     except _C.UsageError:
-        self.param_groups.pop()
+        optimizer.param_groups.pop()
         raise

@@ -25,9 +25,9 @@ import time
 import torch
 
 from statepager import _C
-from statepager.bench_pager import bench_directory
-from statepager.bench_report import faster, show, spread
-from statepager.pager import GiB, MiB, Pager
+from statepager.bench.common import bench_directory
+from statepager.bench.report import faster, show, spread
+from statepager.core.pager import GiB, MiB, Pager
 from statepager.progress import Progress
 
 _TENSOR = 64 * MiB  # bytes per parameter tensor

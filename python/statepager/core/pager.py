@@ -10,7 +10,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from statepager import _C, args, guard
+from statepager import _C
+from statepager.checkpoint import save_load as checkpoint
+from statepager.core import adapters, args, guard, ranks, scope
+from statepager.core.stream import StreamedOptimizer
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -102,7 +105,7 @@ class Pager:
         arena_size = args.integer("arena_size", arena_size)
         io_depth = args.optional_integer("io_depth", io_depth, minimum=1)  # 0 would be None
         io_block = args.optional_integer("io_block", io_block, minimum=1)
-        directory = str(directory).replace("{rank}", str(_rank()))
+        directory = str(directory).replace("{rank}", str(ranks.rank()))
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -119,6 +122,7 @@ class Pager:
         self._paused = None
         self._mem_pool = None  # the MemPool of scope(), created on first use
         self._bindings = []    # attached optimizers, in attach order (checkpoint layout)
+        self._saving = None    # the background save in flight (statepager.checkpoint)
 
     # -- tensors ---------------------------------------------------------------------
 
@@ -202,8 +206,6 @@ class Pager:
         allocations on this pager's device go to its pool, new fp32 tensors of at least
         `min_bytes` become pager tensors, and the oldest are paged out whenever the pool
         would pass hbm_budget. Yields the Capture, whose `.tensors` lists them."""
-        from statepager import scope
-
         min_bytes = args.integer("min_bytes", min_bytes)
         self.check_not_paused("scope()")
         capture = scope.Capture(self, min_bytes)
@@ -287,17 +289,26 @@ class Pager:
         (statepager.atomic; the store needs room for a second copy of the state);
         atomic=False steps in place and a failed step leaves the state partly stepped.
         A Megatron DistributedOptimizer or ChainedOptimizer is attached through
-        statepager.megatron (one binding per member; returns a MegatronBinding).
+        statepager.integrations.megatron (one binding per member; returns a
+        MegatronBinding); it sets name, before_bucket, after_bucket, model_param and
+        keep_resident itself, and passing any of them is refused (UsageError).
         Returns the StreamedOptimizer binding; its `.last` holds the last step's StepStats."""
-        from statepager.stream import StreamedOptimizer
-
         bucket_size, depth = args.bucketing(bucket_size, depth)
         self.check_not_paused("attach()")
-        if type(optimizer).__module__.startswith("megatron."):
-            from statepager import megatron
-
-            return megatron.attach(self, optimizer, bucket_size=bucket_size, depth=depth,
-                                   log_steps=log_steps, moments=moments, mains=mains)
+        adapter = adapters.find(optimizer)
+        if adapter is not None:
+            given = {"name": name, "before_bucket": before_bucket,
+                     "after_bucket": after_bucket, "model_param": model_param,
+                     "keep_resident": keep_resident}
+            refused = [k for k in adapter.sets if given.get(k) is not None]
+            if refused:
+                raise _C.UsageError(
+                    f"attach() of a {adapter.name} optimizer sets {', '.join(refused)} "
+                    "itself (one binding per member, named by its place): leave "
+                    f"{'it' if len(refused) == 1 else 'them'} out")
+            return adapter.attach(self, optimizer, bucket_size=bucket_size, depth=depth,
+                                  log_steps=log_steps, moments=moments, mains=mains,
+                                  atomic=atomic)
         guard.refuse_model_params(self, optimizer)
         name = name or f"opt{len(self._bindings)}"
         if any(b.name == name for b in self._bindings):
@@ -312,9 +323,13 @@ class Pager:
         self._bindings.append(binding)
         return binding
 
-    # -- checkpoints -------------------------------------------------------------------
+    @property
+    def bindings(self) -> tuple:
+        """The attached optimizers' StreamedOptimizer bindings, in attach order (a
+        Megatron optimizer has one per member)."""
+        return tuple(self._bindings)
 
-    _saving = None  # the background save in flight (statepager.checkpoint), one at a time
+    # -- checkpoints -------------------------------------------------------------------
 
     def save(self, path: str, *, background: bool = False, via: str = "store"):
         """Writes the state of every attached optimizer to the new directory `path`,
@@ -324,36 +339,47 @@ class Pager:
         of this moment is secured: steps may run while the copy finishes, and a bucket's
         page-out waits until that bucket has been copied. Returns a SaveHandle: wait(),
         done(), and .method, .bytes, .seconds of the save."""
-        from statepager import checkpoint
-
         self.check_not_paused("save()")
-        return checkpoint.save(self, path, background=background, via=via)
+        return self._save(path, background, via)
 
     def load(self, path: str) -> bool:
         """Loads a checkpoint written by save() into the attached optimizers, after
         verifying format, layout and checksums; nothing changes if any check fails.
         Returns False, with a logged notice, when `path` holds no statepager state."""
-        from statepager import checkpoint
-
         self.check_not_paused("load()")
-        return checkpoint.load(self, path)
+        return self._load(path)
 
     def save_to(self, base: str, *, background: bool = False):
         """save() into this rank's part of a training loop's checkpoint directory:
         base/statepager/rankNNNNN (rank from torch.distributed, else 0), one
         subdirectory per attached optimizer (by name), atomic as a whole."""
-        from statepager import checkpoint
-
         self.check_not_paused("save_to()")
-        return checkpoint.save(self, checkpoint.rank_directory(base), background=background)
+        return self._save(checkpoint.rank_directory(base), background, "store")
 
     def load_from(self, base: str) -> bool:
         """load() of what save_to(base) wrote for this rank; False, with a logged notice,
         when there is none (e.g. a checkpoint from a run without statepager)."""
-        from statepager import checkpoint
-
         self.check_not_paused("load_from()")
-        return checkpoint.load(self, checkpoint.rank_directory(base))
+        return self._load(checkpoint.rank_directory(base))
+
+    def _save(self, path: str, background: bool, via: str):
+        checkpoint.check_save_options(background, via)
+        self._settle_save()
+        handle = checkpoint.save(self, self._core, path, background=background, via=via)
+        if background:
+            self._saving = handle  # one at a time: the next save or load waits for it
+        return handle
+
+    def _load(self, path: str) -> bool:
+        self._settle_save()
+        return checkpoint.load(self, self._core, path)
+
+    def _settle_save(self) -> None:
+        """Waits for the background save, if any, and raises its error if no wait() has
+        (a failed save is reported once); the pager forgets it either way."""
+        handle, self._saving = self._saving, None
+        if handle is not None:
+            handle.settle()
 
     # -- state -----------------------------------------------------------------------
 
@@ -373,6 +399,11 @@ class Pager:
             self.keep = nbytes
             self._core.set_keep_bytes(nbytes)
 
+    def free_device_memory(self) -> int:
+        """Bytes the device reports free now (cudaMemGetInfo; on the host backend, the
+        host's available memory)."""
+        return self._core.free_device_memory()
+
     def reset_peak(self) -> None:
         self._core.reset_peak()
 
@@ -385,8 +416,6 @@ class Pager:
         its directory (the directory too, when the Pager made it)."""
         self._core.close()
         if self._mem_pool is not None:
-            from statepager import scope
-
             self._mem_pool = None
             scope.retire_pool_of(id(self))
 
@@ -395,17 +424,6 @@ class Pager:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def flat_view(t: torch.Tensor) -> torch.Tensor:
-    """t's elements as a 1-D view in memory order. t must be dense (contiguous, or a
-    permutation of that: channels_last, a transpose), as every pager tensor is."""
-    if t.is_contiguous():
-        return t.view(-1)
-    if not torch.ops.aten.is_non_overlapping_and_dense.default(t):
-        raise _C.UsageError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
-                            "has gaps or overlaps in memory: it has no flat view (clone it)")
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
 # Pagers not yet garbage-collected, by creation order; closed at interpreter exit.
@@ -435,11 +453,6 @@ def _close_at_exit() -> None:
         except Exception as e:  # an exit status or traceback of the program's own matters more
             print(f"statepager: closing the Pager on {pager.directory} at exit failed: {e}",
                   file=sys.stderr)
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _as_list(tensors) -> list:

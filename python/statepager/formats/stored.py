@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from statepager import codecs
-from statepager.pager import flat_view
+from statepager.formats import codecs
+from statepager.core.flat import flat_view
 
 MOMENT_FORMATS = ("fp32", "bf16", "q8")
 MAIN_FORMATS = ("fp32", "residual")

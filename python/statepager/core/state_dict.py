@@ -14,47 +14,51 @@ from itertools import chain
 
 import torch
 
-from statepager import support
+from statepager.core import support
 
 
-def paged_state_dict(self) -> dict:
-    """torch's state_dict, the paged tensors as host copies (torch's would share the
-    live tensors, which are not resident). Other entries are shared, as torch's are."""
-    binding = self._statepager
+def paged_state_dict(binding) -> dict:
+    """torch's state_dict of binding.optimizer, the paged tensors as host copies (torch's
+    would share the live tensors, which are not resident). Other entries are shared, as
+    torch's are. Within binding.state_dict_by_reference(), torch's own."""
+    optimizer = binding.optimizer
+    if not binding.copies_state_dict:
+        return type(optimizer).state_dict(optimizer)
     copies = {}
     with torch.no_grad():
         for b in binding.state_in_buckets(write=False):
             for p in b.params:
-                for v in self.state.get(p, {}).values():
+                for v in optimizer.state.get(p, {}).values():
                     if binding.pager.owns(v):
                         copies[id(v)] = v.to("cpu", copy=True)
-    live = self.state
+    live = optimizer.state
     shown = collections.defaultdict(dict)
     for p, st in live.items():
         # Only state of parameters no longer in any group (which torch's own state_dict
         # refuses with a KeyError) is not in a bucket: it is passed on as it is.
         shown[p] = {name: copies.get(id(v), v) for name, v in st.items()}
-    self.state = shown  # torch's packing and hooks see the copies
+    optimizer.state = shown  # torch's packing and hooks see the copies
     try:
-        return type(self).state_dict(self)
+        return type(optimizer).state_dict(optimizer)
     finally:
-        self.state = live
+        optimizer.state = live
 
 
-def paged_load_state_dict(self, state_dict: dict) -> None:
-    """torch's load_state_dict; the paged entries are copied into the paged tensors in
-    place (new ones, created in the pager, where a parameter has none of that layout)."""
-    binding = self._statepager
+def paged_load_state_dict(binding, state_dict: dict) -> None:
+    """torch's load_state_dict of binding.optimizer; the paged entries are copied into
+    the paged tensors in place (new ones, created in the pager, where a parameter has
+    none of that layout)."""
+    optimizer = binding.optimizer
     sd = state_dict.copy()
     # torch's hooks (register_load_state_dict_pre/post_hook) see the whole state dict
     # and the whole loaded state: they run here, not inside torch's load of the rest.
-    pre = self._optimizer_load_state_dict_pre_hooks
-    post = self._optimizer_load_state_dict_post_hooks
+    pre = optimizer._optimizer_load_state_dict_pre_hooks
+    post = optimizer._optimizer_load_state_dict_post_hooks
     for hook in pre.values():
-        result = hook(self, sd)
+        result = hook(optimizer, sd)
         if result is not None:
             sd = result
-    params = _id_map(self.param_groups, sd["param_groups"])
+    params = _id_map(optimizer.param_groups, sd["param_groups"])
     # Per parameter: its loaded entries' names in order, and those the pager holds.
     order, paged, rest = {}, {}, {}
     for k, st in sd["state"].items():
@@ -65,24 +69,24 @@ def paged_load_state_dict(self, state_dict: dict) -> None:
         order[id(p)] = list(st)
         paged[id(p)] = {name: v for name, v in st.items() if support.pageable_loaded(name, v, p)}
         rest[k] = {name: v for name, v in st.items() if name not in paged[id(p)]}
-    old = {id(p): {n: v for n, v in self.state.get(p, {}).items() if binding.pager.owns(v)}
+    old = {id(p): {n: v for n, v in optimizer.state.get(p, {}).items() if binding.pager.owns(v)}
            for p in params.values()}
     # torch loads the rest (casts, param_groups, __setstate__).
-    self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
-    self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+    optimizer._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
     try:
-        type(self).load_state_dict(self, {**sd, "state": rest})
+        type(optimizer).load_state_dict(optimizer, {**sd, "state": rest})
     finally:
-        self._optimizer_load_state_dict_pre_hooks = pre
-        self._optimizer_load_state_dict_post_hooks = post
+        optimizer._optimizer_load_state_dict_pre_hooks = pre
+        optimizer._optimizer_load_state_dict_post_hooks = post
     with torch.no_grad():
         for b in binding.state_in_buckets():
             for p in b.params:
                 mine = old.pop(id(p), {})  # the rest is let go with its bucket
                 if id(p) in order:
-                    _load_entries(binding.pager, self, p, order[id(p)], paged[id(p)], mine)
+                    _load_entries(binding.pager, optimizer, p, order[id(p)], paged[id(p)], mine)
     for hook in post.values():
-        hook(self)
+        hook(optimizer)
 
 
 def _load_entries(pager, optimizer, p, order: list, paged: dict, old: dict) -> None:

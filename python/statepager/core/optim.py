@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from statepager import args
-from statepager.pager import MiB, Pager
+from statepager.core import args
+from statepager.core.pager import MiB, Pager
 
 
 class PagedAdamW(torch.optim.AdamW):

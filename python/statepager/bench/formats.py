@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from statepager.bench_pager import bench_directory
-from statepager.bench_report import faster, show, spread
-from statepager.optim import PagedAdamW
-from statepager.pager import MiB, Pager
+from statepager.bench.common import bench_directory
+from statepager.bench.report import faster, show, spread
+from statepager.core.optim import PagedAdamW
+from statepager.core.pager import MiB, Pager
 from statepager.progress import Progress
 
 COMBINATIONS = [("fp32", "fp32"), ("fp32", "residual"), ("bf16", "fp32"), ("bf16", "residual"),

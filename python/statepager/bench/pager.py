@@ -7,47 +7,16 @@ map    the cost of mapping and unmapping pages, per GiB, and its share of a tran
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 
 import torch
 
 from statepager import _C
-from statepager.bench_report import faster, show, spread
-from statepager.pager import GiB, MiB, Pager
+from statepager.bench.common import bench_directory, fio
+from statepager.bench.report import faster, show, spread
+from statepager.core.pager import GiB, MiB, Pager
 from statepager.progress import Progress
-
-
-@contextlib.contextmanager
-def bench_directory(parent: str):
-    """A new directory for one bench run, made inside `parent` (created when missing) and
-    deleted afterwards with what the run wrote into it: a bench touches nothing else."""
-    os.makedirs(parent, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="statepager-bench-", dir=parent)
-    try:
-        yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | None:
-    """GB/s that fio measures for sequential `rw` (write|read) with O_DIRECT on io_uring."""
-    if shutil.which("fio") is None:
-        return None
-    path = os.path.join(directory, "fio.dat")
-    cmd = [
-        "fio", "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
-        f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--size={size}",
-        "--output-format=json",
-    ]
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    job = out["jobs"][0]["write" if rw == "write" else "read"]
-    return job["bw_bytes"] / 1e9
 
 
 def bench_store(args) -> dict:
@@ -185,7 +154,7 @@ def _bench_sleep(args, work: str) -> dict:
         for t in ts:
             t.view(torch.uint8).random_(generator=g)
         sums = [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
-        free_resident = pager._core.free_device_memory()
+        free_resident = pager.free_device_memory()
         # Round 1 writes store ranges never written before (on tmpfs the kernel allocates
         # and zeroes their pages); the rounds after it are the steady state of a job that
         # sleeps and wakes every iteration.
@@ -195,7 +164,7 @@ def _bench_sleep(args, work: str) -> dict:
             t0 = time.perf_counter()
             pager.pause()
             pause_s = time.perf_counter() - t0
-            freed = pager._core.free_device_memory() - free_resident
+            freed = pager.free_device_memory() - free_resident
             bar.phase(f"round {r + 1}/{1 + args.repeat}: resume")
             t0 = time.perf_counter()
             pager.resume()

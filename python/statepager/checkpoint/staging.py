@@ -21,8 +21,7 @@ import re
 import torch
 
 from statepager import _C
-from statepager.manifest import CheckpointMismatchError, DataFile, stored
-from statepager.stream import _params_in_order
+from statepager.checkpoint.manifest import CheckpointMismatchError, DataFile, stored
 
 
 def check_layout(binding, entry: dict, data: DataFile) -> None:
@@ -32,7 +31,7 @@ def check_layout(binding, entry: dict, data: DataFile) -> None:
     formats = {"moments": binding.moments, "mains": binding.mains}
     if entry.get("formats") != formats:
         _mismatch(data, f"saved with formats {entry.get('formats')}, attached with {formats}")
-    if entry.get("shapes") != [list(p.shape) for p in _params_in_order(opt)]:
+    if entry.get("shapes") != [list(p.shape) for p in binding.params_in_order()]:
         _mismatch(data, "the parameter shapes differ")
     groups = entry.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
@@ -44,7 +43,7 @@ def missing_state(binding, data: DataFile) -> dict:
     """Parameter index -> {state name: (shape, dtype, strides)} of the paged state the
     checkpoint holds for parameters without state in the attached optimizer. With a
     narrow format the state entry is the fp32 working tensor, laid out as its param."""
-    params = _params_in_order(binding.optimizer)
+    params = binding.params_in_order()
     out = {}
     for (j, name), t in data.tensors.items():
         if j >= len(params):
@@ -70,7 +69,7 @@ class Staged:
 
     def __init__(self, binding, entry: dict, data: DataFile):
         self.binding, self.data = binding, data
-        self._params = _params_in_order(binding.optimizer)
+        self._params = binding.params_in_order()
         self._stage_tensors()
         self._stage_small_state(entry.get("small_state"))
         self._stage_param_groups(entry["param_groups"])

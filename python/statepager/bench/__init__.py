@@ -1,0 +1,1 @@
+"""`statepager bench` commands, one module each; common.py and report.py are shared."""

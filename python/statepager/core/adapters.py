@@ -1,0 +1,34 @@
+"""Adapters: how Pager.attach hands an optimizer of another framework (Megatron's) to
+its integration without the core importing it.
+
+An integration registers an Adapter when it is imported (statepager/__init__.py imports
+them); Pager.attach asks find() first and falls back to the torch binding
+(statepager.core.stream). Registration happens at import, under the import lock; find()
+only reads. Not thread-safe against registering while attaching (nothing does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str                          # e.g. "Megatron", for error messages
+    matches: Callable[[object], bool]  # whether the optimizer is one of its framework's
+    # attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, atomic)
+    attach: Callable
+    # Pager.attach options it sets itself per parameter: passing them is refused.
+    sets: tuple = ()
+
+
+_registered: list[Adapter] = []
+
+
+def register(adapter: Adapter) -> None:
+    if all(a.name != adapter.name for a in _registered):
+        _registered.append(adapter)
+
+
+def find(optimizer) -> Adapter | None:
+    return next((a for a in _registered if a.matches(optimizer)), None)

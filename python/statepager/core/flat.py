@@ -1,0 +1,18 @@
+"""flat_view: a dense tensor's elements as one 1-D view, in memory order (what the
+stored forms and the checkpoint's device path move byte for byte)."""
+from __future__ import annotations
+
+import torch
+
+from statepager import _C
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as a 1-D view in memory order. t must be dense (contiguous, or a
+    permutation of that: channels_last, a transpose), as every pager tensor is."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not torch.ops.aten.is_non_overlapping_and_dense.default(t):
+        raise _C.UsageError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
+                            "has gaps or overlaps in memory: it has no flat view (clone it)")
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())

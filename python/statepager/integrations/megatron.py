@@ -1,0 +1,292 @@
+"""Megatron-core drop-in: Pager.attach() of a DistributedOptimizer or ChainedOptimizer.
+
+    pager = statepager.Pager(directory=..., device="cuda", hbm_budget=...)
+    with pager.scope():
+        optimizer = get_megatron_optimizer(config, model_chunks)
+    pager.attach(optimizer)
+
+Nothing in Megatron changes; a MegatronMember per DistributedOptimizer sets a few of its
+methods on the instance (never on its class), through statepager.integrations.
+megatron_internals, the one place that names Megatron's attributes:
+- its inner torch optimizer steps bucket by bucket (statepager.core.stream); each bucket's
+  updated mains are copied into the DDP param buffer as soon as it is stepped, and the
+  param all-gather then runs exactly as Megatron decides it (step_with_ready_grads is
+  Megatron's own);
+- bf16 grads are upcast per bucket inside the step, never as a whole-model fp32 copy.
+  For the grad norm and clipping, which Megatron computes over `.grad` of every main
+  before the step, each paged main is represented by a one-element "norm carrier"
+  whose grad is that main's fp32 grad norm, and a "clip probe" (a parameter marked
+  shared, so outside the norm) whose grad of 1 comes back scaled by Megatron's clip
+  coefficient; the step applies that coefficient to the upcast grads. fp32 grads
+  (grad_reduce_in_fp32) are used in place, as upstream does;
+- native fp32 params (views of an fp32 param buffer) keep their state resident;
+- a step that raises is undone (statepager.core.atomic): mains and moments return to their
+  bytes of before it, and so does the DDP param buffer, rewritten from the restored mains
+  (`_shard16`, the same memory as the buffer's slice; with residual mains from undo
+  copies). Each member is undone on its own: in a ChainedOptimizer, members that
+  Megatron stepped before the failing one stay stepped;
+- reload_model_params refreshes the mains through the pager; checkpoint methods that
+  would read the state behind the pager's back are refused with what to use instead
+  (Pager.save_to / load_from), and offload_to_cpu / restore_from_cpu point to
+  Pager.pause / resume.
+
+Each DistributedOptimizer of a ChainedOptimizer is its own binding, named
+"<index>-dense" or "<index>-expert" (stable across runs of the same model), with its own
+store, <the rank's pager directory>/<name>/; all share the rank's Pager (one page pool,
+one HBM budget, one I/O ring). Attaching checks the megatron-core version
+(megatron_internals.SUPPORTED) and refuses the Pager.attach options it sets itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from statepager import _C
+from statepager.core import adapters
+from statepager.core.pager import MiB
+from statepager.integrations import megatron_internals as internals
+from statepager.integrations.megatron_internals import Internals
+
+
+def attach(pager, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
+           log_steps: bool = False, moments: str = "fp32", mains: str = "fp32",
+           atomic: bool = True):
+    """Streams every DistributedOptimizer in `optimizer` through `pager`. Returns the
+    MegatronBinding; refuses (UsageError) a megatron-core outside the supported range
+    and configurations it cannot page exactly, before changing anything."""
+    internals.check_version()
+    live = internals.members(optimizer)
+    for _, m in live:
+        problem = Internals(m).unsupported()
+        if problem is not None:
+            raise _C.UsageError(f"statepager cannot page this Megatron optimizer: {problem}")
+    binding = MegatronBinding(optimizer)
+    for i, m in live:
+        kind = "expert" if Internals(m).is_expert() else "dense"
+        binding.members.append(MegatronMember(
+            pager, m, f"{i}-{kind}", bucket_size=bucket_size, depth=depth,
+            log_steps=log_steps, moments=moments, mains=mains, atomic=atomic))
+    return binding
+
+
+adapters.register(adapters.Adapter(
+    name="Megatron", matches=internals.is_megatron, attach=attach,
+    sets=("name", "before_bucket", "after_bucket", "model_param", "keep_resident")))
+
+
+@dataclass
+class MegatronBinding:
+    """The bindings of one Megatron optimizer: one StreamedOptimizer per member."""
+
+    optimizer: object
+    members: list = field(default_factory=list)
+
+    @property
+    def streams(self) -> list:
+        return [m.stream for m in self.members]
+
+    @property
+    def last(self) -> list:
+        """StepStats of the last step, one per member."""
+        return [m.stream.last for m in self.members]
+
+
+class MegatronMember:
+    """One DistributedOptimizer streamed through the pager: its inner torch optimizer is
+    a StreamedOptimizer whose bucket hooks bring the grads in and copy the mains out, and
+    its Megatron hooks are this object's methods."""
+
+    def __init__(self, pager, d, name: str, **options):
+        self.pager = pager
+        self.optimizer = d  # the DistributedOptimizer
+        self.megatron = Internals(d)
+        self._adopt_mains()
+        self.model_of: dict[int, torch.nn.Parameter] = {  # main -> model param
+            id(main): model_param for model_param, main in self.megatron.float16_params()}
+        self.bf16_grads = any(Internals.grad_dtype(p) != torch.float32
+                              for p in self.model_of.values())
+        # True from a streamed inner step until Megatron's main->param copy that follows it
+        # in step_with_ready_grads: the step already copied each bucket's mains.
+        self.mains_copied = False
+        self._clip = {}       # grad-norm group -> clip coefficient of this step
+        self._carriers = {}   # main -> its norm carrier (bf16 grads only)
+        self._probes = {}     # grad-norm group -> clip probe (bf16 grads only)
+        self._norm_group = {}  # main -> its grad-norm group (bf16 grads only)
+        if self.bf16_grads:
+            self._make_carriers()
+        self.stream = pager.attach(
+            self.megatron.inner, name=name, before_bucket=self._grads_in,
+            after_bucket=self._mains_out, keep_resident=lambda p: not pager.owns(p),
+            model_param=self._shard16, **options)
+        self.stream.before_step = self._before_step
+        self.stream.after_step = self._after_step
+        refused = {m: _refusal(m, "statepager holds this optimizer's state: save it with "
+                               "pager.save_to(base) and load it with pager.load_from(base) "
+                               "(run Megatron with --no-save-optim --no-load-optim for its "
+                               "own checkpoints)") for m in internals.CHECKPOINT_METHODS}
+        for m in ("offload_to_cpu", "restore_from_cpu"):
+            refused[m] = _refusal(m, "the state is already off the GPU between steps; to "
+                                  "return the pool's memory use pager.pause() and "
+                                  "pager.resume()")
+        self.megatron.override(
+            copy_grads=self.copy_grads, copy_mains_to_params=self.copy_mains_to_params,
+            copy_params_to_mains=self.reload_mains, state_dict=self.state_dict,
+            get_parameters=self.parameters_with_carriers if self.bf16_grads else None,
+            refused=refused)
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _adopt_mains(self) -> None:
+        """Mains built outside Pager.scope() move into the pager, keeping their
+        attributes; Megatron's references to each (its groups, the inner optimizer's
+        param groups and state, model_param.main_param) are repointed."""
+        pager = self.pager
+
+        def paged(main):
+            if pager.owns(main):
+                return None
+            t = pager.empty_like(main)
+            pager.page_in(t)
+            with torch.no_grad():
+                t.copy_(main)
+            pager.page_out(t)
+            t.__dict__.update(main.__dict__)
+            return t
+
+        moved = self.megatron.replace_mains(paged)
+        inner = self.megatron.inner
+        for group in inner.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) in moved:
+                    group["params"][i] = moved[id(p)]
+                    if p in inner.state:
+                        inner.state[moved[id(p)]] = inner.state.pop(p)
+
+    def _make_carriers(self) -> None:
+        device = next(iter(self.model_of.values())).device
+        for _, main in self.megatron.float16_params():
+            carrier = torch.zeros(1, device=device)
+            carrier.__dict__.update(main.__dict__)
+            self._carriers[id(main)] = carrier
+            group = self._norm_group[id(main)] = internals.grad_norm_group(main)
+            if group not in self._probes:
+                probe = torch.zeros(1, device=device)
+                probe.__dict__.update(main.__dict__)
+                probe.shared = True  # clipped, but outside the norm
+                self._probes[group] = probe
+
+    # -- the streamed step's hooks -------------------------------------------------------
+
+    def _before_step(self) -> None:
+        self.mains_copied = False
+        self._read_clip()
+
+    def _after_step(self) -> None:
+        self.mains_copied = True
+
+    def _grad16(self, main) -> torch.Tensor:
+        """The main's slice of its model param's (reduce-scattered) grad."""
+        return self.megatron.grad_shard(self.model_of[id(main)])
+
+    def _shard16(self, main) -> torch.Tensor:
+        """The main's slice of its bf16 model param (what the residual format builds on)."""
+        return self.megatron.shard(self.model_of[id(main)])
+
+    def _read_clip(self) -> None:
+        """Megatron's clip coefficient of this step, as it scaled each probe's grad."""
+        self._clip = {}
+        for group, probe in self._probes.items():
+            if probe.grad is not None:
+                coeff = probe.grad.item()
+                if coeff != 1.0:
+                    self._clip[group] = coeff
+
+    def _grads_in(self, params) -> None:
+        if not self.bf16_grads:
+            return  # fp32 grads: Megatron set main.grad to the buffer's view, in place
+        for main in params:
+            if id(main) not in self.model_of:
+                continue
+            grad = self._grad16(main).float()
+            coeff = self._clip.get(self._norm_group[id(main)])
+            if coeff is not None:
+                grad.mul_(coeff)  # what Megatron's clip does to an fp32 grad
+            main.grad = grad
+
+    @torch.no_grad()
+    def _mains_out(self, params) -> None:
+        for main in params:
+            model_param = self.model_of.get(id(main))
+            if model_param is None:
+                continue
+            self.megatron.param_buffer_slice(model_param).copy_(main)
+            if self.bf16_grads:
+                main.grad = None
+
+    # -- Megatron's hooks, set on the DistributedOptimizer ------------------------------
+
+    def copy_grads(self, *_) -> None:
+        """Megatron's model-grads-to-main-grads, with bf16 grads left in the grad buffer:
+        the mains' norm carriers get the fp32 grad norms, the probes a grad of one."""
+        if not self.bf16_grads:
+            return self.megatron.copy_grads_as_megatron()
+        for model_param, shard in self.megatron.fp32_params():
+            shard.grad = self.megatron.grad_shard(model_param).float()
+        for _, main in self.megatron.float16_params():
+            main.grad = None
+            self._carriers[id(main)].grad = torch.norm(self._grad16(main).float()).reshape(1)
+        for probe in self._probes.values():
+            probe.grad = torch.ones(1, device=probe.device)
+
+    def parameters_with_carriers(self) -> list:
+        """get_parameters() as Megatron's norm and clip code sees it: each paged main
+        stands in as its norm carrier, and the clip probes come last."""
+        params = [self._carriers.get(id(p), p)
+                  for group in self.megatron.inner.param_groups for p in group["params"]]
+        return params + list(self._probes.values())
+
+    @torch.no_grad()
+    def copy_mains_to_params(self, *_) -> None:
+        """Mains into the DDP param buffer. Right after a streamed step (Megatron's
+        step_with_ready_grads calls this after the inner step) the paged mains were
+        copied bucket by bucket already: paging them in again would read the whole state
+        a second time. Elsewhere they are paged in to copy."""
+        for model_param, shard in self.megatron.fp32_params():
+            self.megatron.param_buffer_slice(model_param).copy_(shard)
+        if self.mains_copied:
+            self.mains_copied = False
+            return
+        for bucket in self.stream.state_in_buckets():
+            self._mains_out(bucket.params)
+
+    @torch.no_grad()
+    def reload_mains(self, state_dict=None) -> None:
+        """reload_model_params: mains rebuilt from the model params (or from
+        `state_dict`'s tensors in their place), bucket by bucket through the pager."""
+        source = self.megatron.state_dict_params(state_dict) if state_dict else {}
+
+        def shard_of(model_param):
+            return self.megatron.shard(model_param, source.get(model_param, model_param))
+
+        for model_param, shard in self.megatron.fp32_params():
+            shard.copy_(shard_of(model_param))
+        for bucket in self.stream.state_in_buckets(rebuild_mains=True):
+            for main in bucket.params:
+                model_param = self.model_of.get(id(main))
+                if model_param is not None:
+                    main.copy_(shard_of(model_param))
+
+    def state_dict(self):
+        """Megatron's state_dict() holds no parameter state (it reads only the step
+        counters and param groups), so the inner optimizer's state_dict by reference
+        (torch's own, which does not read the paged tensors) serves it."""
+        with self.stream.state_dict_by_reference():
+            return self.megatron.state_dict_as_megatron()
+
+
+def _refusal(method: str, instead: str):
+    def refuse(*_, **__):
+        raise _C.UsageError(f"{method}() is not available on a statepager-attached Megatron "
+                            f"optimizer: {instead}.")
+    return refuse

@@ -1,0 +1,64 @@
+"""The contract between statepager and megatron-core: every Megatron class, function,
+method and attribute that statepager.integrations.megatron_internals uses exists, with the
+parameters it calls it with, in the installed megatron-core, and that release is in the
+supported range. The signatures are checked wherever megatron-core imports; the instance
+attributes on a built DistributedOptimizer (GPU). Skips when megatron-core is not
+installed. When Megatron changes, this test names what moved."""
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+
+import pytest
+import torch
+
+from statepager.integrations import megatron_internals as internals
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="megatron-core is not installed (the GPU suite "
+                                       "carries it)")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+
+def test_installed_release_is_supported():
+    internals.check_version()  # raises UsageError naming the release otherwise
+
+
+@pytest.mark.parametrize("module,owner,name,params", internals.CONTRACT,
+                         ids=[f"{o or m}.{n}" for m, o, n, _ in internals.CONTRACT])
+def test_attribute_and_signature(module, owner, name, params):
+    where = importlib.import_module(module)
+    if owner is not None:
+        where = getattr(where, owner)
+    assert hasattr(where, name), f"{module}.{owner or ''} has no {name}"
+    if params is not None:
+        found = list(inspect.signature(getattr(where, name)).parameters)
+        assert found[:len(params)] == params, f"{name}{found}: statepager calls it as {params}"
+
+
+@pytest.mark.gpu
+def test_instance_attributes_of_a_built_optimizer():
+    import megatron_gpt
+
+    megatron_gpt.init()
+    setup = megatron_gpt.Setup(steps=1)
+    model, optimizer, _, _ = megatron_gpt.build(setup, None)
+    for _, d in internals.members(optimizer):
+        for name in internals.INSTANCE_ATTRIBUTES:
+            assert hasattr(d, name), f"DistributedOptimizer has no attribute {name}"
+        m = internals.Internals(d)
+        assert m.unsupported() is None
+        pairs = m.float16_params()
+        assert pairs, "no bf16 parameters in the test model"
+        model_param, main = pairs[0]
+        assert main.dtype == torch.float32 and model_param.main_param is main
+        ranges = d._get_model_param_range_map(model_param)
+        assert {"param", "gbuf_world_in_bucket"} <= set(ranges)
+        shard = m.shard(model_param)
+        assert shard.numel() == main.numel()
+        assert m.param_buffer_slice(model_param).numel() == main.numel()
+        assert m.grad_shard(model_param).numel() == main.numel()
+        hash(internals.grad_norm_group(main))
+    megatron_gpt.finish(model)

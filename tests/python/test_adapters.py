@@ -1,0 +1,52 @@
+"""Pager.attach of another framework's optimizer goes to its adapter
+(statepager.core.adapters): the options the adapter sets itself are refused, and the
+Megatron adapter refuses a megatron-core outside its supported range before changing
+anything."""
+import importlib.util
+
+import pytest
+import torch
+
+import statepager
+from statepager import Pager
+from statepager.core import adapters
+from statepager.integrations import megatron_internals
+
+KiB = 1 << 10
+
+
+class FakeMegatronOptimizer:
+    """Looks like a Megatron optimizer to the adapter registry (by its module)."""
+
+
+FakeMegatronOptimizer.__module__ = "megatron.core.optimizer.distrib_optimizer"
+
+
+def test_megatron_is_registered():
+    assert adapters.find(FakeMegatronOptimizer()).name == "Megatron"
+    assert adapters.find(torch.optim.SGD([torch.zeros(2, requires_grad=True)])) is None
+
+
+@pytest.mark.parametrize("option", ["name", "before_bucket", "after_bucket", "model_param",
+                                    "keep_resident"])
+def test_attach_refuses_what_the_megatron_adapter_sets(store_dir, option):
+    value = "x" if option == "name" else (lambda *_: None)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        with pytest.raises(statepager.UsageError,
+                           match=f"Megatron optimizer sets {option} itself.*leave it out"):
+            pager.attach(FakeMegatronOptimizer(), **{option: value})
+        assert pager.bindings == ()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is not None,
+                    reason="megatron-core is installed: the GPU suite tests the adapter")
+def test_attach_without_a_supported_megatron_core_is_refused(store_dir):
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        with pytest.raises(statepager.UsageError, match="supports megatron-core 0.19.x"):
+            pager.attach(FakeMegatronOptimizer())
+        assert pager.bindings == ()
+
+
+def test_supported_range_is_one_minor_release():
+    low, high = megatron_internals.SUPPORTED
+    assert low < high and low[0] == high[0] and high[1] == low[1] + 1
