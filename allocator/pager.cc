@@ -16,54 +16,10 @@ constexpr size_t kAddressAlign = 4096;
 
 size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-// One device<->staging copy inside a chunk.
-struct Piece {
-  size_t staging_offset;
-  uintptr_t addr;
-  size_t bytes;
-};
-
-// One I/O request: a contiguous, aligned range of the store file.
-struct Chunk {
-  uint64_t file_offset = 0;
-  size_t file_bytes = 0;
-  std::vector<Piece> pieces;
-};
-
 }  // namespace
-
-// A bucket. Set by submit() under mu_ and fixed once queued: out .. file_ends and
-// bytes_moved. The I/O thread's alone: next_chunk .. fence, requests, error and
-// start_time (error and the times are read by others once done is set). Under mu_: done.
-struct Job {
-  bool out = false;
-  bool discard = false;                // page-out that drops the bytes instead of writing
-  std::vector<ExtentId> extents;       // the extents this bucket moves
-  std::vector<Residency> before;       // their states before (restored on failure)
-  std::vector<std::pair<uintptr_t, size_t>> zero_fills;
-  std::vector<Chunk> chunks;
-  std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
-  size_t next_chunk = 0;
-  size_t chunks_in_flight = 0;
-  bool started = false;
-  bool held = false;                   // a page-out found waiting for a held range
-  std::optional<Fence> fence;          // device work to finish before completing
-  uint64_t bytes_moved = 0;
-  uint64_t requests = 0;               // file requests completed (added to the counters once)
-  bool done = false;
-  std::exception_ptr error;
-  std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
-};
 
 IoShape io_shape_for(bool direct_io) {
   return direct_io ? IoShape{64, size_t(4) << 20} : IoShape{32, size_t(1) << 20};
-}
-
-std::pair<double, double> job_times(const Job& job) {
-  auto seconds = [](std::chrono::steady_clock::time_point t) {
-    return std::chrono::duration<double>(t.time_since_epoch()).count();
-  };
-  return {seconds(job.start_time), seconds(job.end_time)};
 }
 
 constexpr uint64_t kNoOffset = ~uint64_t{0};
@@ -92,6 +48,7 @@ struct Pager::Extent {
   Residency committed_state = Residency::kZero;
   uint64_t committed_offset = kNoOffset;  // file_offset then: the committed bytes when FILE
   uint64_t committed_next = kNoOffset;    // next_offset then
+  Residency restore_from = Residency::kZero;  // its state before a restore (see begin_restore)
 
   // The store ranges it refers to now, and in an epoch also those it committed.
   std::vector<uint64_t> ranges() const {
@@ -101,15 +58,6 @@ struct Pager::Extent {
     }
     return out;
   }
-};
-
-// A staging slot: the I/O thread's alone.
-struct Pager::Slot {
-  unsigned index = 0;
-  char* buf = nullptr;
-  Job* job = nullptr;
-  const Chunk* chunk = nullptr;
-  std::optional<Fence> copy;  // set while a device copy for this slot is queued
 };
 
 Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
@@ -139,19 +87,8 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   if (options_.io_depth == 0) options_.io_depth = shape.depth;
   if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
   add_store_locked("");  // the default store: file 0 of file_
-  char* staging = static_cast<char*>(
-      device_->alloc_staging(size_t(options_.io_depth) * options_.io_block_bytes));
-  for (unsigned i = 0; i < options_.io_depth; i++) {
-    Slot slot;
-    slot.index = i;
-    slot.buf = staging + size_t(i) * options_.io_block_bytes;
-    slots_.push_back(slot);
-  }
-  try {
-    file_->register_buffers({iovec{staging, slots_.size() * options_.io_block_bytes}});
-  } catch (const Error&) {
-    // Registration needs RLIMIT_MEMLOCK headroom; unregistered I/O is correct, just slower.
-  }
+  store_tier_ = std::make_unique<StoreTier>(*device_, *file_, options_.io_depth,
+                                            options_.io_block_bytes);
   counters_.direct_io = file_->direct();
   counters_.io_depth = options_.io_depth;
   counters_.io_block_bytes = options_.io_block_bytes;
@@ -354,11 +291,6 @@ void Pager::check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* 
   }
 }
 
-// Safe without the lock: UringFile's files never move (the I/O thread calls this).
-const std::string& Pager::path_of(uint64_t store_offset) const {
-  return file_->file_path(store_index(store_offset));
-}
-
 bool Pager::exists(ExtentId id) const {
   std::unique_lock lock(mu_);
   return extents_.count(id) != 0;
@@ -457,7 +389,7 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       throw;
     }
   }
-  if (!discard) plan_chunks(*job);
+  if (!discard) plan_locked(*job);
   if (job->extents.empty()) {
     job->done = true;
     return job;
@@ -489,44 +421,16 @@ void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
   for (auto [e, range] : fresh) e->file_offset = range;
 }
 
-// Cuts the bucket's file ranges into requests of at most io_block_bytes. Extents that are
-// neighbours in the file share a request.
-void Pager::plan_chunks(Job& job) {
-  std::vector<const Extent*> moved;
+// The bucket's moves to or from the store files.
+void Pager::plan_locked(Job& job) {
+  std::vector<StoreTier::Move> moves;
   for (size_t i = 0; i < job.extents.size(); i++) {
     const Extent& e = extent_locked(job.extents[i]);
-    if (job.out || job.before[i] == Residency::kFile) moved.push_back(&e);
-  }
-  std::sort(moved.begin(), moved.end(),
-            [](const Extent* a, const Extent* b) { return a->file_offset < b->file_offset; });
-  const size_t block = options_.io_block_bytes;
-  Chunk chunk;
-  auto flush = [&] {
-    if (chunk.file_bytes > 0) job.chunks.push_back(std::move(chunk));
-    chunk = Chunk{};
-  };
-  for (const Extent* e : moved) {
-    size_t pos = 0;
-    while (pos < e->bytes) {
-      const uint64_t at = e->file_offset + pos;
-      if (chunk.file_bytes == block || (chunk.file_bytes > 0 && chunk.file_offset + chunk.file_bytes != at)) {
-        flush();
-      }
-      if (chunk.file_bytes == 0) chunk.file_offset = at;
-      const size_t n = std::min(block - chunk.file_bytes, e->bytes - pos);
-      chunk.pieces.push_back(Piece{chunk.file_bytes, e->addr + pos, n});
-      chunk.file_bytes += align_up(n, kFileAlign);
-      pos += n;
+    if (job.out || job.before[i] == Residency::kFile) {
+      moves.push_back(StoreTier::Move{e.addr, e.bytes, e.file_offset, e.file_bytes});
     }
-    const uint64_t end = e->file_offset + e->file_bytes;
-    if (job.file_ends.empty() || store_index(job.file_ends.back()) != store_index(end - 1)) {
-      job.file_ends.push_back(end);  // sorted by offset: stores come one after another
-    } else {
-      job.file_ends.back() = std::max(job.file_ends.back(), end);
-    }
-    job.bytes_moved += e->bytes;
   }
-  flush();
+  store_tier_->plan(job, std::move(moves));
 }
 
 void Pager::wait(const Ticket& ticket) {
@@ -586,13 +490,14 @@ std::vector<std::string> Pager::store_files() const {
   return file_->physical_paths();
 }
 
+// kNoOffset: a placement without bytes at rest (no spans).
 Placement Pager::placement_locked(const Extent& e, uint64_t store_offset) const {
   Placement p;
   p.state = e.state;
   p.bytes = e.bytes;
   p.store_offset = store_offset;
   p.store_bytes = align_up(e.bytes, kFileAlign);
-  p.spans = file_->spans(p.store_offset, p.store_bytes);
+  if (store_offset != kNoOffset) p.spans = file_->spans(p.store_offset, p.store_bytes);
   return p;
 }
 
@@ -656,93 +561,68 @@ bool Pager::only_held_jobs_locked() {
   return true;
 }
 
-CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bool>& zero,
-                          const std::string& src, const std::vector<uint64_t>& src_offsets) {
-  if (zero.size() != ids.size() || src_offsets.size() != ids.size()) {
-    throw UsageError("restore: ids, zero and src_offsets must have the same length");
-  }
-  std::vector<ExtentId> sorted = ids;
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    throw UsageError("restore: an extent is given twice");
+std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
+                                            const std::vector<bool>& zero) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  for (ExtentId id : ids) {
+    const Extent& e = extent_locked(id);
+    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+      throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
+                       "it out or discard it (and wait) before restoring it");
+    }
+    if (held_.count(e.file_offset) != 0) {
+      throw UsageError("a checkpoint copy still holds the store range of extent " +
+                       std::to_string(id) + ": wait for the save to finish first");
+    }
+    check_not_in_epoch_locked(e, id, "be restored");
   }
   std::vector<uint64_t> fresh(ids.size(), kNoOffset);  // where the new bytes go
-  std::vector<Placement> places(ids.size());
-  std::vector<Residency> before;
-  std::vector<std::string> paths;
-  {
-    std::unique_lock lock(mu_);
-    check_open_locked();
-    for (ExtentId id : ids) {
-      const Extent& e = extent_locked(id);
-      if (e.state != Residency::kZero && e.state != Residency::kFile) {
-        throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
-                         "it out or discard it (and wait) before restoring it");
-      }
-      if (held_.count(e.file_offset) != 0) {
-        throw UsageError("a checkpoint copy still holds the store range of extent " +
-                         std::to_string(id) + ": wait for the save to finish first");
-      }
-      check_not_in_epoch_locked(e, id, "be restored");
-    }
-    try {
-      for (size_t i = 0; i < ids.size(); i++) {
-        if (zero[i]) continue;
-        const Extent& e = extent_locked(ids[i]);
-        // In the store it moves to, if it moves: the move is done once the bytes are there.
-        const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
-        fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
-      }
-    } catch (...) {
-      for (uint64_t range : fresh) {
-        if (range != kNoOffset) free_range_locked(range);
-      }
-      throw;
-    }
-    for (size_t i = 0; i < ids.size(); i++) {
-      Extent& e = extent_locked(ids[i]);
-      if (!zero[i]) places[i] = placement_locked(e, fresh[i]);
-      before.push_back(e.state);
-      e.state = Residency::kPagingIn;
-    }
-    paths = file_->physical_paths();
-  }
-  CopyMethod method = CopyMethod::kReflink;
   try {
-    const OpenFile from(src, OpenFile::kRead);
-    std::vector<OpenFile> store;
-    for (const std::string& path : paths) store.emplace_back(path, OpenFile::kWrite);
     for (size_t i = 0; i < ids.size(); i++) {
-      uint64_t at = src_offsets[i];
-      for (const UringFile::Span& s : places[i].spans) {
-        method = copy_range(from, at, store[s.file], s.offset, s.length, method);
-        at += s.length;
-      }
+      if (zero[i]) continue;
+      const Extent& e = extent_locked(ids[i]);
+      // In the store it moves to, if it moves: the move is done once the bytes are there.
+      const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.file_offset;
+      fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
     }
   } catch (...) {
-    std::unique_lock lock(mu_);
-    for (size_t i = 0; i < ids.size(); i++) {
-      if (fresh[i] != kNoOffset) free_range_locked(fresh[i]);
-      extent_locked(ids[i]).state = before[i];
+    for (uint64_t range : fresh) {
+      if (range != kNoOffset) free_range_locked(range);
     }
-    done_cv_.notify_all();
     throw;
   }
+  std::vector<Placement> places(ids.size());
+  for (size_t i = 0; i < ids.size(); i++) {
+    Extent& e = extent_locked(ids[i]);
+    places[i] = zero[i] ? placement_locked(e, kNoOffset) : placement_locked(e, fresh[i]);
+    places[i].state = zero[i] ? Residency::kZero : Residency::kFile;
+    e.restore_from = e.state;
+    e.state = Residency::kPagingIn;
+  }
+  return places;
+}
+
+void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Placement>& places,
+                        bool ok) {
   std::unique_lock lock(mu_);
   for (size_t i = 0; i < ids.size(); i++) {
     Extent& e = extent_locked(ids[i]);
-    if (zero[i]) {
+    const bool zero = places[i].state == Residency::kZero;
+    if (!ok) {
+      if (!zero) free_range_locked(places[i].store_offset);
+      e.state = e.restore_from;
+    } else if (zero) {
       e.state = Residency::kZero;
       finish_move_locked(e);
-      continue;
+    } else {
+      for (uint64_t range : e.ranges()) free_range_locked(range);
+      e.file_offset = places[i].store_offset;
+      e.next_offset = kNoOffset;
+      e.state = Residency::kFile;
     }
-    for (uint64_t range : e.ranges()) free_range_locked(range);
-    e.file_offset = fresh[i];
-    e.next_offset = kNoOffset;
-    e.state = Residency::kFile;
   }
   done_cv_.notify_all();
-  return method;
 }
 
 // ---- epochs ----------------------------------------------------------------------------
@@ -860,10 +740,7 @@ void Pager::close() {
     e->state = Residency::kZero;
   }
   attempt([&] { pool_.trim(); });
-  if (!slots_.empty()) {
-    attempt([&] { device_->free_staging(slots_[0].buf, slots_.size() * options_.io_block_bytes); });
-    slots_.clear();
-  }
+  store_tier_.reset();  // frees the staging memory
   file_.reset();
   attempt([&] { dir_->remove(); });
   if (error) std::rethrow_exception(error);
@@ -899,16 +776,15 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   }
   lock.unlock();
   bool progressed = false;
-  bool copies_pending = false;
+  std::vector<Job*> running;
   for (const Ticket& job : jobs) {
+    running.push_back(job.get());
     if (job->started) continue;
     job->started = true;
     job->start_time = std::chrono::steady_clock::now();
     progressed = true;
     try {
-      if (job->out) {
-        for (uint64_t end : job->file_ends) file_->allocate(end);
-      }
+      store_tier_->start(*job);
       for (auto [addr, bytes] : job->zero_fills) device_->fill_zero(addr, bytes);
       if (!job->zero_fills.empty()) job->fence = device_->record(CopyQueue::kToDevice);
       // A discard unmaps once the work queued before it on the caller's stream is done.
@@ -917,60 +793,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
       job->error = std::current_exception();
     }
   }
-  for (Slot& slot : slots_) {
-    if (slot.job) continue;
-    for (const Ticket& job : jobs) {
-      if (job->error || job->next_chunk == job->chunks.size()) continue;
-      slot.job = job.get();
-      slot.chunk = &job->chunks[job->next_chunk++];
-      job->chunks_in_flight++;
-      start_chunk(slot);
-      progressed = true;
-      break;
-    }
-  }
-  for (Slot& slot : slots_) {
-    if (!slot.copy) continue;
-    try {
-      if (!device_->is_done(*slot.copy)) {
-        copies_pending = true;
-        continue;
-      }
-    } catch (...) {
-      slot.job->error = std::current_exception();
-    }
-    device_->release_fence(*slot.copy);
-    slot.copy.reset();
-    progressed = true;
-    if (slot.job->out && !slot.job->error) {
-      file_->submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
-                                       slot.chunk->file_offset, 0});
-    } else {
-      finish_slot(slot, 0, 0);
-    }
-  }
-  std::vector<UringFile::Completion> done;
-  if (file_->in_flight() > 0) {
-    const int64_t timeout_us = progressed ? 0 : copies_pending ? 20 : 500;
-    file_->reap(&done, timeout_us);
-  }
-  for (const auto& c : done) {
-    progressed = true;
-    Slot& slot = slots_[c.tag];
-    slot.job->requests++;
-    if (c.error == 0 && !slot.job->out && !slot.job->error) {
-      try {
-        for (const Piece& p : slot.chunk->pieces) {
-          device_->copy_to_device(p.addr, slot.buf + p.staging_offset, p.bytes);
-        }
-        slot.copy = device_->record(CopyQueue::kToDevice);
-        continue;
-      } catch (...) {
-        slot.job->error = std::current_exception();
-      }
-    }
-    finish_slot(slot, c.error, c.offset);
-  }
+  progressed = store_tier_->pump(running, progressed);
   lock.lock();
   for (const Ticket& job : jobs) {
     const bool issued_all = job->error || job->next_chunk == job->chunks.size();
@@ -984,49 +807,6 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
     progressed = true;
   }
   return progressed;
-}
-
-void Pager::start_chunk(Slot& slot) {
-  const Chunk& chunk = *slot.chunk;
-  try {
-    if (slot.job->out) {
-      size_t at = 0;
-      for (const Piece& p : chunk.pieces) {
-        std::memset(slot.buf + at, 0, p.staging_offset - at);  // padding between extents
-        device_->copy_to_host(slot.buf + p.staging_offset, p.addr, p.bytes);
-        at = p.staging_offset + p.bytes;
-      }
-      std::memset(slot.buf + at, 0, chunk.file_bytes - at);
-      slot.copy = device_->record(CopyQueue::kToHost);
-    } else {
-      file_->submit(UringFile::Request{slot.index, false, slot.buf, chunk.file_bytes,
-                                       chunk.file_offset, 0});
-    }
-  } catch (...) {
-    slot.job->error = std::current_exception();
-    finish_slot(slot, 0, 0);
-  }
-}
-
-void Pager::finish_slot(Slot& slot, int error, uint64_t offset) {
-  Job& job = *slot.job;
-  if (error != 0 && !job.error) {
-    try {
-      if (error == ENODATA) {
-        throw CorruptStoreError("store file " + path_of(offset) + " is truncated at offset " +
-                                std::to_string(offset % UringFile::kRegionBytes) +
-                                ": it holds fewer bytes than were paged out there. The store "
-                                "was changed outside statepager; its state is lost.");
-      }
-      throw_io_error(error, job.out ? "page-out write" : "page-in read", path_of(offset),
-                     offset % UringFile::kRegionBytes);
-    } catch (...) {
-      job.error = std::current_exception();
-    }
-  }
-  job.chunks_in_flight--;
-  slot.job = nullptr;
-  slot.chunk = nullptr;
 }
 
 // Under the lock: the bucket's extents take their new state (or get their old one back).

@@ -8,8 +8,8 @@
 // request.
 //
 // page_in() and page_out() take a bucket (a set of extents) and return a Ticket at once;
-// an I/O thread moves the bytes through pinned staging slots (device copy <-> io_uring),
-// many buckets and many requests in flight. page_out() first orders itself after the
+// an I/O thread moves the bytes (allocator/store_tier.h: pinned staging slots, device copy
+// <-> io_uring), many buckets and many requests in flight. page_out() first orders itself after the
 // work already queued on the caller's stream. A failed page-out leaves every extent of
 // its bucket resident and intact; a failed page-in leaves them as they were.
 //
@@ -19,8 +19,9 @@
 // rest, and for those with (FILE) on their next page-in, when the old range is let go:
 // a move never copies bytes.
 //
-// Checkpoints copy extents straight between the store and other files (see hold() and
-// restore()): an extent at rest keeps its range of a store file until it moves.
+// Checkpoints copy extents straight between the store and other files (hold() and
+// begin_restore(); allocator/store_snapshot.h and store_restore.h copy): an extent at rest
+// keeps its range of a store file until it moves.
 //
 // Epochs make a set of changes all-or-nothing (an optimizer step: see begin_epoch()).
 // Inside one, a page-out never overwrites the bytes an extent had at the epoch's begin
@@ -56,8 +57,9 @@
 
 #include "allocator/arena.h"
 #include "allocator/device.h"
+#include "allocator/job.h"
 #include "allocator/pool.h"
-#include "backing/file_copy.h"
+#include "allocator/store_tier.h"
 #include "backing/store_dir.h"
 #include "backing/uring_file.h"
 
@@ -86,10 +88,6 @@ struct PagerOptions {
 // io_depth x io_block_bytes of pinned memory.
 constexpr unsigned kMaxIoDepth = 1024;
 constexpr size_t kMaxIoBlockBytes = size_t(256) << 20;
-
-enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut };
-
-using ExtentId = uint64_t;
 
 struct PagerStats {
   size_t mapped_bytes = 0;        // physical bytes mapped into the arena now
@@ -120,13 +118,6 @@ struct Placement {
   size_t store_bytes = 0;              // and past `bytes` it holds zeros
   std::vector<UringFile::Span> spans;  // that range in the physical files; empty when ZERO
 };
-
-struct Job;
-using Ticket = std::shared_ptr<Job>;
-// When a finished bucket's I/O started and when it completed, in seconds of the steady
-// clock (time.monotonic() in Python). Both are 0 for a bucket that had nothing to move.
-// Only once the bucket is done (after Pager::wait() or is_done()): the I/O thread sets them.
-std::pair<double, double> job_times(const Job& job);
 
 class Pager {
  public:
@@ -196,14 +187,16 @@ class Pager {
   // out first).
   std::vector<Placement> hold(const std::vector<ExtentId>& ids);
   void unhold(uint64_t store_offset);  // the held range starting there; no-op if none
-  // Sets at-rest extents' bytes from the file `src` (a checkpoint): extent i becomes FILE
-  // with the store_bytes found at src_offsets[i], or ZERO when zero[i]. Extents must be
-  // at rest, not held and in no epoch (UsageError); each is 'paging_in' while its bytes
-  // are copied. All or nothing: the bytes go to fresh ranges of the store and the
-  // extents switch to them once every copy has succeeded; on an error nothing changed.
-  // Returns the copy method used last.
-  CopyMethod restore(const std::vector<ExtentId>& ids, const std::vector<bool>& zero,
-                     const std::string& src, const std::vector<uint64_t>& src_offsets);
+  // Restores (allocator/store_restore.h copies a checkpoint's bytes in between): extents
+  // at rest, not held and in no epoch (else UsageError) become 'paging_in', and each gets
+  // a placement for its new bytes: a fresh range of its store (state kFile), or none when
+  // zero[i] (state kZero). end_restore(ok) switches them to those bytes; end_restore(!ok)
+  // frees the fresh ranges and returns every extent to what it was. Exactly one
+  // end_restore() per begin_restore(), with the same ids and the placements returned.
+  std::vector<Placement> begin_restore(const std::vector<ExtentId>& ids,
+                                       const std::vector<bool>& zero);
+  void end_restore(const std::vector<ExtentId>& ids, const std::vector<Placement>& places,
+                   bool ok);
 
   // -- epochs: all-or-nothing changes of a set of extents (an optimizer step)
   // Opens an epoch over `ids`, which must be at rest and in no other epoch (UsageError),
@@ -237,17 +230,14 @@ class Pager {
 
  private:
   struct Extent;
-  struct Slot;
   struct Store;
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
-  void plan_chunks(Job& job);
+  void plan_locked(Job& job);
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
-  void start_chunk(Slot& slot);
-  void finish_slot(Slot& slot, int error, uint64_t offset);
   void complete(Job& job);
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
   unsigned add_store_locked(const std::string& name);
@@ -258,7 +248,6 @@ class Pager {
   std::vector<Extent*> settled_epoch_locked(std::unique_lock<std::mutex>& lock, uint64_t epoch);
   void end_epoch_locked(Extent& e, bool keep);
   void check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const;
-  const std::string& path_of(uint64_t store_offset) const;
   Extent& extent_locked(ExtentId id);
   const Extent& extent_locked(ExtentId id) const;
   void check_open_locked() const;
@@ -272,7 +261,7 @@ class Pager {
   // punch() and the path and span queries under mu_ (UringFile allows them alongside).
   std::unique_ptr<UringFile> file_;
   std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
-  std::vector<Slot> slots_;            // I/O thread (freed by close() after the join)
+  std::unique_ptr<StoreTier> store_tier_;  // I/O thread, plan() under mu_ (freed by close())
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;    // wakes the I/O thread

@@ -13,6 +13,7 @@
 #include "allocator/device.h"
 #include "allocator/pager.h"
 #include "allocator/pluggable.h"
+#include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
 #include "backing/file_copy.h"
@@ -472,7 +473,8 @@ PYBIND11_MODULE(_C, m) {
               const std::vector<uint64_t>& offsets) {
              const std::vector<ExtentId> ids = self.extents_of(tensors);
              py::gil_scoped_release release;
-             return std::string(copy_method_name(self.pager->restore(ids, zero, src, offsets)));
+             const CopyMethod method = restore_extents(*self.pager, ids, zero, src, offsets);
+             return std::string(copy_method_name(method));
            },
            py::arg("tensors"), py::arg("zero"), py::arg("src"), py::arg("offsets"))
       .def("begin_epoch",

@@ -1,0 +1,70 @@
+// Job: one bucket of a Pager — its plan (which bytes go where) and its progress.
+//
+// The Pager plans a job under its lock, queues it, and settles its extents once done; the
+// tiers that move its bytes (allocator/store_tier.h) work through
+// its chunks and copies on the Pager's I/O thread.
+//
+// Fields: set by the Pager under its lock and fixed once queued: out .. bytes_moved. The
+// I/O thread's alone: next_chunk .. fence, requests, error and the times (error and the
+// times are read by others once done is set). Under the Pager's lock: done.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "allocator/device.h"
+
+namespace statepager {
+
+using ExtentId = uint64_t;
+
+enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut };
+
+// One copy between device memory and a buffer inside a chunk (its staging slot).
+struct Piece {
+  size_t buf_offset;  // in the chunk's buffer
+  uintptr_t addr;     // device address
+  size_t bytes;
+};
+
+// One I/O request: a contiguous, aligned range of the store files.
+struct Chunk {
+  uint64_t file_offset = 0;
+  size_t file_bytes = 0;
+  std::vector<Piece> pieces;
+};
+
+struct Job {
+  bool out = false;
+  bool discard = false;                // page-out that drops the bytes instead of writing
+  std::vector<ExtentId> extents;       // the extents this bucket moves
+  std::vector<Residency> before;       // their states before (restored on failure)
+  std::vector<std::pair<uintptr_t, size_t>> zero_fills;
+  std::vector<Chunk> chunks;           // device <-> store file, through staging
+  std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
+  uint64_t bytes_moved = 0;            // to or from the store files
+  size_t next_chunk = 0;
+  size_t chunks_in_flight = 0;
+  bool started = false;
+  bool held = false;                   // a page-out found waiting for a held range
+  std::optional<Fence> fence;          // device work to finish before completing
+  uint64_t requests = 0;               // file requests completed (added to the counters once)
+  bool done = false;
+  std::exception_ptr error;
+  std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
+};
+
+using Ticket = std::shared_ptr<Job>;
+
+// When a finished bucket's I/O started and when it completed, in seconds of the steady
+// clock (time.monotonic() in Python). Both are 0 for a bucket that had nothing to move.
+// Only once the bucket is done (after Pager::wait() or is_done()): the I/O thread sets them.
+std::pair<double, double> job_times(const Job& job);
+
+}  // namespace statepager
