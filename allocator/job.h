@@ -1,10 +1,10 @@
 // Job: one bucket of a Pager — its plan (which bytes go where) and its progress.
 //
 // The Pager plans a job under its lock, queues it, and settles its extents once done; the
-// tiers that move its bytes (allocator/store_tier.h) work through
+// tiers that move its bytes (allocator/store_tier.h, allocator/host_tier.h) work through
 // its chunks and copies on the Pager's I/O thread.
 //
-// Fields: set by the Pager under its lock and fixed once queued: out .. bytes_moved. The
+// Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes. The
 // I/O thread's alone: next_chunk .. fence, requests, error and the times (error and the
 // times are read by others once done is set). Under the Pager's lock: done.
 #pragma once
@@ -24,7 +24,8 @@ namespace statepager {
 
 using ExtentId = uint64_t;
 
-enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut };
+// kHost: at rest in the host tier (allocator/host_tier.h).
+enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut, kHost };
 
 // One copy between device memory and a buffer inside a chunk (its staging slot).
 struct Piece {
@@ -40,15 +41,25 @@ struct Chunk {
   std::vector<Piece> pieces;
 };
 
+// One device <-> host-tier copy (allocator/host_tier.h).
+struct HostCopy {
+  uintptr_t addr;  // device address
+  char* host;      // host-tier memory
+  size_t bytes;
+};
+
 struct Job {
   bool out = false;
   bool discard = false;                // page-out that drops the bytes instead of writing
   std::vector<ExtentId> extents;       // the extents this bucket moves
   std::vector<Residency> before;       // their states before (restored on failure)
+  std::vector<Residency> after;        // page-out: their states once done (file or host)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
+  std::vector<HostCopy> host_copies;   // device <-> host tier, on the copy engines
   std::vector<Chunk> chunks;           // device <-> store file, through staging
   std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
   uint64_t bytes_moved = 0;            // to or from the store files
+  uint64_t host_bytes = 0;             // to or from the host tier
   size_t next_chunk = 0;
   size_t chunks_in_flight = 0;
   bool started = false;

@@ -24,6 +24,11 @@ IoShape io_shape_for(bool direct_io) {
 
 constexpr uint64_t kNoOffset = ~uint64_t{0};
 
+// Bytes nowhere, in a store file or in the host tier: no bucket is moving it.
+bool at_rest(Residency s) {
+  return s == Residency::kZero || s == Residency::kFile || s == Residency::kHost;
+}
+
 unsigned store_index(uint64_t store_offset) {
   return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
 }
@@ -48,12 +53,15 @@ struct Pager::Extent {
   Residency committed_state = Residency::kZero;
   uint64_t committed_offset = kNoOffset;  // file_offset then: the committed bytes when FILE
   uint64_t committed_next = kNoOffset;    // next_offset then
+  uint64_t host_offset = kNoOffset;       // HOST (or paging out to it): its host range
+  uint64_t committed_host = kNoOffset;    // host_offset then
   Residency restore_from = Residency::kZero;  // its state before a restore (see begin_restore)
 
   // The store ranges it refers to now, and in an epoch also those it committed.
   std::vector<uint64_t> ranges() const {
     std::vector<uint64_t> out;
-    for (uint64_t r : {file_offset, next_offset, committed_offset, committed_next}) {
+    for (uint64_t r : {file_offset, next_offset, committed_offset, committed_next, host_offset,
+                       committed_host}) {
       if (r != kNoOffset && std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
     }
     return out;
@@ -75,6 +83,11 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
                      "multiple of 4096 up to " + std::to_string(kMaxIoBlockBytes) +
                      " (256 MiB) (0 or None: chosen for the medium)");
   }
+  if (options_.host_budget_bytes > kMaxHostBudget) {
+    throw UsageError("host_budget (PagerOptions::host_budget_bytes) " +
+                     std::to_string(options_.host_budget_bytes) + " is not allowed: it must be "
+                     "0 (no host tier) to " + std::to_string(kMaxHostBudget) + " (128 TiB)");
+  }
   // A file-size limit must surface as EFBIG on the write, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
   dir_ = std::make_unique<StoreDir>(options_.directory);
@@ -89,6 +102,16 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   add_store_locked("");  // the default store: file 0 of file_
   store_tier_ = std::make_unique<StoreTier>(*device_, *file_, options_.io_depth,
                                             options_.io_block_bytes);
+  if (options_.host_budget_bytes > 0) {
+    try {
+      host_tier_ = std::make_shared<HostTier>(*device_, options_.host_budget_bytes);
+    } catch (const OutOfMemoryError& e) {
+      throw OutOfMemoryError("host_budget " + std::to_string(options_.host_budget_bytes) +
+                             " bytes of pinned host memory could not be allocated (" +
+                             e.what() + "): pass a smaller host_budget");
+    }
+  }
+  counters_.host_budget_bytes = options_.host_budget_bytes;
   counters_.direct_io = file_->direct();
   counters_.io_depth = options_.io_depth;
   counters_.io_block_bytes = options_.io_block_bytes;
@@ -271,6 +294,10 @@ void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
     freed_held_[store_offset] = punch_bytes;
     return;
   }
+  if (HostTier::is_host(store_offset)) {
+    if (host_tier_) host_tier_->free(store_offset);  // none once closed
+    return;
+  }
   if (punch_bytes > 0 && file_) file_->punch(store_offset, punch_bytes);
   stores_[store_index(store_offset)]->space.free(store_offset);
 }
@@ -282,6 +309,14 @@ void Pager::finish_move_locked(Extent& e) {
   if (e.file_offset != e.committed_offset) free_range_locked(e.file_offset);
   e.file_offset = e.next_offset;
   e.next_offset = kNoOffset;
+}
+
+// The extent no longer uses its host range (paged in, discarded, or a page-out failed);
+// in an epoch a range holding committed bytes stays until the epoch ends.
+void Pager::drop_host_locked(Extent& e) {
+  if (e.host_offset == kNoOffset) return;
+  if (e.host_offset != e.committed_host) free_range_locked(e.host_offset);
+  e.host_offset = kNoOffset;
 }
 
 void Pager::check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const {
@@ -360,16 +395,28 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       throw UsageError("extent " + std::to_string(id) +
                        " is already being paged by another bucket: wait for that bucket first");
     }
+    const bool at_rest_with_bytes = s == Residency::kFile || s == Residency::kHost;
     const bool moves = !out ? s != Residency::kResident
-                            : s == Residency::kResident || (discard && s == Residency::kFile);
+                            : s == Residency::kResident || (discard && at_rest_with_bytes);
     if (moves) job->extents.push_back(id);
   }
-  if (out && !discard) redirect_writes_locked(job->extents);
   if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
+  if (out && !discard) {
+    try {
+      redirect_writes_locked(place_outs_locked(*job));
+    } catch (...) {  // the store has no room left: nothing moves
+      for (ExtentId id : job->extents) drop_host_locked(extent_locked(id));
+      throw;
+    }
+  }
   for (ExtentId id : job->extents) {
     Extent& e = extent_locked(id);
     job->before.push_back(e.state);
     if (!out && e.state == Residency::kZero) job->zero_fills.emplace_back(e.addr, e.bytes);
+    if (!out && e.state == Residency::kHost) {
+      job->host_copies.push_back(HostCopy{e.addr, host_tier_->host(e.host_offset), e.bytes});
+      job->host_bytes += e.bytes;
+    }
     e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
   }
   if (!out) {
@@ -400,6 +447,30 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   return job;
 }
 
+// Where each extent of a page-out goes: into a fresh host range while the host tier has
+// room (a page-out never writes a host range in use, so committed host bytes stay as they
+// are), else to its store range. Returns those going to the store.
+std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
+  std::vector<ExtentId> to_store;
+  for (ExtentId id : job.extents) {
+    Extent& e = extent_locked(id);
+    std::optional<uint64_t> range;
+    if (host_tier_) range = host_tier_->allocate(e.file_bytes);
+    if (!range) {
+      job.after.push_back(Residency::kFile);
+      to_store.push_back(id);
+      continue;
+    }
+    e.host_offset = *range;
+    // Past its bytes a range holds zeros, as a store range does (checkpoints copy them).
+    std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
+    job.after.push_back(Residency::kHost);
+    job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
+    job.host_bytes += e.bytes;
+  }
+  return to_store;
+}
+
 // In an epoch a page-out never overwrites committed bytes: an extent whose range holds
 // them is written to a fresh range of its store (copy-on-write).
 void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
@@ -426,7 +497,9 @@ void Pager::plan_locked(Job& job) {
   std::vector<StoreTier::Move> moves;
   for (size_t i = 0; i < job.extents.size(); i++) {
     const Extent& e = extent_locked(job.extents[i]);
-    if (job.out || job.before[i] == Residency::kFile) {
+    const bool to_store = job.out ? job.after[i] == Residency::kFile
+                                  : job.before[i] == Residency::kFile;
+    if (to_store) {
       moves.push_back(StoreTier::Move{e.addr, e.bytes, e.file_offset, e.file_bytes});
     }
   }
@@ -455,7 +528,9 @@ PagerStats Pager::stats() const {
   s.extents = extents_.size();
   for (const auto& [id, e] : extents_) {
     if (e->state == Residency::kResident) s.resident_bytes += e->bytes;
+    if (e->state == Residency::kHost) s.host_bytes += e->bytes;
   }
+  s.host_used_bytes = host_tier_ ? host_tier_->used_bytes() : 0;
   return s;
 }
 
@@ -497,7 +572,11 @@ Placement Pager::placement_locked(const Extent& e, uint64_t store_offset) const 
   p.bytes = e.bytes;
   p.store_offset = store_offset;
   p.store_bytes = align_up(e.bytes, kFileAlign);
-  if (store_offset != kNoOffset) p.spans = file_->spans(p.store_offset, p.store_bytes);
+  if (HostTier::is_host(store_offset) && store_offset != kNoOffset) {
+    p.host = host_tier_->host(store_offset);
+  } else if (store_offset != kNoOffset) {
+    p.spans = file_->spans(p.store_offset, p.store_bytes);
+  }
   return p;
 }
 
@@ -511,19 +590,24 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
   std::vector<Placement> out;
   for (ExtentId id : ids) {
     const Extent& e = extent_locked(id);
-    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+    if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
                        "out (and wait) before copying the store");
     }
     check_not_in_epoch_locked(e, id, "be copied");
-    out.push_back(placement_locked(e, e.file_offset));
+    out.push_back(placement_locked(e, e.state == Residency::kHost ? e.host_offset : e.file_offset));
   }
   for (const Placement& p : out) {
-    if (p.state == Residency::kFile && p.store_bytes > 0) {
+    if (p.state != Residency::kZero && p.store_bytes > 0) {
       held_[p.store_offset] = p.store_offset + p.store_bytes;
     }
   }
   return out;
+}
+
+std::shared_ptr<const HostTier> Pager::host_memory() const {
+  std::unique_lock lock(mu_);
+  return host_tier_;
 }
 
 void Pager::unhold(uint64_t store_offset) {
@@ -567,11 +651,11 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
   check_open_locked();
   for (ExtentId id : ids) {
     const Extent& e = extent_locked(id);
-    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+    if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
                        "it out or discard it (and wait) before restoring it");
     }
-    if (held_.count(e.file_offset) != 0) {
+    if (held_.count(e.file_offset) != 0 || held_.count(e.host_offset) != 0) {
       throw UsageError("a checkpoint copy still holds the store range of extent " +
                        std::to_string(id) + ": wait for the save to finish first");
     }
@@ -613,9 +697,11 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
       if (!zero) free_range_locked(places[i].store_offset);
       e.state = e.restore_from;
     } else if (zero) {
+      drop_host_locked(e);
       e.state = Residency::kZero;
       finish_move_locked(e);
     } else {
+      drop_host_locked(e);
       for (uint64_t range : e.ranges()) free_range_locked(range);
       e.file_offset = places[i].store_offset;
       e.next_offset = kNoOffset;
@@ -636,7 +722,7 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
   for (ExtentId id : members) {
     const Extent& e = extent_locked(id);
     if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot be in an epoch");
-    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+    if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
                        "out (and wait) before an epoch begins");
     }
@@ -649,6 +735,7 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
     e.committed_state = e.state;
     e.committed_offset = e.file_offset;
     e.committed_next = e.next_offset;
+    e.committed_host = e.host_offset;
   }
   epochs_[epoch] = std::move(members);
   return epoch;
@@ -684,9 +771,10 @@ void Pager::end_epoch_locked(Extent& e, bool keep) {
     e.state = e.committed_state;
     e.file_offset = e.committed_offset;
     e.next_offset = e.committed_next;
+    e.host_offset = e.committed_host;
   }
   e.epoch = 0;
-  e.committed_offset = e.committed_next = kNoOffset;
+  e.committed_offset = e.committed_next = e.committed_host = kNoOffset;
   const std::vector<uint64_t> now = e.ranges();
   for (uint64_t range : before) {
     if (std::find(now.begin(), now.end(), range) == now.end()) free_range_locked(range);
@@ -738,9 +826,11 @@ void Pager::close() {
     if (e->segment) continue;  // PyTorch's MemPool may still hand out its blocks
     if (e->state == Residency::kResident) attempt([&] { pool_.unref(e->addr, e->bytes); });
     e->state = Residency::kZero;
+    e->host_offset = e->committed_host = kNoOffset;  // the host tier goes below
   }
   attempt([&] { pool_.trim(); });
   store_tier_.reset();  // frees the staging memory
+  host_tier_.reset();   // its memory lives on while a StoreSnapshot still holds it
   file_.reset();
   attempt([&] { dir_->remove(); });
   if (error) std::rethrow_exception(error);
@@ -785,10 +875,12 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
     progressed = true;
     try {
       store_tier_->start(*job);
+      if (host_tier_) host_tier_->start(*job);
       for (auto [addr, bytes] : job->zero_fills) device_->fill_zero(addr, bytes);
-      if (!job->zero_fills.empty()) job->fence = device_->record(CopyQueue::kToDevice);
       // A discard unmaps once the work queued before it on the caller's stream is done.
-      if (job->discard) job->fence = device_->record(CopyQueue::kToHost);
+      if (!job->zero_fills.empty() || !job->host_copies.empty() || job->discard) {
+        job->fence = device_->record(job->out ? CopyQueue::kToHost : CopyQueue::kToDevice);
+      }
     } catch (...) {
       job->error = std::current_exception();
     }
@@ -815,21 +907,28 @@ void Pager::complete(Job& job) {
   for (size_t i = 0; i < job.extents.size(); i++) {
     Extent& e = extent_locked(job.extents[i]);
     if (job.out) {
-      e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : Residency::kFile;
+      e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : job.after[i];
       if (ok && job.before[i] == Residency::kResident) pool_.unref(e.addr, e.bytes);
+      // A failed page-out lets its fresh host range go; a discard, the host bytes.
+      if (ok ? job.discard : !job.discard && job.after[i] == Residency::kHost) {
+        drop_host_locked(e);
+      }
     } else {
       e.state = ok ? Residency::kResident : job.before[i];
       if (ok) finish_move_locked(e);
+      if (ok) drop_host_locked(e);
       if (!ok) pool_.unref(e.addr, e.bytes);
     }
   }
   if (ok) {
     const uint64_t file_bytes = job.bytes_moved;
     if (job.out) {
+      counters_.bytes_to_host += job.host_bytes;
       counters_.bytes_written += file_bytes;
       counters_.write_requests += job.requests;
       counters_.buckets_out++;
     } else {
+      counters_.bytes_from_host += job.host_bytes;
       counters_.bytes_read += file_bytes;
       counters_.read_requests += job.requests;
       counters_.buckets_in++;

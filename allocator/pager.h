@@ -1,8 +1,12 @@
-// Pager: tensors' bytes as extents of a Pool, paged between the device and one store file.
+// Pager: tensors' bytes as extents of a Pool, paged between the device, a host tier and
+// the store files.
 //
 // An extent is a range of the pool's arena that holds one tensor's bytes. Its state is
 // ZERO (never written: page-in fills zeros and reads nothing), FILE (its bytes are at
-// rest in the store file) or RESIDENT (mapped and current). Each extent has its own
+// rest in the store file), HOST (at rest in the host tier: pinned host memory of
+// PagerOptions::host_budget_bytes, allocator/host_tier.h) or RESIDENT (mapped and
+// current). A page-out goes to the host tier while it has room, else to the store file;
+// a page-in takes the bytes from where they are and frees the host range. Each extent has its own
 // 4 KiB-aligned range in the store file, so no two extents ever share a disk block and
 // I/O never needs read-modify-write; extents adjacent in the file are moved in one
 // request.
@@ -57,6 +61,7 @@
 
 #include "allocator/arena.h"
 #include "allocator/device.h"
+#include "allocator/host_tier.h"
 #include "allocator/job.h"
 #include "allocator/pool.h"
 #include "allocator/store_tier.h"
@@ -83,7 +88,11 @@ struct PagerOptions {
   size_t io_block_bytes = 0;                // bytes per request: a multiple of 4 KiB up to
                                             // kMaxIoBlockBytes; 0: io_shape_for(the medium)
   bool try_direct = true;                   // O_DIRECT where the filesystem allows it
+  size_t host_budget_bytes = 0;             // the host tier's pinned memory, allocated at
+                                            // construction: 0 (none) to kMaxHostBudget
 };
+// The user address space of x86-64: more could never be allocated.
+constexpr size_t kMaxHostBudget = size_t(1) << 47;
 // Far past what any medium was measured to need (see IoShape); the staging memory is
 // io_depth x io_block_bytes of pinned memory.
 constexpr unsigned kMaxIoDepth = 1024;
@@ -105,6 +114,11 @@ struct PagerStats {
   uint64_t buckets_in = 0;
   uint64_t buckets_out = 0;
   uint64_t buckets_held = 0;      // page-outs that waited for a held range (see hold())
+  size_t host_budget_bytes = 0;   // PagerOptions::host_budget_bytes
+  size_t host_used_bytes = 0;     // host-tier memory holding extents now (4 KiB-rounded)
+  size_t host_bytes = 0;          // bytes of HOST extents
+  uint64_t bytes_to_host = 0;     // page-outs into the host tier
+  uint64_t bytes_from_host = 0;   // page-ins from the host tier
   bool direct_io = false;
   unsigned io_depth = 0;          // the I/O shape in use (PagerOptions, resolved)
   size_t io_block_bytes = 0;
@@ -112,11 +126,12 @@ struct PagerStats {
 
 // Where an extent at rest keeps its bytes (see Pager::hold()).
 struct Placement {
-  Residency state = Residency::kZero;  // kZero (no bytes anywhere) or kFile
+  Residency state = Residency::kZero;  // kZero (no bytes anywhere), kFile or kHost
   size_t bytes = 0;                    // the extent's size
   uint64_t store_offset = 0;           // its range of the logical store files: 4 KiB-aligned,
   size_t store_bytes = 0;              // and past `bytes` it holds zeros
-  std::vector<UringFile::Span> spans;  // that range in the physical files; empty when ZERO
+  std::vector<UringFile::Span> spans;  // that range in the physical files; empty unless FILE
+  const char* host = nullptr;          // kHost: its bytes (store_offset names the host range)
 };
 
 class Pager {
@@ -179,14 +194,17 @@ class Pager {
   // -- the store seen from outside: checkpoints copy file ranges, not bytes via the device
   // The physical files of all stores; UringFile::Span::file indexes them.
   std::vector<std::string> store_files() const;
-  // Placements of at-rest (ZERO or FILE) extents, and a hold on the store range of each
-  // FILE one: from now on a page-out that would write into a held range waits, unstarted,
+  // Placements of at-rest (ZERO, FILE or HOST) extents, and a hold on the store or host
+  // range of each FILE or HOST one: from now on a page-out that would write into a held range waits, unstarted,
   // until unhold() of that range, while other buckets go on. A copy of the held ranges is
   // then the state of this moment even while training pages on. One set of holds at a
   // time: UsageError while any range is held, or when an extent is not at rest (page it
   // out first).
   std::vector<Placement> hold(const std::vector<ExtentId>& ids);
   void unhold(uint64_t store_offset);  // the held range starting there; no-op if none
+  // Keeps the memory of HOST placements valid for its holder's life, also after close()
+  // (null without a host tier).
+  std::shared_ptr<const HostTier> host_memory() const;
   // Restores (allocator/store_restore.h copies a checkpoint's bytes in between): extents
   // at rest, not held and in no epoch (else UsageError) become 'paging_in', and each gets
   // a placement for its new bytes: a fresh range of its store (state kFile), or none when
@@ -233,6 +251,8 @@ class Pager {
   struct Store;
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
   void plan_locked(Job& job);
+  std::vector<ExtentId> place_outs_locked(Job& job);
+  void drop_host_locked(Extent& e);
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
@@ -262,6 +282,8 @@ class Pager {
   std::unique_ptr<UringFile> file_;
   std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
   std::unique_ptr<StoreTier> store_tier_;  // I/O thread, plan() under mu_ (freed by close())
+  std::shared_ptr<HostTier> host_tier_;    // null without a host budget; allocate/free
+                                           // under mu_, start() on the I/O thread
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;    // wakes the I/O thread

@@ -77,6 +77,7 @@ const char* residency_name(Residency r) {
     case Residency::kResident: return "resident";
     case Residency::kPagingIn: return "paging_in";
     case Residency::kPagingOut: return "paging_out";
+    case Residency::kHost: return "host";
   }
   return "?";
 }
@@ -239,7 +240,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
   m.def("residency_of", &residency_of, py::arg("tensor"),
-        "Residency ('zero', 'file', 'resident', 'paging_in', 'paging_out') of the pager "
+        "Residency ('zero', 'file', 'host', 'resident', 'paging_in', 'paging_out') of the pager "
         "tensor whose storage `tensor` uses, whichever live Pager made it; None for any "
         "other tensor");
   m.def(
@@ -346,7 +347,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& directory, const std::string& device,
                        size_t page_bytes, size_t budget_bytes, size_t keep_bytes,
                        size_t arena_bytes, unsigned io_depth, size_t io_block_bytes,
-                       bool try_direct) {
+                       bool try_direct, size_t host_budget_bytes) {
              PagerOptions o;
              o.directory = directory;
              o.pool.page_bytes = page_bytes;
@@ -356,13 +357,15 @@ PYBIND11_MODULE(_C, m) {
              o.io_depth = io_depth;
              o.io_block_bytes = io_block_bytes;
              o.try_direct = try_direct;
+             o.host_budget_bytes = host_budget_bytes;
              auto pager = std::make_shared<Pager>(make_device(device), std::move(o));
              register_pager(pager);
              return PyPager{std::move(pager), torch::Device(device)};
            }),
            py::arg("directory"), py::arg("device"), py::arg("page_bytes"),
            py::arg("budget_bytes"), py::arg("keep_bytes"), py::arg("arena_bytes"),
-           py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"))
+           py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"),
+           py::arg("host_budget_bytes") = 0)
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
               const std::string& store, std::optional<std::vector<int64_t>> strides) {
@@ -445,6 +448,11 @@ PYBIND11_MODULE(_C, m) {
              d["buckets_in"] = s.buckets_in;
              d["buckets_out"] = s.buckets_out;
              d["buckets_held"] = s.buckets_held;
+             d["host_budget_bytes"] = s.host_budget_bytes;
+             d["host_used_bytes"] = s.host_used_bytes;
+             d["host_bytes"] = s.host_bytes;
+             d["bytes_to_host"] = s.bytes_to_host;
+             d["bytes_from_host"] = s.bytes_from_host;
              d["direct_io"] = s.direct_io;
              d["io_depth"] = s.io_depth;
              d["io_block_bytes"] = s.io_block_bytes;
