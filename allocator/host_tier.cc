@@ -29,8 +29,9 @@ std::optional<uint64_t> HostTier::allocate(size_t bytes) {
 
 void HostTier::free(uint64_t offset) { ranges_.free(offset); }
 
-void HostTier::start(const Job& job) {
-  for (const HostCopy& c : job.host_copies) {
+void HostTier::start(Job& job) {
+  for (; job.host_copies_issued < job.host_copies.size(); job.host_copies_issued++) {
+    const HostCopy& c = job.host_copies[job.host_copies_issued];
     if (job.out) {
       device_.copy_to_host(c.host, c.addr, c.bytes);
     } else {

@@ -51,8 +51,9 @@ class HostTier {
   size_t budget_bytes() const { return budget_bytes_; }
   size_t used_bytes() const { return ranges_.allocated_bytes(); }
 
-  // Queues job.host_copies: device to host for a page-out, host to device for a page-in.
-  void start(const Job& job);
+  // Queues job.host_copies not queued yet: device to host for a page-out, host to device
+  // for a page-in.
+  void start(Job& job);
 
  private:
   Device& device_;

@@ -39,6 +39,7 @@ struct Chunk {
   uint64_t file_offset = 0;
   size_t file_bytes = 0;
   std::vector<Piece> pieces;
+  char* buf = nullptr;  // host-tier memory read or written directly (no pieces, no staging)
 };
 
 // One device <-> host-tier copy (allocator/host_tier.h).
@@ -50,16 +51,26 @@ struct HostCopy {
 
 struct Job {
   bool out = false;
+  bool tier_move = false;              // host tier <-> store, no device: a spill (out) or a
+                                       // read-ahead (in); its extents are `tier_moving`
   bool discard = false;                // page-out that drops the bytes instead of writing
   std::vector<ExtentId> extents;       // the extents this bucket moves
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<Residency> after;        // page-out: their states once done (file or host)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
   std::vector<HostCopy> host_copies;   // device <-> host tier, on the copy engines
+  // A page-out short of host room: `spills` (least recently used HOST extents) are written
+  // back first, then `deferred` (extents of this bucket) take the room (Pager::place_deferred).
+  std::vector<ExtentId> spills;
+  std::vector<ExtentId> deferred;
+  bool placed = false;                 // deferred extents placed (under the Pager's lock)
   std::vector<Chunk> chunks;           // device <-> store file, through staging
   std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
   uint64_t bytes_moved = 0;            // to or from the store files
   uint64_t host_bytes = 0;             // to or from the host tier
+  size_t host_copies_issued = 0;       // I/O thread: host_copies[0, this) are queued
+  bool restart = false;                // under the lock: placed work to start
+  bool held_back = false;              // under the lock: placed chunks wait for a held range
   size_t next_chunk = 0;
   size_t chunks_in_flight = 0;
   bool started = false;

@@ -55,6 +55,8 @@ struct Pager::Extent {
   uint64_t committed_next = kNoOffset;    // next_offset then
   uint64_t host_offset = kNoOffset;       // HOST (or paging out to it): its host range
   uint64_t committed_host = kNoOffset;    // host_offset then
+  uint64_t last_use = 0;  // Pager::use_clock_ at its last page-in, page-out or read-ahead
+  bool tier_moving = false;  // being spilled or read ahead (a Job with spills or tier_move)
   Residency restore_from = Residency::kZero;  // its state before a restore (see begin_restore)
 
   // The store ranges it refers to now, and in an epoch also those it committed.
@@ -389,12 +391,14 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   std::vector<ExtentId> ids = bucket;
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
     const Residency s = extent_locked(id).state;
     if (s == Residency::kPagingIn || s == Residency::kPagingOut) {
       throw UsageError("extent " + std::to_string(id) +
                        " is already being paged by another bucket: wait for that bucket first");
     }
+    extent_locked(id).last_use = ++use_clock_;
     const bool at_rest_with_bytes = s == Residency::kFile || s == Residency::kHost;
     const bool moves = !out ? s != Residency::kResident
                             : s == Residency::kResident || (discard && at_rest_with_bytes);
@@ -406,6 +410,10 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       redirect_writes_locked(place_outs_locked(*job));
     } catch (...) {  // the store has no room left: nothing moves
       for (ExtentId id : job->extents) drop_host_locked(extent_locked(id));
+      for (ExtentId id : job->spills) {
+        extent_locked(id).state = Residency::kHost;
+        extent_locked(id).tier_moving = false;
+      }
       throw;
     }
   }
@@ -449,13 +457,22 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
 
 // Where each extent of a page-out goes: into a fresh host range while the host tier has
 // room (a page-out never writes a host range in use, so committed host bytes stay as they
-// are), else to its store range. Returns those going to the store.
+// are); short of room, after spills of the least recently used HOST extents (deferred,
+// after[i] kResident until place_deferred_locked() decides); else to its store range.
+// Returns those going to the store now.
 std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
   std::vector<ExtentId> to_store;
+  size_t short_bytes = 0;
   for (ExtentId id : job.extents) {
     Extent& e = extent_locked(id);
     std::optional<uint64_t> range;
     if (host_tier_) range = host_tier_->allocate(e.file_bytes);
+    if (!range && host_tier_ && e.file_bytes <= host_tier_->budget_bytes()) {
+      job.after.push_back(Residency::kResident);
+      job.deferred.push_back(id);
+      short_bytes += e.file_bytes;
+      continue;
+    }
     if (!range) {
       job.after.push_back(Residency::kFile);
       to_store.push_back(id);
@@ -468,7 +485,134 @@ std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
     job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
     job.host_bytes += e.bytes;
   }
+  if (!job.deferred.empty()) choose_spills_locked(job, short_bytes);
+  if (job.spills.empty()) {  // no room to make: the store takes them now
+    for (size_t i = 0; i < job.extents.size(); i++) {
+      if (job.after[i] != Residency::kResident) continue;
+      job.after[i] = Residency::kFile;
+      to_store.push_back(job.extents[i]);
+    }
+    job.deferred.clear();
+  }
   return to_store;
+}
+
+// The least recently used HOST extents whose host range no save holds, until their
+// ranges add up to short_bytes: the job writes them back before placing its deferred
+// extents. They are 'paging_out' (tier_moving) meanwhile.
+void Pager::choose_spills_locked(Job& job, size_t short_bytes) {
+  std::vector<std::pair<uint64_t, ExtentId>> lru;
+  for (const auto& [id, e] : extents_) {
+    if (e->state == Residency::kHost && held_.count(e->host_offset) == 0) {
+      lru.emplace_back(e->last_use, id);
+    }
+  }
+  std::sort(lru.begin(), lru.end());
+  size_t freed = 0;
+  for (auto [use, id] : lru) {
+    if (freed >= short_bytes) break;
+    job.spills.push_back(id);
+    freed += extent_locked(id).file_bytes;
+  }
+  redirect_writes_locked(job.spills);  // committed store bytes are never overwritten
+  for (ExtentId id : job.spills) {
+    extent_locked(id).state = Residency::kPagingOut;
+    extent_locked(id).tier_moving = true;
+  }
+}
+
+// Phase two of a page-out short of host room, once its spills are written: they let
+// their host ranges go and the deferred extents take what room there is; the rest goes
+// to the store. start_job() starts the work added (job.restart).
+void Pager::place_deferred_locked(Job& job) {
+  job.placed = true;
+  for (ExtentId id : job.spills) {
+    Extent& e = extent_locked(id);
+    counters_.spills++;
+    counters_.spilled_bytes += e.bytes;
+    spilled_locked(e);
+  }
+  std::vector<ExtentId> to_store;
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    if (job.after[i] != Residency::kResident) continue;  // placed at submit
+    Extent& e = extent_locked(job.extents[i]);
+    const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
+    if (!range) {
+      job.after[i] = Residency::kFile;
+      to_store.push_back(job.extents[i]);
+      continue;
+    }
+    e.host_offset = *range;
+    std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
+    job.after[i] = Residency::kHost;
+    job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
+    job.host_bytes += e.bytes;
+  }
+  redirect_writes_locked(to_store);
+  std::vector<StoreTier::Move> moves;
+  for (ExtentId id : to_store) {
+    const Extent& e = extent_locked(id);
+    moves.push_back(StoreTier::Move{e.addr, e.bytes, e.file_offset, e.file_bytes});
+  }
+  store_tier_->plan(job, std::move(moves));
+  job.held_back = waits_for_hold_locked(job);
+  job.restart = true;
+}
+
+// A spill landed: the extent's bytes are in its store range, its host range goes. In an
+// epoch whose committed bytes were that host range, the store range holds them now.
+void Pager::spilled_locked(Extent& e) {
+  if (e.epoch != 0 && e.host_offset == e.committed_host) {
+    e.committed_state = Residency::kFile;
+    e.committed_offset = e.file_offset;
+    e.committed_host = kNoOffset;
+  }
+  drop_host_locked(e);
+  e.state = Residency::kFile;
+  e.tier_moving = false;
+}
+
+// Waits until none of `ids` is being spilled or read ahead.
+void Pager::wait_tier_moves_locked(std::unique_lock<std::mutex>& lock,
+                                   const std::vector<ExtentId>& ids) {
+  done_cv_.wait(lock, [&] {
+    for (ExtentId id : ids) {
+      auto it = extents_.find(id);
+      if (it != extents_.end() && it->second->tier_moving) return false;
+    }
+    return true;
+  });
+}
+
+Ticket Pager::read_ahead(const std::vector<ExtentId>& bucket) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  auto job = std::make_shared<Job>();
+  job->tier_move = true;
+  std::vector<ExtentId> ids = bucket;
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  wait_tier_moves_locked(lock, ids);
+  for (ExtentId id : ids) {
+    Extent& e = extent_locked(id);
+    if (!host_tier_ || e.state != Residency::kFile) continue;
+    const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
+    if (!range) break;  // no room: the rest stays FILE
+    e.host_offset = *range;
+    e.state = Residency::kPagingIn;
+    e.tier_moving = true;
+    e.last_use = ++use_clock_;
+    job->extents.push_back(id);
+    job->before.push_back(Residency::kFile);
+  }
+  plan_locked(*job);
+  if (job->extents.empty()) {
+    job->done = true;
+    return job;
+  }
+  queue_.push_back(job);
+  work_cv_.notify_one();
+  return job;
 }
 
 // In an epoch a page-out never overwrites committed bytes: an extent whose range holds
@@ -495,8 +639,17 @@ void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
 // The bucket's moves to or from the store files.
 void Pager::plan_locked(Job& job) {
   std::vector<StoreTier::Move> moves;
+  auto host_move = [&](const Extent& e) {
+    moves.push_back(StoreTier::Move{0, e.bytes, e.file_offset, e.file_bytes,
+                                    host_tier_->host(e.host_offset)});
+  };
+  for (ExtentId id : job.spills) host_move(extent_locked(id));
   for (size_t i = 0; i < job.extents.size(); i++) {
     const Extent& e = extent_locked(job.extents[i]);
+    if (job.tier_move) {
+      host_move(e);
+      continue;
+    }
     const bool to_store = job.out ? job.after[i] == Residency::kFile
                                   : job.before[i] == Residency::kFile;
     if (to_store) {
@@ -587,6 +740,7 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
     throw UsageError("a checkpoint copy still holds ranges of this Pager's store: wait for it "
                      "to finish before taking another");
   }
+  wait_tier_moves_locked(lock, ids);
   std::vector<Placement> out;
   for (ExtentId id : ids) {
     const Extent& e = extent_locked(id);
@@ -649,6 +803,7 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
                                             const std::vector<bool>& zero) {
   std::unique_lock lock(mu_);
   check_open_locked();
+  wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
     const Extent& e = extent_locked(id);
     if (!at_rest(e.state)) {
@@ -719,6 +874,7 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
   std::vector<ExtentId> members = ids;
   std::sort(members.begin(), members.end());
   members.erase(std::unique(members.begin(), members.end()), members.end());
+  wait_tier_moves_locked(lock, members);
   for (ExtentId id : members) {
     const Extent& e = extent_locked(id);
     if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot be in an epoch");
@@ -861,52 +1017,83 @@ void Pager::run_io_thread() {
 // Called with the lock held; drops it around device and file calls.
 bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   std::vector<Ticket> jobs;
+  std::vector<Job*> running;  // those whose chunks may be issued
   for (const Ticket& job : queue_) {
-    if (job->started || !waits_for_hold_locked(*job)) jobs.push_back(job);
+    if (job->held_back && !waits_for_hold_locked(*job)) job->held_back = false;
+    if (job->started || !waits_for_hold_locked(*job)) {
+      jobs.push_back(job);
+      if (!job->held_back) running.push_back(job.get());
+    }
   }
   lock.unlock();
   bool progressed = false;
-  std::vector<Job*> running;
-  for (const Ticket& job : jobs) {
-    running.push_back(job.get());
-    if (job->started) continue;
-    job->started = true;
-    job->start_time = std::chrono::steady_clock::now();
+  for (Job* job : running) {
+    if (job->started && !job->restart) continue;
+    start_job(*job);
     progressed = true;
-    try {
-      store_tier_->start(*job);
-      if (host_tier_) host_tier_->start(*job);
-      for (auto [addr, bytes] : job->zero_fills) device_->fill_zero(addr, bytes);
-      // A discard unmaps once the work queued before it on the caller's stream is done.
-      if (!job->zero_fills.empty() || !job->host_copies.empty() || job->discard) {
-        job->fence = device_->record(job->out ? CopyQueue::kToHost : CopyQueue::kToDevice);
-      }
-    } catch (...) {
-      job->error = std::current_exception();
-    }
   }
   progressed = store_tier_->pump(running, progressed);
   lock.lock();
   for (const Ticket& job : jobs) {
     const bool issued_all = job->error || job->next_chunk == job->chunks.size();
-    if (!job->started || job->chunks_in_flight > 0 || !issued_all) continue;
+    if (!job->started || job->restart || job->chunks_in_flight > 0 || !issued_all) continue;
     if (job->fence) {
       if (!device_->is_done(*job->fence)) continue;
       device_->release_fence(*job->fence);
       job->fence.reset();
     }
-    complete(*job);
     progressed = true;
+    if (!job->error && !job->deferred.empty() && !job->placed) {
+      try {
+        place_deferred_locked(*job);
+        continue;
+      } catch (...) {
+        job->error = std::current_exception();
+      }
+    }
+    complete(*job);
   }
   return progressed;
+}
+
+// Starts a job's work, or the work place_deferred_locked() added (job.restart). Without
+// the lock: the fields it touches are the I/O thread's.
+void Pager::start_job(Job& job) {
+  if (!job.started) {
+    job.started = true;
+    job.start_time = std::chrono::steady_clock::now();
+  }
+  job.restart = false;
+  try {
+    store_tier_->start(job);
+    if (host_tier_) host_tier_->start(job);
+    for (auto [addr, bytes] : job.zero_fills) device_->fill_zero(addr, bytes);
+    // A discard unmaps once the work queued before it on the caller's stream is done.
+    if (!job.zero_fills.empty() || !job.host_copies.empty() || job.discard) {
+      job.fence = device_->record(job.out ? CopyQueue::kToHost : CopyQueue::kToDevice);
+    }
+  } catch (...) {
+    job.error = std::current_exception();
+  }
 }
 
 // Under the lock: the bucket's extents take their new state (or get their old one back).
 void Pager::complete(Job& job) {
   const bool ok = !job.error;
+  if (!ok && !job.placed) {  // spills not landed: their host bytes stay
+    for (ExtentId id : job.spills) {
+      extent_locked(id).state = Residency::kHost;
+      extent_locked(id).tier_moving = false;
+    }
+  }
   for (size_t i = 0; i < job.extents.size(); i++) {
     Extent& e = extent_locked(job.extents[i]);
-    if (job.out) {
+    if (job.tier_move) {  // a read-ahead
+      e.tier_moving = false;
+      e.state = ok ? Residency::kHost : Residency::kFile;
+      if (ok) finish_move_locked(e);
+      if (!ok) drop_host_locked(e);
+    } else if (job.out) {
       e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : job.after[i];
       if (ok && job.before[i] == Residency::kResident) pool_.unref(e.addr, e.bytes);
       // A failed page-out lets its fresh host range go; a discard, the host bytes.
@@ -927,6 +1114,11 @@ void Pager::complete(Job& job) {
       counters_.bytes_written += file_bytes;
       counters_.write_requests += job.requests;
       counters_.buckets_out++;
+    } else if (job.tier_move) {
+      counters_.read_aheads += job.extents.size();
+      counters_.read_ahead_bytes += file_bytes;
+      counters_.bytes_read += file_bytes;
+      counters_.read_requests += job.requests;
     } else {
       counters_.bytes_from_host += job.host_bytes;
       counters_.bytes_read += file_bytes;

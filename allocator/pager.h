@@ -5,8 +5,12 @@
 // ZERO (never written: page-in fills zeros and reads nothing), FILE (its bytes are at
 // rest in the store file), HOST (at rest in the host tier: pinned host memory of
 // PagerOptions::host_budget_bytes, allocator/host_tier.h) or RESIDENT (mapped and
-// current). A page-out goes to the host tier while it has room, else to the store file;
-// a page-in takes the bytes from where they are and frees the host range. Each extent has its own
+// current). A page-out goes to the host tier while it has room; short of room, the least
+// recently used HOST extents (paged in or out longest ago) are first written back to the
+// store (spilled, as part of that bucket) and the bucket takes their room; what still does
+// not fit goes to the store file. A page-in takes the bytes from where they are and frees
+// the host range. read_ahead() copies FILE extents into free host room ahead of their
+// page-in. A bucket that needs an extent being spilled or read ahead waits for that move. Each extent has its own
 // 4 KiB-aligned range in the store file, so no two extents ever share a disk block and
 // I/O never needs read-modify-write; extents adjacent in the file are moved in one
 // request.
@@ -119,6 +123,10 @@ struct PagerStats {
   size_t host_bytes = 0;          // bytes of HOST extents
   uint64_t bytes_to_host = 0;     // page-outs into the host tier
   uint64_t bytes_from_host = 0;   // page-ins from the host tier
+  uint64_t spills = 0;            // HOST extents written back to the store to make room
+  uint64_t spilled_bytes = 0;
+  uint64_t read_aheads = 0;       // FILE extents read ahead into the host tier
+  uint64_t read_ahead_bytes = 0;
   bool direct_io = false;
   unsigned io_depth = 0;          // the I/O shape in use (PagerOptions, resolved)
   size_t io_block_bytes = 0;
@@ -181,6 +189,10 @@ class Pager {
   // their bytes at rest; all become ZERO (scratch tensors whose bytes live elsewhere in
   // another form, or are no longer needed). Ordered after `stream` like page_out().
   Ticket discard(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
+  // Reads FILE extents into free host-tier room (never making room: what does not fit
+  // stays FILE), so that their page-in is a copy-engine copy. Other extents are skipped;
+  // without a host tier nothing moves. A failed read leaves them FILE.
+  Ticket read_ahead(const std::vector<ExtentId>& bucket);
   void wait(const Ticket& ticket);      // rethrows the bucket's error
   bool is_done(const Ticket& ticket) const;
 
@@ -252,6 +264,12 @@ class Pager {
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
   void plan_locked(Job& job);
   std::vector<ExtentId> place_outs_locked(Job& job);
+  void choose_spills_locked(Job& job, size_t short_bytes);
+  void place_deferred_locked(Job& job);
+  void spilled_locked(Extent& e);
+  void wait_tier_moves_locked(std::unique_lock<std::mutex>& lock,
+                              const std::vector<ExtentId>& ids);
+  void start_job(Job& job);
   void drop_host_locked(Extent& e);
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);
@@ -297,6 +315,7 @@ class Pager {
   std::map<uint64_t, size_t> freed_held_;  // mu_: held ranges freed meanwhile -> bytes to punch
   std::unordered_map<uint64_t, std::vector<ExtentId>> epochs_;  // mu_: open epochs' extents
   uint64_t next_epoch_ = 1;            // mu_
+  uint64_t use_clock_ = 0;             // mu_: ticks of page-ins and page-outs (LRU)
   PagerStats counters_;                // mu_: counts of finished buckets (complete())
   bool closed_ = false;                // mu_
   bool stopping_ = false;              // mu_: tells the I/O thread to return once idle

@@ -53,7 +53,14 @@ void StoreTier::plan(Job& job, std::vector<Move> moves) const {
     chunk = Chunk{};
   };
   for (const Move& m : moves) {
-    size_t pos = 0;
+    if (m.buf != nullptr) {  // its own requests: host ranges are not neighbours in the file
+      flush();
+      for (size_t pos = 0; pos < m.file_bytes; pos += block) {
+        job.chunks.push_back(
+            Chunk{m.file_offset + pos, std::min(block, m.file_bytes - pos), {}, m.buf + pos});
+      }
+    }
+    size_t pos = m.buf != nullptr ? m.bytes : 0;
     while (pos < m.bytes) {
       const uint64_t at = m.file_offset + pos;
       if (chunk.file_bytes == block ||
@@ -126,7 +133,7 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     progressed = true;
     Slot& slot = slots_[c.tag];
     slot.job->requests++;
-    if (c.error == 0 && !slot.job->out && !slot.job->error) {
+    if (c.error == 0 && !slot.job->out && !slot.job->error && slot.chunk->buf == nullptr) {
       try {
         for (const Piece& p : slot.chunk->pieces) {
           device_.copy_to_device(p.addr, slot.buf + p.buf_offset, p.bytes);
@@ -145,7 +152,10 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
 void StoreTier::start_chunk(Slot& slot) {
   const Chunk& chunk = *slot.chunk;
   try {
-    if (slot.job->out) {
+    if (chunk.buf != nullptr) {
+      file_.submit(UringFile::Request{slot.index, slot.job->out, chunk.buf, chunk.file_bytes,
+                                      chunk.file_offset, -1});
+    } else if (slot.job->out) {
       size_t at = 0;
       for (const Piece& p : chunk.pieces) {
         std::memset(slot.buf + at, 0, p.buf_offset - at);  // padding between extents

@@ -33,14 +33,17 @@ class StoreTier {
   StoreTier(const StoreTier&) = delete;
   StoreTier& operator=(const StoreTier&) = delete;
 
-  // An extent's bytes at `addr` and its range of the store files (4 KiB-aligned).
+  // An extent's bytes at `addr` (device memory, through staging) or `buf` (host-tier
+  // memory of file_bytes, read or written directly), and its range of the store files
+  // (4 KiB-aligned).
   struct Move {
     uintptr_t addr;
     size_t bytes;
     uint64_t file_offset;
     size_t file_bytes;
+    char* buf = nullptr;
   };
-  // Sets job.chunks, job.file_ends and adds to job.bytes_moved.
+  // Appends to job.chunks and job.file_ends and adds to job.bytes_moved.
   void plan(Job& job, std::vector<Move> moves) const;
 
   // First step of a started job: a page-out makes sure its stores are allocated that far.

@@ -416,6 +416,10 @@ PYBIND11_MODULE(_C, m) {
              return PyTicket{self.pager->discard(self.extents_of(tensors), stream)};
            },
            py::arg("tensors"), py::arg("stream") = 0)
+      .def("read_ahead",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
+             return PyTicket{self.pager->read_ahead(self.extents_of(tensors))};
+           })
       .def("wait",
            [](PyPager& self, const PyTicket& t) {
              py::gil_scoped_release release;
@@ -453,6 +457,10 @@ PYBIND11_MODULE(_C, m) {
              d["host_bytes"] = s.host_bytes;
              d["bytes_to_host"] = s.bytes_to_host;
              d["bytes_from_host"] = s.bytes_from_host;
+             d["spills"] = s.spills;
+             d["spilled_bytes"] = s.spilled_bytes;
+             d["read_aheads"] = s.read_aheads;
+             d["read_ahead_bytes"] = s.read_ahead_bytes;
              d["direct_io"] = s.direct_io;
              d["io_depth"] = s.io_depth;
              d["io_block_bytes"] = s.io_block_bytes;

@@ -179,6 +179,12 @@ class Pager:
         self.check_not_paused("page_out()")
         return PageHandle(self, self._core.page_out(list(tensors), self._stream()))
 
+    def read_ahead_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
+        """Reads 'file' tensors into free host-tier room (never making room), so that
+        their page-in is a copy-engine copy; others are skipped."""
+        self.check_not_paused("read_ahead()")
+        return PageHandle(self, self._core.read_ahead(list(tensors)))
+
     def discard_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Drops the tensors' bytes, resident or at rest, without any I/O (they become
         'zero'), after the work already queued on the current stream."""
@@ -369,7 +375,8 @@ class Pager:
         """Counters of the pool and the store (allocator/pager.h, PagerStats): bytes
         mapped, cached and read/written, requests, buckets, the I/O shape, the host tier
         (host_budget_bytes, host_used_bytes, host_bytes of tensors there now,
-        bytes_to_host, bytes_from_host); budget_bytes is the hbm_budget, None when
+        bytes_to_host, bytes_from_host, spills and spilled_bytes written back to the store
+        to make room, read_aheads and read_ahead_bytes); budget_bytes is the hbm_budget, None when
         unbounded."""
         s = self._core.stats()
         if self._unbounded:

@@ -264,5 +264,124 @@ TEST_F(HostTierTest, RestoreOfHostExtentsLetsTheirRangesGo) {
   EXPECT_TRUE(holds(pager, ids[0], 1));
 }
 
+// Above the budget the least recently used HOST extents are written back to make room.
+TEST_F(HostTierTest, SpillsTheLeastRecentlyUsed) {
+  Pager pager(make_host_device(), options(4 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 5);
+  write_all(pager, {ids[0], ids[1], ids[2], ids[3]}, 1);
+  write_all(pager, {ids[0]}, 1);  // now ids[1] is the least recently used
+  write_all(pager, {ids[4]}, 1);
+  EXPECT_EQ(pager.residency(ids[4]), Residency::kHost);
+  EXPECT_EQ(pager.residency(ids[1]), Residency::kFile);
+  EXPECT_EQ(count(pager, ids, Residency::kHost), 4u);
+  PagerStats s = pager.stats();
+  EXPECT_EQ(s.spills, 1u);
+  EXPECT_EQ(s.spilled_bytes, kExtentBytes);
+  EXPECT_EQ(s.bytes_written, kExtentBytes);
+  EXPECT_EQ(s.host_used_bytes, 4 * kRounded);
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
+}
+
+// The extents of the bucket itself are never spilled for it: what does not fit goes to
+// the store.
+TEST_F(HostTierTest, ABucketLargerThanTheBudgetSpillsNothingOfItself) {
+  Pager pager(make_host_device(), options(4 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 6);
+  write_all(pager, ids, 1);
+  EXPECT_EQ(count(pager, ids, Residency::kHost), 4u);
+  EXPECT_EQ(count(pager, ids, Residency::kFile), 2u);
+  EXPECT_EQ(pager.stats().spills, 0u);
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
+}
+
+TEST_F(HostTierTest, ReadAheadFillsFreeRoomOnly) {
+  Pager pager(make_host_device(), options(4 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 6);
+  write_all(pager, ids, 1);  // 4 in the host, 2 in the store
+  std::vector<ExtentId> in_file, in_host;
+  for (ExtentId id : ids) {
+    (pager.residency(id) == Residency::kFile ? in_file : in_host).push_back(id);
+  }
+  pager.wait(pager.read_ahead(in_file));  // no room: nothing moves
+  EXPECT_EQ(count(pager, in_file, Residency::kFile), 2u);
+  pager.wait(pager.page_in({in_host[0], in_host[1]}));
+  pager.wait(pager.read_ahead(in_file));
+  EXPECT_EQ(count(pager, in_file, Residency::kHost), 2u);
+  const PagerStats s = pager.stats();
+  EXPECT_EQ(s.read_aheads, 2u);
+  EXPECT_EQ(s.read_ahead_bytes, 2 * kExtentBytes);
+  pager.wait(pager.page_in(in_file));  // from the host: no more file reads
+  EXPECT_EQ(pager.stats().bytes_read, s.bytes_read);
+  EXPECT_EQ(pager.stats().bytes_from_host, s.bytes_from_host + 2 * kExtentBytes);
+  pager.wait(pager.page_out(in_file));
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
+}
+
+TEST_F(HostTierTest, ReadAheadWithoutAHostTierMovesNothing) {
+  Pager pager(make_host_device(), options(0));
+  const std::vector<ExtentId> ids = make_extents(pager, 2);
+  write_all(pager, ids, 1);
+  pager.wait(pager.read_ahead(ids));
+  EXPECT_EQ(count(pager, ids, Residency::kFile), 2u);
+  EXPECT_EQ(pager.stats().read_aheads, 0u);
+}
+
+// A spill that fails for want of space (a file-size limit, in a child) keeps the host
+// copy; the page-out that needed the room fails with its extents resident and intact.
+TEST_F(HostTierTest, FailedSpillKeepsTheHostCopy) {
+  const PagerOptions o = options(2 * kRounded);
+  EXPECT_TRUE(in_child([&] {
+    Pager pager(make_host_device(), o);
+    const std::vector<ExtentId> ids = make_extents(pager, 3);
+    write_all(pager, {ids[0], ids[1]}, 1);
+    pager.wait(pager.page_in({ids[2]}));
+    const std::vector<uint8_t> bytes = pattern(ids[2], 1, kExtentBytes);
+    std::memcpy(reinterpret_cast<void*>(pager.address(ids[2])), bytes.data(), bytes.size());
+    rlimit limit{0, RLIM_INFINITY};
+    setrlimit(RLIMIT_FSIZE, &limit);
+    bool failed = false;
+    try {
+      pager.wait(pager.page_out({ids[2]}));
+    } catch (const NoSpaceError&) {
+      failed = true;
+    }
+    check(failed, "the page-out did not fail");
+    check(pager.residency(ids[0]) == Residency::kHost, "the spilled extent left the host");
+    check(pager.residency(ids[2]) == Residency::kResident, "the bucket is not resident");
+    check(pager.stats().host_used_bytes == 2 * kRounded, "host ranges changed");
+    check(pager.stats().spills == 0, "a failed spill was counted");
+    limit.rlim_cur = RLIM_INFINITY;
+    setrlimit(RLIMIT_FSIZE, &limit);
+    pager.wait(pager.page_out({ids[2]}));
+    check(pager.stats().spills == 1, "the retry did not spill");
+    for (ExtentId id : ids) check(holds(pager, id, 1), "bytes lost");
+  }));
+}
+
+// A step bucket by bucket over a host tier full of committed bytes: each page-out spills
+// the least recently used extent (committed bytes of buckets not stepped yet, or new
+// bytes of stepped ones). Abort returns everything to the step's begin, commit keeps it.
+TEST_F(HostTierTest, SpillsInsideAnEpochKeepItAllOrNothing) {
+  for (bool commit : {false, true}) {
+    Pager pager(make_host_device(), options(3 * kRounded));
+    const std::vector<ExtentId> ids = make_extents(pager, 4);
+    write_all(pager, {ids[0], ids[1], ids[2]}, 1);  // ids[3] stays ZERO
+    const uint64_t epoch = pager.begin_epoch(ids);
+    for (ExtentId id : {ids[3], ids[0], ids[1], ids[2]}) write_all(pager, {id}, 2);
+    EXPECT_GE(pager.stats().spills, 4u);
+    if (commit) {
+      pager.commit_epoch(epoch);
+      for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 2)) << "commit lost " << id;
+    } else {
+      pager.abort_epoch(epoch);
+      for (ExtentId id : {ids[0], ids[1], ids[2]}) {
+        EXPECT_TRUE(holds(pager, id, 1)) << "abort lost " << id;
+      }
+      EXPECT_EQ(pager.residency(ids[3]), Residency::kZero);
+    }
+    EXPECT_LE(pager.stats().host_used_bytes, 3 * kRounded);
+  }
+}
+
 }  // namespace
 }  // namespace statepager

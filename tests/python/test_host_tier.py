@@ -121,3 +121,22 @@ def test_save_and_load_with_the_state_in_the_host_tier(tmp_path, reference, shar
     assert all(torch.equal(a, b) for a, b in zip(params(model), reference))
     p.close()
     p2.close()
+
+
+def test_spills_and_read_ahead(store_dir):
+    with Pager(store_dir, page_size=64 * KiB, host_budget=2 * 64 * KiB) as p:
+        ts = [p.empty(16 * KiB) for _ in range(3)]  # 64 KiB each
+        for i, t in enumerate(ts):
+            p.page_in(t)
+            t.fill_(float(i))
+            p.page_out(t)
+        # the third page-out wrote the least recently used back to the store
+        assert [p.residency(t) for t in ts] == ["file", "host", "host"]
+        assert p.stats()["spills"] == 1
+        p.page_in(ts[1])
+        p.read_ahead_async([ts[0]]).wait()
+        assert p.residency(ts[0]) == "host" and p.stats()["read_aheads"] == 1
+        read = p.stats()["bytes_read"]
+        p.page_in(ts)
+        assert p.stats()["bytes_read"] == read
+        assert all(bool((t == float(i)).all()) for i, t in enumerate(ts))
