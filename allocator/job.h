@@ -4,9 +4,11 @@
 // tiers that move its bytes (allocator/store_tier.h, allocator/host_tier.h) work through
 // its chunks and copies on the Pager's I/O thread.
 //
-// Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes. The
-// I/O thread's alone: next_chunk .. fence, requests, error and the times (error and the
-// times are read by others once done is set). Under the Pager's lock: done.
+// Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes, except
+// what phase two (Pager::place_deferred_locked, on the I/O thread under the lock, with none
+// of the job's work in flight) adds. The I/O thread's alone: host_copies_issued .. fence,
+// requests, error and the times (error and the times are read by others once done is
+// set). Under the Pager's lock: done.
 #pragma once
 
 #include <chrono>
@@ -51,8 +53,7 @@ struct HostCopy {
 
 struct Job {
   bool out = false;
-  bool tier_move = false;              // host tier <-> store, no device: a spill (out) or a
-                                       // read-ahead (in); its extents are `tier_moving`
+  bool tier_move = false;              // a read-ahead: store -> host tier, no device
   bool discard = false;                // page-out that drops the bytes instead of writing
   std::vector<ExtentId> extents;       // the extents this bucket moves
   std::vector<Residency> before;       // their states before (restored on failure)
@@ -60,17 +61,18 @@ struct Job {
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
   std::vector<HostCopy> host_copies;   // device <-> host tier, on the copy engines
   // A page-out short of host room: `spills` (least recently used HOST extents) are written
-  // back first, then `deferred` (extents of this bucket) take the room (Pager::place_deferred).
+  // back first, then `deferred` (extents of this bucket) take the room they leave
+  // (Pager::place_deferred_locked, phase two).
   std::vector<ExtentId> spills;
   std::vector<ExtentId> deferred;
-  bool placed = false;                 // deferred extents placed (under the Pager's lock)
-  std::vector<Chunk> chunks;           // device <-> store file, through staging
+  bool placed = false;                 // phase two done
+  std::vector<Chunk> chunks;           // store requests (staging or host-tier memory)
   std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
   uint64_t bytes_moved = 0;            // to or from the store files
   uint64_t host_bytes = 0;             // to or from the host tier
   size_t host_copies_issued = 0;       // I/O thread: host_copies[0, this) are queued
-  bool restart = false;                // under the lock: placed work to start
-  bool held_back = false;              // under the lock: placed chunks wait for a held range
+  bool restart = false;                // phase two's work is still to start
+  bool held_back = false;              // phase two's chunks wait for a held range
   size_t next_chunk = 0;
   size_t chunks_in_flight = 0;
   bool started = false;
