@@ -16,57 +16,18 @@ constexpr size_t kAddressAlign = 4096;
 
 size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-// One device<->staging copy inside a chunk.
-struct StagingCopy {
-  size_t staging_offset;
-  uintptr_t addr;
-  size_t bytes;
-};
-
-// One I/O request: a contiguous, aligned range of the store file.
-struct Chunk {
-  uint64_t store_offset = 0;
-  size_t file_bytes = 0;
-  std::vector<StagingCopy> pieces;
-};
-
 }  // namespace
-
-// A bucket. Set by submit() under mu_ and fixed once queued: out .. file_ends and
-// bytes_moved. The I/O thread's alone: next_chunk .. fence, requests, error and
-// start_time (error and the times are read by others once done is set). Under mu_: done.
-struct Job {
-  bool out = false;
-  bool discard = false;                // page-out that drops the bytes instead of writing
-  std::vector<ExtentId> extents;       // the extents this bucket moves
-  std::vector<Residency> before;       // their states before (restored on failure)
-  std::vector<std::pair<uintptr_t, size_t>> zero_fills;
-  std::vector<Chunk> chunks;
-  std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
-  size_t next_chunk = 0;
-  size_t chunks_in_flight = 0;
-  bool started = false;
-  bool held = false;                   // a page-out found waiting for a held range
-  std::optional<Fence> fence;          // device work to finish before completing
-  uint64_t bytes_moved = 0;
-  uint64_t requests = 0;               // file requests completed (added to the counters once)
-  bool done = false;
-  std::exception_ptr error;
-  std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
-};
 
 IoShape io_shape_for(bool direct_io) {
   return direct_io ? IoShape{64, size_t(4) << 20} : IoShape{32, size_t(1) << 20};
 }
 
-std::pair<double, double> job_times(const Job& job) {
-  auto seconds = [](std::chrono::steady_clock::time_point t) {
-    return std::chrono::duration<double>(t.time_since_epoch()).count();
-  };
-  return {seconds(job.start_time), seconds(job.end_time)};
-}
-
 constexpr uint64_t kNoOffset = ~uint64_t{0};
+
+// Bytes nowhere, in a store file or in the host tier: no bucket is moving it.
+bool at_rest(Residency s) {
+  return s == Residency::kZero || s == Residency::kFile || s == Residency::kHost;
+}
 
 unsigned store_index(uint64_t store_offset) {
   return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
@@ -82,7 +43,7 @@ struct Pager::Store {
 struct Pager::Extent {
   uintptr_t addr;
   size_t bytes;
-  uint64_t store_offset;               // its range in its store
+  uint64_t store_offset;                // its range in its store
   size_t file_bytes;
   uint64_t next_offset = kNoOffset;    // a FILE extent's range in the store it moves to
   Residency state = Residency::kZero;
@@ -93,24 +54,21 @@ struct Pager::Extent {
   Residency committed_state = Residency::kZero;
   uint64_t committed_offset = kNoOffset;  // store_offset then: the committed bytes when FILE
   uint64_t committed_next = kNoOffset;    // next_offset then
+  uint64_t host_offset = kNoOffset;       // HOST (or paging out to it): its host range
+  uint64_t committed_host = kNoOffset;    // host_offset then
+  uint64_t last_use = 0;  // Pager::use_clock_ at its last page-in, page-out or read-ahead
+  bool tier_moving = false;  // being spilled or read ahead (a Job with spills or tier_move)
+  Residency restore_from = Residency::kZero;  // its state before a restore (see begin_restore)
 
   // The store ranges it refers to now, and in an epoch also those it committed.
   std::vector<uint64_t> ranges() const {
     std::vector<uint64_t> out;
-    for (uint64_t r : {store_offset, next_offset, committed_offset, committed_next}) {
+    for (uint64_t r : {store_offset, next_offset, committed_offset, committed_next, host_offset,
+                       committed_host}) {
       if (r != kNoOffset && std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
     }
     return out;
   }
-};
-
-// A staging slot: the I/O thread's alone.
-struct Pager::StagingSlot {
-  unsigned index = 0;
-  char* buf = nullptr;
-  Job* job = nullptr;
-  const Chunk* chunk = nullptr;
-  std::optional<Fence> copy;  // set while a device copy for this slot is queued
 };
 
 Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
@@ -128,6 +86,11 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
                      "multiple of 4096 up to " + std::to_string(kMaxIoBlockBytes) +
                      " (256 MiB) (0 or None: chosen for the medium)");
   }
+  if (options_.host_budget_bytes > kMaxHostBudget) {
+    throw UsageError("host_budget (PagerOptions::host_budget_bytes) " +
+                     std::to_string(options_.host_budget_bytes) + " is not allowed: it must be "
+                     "0 (no host tier) to " + std::to_string(kMaxHostBudget) + " (128 TiB)");
+  }
   // A file-size limit must surface as EFBIG on the write, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
   dir_ = std::make_unique<StoreDir>(options_.directory);
@@ -140,19 +103,18 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   if (options_.io_depth == 0) options_.io_depth = shape.depth;
   if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
   add_store_locked("");  // the default store: file 0 of file_
-  char* staging = static_cast<char*>(
-      device_->alloc_staging(size_t(options_.io_depth) * options_.io_block_bytes));
-  for (unsigned i = 0; i < options_.io_depth; i++) {
-    StagingSlot slot;
-    slot.index = i;
-    slot.buf = staging + size_t(i) * options_.io_block_bytes;
-    slots_.push_back(slot);
+  store_tier_ = std::make_unique<StoreTier>(*device_, *file_, options_.io_depth,
+                                            options_.io_block_bytes);
+  if (options_.host_budget_bytes > 0) {
+    try {
+      host_tier_ = std::make_shared<HostTier>(*device_, options_.host_budget_bytes);
+    } catch (const OutOfMemoryError& e) {
+      throw OutOfMemoryError("host_budget " + std::to_string(options_.host_budget_bytes) +
+                             " bytes of pinned host memory could not be allocated (" +
+                             e.what() + "): pass a smaller host_budget");
+    }
   }
-  try {
-    file_->register_buffers({iovec{staging, slots_.size() * options_.io_block_bytes}});
-  } catch (const Error&) {
-    // Registration needs RLIMIT_MEMLOCK headroom; unregistered I/O is correct, just slower.
-  }
+  counters_.host_budget_bytes = options_.host_budget_bytes;
   counters_.direct_io = file_->direct();
   counters_.io_depth = options_.io_depth;
   counters_.io_block_bytes = options_.io_block_bytes;
@@ -248,7 +210,7 @@ void Pager::release(ExtentId id) {
   Extent& e = extent_locked(id);
   // A tensor may die while its bucket is in flight (its page-out may even wait for a
   // range a save holds): never wait here, the bucket frees it when it completes.
-  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut) {
+  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut || e.tier_moving) {
     e.dead = true;
     return;
   }
@@ -341,6 +303,10 @@ void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
     freed_held_[store_offset] = punch_bytes;
     return;
   }
+  if (HostTier::is_host(store_offset)) {
+    if (host_tier_) host_tier_->free(store_offset);  // none once closed
+    return;
+  }
   if (punch_bytes > 0 && file_) file_->punch(store_offset, punch_bytes);
   stores_[store_index(store_offset)]->space.free(store_offset);
 }
@@ -354,16 +320,19 @@ void Pager::finish_move_locked(Extent& e) {
   e.next_offset = kNoOffset;
 }
 
+// The extent no longer uses its host range (paged in, discarded, or a page-out failed);
+// in an epoch a range holding committed bytes stays until the epoch ends.
+void Pager::drop_host_locked(Extent& e) {
+  if (e.host_offset == kNoOffset) return;
+  if (e.host_offset != e.committed_host) free_range_locked(e.host_offset);
+  e.host_offset = kNoOffset;
+}
+
 void Pager::check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const {
   if (e.epoch != 0) {
     throw UsageError("extent " + std::to_string(id) + " is in an open epoch (a step is "
                      "running): it cannot " + what + " until the epoch ends");
   }
-}
-
-// Safe without the lock: UringFile's files never move (the I/O thread calls this).
-const std::string& Pager::path_of(uint64_t store_offset) const {
-  return file_->file_path(store_index(store_offset));
 }
 
 bool Pager::exists(ExtentId id) const {
@@ -429,22 +398,40 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   std::vector<ExtentId> ids = bucket;
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
     const Residency s = extent_locked(id).state;
     if (s == Residency::kPagingIn || s == Residency::kPagingOut) {
       throw UsageError("extent " + std::to_string(id) +
                        " is already being paged by another bucket: wait for that bucket first");
     }
+    extent_locked(id).last_use = ++use_clock_;
+    const bool at_rest_with_bytes = s == Residency::kFile || s == Residency::kHost;
     const bool moves = !out ? s != Residency::kResident
-                            : s == Residency::kResident || (discard && s == Residency::kFile);
+                            : s == Residency::kResident || (discard && at_rest_with_bytes);
     if (moves) job->extents.push_back(id);
   }
-  if (out && !discard) redirect_writes_locked(job->extents);
   if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
+  if (out && !discard) {
+    try {
+      redirect_writes_locked(place_outs_locked(*job));
+    } catch (...) {  // the store has no room left: nothing moves
+      for (ExtentId id : job->extents) drop_host_locked(extent_locked(id));
+      for (ExtentId id : job->spills) {
+        extent_locked(id).state = Residency::kHost;
+        extent_locked(id).tier_moving = false;
+      }
+      throw;
+    }
+  }
   for (ExtentId id : job->extents) {
     Extent& e = extent_locked(id);
     job->before.push_back(e.state);
     if (!out && e.state == Residency::kZero) job->zero_fills.emplace_back(e.addr, e.bytes);
+    if (!out && e.state == Residency::kHost) {
+      job->host_copies.push_back(HostCopy{e.addr, host_tier_->host(e.host_offset), e.bytes});
+      job->host_bytes += e.bytes;
+    }
     e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
   }
   if (!out) {
@@ -464,13 +451,173 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       throw;
     }
   }
-  if (!discard) plan_chunks(*job);
+  if (!discard) plan_locked(*job);
   if (job->extents.empty()) {
     job->done = true;
     return job;
   }
   queue_.push_back(job);
   if (out) outs_in_flight_++;
+  work_cv_.notify_one();
+  return job;
+}
+
+// Where each extent of a page-out goes: into a fresh host range while the host tier has
+// room (a page-out never writes a host range in use, so committed host bytes stay as they
+// are); short of room, after spills of the least recently used HOST extents (deferred,
+// after[i] kResident until place_deferred_locked() decides); else to its store range.
+// Returns those going to the store now.
+std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
+  std::vector<ExtentId> to_store;
+  size_t short_bytes = 0;
+  for (ExtentId id : job.extents) {
+    Extent& e = extent_locked(id);
+    std::optional<uint64_t> range;
+    if (host_tier_) range = host_tier_->allocate(e.file_bytes);
+    if (!range && host_tier_ && e.file_bytes <= host_tier_->budget_bytes()) {
+      job.after.push_back(Residency::kResident);
+      job.deferred.push_back(id);
+      short_bytes += e.file_bytes;
+      continue;
+    }
+    if (!range) {
+      job.after.push_back(Residency::kFile);
+      to_store.push_back(id);
+      continue;
+    }
+    e.host_offset = *range;
+    // Past its bytes a range holds zeros, as a store range does (checkpoints copy them).
+    std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
+    job.after.push_back(Residency::kHost);
+    job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
+    job.host_bytes += e.bytes;
+  }
+  if (!job.deferred.empty()) choose_spills_locked(job, short_bytes);
+  if (job.spills.empty()) {  // no room to make: the store takes them now
+    for (size_t i = 0; i < job.extents.size(); i++) {
+      if (job.after[i] != Residency::kResident) continue;
+      job.after[i] = Residency::kFile;
+      to_store.push_back(job.extents[i]);
+    }
+    job.deferred.clear();
+  }
+  return to_store;
+}
+
+// The least recently used HOST extents whose host range no save holds, until their
+// ranges add up to short_bytes: the job writes them back before placing its deferred
+// extents. They are 'paging_out' (tier_moving) meanwhile.
+void Pager::choose_spills_locked(Job& job, size_t short_bytes) {
+  std::vector<std::pair<uint64_t, ExtentId>> lru;
+  for (const auto& [id, e] : extents_) {
+    if (e->state == Residency::kHost && held_.count(e->host_offset) == 0) {
+      lru.emplace_back(e->last_use, id);
+    }
+  }
+  std::sort(lru.begin(), lru.end());
+  size_t freed = 0;
+  for (auto [use, id] : lru) {
+    if (freed >= short_bytes) break;
+    job.spills.push_back(id);
+    freed += extent_locked(id).file_bytes;
+  }
+  redirect_writes_locked(job.spills);  // committed store bytes are never overwritten
+  for (ExtentId id : job.spills) {
+    extent_locked(id).state = Residency::kPagingOut;
+    extent_locked(id).tier_moving = true;
+  }
+}
+
+// Phase two of a page-out short of host room, once its spills are written: they let
+// their host ranges go and the deferred extents take what room there is; the rest goes
+// to the store. start_job() starts the work added (job.restart).
+void Pager::place_deferred_locked(Job& job) {
+  job.placed = true;
+  for (ExtentId id : job.spills) {
+    Extent& e = extent_locked(id);
+    counters_.spills++;
+    counters_.spilled_bytes += e.bytes;
+    spilled_locked(e);
+  }
+  std::vector<ExtentId> to_store;
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    if (job.after[i] != Residency::kResident) continue;  // placed at submit
+    Extent& e = extent_locked(job.extents[i]);
+    const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
+    if (!range) {
+      job.after[i] = Residency::kFile;
+      to_store.push_back(job.extents[i]);
+      continue;
+    }
+    e.host_offset = *range;
+    std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
+    job.after[i] = Residency::kHost;
+    job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
+    job.host_bytes += e.bytes;
+  }
+  redirect_writes_locked(to_store);
+  std::vector<StoreTier::Move> moves;
+  for (ExtentId id : to_store) {
+    const Extent& e = extent_locked(id);
+    moves.push_back(StoreTier::Move{e.addr, e.bytes, e.store_offset, e.file_bytes});
+  }
+  store_tier_->plan(job, std::move(moves));
+  job.held_back = waits_for_hold_locked(job);
+  job.restart = true;
+}
+
+// A spill landed: the extent's bytes are in its store range, its host range goes. In an
+// epoch whose committed bytes were that host range, the store range holds them now.
+void Pager::spilled_locked(Extent& e) {
+  if (e.epoch != 0 && e.host_offset == e.committed_host) {
+    e.committed_state = Residency::kFile;
+    e.committed_offset = e.store_offset;
+    e.committed_host = kNoOffset;
+  }
+  drop_host_locked(e);
+  e.state = Residency::kFile;
+  e.tier_moving = false;
+}
+
+// Waits until none of `ids` is being spilled or read ahead.
+void Pager::wait_tier_moves_locked(std::unique_lock<std::mutex>& lock,
+                                   const std::vector<ExtentId>& ids) {
+  done_cv_.wait(lock, [&] {
+    for (ExtentId id : ids) {
+      auto it = extents_.find(id);
+      if (it != extents_.end() && it->second->tier_moving) return false;
+    }
+    return true;
+  });
+}
+
+Ticket Pager::read_ahead(const std::vector<ExtentId>& bucket) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  auto job = std::make_shared<Job>();
+  job->tier_move = true;
+  std::vector<ExtentId> ids = bucket;
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  wait_tier_moves_locked(lock, ids);
+  for (ExtentId id : ids) {
+    Extent& e = extent_locked(id);
+    if (!host_tier_ || e.state != Residency::kFile) continue;
+    const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
+    if (!range) break;  // no room: the rest stays FILE
+    e.host_offset = *range;
+    e.state = Residency::kPagingIn;
+    e.tier_moving = true;
+    e.last_use = ++use_clock_;
+    job->extents.push_back(id);
+    job->before.push_back(Residency::kFile);
+  }
+  plan_locked(*job);
+  if (job->extents.empty()) {
+    job->done = true;
+    return job;
+  }
+  queue_.push_back(job);
   work_cv_.notify_one();
   return job;
 }
@@ -496,44 +643,27 @@ void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
   for (auto [e, range] : fresh) e->store_offset = range;
 }
 
-// Cuts the bucket's file ranges into requests of at most io_block_bytes. Extents that are
-// neighbours in the file share a request.
-void Pager::plan_chunks(Job& job) {
-  std::vector<const Extent*> moved;
+// The bucket's moves to or from the store files.
+void Pager::plan_locked(Job& job) {
+  std::vector<StoreTier::Move> moves;
+  auto host_move = [&](const Extent& e) {
+    moves.push_back(StoreTier::Move{0, e.bytes, e.store_offset, e.file_bytes,
+                                    host_tier_->host(e.host_offset)});
+  };
+  for (ExtentId id : job.spills) host_move(extent_locked(id));
   for (size_t i = 0; i < job.extents.size(); i++) {
     const Extent& e = extent_locked(job.extents[i]);
-    if (job.out || job.before[i] == Residency::kFile) moved.push_back(&e);
-  }
-  std::sort(moved.begin(), moved.end(),
-            [](const Extent* a, const Extent* b) { return a->store_offset < b->store_offset; });
-  const size_t block = options_.io_block_bytes;
-  Chunk chunk;
-  auto flush = [&] {
-    if (chunk.file_bytes > 0) job.chunks.push_back(std::move(chunk));
-    chunk = Chunk{};
-  };
-  for (const Extent* e : moved) {
-    size_t pos = 0;
-    while (pos < e->bytes) {
-      const uint64_t at = e->store_offset + pos;
-      if (chunk.file_bytes == block || (chunk.file_bytes > 0 && chunk.store_offset + chunk.file_bytes != at)) {
-        flush();
-      }
-      if (chunk.file_bytes == 0) chunk.store_offset = at;
-      const size_t n = std::min(block - chunk.file_bytes, e->bytes - pos);
-      chunk.pieces.push_back(StagingCopy{chunk.file_bytes, e->addr + pos, n});
-      chunk.file_bytes += align_up(n, kFileAlign);
-      pos += n;
+    if (job.tier_move) {
+      host_move(e);
+      continue;
     }
-    const uint64_t end = e->store_offset + e->file_bytes;
-    if (job.file_ends.empty() || store_index(job.file_ends.back()) != store_index(end - 1)) {
-      job.file_ends.push_back(end);  // sorted by offset: stores come one after another
-    } else {
-      job.file_ends.back() = std::max(job.file_ends.back(), end);
+    const bool to_store = job.out ? job.after[i] == Residency::kFile
+                                  : job.before[i] == Residency::kFile;
+    if (to_store) {
+      moves.push_back(StoreTier::Move{e.addr, e.bytes, e.store_offset, e.file_bytes});
     }
-    job.bytes_moved += e->bytes;
   }
-  flush();
+  store_tier_->plan(job, std::move(moves));
 }
 
 void Pager::wait(const Ticket& ticket) {
@@ -558,7 +688,9 @@ PagerStats Pager::stats() const {
   s.extents = extents_.size();
   for (const auto& [id, e] : extents_) {
     if (e->state == Residency::kResident) s.resident_bytes += e->bytes;
+    if (e->state == Residency::kHost) s.host_bytes += e->bytes;
   }
+  s.host_used_bytes = host_tier_ ? host_tier_->used_bytes() : 0;
   return s;
 }
 
@@ -593,13 +725,18 @@ std::vector<std::string> Pager::store_files() const {
   return file_->physical_paths();
 }
 
+// kNoOffset: a placement without bytes at rest (no spans).
 Placement Pager::placement_locked(const Extent& e, uint64_t store_offset) const {
   Placement p;
   p.state = e.state;
   p.bytes = e.bytes;
   p.store_offset = store_offset;
   p.store_bytes = align_up(e.bytes, kFileAlign);
-  p.spans = file_->spans(p.store_offset, p.store_bytes);
+  if (HostTier::is_host(store_offset) && store_offset != kNoOffset) {
+    p.host = host_tier_->host(store_offset);
+  } else if (store_offset != kNoOffset) {
+    p.spans = file_->spans(p.store_offset, p.store_bytes);
+  }
   return p;
 }
 
@@ -610,22 +747,28 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
     throw UsageError("a checkpoint copy still holds ranges of this Pager's store: wait for it "
                      "to finish before taking another");
   }
+  wait_tier_moves_locked(lock, ids);
   std::vector<Placement> out;
   for (ExtentId id : ids) {
     const Extent& e = extent_locked(id);
-    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+    if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
                        "out (and wait) before copying the store");
     }
     check_not_in_epoch_locked(e, id, "be copied");
-    out.push_back(placement_locked(e, e.store_offset));
+    out.push_back(placement_locked(e, e.state == Residency::kHost ? e.host_offset : e.store_offset));
   }
   for (const Placement& p : out) {
-    if (p.state == Residency::kFile && p.store_bytes > 0) {
+    if (p.state != Residency::kZero && p.store_bytes > 0) {
       held_[p.store_offset] = p.store_offset + p.store_bytes;
     }
   }
   return out;
+}
+
+std::shared_ptr<const HostTier> Pager::host_memory() const {
+  std::unique_lock lock(mu_);
+  return host_tier_;
 }
 
 void Pager::unhold(uint64_t store_offset) {
@@ -663,93 +806,71 @@ bool Pager::only_held_jobs_locked() {
   return true;
 }
 
-CopyMethod Pager::restore(const std::vector<ExtentId>& ids, const std::vector<bool>& zero,
-                          const std::string& src, const std::vector<uint64_t>& src_offsets) {
-  if (zero.size() != ids.size() || src_offsets.size() != ids.size()) {
-    throw UsageError("restore: ids, zero and src_offsets must have the same length");
-  }
-  std::vector<ExtentId> sorted = ids;
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    throw UsageError("restore: an extent is given twice");
+std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
+                                            const std::vector<bool>& zero) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  wait_tier_moves_locked(lock, ids);
+  for (ExtentId id : ids) {
+    const Extent& e = extent_locked(id);
+    if (!at_rest(e.state)) {
+      throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
+                       "it out or discard it (and wait) before restoring it");
+    }
+    if (held_.count(e.store_offset) != 0 || held_.count(e.host_offset) != 0) {
+      throw UsageError("a checkpoint copy still holds the store range of extent " +
+                       std::to_string(id) + ": wait for the save to finish first");
+    }
+    check_not_in_epoch_locked(e, id, "be restored");
   }
   std::vector<uint64_t> fresh(ids.size(), kNoOffset);  // where the new bytes go
-  std::vector<Placement> places(ids.size());
-  std::vector<Residency> before;
-  std::vector<std::string> paths;
-  {
-    std::unique_lock lock(mu_);
-    check_open_locked();
-    for (ExtentId id : ids) {
-      const Extent& e = extent_locked(id);
-      if (e.state != Residency::kZero && e.state != Residency::kFile) {
-        throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
-                         "it out or discard it (and wait) before restoring it");
-      }
-      if (held_.count(e.store_offset) != 0) {
-        throw UsageError("a checkpoint copy still holds the store range of extent " +
-                         std::to_string(id) + ": wait for the save to finish first");
-      }
-      check_not_in_epoch_locked(e, id, "be restored");
-    }
-    try {
-      for (size_t i = 0; i < ids.size(); i++) {
-        if (zero[i]) continue;
-        const Extent& e = extent_locked(ids[i]);
-        // In the store it moves to, if it moves: the move is done once the bytes are there.
-        const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
-        fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
-      }
-    } catch (...) {
-      for (uint64_t range : fresh) {
-        if (range != kNoOffset) free_range_locked(range);
-      }
-      throw;
-    }
-    for (size_t i = 0; i < ids.size(); i++) {
-      Extent& e = extent_locked(ids[i]);
-      if (!zero[i]) places[i] = placement_locked(e, fresh[i]);
-      before.push_back(e.state);
-      e.state = Residency::kPagingIn;
-    }
-    paths = file_->physical_paths();
-  }
-  CopyMethod method = CopyMethod::kReflink;
   try {
-    const OpenFile from(src, OpenFile::kRead);
-    std::vector<OpenFile> store;
-    for (const std::string& path : paths) store.emplace_back(path, OpenFile::kWrite);
     for (size_t i = 0; i < ids.size(); i++) {
-      uint64_t at = src_offsets[i];
-      for (const UringFile::Span& s : places[i].spans) {
-        method = copy_range(from, at, store[s.file], s.offset, s.length, method);
-        at += s.length;
-      }
+      if (zero[i]) continue;
+      const Extent& e = extent_locked(ids[i]);
+      // In the store it moves to, if it moves: the move is done once the bytes are there.
+      const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
+      fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
     }
   } catch (...) {
-    std::unique_lock lock(mu_);
-    for (size_t i = 0; i < ids.size(); i++) {
-      if (fresh[i] != kNoOffset) free_range_locked(fresh[i]);
-      extent_locked(ids[i]).state = before[i];
+    for (uint64_t range : fresh) {
+      if (range != kNoOffset) free_range_locked(range);
     }
-    done_cv_.notify_all();
     throw;
   }
+  std::vector<Placement> places(ids.size());
+  for (size_t i = 0; i < ids.size(); i++) {
+    Extent& e = extent_locked(ids[i]);
+    places[i] = zero[i] ? placement_locked(e, kNoOffset) : placement_locked(e, fresh[i]);
+    places[i].state = zero[i] ? Residency::kZero : Residency::kFile;
+    e.restore_from = e.state;
+    e.state = Residency::kPagingIn;
+  }
+  return places;
+}
+
+void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Placement>& places,
+                        bool ok) {
   std::unique_lock lock(mu_);
   for (size_t i = 0; i < ids.size(); i++) {
     Extent& e = extent_locked(ids[i]);
-    if (zero[i]) {
+    const bool zero = places[i].state == Residency::kZero;
+    if (!ok) {
+      if (!zero) free_range_locked(places[i].store_offset);
+      e.state = e.restore_from;
+    } else if (zero) {
+      drop_host_locked(e);
       e.state = Residency::kZero;
       finish_move_locked(e);
-      continue;
+    } else {
+      drop_host_locked(e);
+      for (uint64_t range : e.ranges()) free_range_locked(range);
+      e.store_offset = places[i].store_offset;
+      e.next_offset = kNoOffset;
+      e.state = Residency::kFile;
     }
-    for (uint64_t range : e.ranges()) free_range_locked(range);
-    e.store_offset = fresh[i];
-    e.next_offset = kNoOffset;
-    e.state = Residency::kFile;
   }
   done_cv_.notify_all();
-  return method;
 }
 
 // ---- epochs ----------------------------------------------------------------------------
@@ -760,10 +881,11 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
   std::vector<ExtentId> members = ids;
   std::sort(members.begin(), members.end());
   members.erase(std::unique(members.begin(), members.end()), members.end());
+  wait_tier_moves_locked(lock, members);
   for (ExtentId id : members) {
     const Extent& e = extent_locked(id);
     if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot be in an epoch");
-    if (e.state != Residency::kZero && e.state != Residency::kFile) {
+    if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
                        "out (and wait) before an epoch begins");
     }
@@ -776,6 +898,7 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
     e.committed_state = e.state;
     e.committed_offset = e.store_offset;
     e.committed_next = e.next_offset;
+    e.committed_host = e.host_offset;
   }
   epochs_[epoch] = std::move(members);
   return epoch;
@@ -811,9 +934,10 @@ void Pager::end_epoch_locked(Extent& e, bool keep) {
     e.state = e.committed_state;
     e.store_offset = e.committed_offset;
     e.next_offset = e.committed_next;
+    e.host_offset = e.committed_host;
   }
   e.epoch = 0;
-  e.committed_offset = e.committed_next = kNoOffset;
+  e.committed_offset = e.committed_next = e.committed_host = kNoOffset;
   const std::vector<uint64_t> now = e.ranges();
   for (uint64_t range : before) {
     if (std::find(now.begin(), now.end(), range) == now.end()) free_range_locked(range);
@@ -865,12 +989,11 @@ void Pager::close() {
     if (e->segment) continue;  // PyTorch's MemPool may still hand out its blocks
     if (e->state == Residency::kResident) attempt([&] { pool_.unref(e->addr, e->bytes); });
     e->state = Residency::kZero;
+    e->host_offset = e->committed_host = kNoOffset;  // the host tier goes below
   }
   attempt([&] { pool_.trim(); });
-  if (!slots_.empty()) {
-    attempt([&] { device_->free_staging(slots_[0].buf, slots_.size() * options_.io_block_bytes); });
-    slots_.clear();
-  }
+  store_tier_.reset();  // frees the staging memory
+  host_tier_.reset();   // its memory lives on while a StoreSnapshot still holds it
   file_.reset();
   attempt([&] { dir_->remove(); });
   if (error) std::rethrow_exception(error);
@@ -901,170 +1024,124 @@ void Pager::run_io_thread() {
 // Called with the lock held; drops it around device and file calls.
 bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   std::vector<Ticket> jobs;
+  std::vector<Job*> running;  // those whose chunks may be issued
   for (const Ticket& job : queue_) {
-    if (job->started || !waits_for_hold_locked(*job)) jobs.push_back(job);
+    if (job->held_back && !waits_for_hold_locked(*job)) job->held_back = false;
+    if (job->started || !waits_for_hold_locked(*job)) {
+      jobs.push_back(job);
+      if (!job->held_back) running.push_back(job.get());
+    }
   }
   lock.unlock();
   bool progressed = false;
-  bool copies_pending = false;
-  for (const Ticket& job : jobs) {
-    if (job->started) continue;
-    job->started = true;
-    job->start_time = std::chrono::steady_clock::now();
+  for (Job* job : running) {
+    if (job->started && !job->restart) continue;
+    start_job(*job);
     progressed = true;
-    try {
-      if (job->out) {
-        for (uint64_t end : job->file_ends) file_->allocate(end);
-      }
-      for (auto [addr, bytes] : job->zero_fills) device_->fill_zero(addr, bytes);
-      if (!job->zero_fills.empty()) job->fence = device_->record(CopyQueue::kToDevice);
-      // A discard unmaps once the work queued before it on the caller's stream is done.
-      if (job->discard) job->fence = device_->record(CopyQueue::kToHost);
-    } catch (...) {
-      job->error = std::current_exception();
-    }
   }
-  for (StagingSlot& slot : slots_) {
-    if (slot.job) continue;
-    for (const Ticket& job : jobs) {
-      if (job->error || job->next_chunk == job->chunks.size()) continue;
-      slot.job = job.get();
-      slot.chunk = &job->chunks[job->next_chunk++];
-      job->chunks_in_flight++;
-      start_chunk(slot);
-      progressed = true;
-      break;
-    }
-  }
-  for (StagingSlot& slot : slots_) {
-    if (!slot.copy) continue;
-    try {
-      if (!device_->is_done(*slot.copy)) {
-        copies_pending = true;
-        continue;
-      }
-    } catch (...) {
-      slot.job->error = std::current_exception();
-    }
-    device_->release_fence(*slot.copy);
-    slot.copy.reset();
-    progressed = true;
-    if (slot.job->out && !slot.job->error) {
-      file_->submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
-                                       slot.chunk->store_offset, 0});
-    } else {
-      finish_slot(slot, 0, 0);
-    }
-  }
-  std::vector<UringFile::Completion> done;
-  if (file_->in_flight() > 0) {
-    const int64_t timeout_us = progressed ? 0 : copies_pending ? 20 : 500;
-    file_->reap(&done, timeout_us);
-  }
-  for (const auto& c : done) {
-    progressed = true;
-    StagingSlot& slot = slots_[c.tag];
-    slot.job->requests++;
-    if (c.error == 0 && !slot.job->out && !slot.job->error) {
-      try {
-        for (const StagingCopy& p : slot.chunk->pieces) {
-          device_->copy_to_device(p.addr, slot.buf + p.staging_offset, p.bytes);
-        }
-        slot.copy = device_->record(CopyQueue::kToDevice);
-        continue;
-      } catch (...) {
-        slot.job->error = std::current_exception();
-      }
-    }
-    finish_slot(slot, c.error, c.offset);
-  }
+  progressed = store_tier_->pump(running, progressed);
   lock.lock();
   for (const Ticket& job : jobs) {
     const bool issued_all = job->error || job->next_chunk == job->chunks.size();
-    if (!job->started || job->chunks_in_flight > 0 || !issued_all) continue;
+    if (!job->started || job->restart || job->chunks_in_flight > 0 || !issued_all) continue;
     if (job->fence) {
       if (!device_->is_done(*job->fence)) continue;
       device_->release_fence(*job->fence);
       job->fence.reset();
     }
-    complete(*job);
     progressed = true;
+    if (!job->error && !job->deferred.empty() && !job->placed) {
+      try {
+        place_deferred_locked(*job);
+        continue;
+      } catch (...) {
+        job->error = std::current_exception();
+      }
+    }
+    complete(*job);
   }
   return progressed;
 }
 
-void Pager::start_chunk(StagingSlot& slot) {
-  const Chunk& chunk = *slot.chunk;
+// Starts a job's work, or the work place_deferred_locked() added (job.restart). Without
+// the lock: the fields it touches are the I/O thread's.
+void Pager::start_job(Job& job) {
+  if (!job.started) {
+    job.started = true;
+    job.start_time = std::chrono::steady_clock::now();
+  }
+  job.restart = false;
   try {
-    if (slot.job->out) {
-      size_t at = 0;
-      for (const StagingCopy& p : chunk.pieces) {
-        std::memset(slot.buf + at, 0, p.staging_offset - at);  // padding between extents
-        device_->copy_to_host(slot.buf + p.staging_offset, p.addr, p.bytes);
-        at = p.staging_offset + p.bytes;
-      }
-      std::memset(slot.buf + at, 0, chunk.file_bytes - at);
-      slot.copy = device_->record(CopyQueue::kToHost);
-    } else {
-      file_->submit(UringFile::Request{slot.index, false, slot.buf, chunk.file_bytes,
-                                       chunk.store_offset, 0});
+    store_tier_->start(job);
+    if (host_tier_) host_tier_->start(job);
+    for (auto [addr, bytes] : job.zero_fills) device_->fill_zero(addr, bytes);
+    // A discard unmaps once the work queued before it on the caller's stream is done.
+    if (!job.zero_fills.empty() || !job.host_copies.empty() || job.discard) {
+      job.fence = device_->record(job.out ? CopyQueue::kToHost : CopyQueue::kToDevice);
     }
   } catch (...) {
-    slot.job->error = std::current_exception();
-    finish_slot(slot, 0, 0);
+    job.error = std::current_exception();
   }
-}
-
-void Pager::finish_slot(StagingSlot& slot, int error, uint64_t offset) {
-  Job& job = *slot.job;
-  if (error != 0 && !job.error) {
-    try {
-      if (error == ENODATA) {
-        throw CorruptStoreError("store file " + path_of(offset) + " is truncated at offset " +
-                                std::to_string(offset % UringFile::kRegionBytes) +
-                                ": it holds fewer bytes than were paged out there. The store "
-                                "was changed outside statepager; its state is lost.");
-      }
-      throw_io_error(error, job.out ? "page-out write" : "page-in read", path_of(offset),
-                     offset % UringFile::kRegionBytes);
-    } catch (...) {
-      job.error = std::current_exception();
-    }
-  }
-  job.chunks_in_flight--;
-  slot.job = nullptr;
-  slot.chunk = nullptr;
 }
 
 // Under the lock: the bucket's extents take their new state (or get their old one back).
 void Pager::complete(Job& job) {
   const bool ok = !job.error;
+  if (!ok && !job.placed) {  // spills not landed: their host bytes stay
+    for (ExtentId id : job.spills) {
+      extent_locked(id).state = Residency::kHost;
+      extent_locked(id).tier_moving = false;
+    }
+  }
   for (size_t i = 0; i < job.extents.size(); i++) {
     Extent& e = extent_locked(job.extents[i]);
-    if (job.out) {
-      e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : Residency::kFile;
+    if (job.tier_move) {  // a read-ahead
+      e.tier_moving = false;
+      e.state = ok ? Residency::kHost : Residency::kFile;
+      if (ok) finish_move_locked(e);
+      if (!ok) drop_host_locked(e);
+    } else if (job.out) {
+      e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : job.after[i];
       if (ok && job.before[i] == Residency::kResident) pool_.unref(e.addr, e.bytes);
+      // A failed page-out lets its fresh host range go; a discard, the host bytes.
+      if (ok ? job.discard : !job.discard && job.after[i] == Residency::kHost) {
+        drop_host_locked(e);
+      }
     } else {
       e.state = ok ? Residency::kResident : job.before[i];
       if (ok) finish_move_locked(e);
+      if (ok) drop_host_locked(e);
       if (!ok) pool_.unref(e.addr, e.bytes);
     }
   }
   if (ok) {
     const uint64_t file_bytes = job.bytes_moved;
     if (job.out) {
+      counters_.bytes_to_host += job.host_bytes;
       counters_.bytes_written += file_bytes;
       counters_.write_requests += job.requests;
       counters_.buckets_out++;
+    } else if (job.tier_move) {
+      counters_.read_aheads += job.extents.size();
+      counters_.read_ahead_bytes += file_bytes;
+      counters_.bytes_read += file_bytes;
+      counters_.read_requests += job.requests;
     } else {
+      counters_.bytes_from_host += job.host_bytes;
       counters_.bytes_read += file_bytes;
       counters_.read_requests += job.requests;
       counters_.buckets_in++;
       for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
     }
   }
-  for (ExtentId id : job.extents) {
-    if (extent_locked(id).dead) free_extent_locked(id);
+  for (const auto* ids : {&job.extents, &job.spills}) {
+    for (ExtentId id : *ids) {
+      const Extent& e = extent_locked(id);
+      if (e.dead && !e.tier_moving && e.state != Residency::kPagingIn &&
+          e.state != Residency::kPagingOut) {
+        free_extent_locked(id);
+      }
+    }
   }
   if (job.out) outs_in_flight_--;
   job.end_time = std::chrono::steady_clock::now();

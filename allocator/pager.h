@@ -1,15 +1,23 @@
-// Pager: tensors' bytes as extents of a Pool, paged between the device and one store file.
+// Pager: tensors' bytes as extents of a Pool, paged between the device, a host tier and
+// the store files.
 //
 // An extent is a range of the pool's arena that holds one tensor's bytes. Its state is
 // ZERO (never written: page-in fills zeros and reads nothing), FILE (its bytes are at
-// rest in the store file) or RESIDENT (mapped and current). Each extent has its own
+// rest in the store file), HOST (at rest in the host tier: pinned host memory of
+// PagerOptions::host_budget_bytes, allocator/host_tier.h) or RESIDENT (mapped and
+// current). A page-out goes to the host tier while it has room; short of room, the least
+// recently used HOST extents (paged in or out longest ago) are first written back to the
+// store (spilled, as part of that bucket) and the bucket takes their room; what still does
+// not fit goes to the store file. A page-in takes the bytes from where they are and frees
+// the host range. read_ahead() copies FILE extents into free host room ahead of their
+// page-in. A bucket that needs an extent being spilled or read ahead waits for that move. Each extent has its own
 // 4 KiB-aligned range in the store file, so no two extents ever share a disk block and
 // I/O never needs read-modify-write; extents adjacent in the file are moved in one
 // request.
 //
 // page_in() and page_out() take a bucket (a set of extents) and return a Ticket at once;
-// an I/O thread moves the bytes through pinned staging slots (device copy <-> io_uring),
-// many buckets and many requests in flight. page_out() first orders itself after the
+// an I/O thread moves the bytes (allocator/store_tier.h: pinned staging slots, device copy
+// <-> io_uring), many buckets and many requests in flight. page_out() first orders itself after the
 // work already queued on the caller's stream. A failed page-out leaves every extent of
 // its bucket resident and intact; a failed page-in leaves them as they were.
 //
@@ -19,8 +27,9 @@
 // rest, and for those with (FILE) on their next page-in, when the old range is let go:
 // a move never copies bytes.
 //
-// Checkpoints copy extents straight between the store and other files (see hold() and
-// restore()): an extent at rest keeps its range of a store file until it moves.
+// Checkpoints copy extents straight between the store and other files (hold() and
+// begin_restore(); allocator/store_snapshot.h and store_restore.h copy): an extent at rest
+// keeps its range of a store file until it moves.
 //
 // Epochs make a set of changes all-or-nothing (an optimizer step: see begin_epoch()).
 // Inside one, a page-out never overwrites the bytes an extent had at the epoch's begin
@@ -56,8 +65,10 @@
 
 #include "allocator/arena.h"
 #include "allocator/device.h"
+#include "allocator/host_tier.h"
+#include "allocator/job.h"
 #include "allocator/pool.h"
-#include "backing/file_copy.h"
+#include "allocator/store_tier.h"
 #include "backing/store_dir.h"
 #include "backing/uring_file.h"
 
@@ -81,15 +92,15 @@ struct PagerOptions {
   size_t io_block_bytes = 0;                // bytes per request: a multiple of 4 KiB up to
                                             // kMaxIoBlockBytes; 0: io_shape_for(the medium)
   bool try_direct = true;                   // O_DIRECT where the filesystem allows it
+  size_t host_budget_bytes = 0;             // the host tier's pinned memory, allocated at
+                                            // construction: 0 (none) to kMaxHostBudget
 };
+// The user address space of x86-64: more could never be allocated.
+constexpr size_t kMaxHostBudget = size_t(1) << 47;
 // Far past what any medium was measured to need (see IoShape); the staging memory is
 // io_depth x io_block_bytes of pinned memory.
 constexpr unsigned kMaxIoDepth = 1024;
 constexpr size_t kMaxIoBlockBytes = size_t(256) << 20;
-
-enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut };
-
-using ExtentId = uint64_t;
 
 struct PagerStats {
   size_t mapped_bytes = 0;        // physical bytes mapped into the arena now
@@ -107,6 +118,15 @@ struct PagerStats {
   uint64_t buckets_in = 0;
   uint64_t buckets_out = 0;
   uint64_t buckets_held = 0;      // page-outs that waited for a held range (see hold())
+  size_t host_budget_bytes = 0;   // PagerOptions::host_budget_bytes
+  size_t host_used_bytes = 0;     // host-tier memory holding extents now (4 KiB-rounded)
+  size_t host_bytes = 0;          // bytes of HOST extents
+  uint64_t bytes_to_host = 0;     // page-outs into the host tier
+  uint64_t bytes_from_host = 0;   // page-ins from the host tier
+  uint64_t spills = 0;            // HOST extents written back to the store to make room
+  uint64_t spilled_bytes = 0;
+  uint64_t read_aheads = 0;       // FILE extents read ahead into the host tier
+  uint64_t read_ahead_bytes = 0;
   bool direct_io = false;
   unsigned io_depth = 0;          // the I/O shape in use (PagerOptions, resolved)
   size_t io_block_bytes = 0;
@@ -114,19 +134,13 @@ struct PagerStats {
 
 // Where an extent at rest keeps its bytes (see Pager::hold()).
 struct Placement {
-  Residency state = Residency::kZero;  // kZero (no bytes anywhere) or kFile
+  Residency state = Residency::kZero;  // kZero (no bytes anywhere), kFile or kHost
   size_t bytes = 0;                    // the extent's size
   uint64_t store_offset = 0;           // its range of the logical store files: 4 KiB-aligned,
   size_t store_bytes = 0;              // and past `bytes` it holds zeros
-  std::vector<UringFile::Span> spans;  // that range in the physical files; empty when ZERO
+  std::vector<UringFile::Span> spans;  // that range in the physical files; empty unless FILE
+  const char* host = nullptr;          // kHost: its bytes (store_offset names the host range)
 };
-
-struct Job;
-using Ticket = std::shared_ptr<Job>;
-// When a finished bucket's I/O started and when it completed, in seconds of the steady
-// clock (time.monotonic() in Python). Both are 0 for a bucket that had nothing to move.
-// Only once the bucket is done (after Pager::wait() or is_done()): the I/O thread sets them.
-std::pair<double, double> job_times(const Job& job);
 
 class Pager {
  public:
@@ -177,6 +191,10 @@ class Pager {
   // their bytes at rest; all become ZERO (scratch tensors whose bytes live elsewhere in
   // another form, or are no longer needed). Ordered after `stream` like page_out().
   Ticket discard(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
+  // Reads FILE extents into free host-tier room (never making room: what does not fit
+  // stays FILE), so that their page-in is a copy-engine copy. Other extents are skipped;
+  // without a host tier nothing moves. A failed read leaves them FILE.
+  Ticket read_ahead(const std::vector<ExtentId>& bucket);
   void wait(const Ticket& ticket);      // rethrows the bucket's error
   bool is_done(const Ticket& ticket) const;
 
@@ -190,22 +208,27 @@ class Pager {
   // -- the store seen from outside: checkpoints copy file ranges, not bytes via the device
   // The physical files of all stores; UringFile::Span::file indexes them.
   std::vector<std::string> store_files() const;
-  // Placements of at-rest (ZERO or FILE) extents, and a hold on the store range of each
-  // FILE one: from now on a page-out that would write into a held range waits, unstarted,
+  // Placements of at-rest (ZERO, FILE or HOST) extents, and a hold on the store or host
+  // range of each FILE or HOST one: from now on a page-out that would write into a held range waits, unstarted,
   // until unhold() of that range, while other buckets go on. A copy of the held ranges is
   // then the state of this moment even while training pages on. One set of holds at a
   // time: UsageError while any range is held, or when an extent is not at rest (page it
   // out first).
   std::vector<Placement> hold(const std::vector<ExtentId>& ids);
   void unhold(uint64_t store_offset);  // the held range starting there; no-op if none
-  // Sets at-rest extents' bytes from the file `src` (a checkpoint): extent i becomes FILE
-  // with the store_bytes found at src_offsets[i], or ZERO when zero[i]. Extents must be
-  // at rest, not held and in no epoch (UsageError); each is 'paging_in' while its bytes
-  // are copied. All or nothing: the bytes go to fresh ranges of the store and the
-  // extents switch to them once every copy has succeeded; on an error nothing changed.
-  // Returns the copy method used last.
-  CopyMethod restore(const std::vector<ExtentId>& ids, const std::vector<bool>& zero,
-                     const std::string& src, const std::vector<uint64_t>& src_offsets);
+  // Keeps the memory of HOST placements valid for its holder's life, also after close()
+  // (null without a host tier).
+  std::shared_ptr<const HostTier> host_memory() const;
+  // Restores (allocator/store_restore.h copies a checkpoint's bytes in between): extents
+  // at rest, not held and in no epoch (else UsageError) become 'paging_in', and each gets
+  // a placement for its new bytes: a fresh range of its store (state kFile), or none when
+  // zero[i] (state kZero). end_restore(ok) switches them to those bytes; end_restore(!ok)
+  // frees the fresh ranges and returns every extent to what it was. Exactly one
+  // end_restore() per begin_restore(), with the same ids and the placements returned.
+  std::vector<Placement> begin_restore(const std::vector<ExtentId>& ids,
+                                       const std::vector<bool>& zero);
+  void end_restore(const std::vector<ExtentId>& ids, const std::vector<Placement>& places,
+                   bool ok);
 
   // -- epochs: all-or-nothing changes of a set of extents (an optimizer step)
   // Opens an epoch over `ids`, which must be at rest and in no other epoch (UsageError),
@@ -239,18 +262,23 @@ class Pager {
 
  private:
   struct Extent;
-  struct StagingSlot;
   struct Store;
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
-  void plan_chunks(Job& job);
+  void plan_locked(Job& job);
+  std::vector<ExtentId> place_outs_locked(Job& job);
+  void choose_spills_locked(Job& job, size_t short_bytes);
+  void place_deferred_locked(Job& job);
+  void spilled_locked(Extent& e);
+  void wait_tier_moves_locked(std::unique_lock<std::mutex>& lock,
+                              const std::vector<ExtentId>& ids);
+  void start_job(Job& job);
+  void drop_host_locked(Extent& e);
   void run_io_thread();
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
   void free_extent_locked(ExtentId id);  // release() of an extent not being paged
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
-  void start_chunk(StagingSlot& slot);
-  void finish_slot(StagingSlot& slot, int error, uint64_t offset);
   void complete(Job& job);
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
   unsigned add_store_locked(const std::string& name);
@@ -261,7 +289,6 @@ class Pager {
   std::vector<Extent*> settled_epoch_locked(std::unique_lock<std::mutex>& lock, uint64_t epoch);
   void end_epoch_locked(Extent& e, bool keep);
   void check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const;
-  const std::string& path_of(uint64_t store_offset) const;
   Extent& extent_locked(ExtentId id);
   const Extent& extent_locked(ExtentId id) const;
   void check_open_locked() const;
@@ -275,7 +302,9 @@ class Pager {
   // punch() and the path and span queries under mu_ (UringFile allows them alongside).
   std::unique_ptr<UringFile> file_;
   std::vector<std::unique_ptr<Store>> stores_;  // mu_; stores_[i] is file i of file_
-  std::vector<StagingSlot> slots_;            // I/O thread (freed by close() after the join)
+  std::unique_ptr<StoreTier> store_tier_;  // I/O thread, plan() under mu_ (freed by close())
+  std::shared_ptr<HostTier> host_tier_;    // null without a host budget; allocate/free
+                                           // under mu_, start() on the I/O thread
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;    // wakes the I/O thread
@@ -289,6 +318,7 @@ class Pager {
   std::map<uint64_t, size_t> freed_held_;  // mu_: held ranges freed meanwhile -> bytes to punch
   std::unordered_map<uint64_t, std::vector<ExtentId>> epochs_;  // mu_: open epochs' extents
   uint64_t next_epoch_ = 1;            // mu_
+  uint64_t use_clock_ = 0;             // mu_: ticks of page-ins and page-outs (LRU)
   PagerStats counters_;                // mu_: counts of finished buckets (complete())
   bool closed_ = false;                // mu_
   bool stopping_ = false;              // mu_: tells the I/O thread to return once idle

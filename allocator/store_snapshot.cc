@@ -6,6 +6,7 @@ namespace statepager {
 
 StoreSnapshot::StoreSnapshot(Pager& pager, const std::vector<ExtentId>& ids) : pager_(pager) {
   for (const std::string& path : pager.store_files()) store_.emplace_back(path, OpenFile::kRead);
+  host_ = pager.host_memory();
   placements_ = pager_.hold(ids);
 }
 
@@ -14,7 +15,7 @@ StoreSnapshot::~StoreSnapshot() { release(); }
 void StoreSnapshot::release() {
   for (; released_ < placements_.size(); released_++) {
     const Placement& p = placements_[released_];
-    if (p.state == Residency::kFile) pager_.unhold(p.store_offset);
+    if (p.state != Residency::kZero) pager_.unhold(p.store_offset);
   }
 }
 
@@ -31,13 +32,14 @@ CopyMethod StoreSnapshot::copy_to(const std::vector<std::string>& files,
   CopyMethod method = CopyMethod::kReflink;
   for (; released_ < placements_.size(); released_++) {
     const Placement& p = placements_[released_];
-    if (p.state != Residency::kFile) continue;
+    if (p.state == Residency::kZero) continue;
     const Target& t = targets[released_];
     if (t.file >= out.size()) {
       throw UsageError("StoreSnapshot::copy_to: target file " + std::to_string(t.file) +
                        " of " + std::to_string(out.size()));
     }
     uint64_t at = t.offset;
+    if (p.host != nullptr) write_range(out[t.file], at, p.host, p.store_bytes);
     for (const UringFile::Span& s : p.spans) {
       method = copy_range(store_[s.file], s.offset, out[t.file], at, s.length, method);
       at += s.length;

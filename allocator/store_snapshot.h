@@ -3,20 +3,23 @@
 // during the next ones).
 //
 // Construction holds the extents (Pager::hold): page-outs into their store ranges wait
-// until each range has been copied. copy_to() copies the FILE extents, in the order given,
+// until each range has been copied. copy_to() copies the FILE and HOST extents (these from
+// the host tier's memory), in the order given,
 // to ranges of destination files, releasing each hold as soon as its range is copied, so
 // a step that pages buckets out in the same order waits, if at all, only for the bucket
 // being copied. ZERO extents have no bytes and are not copied. The destructor (or
 // release()) releases the holds that are left, after a failure or when no copy is made.
 //
-// Ownership: refers to the Pager, which must outlive it. Opens the store's files at
-// construction, so a copy still reads them after the Pager has closed and deleted them.
+// Ownership: refers to the Pager, which must outlive it. Opens the store's files and keeps
+// the host tier's memory at construction, so a copy still reads them after the Pager has
+// closed and deleted them.
 // Thread-safety: copy_to() may run on another thread than the constructor's, but not
 // concurrently with itself or release().
 // Errors: those of Pager::hold() and copy_range() (backing/file_copy.h).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,7 +43,7 @@ class StoreSnapshot {
     unsigned file = 0;
     uint64_t offset = 0;
   };
-  // Copies every FILE extent's store_bytes to its target (one per placement; ZERO ones
+  // Copies every FILE or HOST extent's store_bytes to its target (one per placement; ZERO ones
   // are ignored), in order, and fsyncs the destinations. Returns the method used last.
   CopyMethod copy_to(const std::vector<std::string>& files, const std::vector<Target>& targets);
 
@@ -50,6 +53,7 @@ class StoreSnapshot {
   Pager& pager_;
   std::vector<Placement> placements_;
   std::vector<OpenFile> store_;
+  std::shared_ptr<const HostTier> host_;  // the memory of HOST placements
   size_t released_ = 0;  // placements_[0, released_) are no longer held
 };
 

@@ -79,18 +79,23 @@ void read_write(const OpenFile& src, uint64_t src_offset, const OpenFile& dst,
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) throw_io_error(errno, "read", src.path(), src_offset + done);
     if (got == 0) throw_short_source(src, src_offset + done);
-    for (ssize_t put = 0; put < got;) {
-      const ssize_t n = ::pwrite(dst.fd(), buf.get() + put, static_cast<size_t>(got - put),
-                                 static_cast<off_t>(dst_offset + done) + put);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) throw_io_error(errno, "write", dst.path(), dst_offset + done + uint64_t(put));
-      put += n;
-    }
+    write_range(dst, dst_offset + done, buf.get(), static_cast<uint64_t>(got));
     done += static_cast<uint64_t>(got);
   }
 }
 
 }  // namespace
+
+void write_range(const OpenFile& dst, uint64_t dst_offset, const void* buf, uint64_t length) {
+  const char* from = static_cast<const char*>(buf);
+  for (uint64_t put = 0; put < length;) {
+    const ssize_t n = ::pwrite(dst.fd(), from + put, static_cast<size_t>(length - put),
+                               static_cast<off_t>(dst_offset + put));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw_io_error(errno, "write", dst.path(), dst_offset + put);
+    put += static_cast<uint64_t>(n);
+  }
+}
 
 const char* copy_method_name(CopyMethod method) {
   switch (method) {

@@ -13,6 +13,7 @@
 #include "allocator/device.h"
 #include "allocator/pager.h"
 #include "allocator/pluggable.h"
+#include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
 #include "backing/file_copy.h"
@@ -76,6 +77,7 @@ const char* residency_name(Residency r) {
     case Residency::kResident: return "resident";
     case Residency::kPagingIn: return "paging_in";
     case Residency::kPagingOut: return "paging_out";
+    case Residency::kHost: return "host";
   }
   return "?";
 }
@@ -238,7 +240,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
   m.def("residency_of", &residency_of, py::arg("tensor"),
-        "Residency ('zero', 'file', 'resident', 'paging_in', 'paging_out') of the pager "
+        "Residency ('zero', 'file', 'host', 'resident', 'paging_in', 'paging_out') of the pager "
         "tensor whose storage `tensor` uses, whichever live Pager made it; None for any "
         "other tensor");
   m.def(
@@ -356,7 +358,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& directory, const std::string& device,
                        size_t page_bytes, size_t budget_bytes, size_t keep_bytes,
                        size_t arena_bytes, unsigned io_depth, size_t io_block_bytes,
-                       bool try_direct) {
+                       bool try_direct, size_t host_budget_bytes) {
              PagerOptions o;
              o.directory = directory;
              o.pool.page_bytes = page_bytes;
@@ -366,13 +368,15 @@ PYBIND11_MODULE(_C, m) {
              o.io_depth = io_depth;
              o.io_block_bytes = io_block_bytes;
              o.try_direct = try_direct;
+             o.host_budget_bytes = host_budget_bytes;
              auto pager = std::make_shared<Pager>(make_device(device), std::move(o));
              register_pager(pager);
              return PyPager{std::move(pager), torch::Device(device)};
            }),
            py::arg("directory"), py::arg("device"), py::arg("page_bytes"),
            py::arg("budget_bytes"), py::arg("keep_bytes"), py::arg("arena_bytes"),
-           py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"))
+           py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"),
+           py::arg("host_budget_bytes") = 0)
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
               const std::string& store, std::optional<std::vector<int64_t>> strides) {
@@ -427,6 +431,11 @@ PYBIND11_MODULE(_C, m) {
              return PyTicket{self.pager->discard(self.extents_of(tensors), stream)};
            },
            py::arg("tensors"), py::arg("stream") = 0, release_gil())
+      .def("read_ahead",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
+             return PyTicket{self.pager->read_ahead(self.extents_of(tensors))};
+           },
+           release_gil())
       .def("wait", [](PyPager& self, const PyTicket& t) { self.pager->wait(t.ticket); },
            release_gil())
       .def("is_done", [](PyPager& self, const PyTicket& t) { return self.pager->is_done(t.ticket); })
@@ -456,6 +465,15 @@ PYBIND11_MODULE(_C, m) {
              d["buckets_in"] = s.buckets_in;
              d["buckets_out"] = s.buckets_out;
              d["buckets_held"] = s.buckets_held;
+             d["host_budget_bytes"] = s.host_budget_bytes;
+             d["host_used_bytes"] = s.host_used_bytes;
+             d["host_bytes"] = s.host_bytes;
+             d["bytes_to_host"] = s.bytes_to_host;
+             d["bytes_from_host"] = s.bytes_from_host;
+             d["spills"] = s.spills;
+             d["spilled_bytes"] = s.spilled_bytes;
+             d["read_aheads"] = s.read_aheads;
+             d["read_ahead_bytes"] = s.read_ahead_bytes;
              d["direct_io"] = s.direct_io;
              d["io_depth"] = s.io_depth;
              d["io_block_bytes"] = s.io_block_bytes;
@@ -482,7 +500,8 @@ PYBIND11_MODULE(_C, m) {
               const std::vector<bool>& zero, const std::string& src,
               const std::vector<uint64_t>& offsets) {
              const std::vector<ExtentId> ids = self.extents_of(tensors);
-             return std::string(copy_method_name(self.pager->restore(ids, zero, src, offsets)));
+             return std::string(
+                 copy_method_name(restore_extents(*self.pager, ids, zero, src, offsets)));
            },
            py::arg("tensors"), py::arg("zero"), py::arg("src"), py::arg("offsets"), release_gil())
       .def("begin_epoch",

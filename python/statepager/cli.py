@@ -77,6 +77,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
     step.add_argument("--steps", type=at_least(2, "the first step reads no moments, so it "
                                                  "is not counted"), default=4)
     step.add_argument("--page-size", type=size, default=size("32M"))
+    step.add_argument("--host-budget", type=size, default=0,
+                      help="host tier bytes (Pager host_budget; default: none); on CUDA the "
+                           "bench also measures concurrent PCIe, the host tier's floor")
     _io_arguments(step)
     step.add_argument("--no-baseline", action="store_true")
     step.add_argument("--no-in-place", action="store_true",

@@ -12,6 +12,7 @@
 #include <functional>
 
 #include "allocator/pager.h"
+#include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
 #include "tests/cpp/temp_dir.h"
@@ -280,7 +281,7 @@ TEST_P(EpochTest, WhatAnEpochRefuses) {
   EXPECT_THROW(pager.hold({ids[0]}), UsageError);
   EXPECT_THROW(pager.move_to_store({ids[0]}, other), UsageError);
   pager.move_to_store({ids[0]}, 0);  // its own store: nothing moves
-  EXPECT_THROW(pager.restore({ids[0]}, {true}, file("none"), {0}), UsageError);
+  EXPECT_THROW(restore_extents(pager, {ids[0]}, {true}, file("none"), {0}), UsageError);
   const ExtentId outside = pager.create(1000);
   EXPECT_NO_THROW(pager.abort_epoch(pager.begin_epoch({outside})));  // disjoint: fine
   pager.commit_epoch(epoch);
@@ -349,14 +350,14 @@ TEST_P(EpochTest, RestoreFailingMidwayChangesNothing) {
   std::vector<uint64_t> offsets = write_source(pager, {ids[0], ids[1], ids[2]}, 2, src);
   offsets.insert(offsets.end(), {offsets.back() + (1 << 20), 0, offsets.back() + (2 << 20)});
   const std::vector<bool> zero = {false, false, false, false, true, false};
-  EXPECT_THROW(pager.restore(ids, zero, src, offsets), CorruptStoreError);
+  EXPECT_THROW(restore_extents(pager, ids, zero, src, offsets), CorruptStoreError);
   for (int i = 0; i < 6; i++) {
     EXPECT_EQ(pager.residency(ids[i]), i < 4 ? Residency::kFile : Residency::kZero) << i;
     EXPECT_TRUE(holds(pager, ids[i], i < 4 ? 1 : 0)) << i;
   }
   // With the whole source it lands, all of it.
   offsets = write_source(pager, ids, 3, src);
-  pager.restore(ids, zero, src, offsets);
+  restore_extents(pager, ids, zero, src, offsets);
   for (int i = 0; i < 6; i++) EXPECT_TRUE(holds(pager, ids[i], i == 4 ? 0 : 3)) << i;
 }
 
@@ -374,7 +375,7 @@ TEST_P(EpochTest, RestoreOutOfSpaceChangesNothing) {
     setrlimit(RLIMIT_FSIZE, &limit);
     bool failed = false;
     try {
-      pager.restore(ids, std::vector<bool>(ids.size(), false), src, offsets);
+      restore_extents(pager, ids, std::vector<bool>(ids.size(), false), src, offsets);
     } catch (const NoSpaceError&) {
       failed = true;
     }

@@ -1,5 +1,6 @@
 // The store seen from outside: Pager::hold/unhold, StoreSnapshot and Pager::restore, on a
 // disk store and on a striped RAM store.
+#include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 
 #include <fcntl.h>
@@ -166,7 +167,7 @@ TEST_P(StoreSnapshotTest, RestoreReplacesExtentsAtRest) {
       at += bytes.size();
     }
   }
-  pager.restore(ids, zero, src, offsets);
+  restore_extents(pager, ids, zero, src, offsets);
   for (size_t i = 0; i < ids.size(); i++) {
     EXPECT_EQ(pager.residency(ids[i]), zero[i] ? Residency::kZero : Residency::kFile);
   }
@@ -179,10 +180,10 @@ TEST_P(StoreSnapshotTest, RestoreReplacesExtentsAtRest) {
               0)
         << "extent " << ids[i];
   }
-  EXPECT_THROW(pager.restore(ids, zero, src, offsets), UsageError);  // resident
+  EXPECT_THROW(restore_extents(pager, ids, zero, src, offsets), UsageError);  // resident
   pager.wait(pager.page_out(ids));
   StoreSnapshot snapshot(pager, ids);
-  EXPECT_THROW(pager.restore(ids, zero, src, offsets), UsageError);  // held
+  EXPECT_THROW(restore_extents(pager, ids, zero, src, offsets), UsageError);  // held
 }
 
 TEST_P(StoreSnapshotTest, RestoreFromAShortFileIsCorrupt) {
@@ -190,7 +191,7 @@ TEST_P(StoreSnapshotTest, RestoreFromAShortFileIsCorrupt) {
   const ExtentId id = pager.create(100000);
   const std::string src = out_path();
   std::ofstream(src, std::ios::binary).write("abc", 3);
-  EXPECT_THROW(pager.restore({id}, {false}, src, {0}), CorruptStoreError);
+  EXPECT_THROW(restore_extents(pager, {id}, {false}, src, {0}), CorruptStoreError);
   EXPECT_EQ(pager.residency(id), Residency::kZero);  // as it was
 }
 
@@ -213,8 +214,8 @@ TEST_P(StoreSnapshotTest, RestoreIntoAMovingExtent) {
     std::ofstream(src, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
                                                long(bytes.size()));
   }
-  pager.restore({a}, {false}, src, {0});
-  EXPECT_THROW(pager.restore({b}, {false}, src, {1 << 20}), CorruptStoreError);  // past the end
+  restore_extents(pager, {a}, {false}, src, {0});
+  EXPECT_THROW(restore_extents(pager, {b}, {false}, src, {1 << 20}), CorruptStoreError);  // past the end
   EXPECT_EQ(pager.store_of(a), moved);
   EXPECT_EQ(pager.store_of(b), moved);
   EXPECT_EQ(pager.residency(b), Residency::kFile);

@@ -2,6 +2,8 @@
 
 One run measures, side by side on the same directory:
   raw      the store's io_uring engine reading and writing at once, nothing else (floor);
+  pcie     with --host-budget on CUDA: pinned host<->device copies on two streams at once,
+           the floor of the host tier (the state moved is compared with it);
   paged    AdamW attached to a Pager: pipelined page-in, fused step, page-out; atomic
            (copy-on-write into fresh store ranges, undo copies of unowned params), and
            again with atomic=False (in place) for what all-or-nothing steps cost;
@@ -73,7 +75,7 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
     store = os.path.join(work, "store")
     bucket = args.bucket
     with Pager(store, device=device, page_size=args.page_size, io_depth=args.io_depth,
-               io_block=args.io_block) as pager:
+               io_block=args.io_block, host_budget=args.host_budget) as pager:
         params = (_unowned_params if args.unowned else _params)(pager, n, device)
         grads = _grads(params, device)
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
@@ -85,16 +87,22 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
         for step in range(args.steps):
             bar.phase(f"{kind} {step + 1}/{args.steps}")
             _sync(device)
+            before = pager.stats()
             t0 = time.perf_counter()
             opt.step()
             _sync(device)
             times.append(time.perf_counter() - t0)
             last = binding.last
+            after = pager.stats()
+        host = {k: after[k] - before[k] for k in ("bytes_to_host", "bytes_from_host")}
         return {
             "first_step_s": times[0],
             "step_s": spread(times[1:]),  # step 1 reads mains only (moments are ZERO)
             "bytes_read": last.bytes_read,
             "bytes_written": last.bytes_written,
+            "bytes_to_host": host["bytes_to_host"],      # the host tier, last step
+            "bytes_from_host": host["bytes_from_host"],
+            "host_budget": args.host_budget,
             "buckets": last.buckets,
             "overlap": last.overlap,
             "read_busy_s": last.read_busy_seconds,
@@ -189,6 +197,27 @@ def sync_steps(args, work: str, device, n, bar) -> dict:
         os.remove(path)
 
 
+def pcie_both_gbps(device, nbytes: int, rounds: int = 5) -> float:
+    """Pinned host->device and device->host copies of `nbytes` each, on two streams at
+    once (the copy engines' floor for the host tier), in GB/s of both directions."""
+    h2d = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    times = []
+    for _ in range(1 + rounds):  # the first round is warm-up
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(up):
+            dev_in.copy_(h2d, non_blocking=True)
+        with torch.cuda.stream(down):
+            d2h.copy_(dev_out, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(times[1:]) / 1e9
+
+
 def bench_step(args) -> dict:
     with bench_directory(args.dir) as work:
         return _bench_step(args, work)
@@ -214,6 +243,8 @@ def _bench_step(args, work: str) -> dict:
         raw_write = _C.measure_raw_io(work, state, block, depth, False, True)
         sync = None if args.no_baseline else sync_steps(args, work, device, n, bar)
     floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
+    moved = (paged["bytes_read"] + paged["bytes_written"] + paged["bytes_to_host"] +
+             paged["bytes_from_host"])
     result = {
         "device": str(device), "params": n, "unowned": args.unowned, "state_bytes": state,
         "dir": args.dir,
@@ -221,9 +252,10 @@ def _bench_step(args, work: str) -> dict:
         "raw_read_gbps": raw_read["read_gbps"], "raw_write_gbps": raw_write["write_gbps"],
         "raw_both_read_gbps": raw["read_gbps"], "raw_both_write_gbps": raw["write_gbps"],
         "floor_s": floor, "paged": paged,
-        "paged_gbps": (paged["bytes_read"] + paged["bytes_written"]) / paged["step_s"]["median"]
-        / 1e9,
+        "paged_gbps": moved / paged["step_s"]["median"] / 1e9,
     }
+    if args.host_budget and device.type == "cuda":
+        result["pcie_both_gbps"] = pcie_both_gbps(device, min(state, 1 << 30))
     if in_place is not None:
         result["in_place"] = in_place
     if sync is not None:
@@ -253,6 +285,15 @@ def print_step(r: dict) -> None:
           f"{p['wait_in_s']:.3f} s, for writes {p['wait_out_s']:.3f} s, compute "
           f"{p['compute_s']:.3f} s, peak mapped {p['peak_mapped_bytes'] / MiB:.0f} MiB "
           f"(bound {p['bound_bytes'] / MiB:.0f})")
+    if p["host_budget"]:
+        line = (f"  host tier ({p['host_budget'] / 1e9:.1f} GB): last step "
+                f"{p['bytes_from_host'] / 1e9:.2f} GB from host + "
+                f"{p['bytes_to_host'] / 1e9:.2f} GB to host; state moved "
+                f"{r['paged_gbps']:.2f} GB/s")
+        if "pcie_both_gbps" in r:
+            line += (f" vs concurrent PCIe {r['pcie_both_gbps']:.2f} GB/s (pinned, two streams):"
+                     f" {100 * r['paged_gbps'] / r['pcie_both_gbps']:.0f}%")
+        print(line)
     if "in_place" in r:
         q = r["in_place"]
         print(f"  in place (atomic=False): {show(q['step_s'], 's', 3)}: atomic steps are "

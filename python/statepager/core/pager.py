@@ -81,6 +81,12 @@ class Pager:
     io_depth, io_block: I/O requests in flight (1 to 1024) and bytes per request (a
         multiple of 4 KiB up to 256 MiB); None: chosen for the store's medium (64 x 4 MiB
         on a disk, 32 x 1 MiB in RAM; stats() says).
+    host_budget: bytes of host memory for paged-out tensors (the host tier; pinned on
+        CUDA, allocated once here), up to 128 TiB; 0: none, every page-out goes to the
+        store. A page-out goes to the host tier while it has room, else to the store; a
+        page-in from it is a copy-engine copy, no file I/O. An atomic step keeps the
+        bytes before the step until it commits, so holding the state through steps takes
+        twice its size.
     Arguments outside these ranges are refused with a UsageError naming them.
     """
 
@@ -96,6 +102,7 @@ class Pager:
         io_depth: int | None = None,
         io_block: int | None = None,
         direct_io: bool = True,
+        host_budget: int = 0,
     ):
         guard.install()  # repr/pickle/copy of its tensors cannot crash (statepager.guard)
         # Types and signs here; the core checks the ranges (it knows the device).
@@ -105,6 +112,7 @@ class Pager:
         arena_size = args.integer("arena_size", arena_size)
         io_depth = args.optional_integer("io_depth", io_depth, minimum=1)  # 0 would be None
         io_block = args.optional_integer("io_block", io_block, minimum=1)
+        host_budget = args.integer("host_budget", host_budget)
         directory = str(directory).replace("{rank}", str(ranks.rank()))
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -112,7 +120,7 @@ class Pager:
         budget = hbm_budget if hbm_budget is not None else (1 << 64) - 1
         self._core = _C.Pager(
             directory, str(self.device), page_size, budget, keep, arena_size,
-            io_depth or 0, io_block or 0, bool(direct_io),
+            io_depth or 0, io_block or 0, bool(direct_io), host_budget,
         )
         _track(self)
         self._unbounded = hbm_budget is None
@@ -158,7 +166,7 @@ class Pager:
         self._core.move_to_store(list(tensors), store)
 
     def residency(self, t: torch.Tensor) -> str:
-        """'zero', 'file', 'resident', 'paging_in' or 'paging_out'."""
+        """'zero', 'file', 'host', 'resident', 'paging_in' or 'paging_out'."""
         return self._core.residency(t)
 
     def is_resident(self, t: torch.Tensor) -> bool:
@@ -174,6 +182,12 @@ class Pager:
         """Pages out after the work already queued on the current stream."""
         self.check_not_paused("page_out()")
         return PageHandle(self, self._core.page_out(list(tensors), self._stream()))
+
+    def read_ahead_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
+        """Reads 'file' tensors into free host-tier room (never making room), so that
+        their page-in is a copy-engine copy; others are skipped."""
+        self.check_not_paused("read_ahead()")
+        return PageHandle(self, self._core.read_ahead(list(tensors)))
 
     def discard_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Drops the tensors' bytes, resident or at rest, without any I/O (they become
@@ -385,8 +399,11 @@ class Pager:
 
     def stats(self) -> dict:
         """Counters of the pool and the store (allocator/pager.h, PagerStats): bytes
-        mapped, cached and read/written, requests, buckets, the I/O shape; budget_bytes is
-        the hbm_budget, None when unbounded."""
+        mapped, cached and read/written, requests, buckets, the I/O shape, the host tier
+        (host_budget_bytes, host_used_bytes, host_bytes of tensors there now,
+        bytes_to_host, bytes_from_host, spills and spilled_bytes written back to the store
+        to make room, read_aheads and read_ahead_bytes); budget_bytes is the hbm_budget, None when
+        unbounded."""
         s = self._core.stats()
         if self._unbounded:
             s["budget_bytes"] = None  # the core's "no budget" is its largest size

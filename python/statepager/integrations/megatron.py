@@ -142,6 +142,8 @@ class MegatronMember:
         attributes; Megatron's references to each (its groups, the inner optimizer's
         param groups and state, model_param.main_param) are repointed."""
         pager = self.pager
+        # What scope() left resident goes out first: the budget may hold little more.
+        pager.page_out([main for _, main in self.megatron.float16_params() if pager.owns(main)])
 
         def paged(main):
             if pager.owns(main):

@@ -1,0 +1,94 @@
+// Job: one bucket of a Pager — its plan (which bytes go where) and its progress.
+//
+// The Pager plans a job under its lock, queues it, and settles its extents once done; the
+// tiers that move its bytes (allocator/store_tier.h, allocator/host_tier.h) work through
+// its chunks and copies on the Pager's I/O thread.
+//
+// Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes, except
+// what phase two (Pager::place_deferred_locked, on the I/O thread under the lock, with none
+// of the job's work in flight) adds. The I/O thread's alone: host_copies_issued .. fence,
+// requests, error and the times (error and the times are read by others once done is
+// set). Under the Pager's lock: done.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "allocator/device.h"
+
+namespace statepager {
+
+using ExtentId = uint64_t;
+
+// kHost: at rest in the host tier (allocator/host_tier.h).
+enum class Residency { kZero, kFile, kResident, kPagingIn, kPagingOut, kHost };
+
+// One copy between device memory and a buffer inside a chunk (its staging slot).
+struct StagingCopy {
+  size_t buf_offset;  // in the chunk's buffer
+  uintptr_t addr;     // device address
+  size_t bytes;
+};
+
+// One I/O request: a contiguous, aligned range of the store files.
+struct Chunk {
+  uint64_t store_offset = 0;
+  size_t file_bytes = 0;
+  std::vector<StagingCopy> pieces;
+  char* buf = nullptr;  // host-tier memory read or written directly (no pieces, no staging)
+};
+
+// One device <-> host-tier copy (allocator/host_tier.h).
+struct HostCopy {
+  uintptr_t addr;  // device address
+  char* host;      // host-tier memory
+  size_t bytes;
+};
+
+struct Job {
+  bool out = false;
+  bool tier_move = false;              // a read-ahead: store -> host tier, no device
+  bool discard = false;                // page-out that drops the bytes instead of writing
+  std::vector<ExtentId> extents;       // the extents this bucket moves
+  std::vector<Residency> before;       // their states before (restored on failure)
+  std::vector<Residency> after;        // page-out: their states once done (file or host)
+  std::vector<std::pair<uintptr_t, size_t>> zero_fills;
+  std::vector<HostCopy> host_copies;   // device <-> host tier, on the copy engines
+  // A page-out short of host room: `spills` (least recently used HOST extents) are written
+  // back first, then `deferred` (extents of this bucket) take the room they leave
+  // (Pager::place_deferred_locked, phase two).
+  std::vector<ExtentId> spills;
+  std::vector<ExtentId> deferred;
+  bool placed = false;                 // phase two done
+  std::vector<Chunk> chunks;           // store requests (staging or host-tier memory)
+  std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
+  uint64_t bytes_moved = 0;            // to or from the store files
+  uint64_t host_bytes = 0;             // to or from the host tier
+  size_t host_copies_issued = 0;       // I/O thread: host_copies[0, this) are queued
+  bool restart = false;                // phase two's work is still to start
+  bool held_back = false;              // phase two's chunks wait for a held range
+  size_t next_chunk = 0;
+  size_t chunks_in_flight = 0;
+  bool started = false;
+  bool held = false;                   // a page-out found waiting for a held range
+  std::optional<Fence> fence;          // device work to finish before completing
+  uint64_t requests = 0;               // file requests completed (added to the counters once)
+  bool done = false;
+  std::exception_ptr error;
+  std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
+};
+
+using Ticket = std::shared_ptr<Job>;
+
+// When a finished bucket's I/O started and when it completed, in seconds of the steady
+// clock (time.monotonic() in Python). Both are 0 for a bucket that had nothing to move.
+// Only once the bucket is done (after Pager::wait() or is_done()): the I/O thread sets them.
+std::pair<double, double> job_times(const Job& job);
+
+}  // namespace statepager

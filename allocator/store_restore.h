@@ -1,0 +1,30 @@
+// restore_extents: a checkpoint's bytes copied into a Pager's store, the inverse of
+// StoreSnapshot (allocator/store_snapshot.h).
+//
+// Extent i becomes FILE with the store_bytes found at src_offsets[i] of the file `src`, or
+// ZERO when zero[i]. Extents must be at rest, not held and in no epoch (UsageError); each
+// is 'paging_in' while its bytes are copied. All or nothing: the bytes go to fresh ranges
+// of the store (Pager::begin_restore) and the extents switch to them once every copy has
+// succeeded; on an error nothing changed. Nothing goes through the device.
+//
+// Thread-safety: that of the Pager; the copies run on the calling thread.
+// Errors: UsageError for mismatched arguments or an extent given twice; those of
+// Pager::begin_restore() and of copy_range() (backing/file_copy.h), e.g. CorruptStoreError
+// for a short `src`, NoSpaceError.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "allocator/pager.h"
+#include "backing/file_copy.h"
+
+namespace statepager {
+
+// Returns the copy method used last.
+CopyMethod restore_extents(Pager& pager, const std::vector<ExtentId>& ids,
+                           const std::vector<bool>& zero, const std::string& src,
+                           const std::vector<uint64_t>& src_offsets);
+
+}  // namespace statepager

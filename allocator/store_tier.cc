@@ -1,0 +1,200 @@
+#include "allocator/store_tier.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "backing/errors.h"
+
+namespace statepager {
+
+namespace {
+
+constexpr size_t kFileAlign = UringFile::kAlignment;
+
+size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+unsigned store_index(uint64_t store_offset) {
+  return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
+}
+
+}  // namespace
+
+StoreTier::StoreTier(Device& device, UringFile& file, unsigned depth, size_t block_bytes)
+    : device_(device), file_(file), block_bytes_(block_bytes) {
+  staging_ = static_cast<char*>(device_.alloc_staging(size_t(depth) * block_bytes_));
+  for (unsigned i = 0; i < depth; i++) {
+    StagingSlot slot;
+    slot.index = i;
+    slot.buf = staging_ + size_t(i) * block_bytes_;
+    slots_.push_back(slot);
+  }
+  try {
+    file_.register_buffers({iovec{staging_, slots_.size() * block_bytes_}});
+  } catch (const Error&) {
+    // Registration needs RLIMIT_MEMLOCK headroom; unregistered I/O is correct, just slower.
+  }
+}
+
+StoreTier::~StoreTier() {
+  try {
+    device_.free_staging(staging_, slots_.size() * block_bytes_);
+  } catch (...) {
+  }
+}
+
+void StoreTier::plan(Job& job, std::vector<Move> moves) const {
+  std::sort(moves.begin(), moves.end(),
+            [](const Move& a, const Move& b) { return a.store_offset < b.store_offset; });
+  const size_t block = block_bytes_;
+  Chunk chunk;
+  auto flush = [&] {
+    if (chunk.file_bytes > 0) job.chunks.push_back(std::move(chunk));
+    chunk = Chunk{};
+  };
+  for (const Move& m : moves) {
+    if (m.buf != nullptr) {  // its own requests: host ranges are not neighbours in the file
+      flush();
+      for (size_t pos = 0; pos < m.file_bytes; pos += block) {
+        job.chunks.push_back(
+            Chunk{m.store_offset + pos, std::min(block, m.file_bytes - pos), {}, m.buf + pos});
+      }
+    }
+    size_t pos = m.buf != nullptr ? m.bytes : 0;
+    while (pos < m.bytes) {
+      const uint64_t at = m.store_offset + pos;
+      if (chunk.file_bytes == block ||
+          (chunk.file_bytes > 0 && chunk.store_offset + chunk.file_bytes != at)) {
+        flush();
+      }
+      if (chunk.file_bytes == 0) chunk.store_offset = at;
+      const size_t n = std::min(block - chunk.file_bytes, m.bytes - pos);
+      chunk.pieces.push_back(StagingCopy{chunk.file_bytes, m.addr + pos, n});
+      chunk.file_bytes += align_up(n, kFileAlign);
+      pos += n;
+    }
+    const uint64_t end = m.store_offset + m.file_bytes;
+    if (job.file_ends.empty() || store_index(job.file_ends.back()) != store_index(end - 1)) {
+      job.file_ends.push_back(end);  // sorted by offset: stores come one after another
+    } else {
+      job.file_ends.back() = std::max(job.file_ends.back(), end);
+    }
+    job.bytes_moved += m.bytes;
+  }
+  flush();
+}
+
+void StoreTier::start(Job& job) {
+  if (job.out) {
+    for (uint64_t end : job.file_ends) file_.allocate(end);
+  }
+}
+
+bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
+  bool copies_pending = false;
+  for (StagingSlot& slot : slots_) {
+    if (slot.job) continue;
+    for (Job* job : jobs) {
+      if (!job->started || job->error || job->next_chunk == job->chunks.size()) continue;
+      slot.job = job;
+      slot.chunk = &job->chunks[job->next_chunk++];
+      job->chunks_in_flight++;
+      start_chunk(slot);
+      progressed = true;
+      break;
+    }
+  }
+  for (StagingSlot& slot : slots_) {
+    if (!slot.copy) continue;
+    try {
+      if (!device_.is_done(*slot.copy)) {
+        copies_pending = true;
+        continue;
+      }
+    } catch (...) {
+      slot.job->error = std::current_exception();
+    }
+    device_.release_fence(*slot.copy);
+    slot.copy.reset();
+    progressed = true;
+    if (slot.job->out && !slot.job->error) {
+      file_.submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
+                                      slot.chunk->store_offset, 0});
+    } else {
+      finish_slot(slot, 0, 0);
+    }
+  }
+  std::vector<UringFile::Completion> done;
+  if (file_.in_flight() > 0) {
+    const int64_t timeout_us = progressed ? 0 : copies_pending ? 20 : 500;
+    file_.reap(&done, timeout_us);
+  }
+  for (const auto& c : done) {
+    progressed = true;
+    StagingSlot& slot = slots_[c.tag];
+    slot.job->requests++;
+    if (c.error == 0 && !slot.job->out && !slot.job->error && slot.chunk->buf == nullptr) {
+      try {
+        for (const StagingCopy& p : slot.chunk->pieces) {
+          device_.copy_to_device(p.addr, slot.buf + p.buf_offset, p.bytes);
+        }
+        slot.copy = device_.record(CopyQueue::kToDevice);
+        continue;
+      } catch (...) {
+        slot.job->error = std::current_exception();
+      }
+    }
+    finish_slot(slot, c.error, c.offset);
+  }
+  return progressed;
+}
+
+void StoreTier::start_chunk(StagingSlot& slot) {
+  const Chunk& chunk = *slot.chunk;
+  try {
+    if (chunk.buf != nullptr) {
+      file_.submit(UringFile::Request{slot.index, slot.job->out, chunk.buf, chunk.file_bytes,
+                                      chunk.store_offset, -1});
+    } else if (slot.job->out) {
+      size_t at = 0;
+      for (const StagingCopy& p : chunk.pieces) {
+        std::memset(slot.buf + at, 0, p.buf_offset - at);  // padding between extents
+        device_.copy_to_host(slot.buf + p.buf_offset, p.addr, p.bytes);
+        at = p.buf_offset + p.bytes;
+      }
+      std::memset(slot.buf + at, 0, chunk.file_bytes - at);
+      slot.copy = device_.record(CopyQueue::kToHost);
+    } else {
+      file_.submit(UringFile::Request{slot.index, false, slot.buf, chunk.file_bytes,
+                                      chunk.store_offset, 0});
+    }
+  } catch (...) {
+    slot.job->error = std::current_exception();
+    finish_slot(slot, 0, 0);
+  }
+}
+
+void StoreTier::finish_slot(StagingSlot& slot, int error, uint64_t offset) {
+  Job& job = *slot.job;
+  if (error != 0 && !job.error) {
+    try {
+      // UringFile's files never move: their paths are safe to read here.
+      const std::string& path = file_.file_path(store_index(offset));
+      if (error == ENODATA) {
+        throw CorruptStoreError("store file " + path + " is truncated at offset " +
+                                std::to_string(offset % UringFile::kRegionBytes) +
+                                ": it holds fewer bytes than were paged out there. The store "
+                                "was changed outside statepager; its state is lost.");
+      }
+      throw_io_error(error, job.out ? "page-out write" : "page-in read", path,
+                     offset % UringFile::kRegionBytes);
+    } catch (...) {
+      job.error = std::current_exception();
+    }
+  }
+  job.chunks_in_flight--;
+  slot.job = nullptr;
+  slot.chunk = nullptr;
+}
+
+}  // namespace statepager

@@ -1,0 +1,74 @@
+// StoreTier: the store files as a tier — moves buckets' bytes between device memory and
+// the store files through pinned staging slots (device copy <-> io_uring request).
+//
+// plan() cuts a bucket's store ranges into requests of at most block_bytes; extents that
+// are neighbours in the file share a request. pump() runs one round of the pipeline over
+// the jobs given (oldest first): it hands free slots to their next chunks, passes finished
+// device copies on to the file and finished reads on to device copies, and records each
+// chunk's outcome in its job (chunks_in_flight, requests, error).
+//
+// Ownership: borrows the Device and the UringFile (both must outlive it); owns the staging
+// memory (depth x block_bytes from Device::alloc_staging), freed by the destructor.
+// Thread-safety: none; the Pager's I/O thread alone calls start(), pump() and idle(),
+// plan() runs under the Pager's lock (it only reads the block size).
+// Errors: failures of a chunk (device or file) become its job's error; the first one
+// sticks. The constructor throws what alloc_staging throws.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "allocator/device.h"
+#include "allocator/job.h"
+#include "backing/uring_file.h"
+
+namespace statepager {
+
+class StoreTier {
+ public:
+  StoreTier(Device& device, UringFile& file, unsigned depth, size_t block_bytes);
+  ~StoreTier();
+  StoreTier(const StoreTier&) = delete;
+  StoreTier& operator=(const StoreTier&) = delete;
+
+  // An extent's bytes at `addr` (device memory, through staging) or `buf` (host-tier
+  // memory of file_bytes, read or written directly), and its range of the store files
+  // (4 KiB-aligned).
+  struct Move {
+    uintptr_t addr;
+    size_t bytes;
+    uint64_t store_offset;
+    size_t file_bytes;
+    char* buf = nullptr;
+  };
+  // Appends to job.chunks and job.file_ends and adds to job.bytes_moved.
+  void plan(Job& job, std::vector<Move> moves) const;
+
+  // First step of a started job: a page-out makes sure its stores are allocated that far.
+  void start(Job& job);
+  // One round of the pipeline (see the class comment); `progressed` says whether the
+  // caller's round moved anything already. Waits for the file only when nothing moved,
+  // briefly while device copies are pending. Returns whether anything moved.
+  bool pump(const std::vector<Job*>& jobs, bool progressed);
+
+ private:
+  struct StagingSlot {
+    unsigned index = 0;
+    char* buf = nullptr;
+    Job* job = nullptr;
+    const Chunk* chunk = nullptr;
+    std::optional<Fence> copy;  // set while a device copy for this slot is queued
+  };
+  void start_chunk(StagingSlot& slot);
+  void finish_slot(StagingSlot& slot, int error, uint64_t offset);
+
+  Device& device_;
+  UringFile& file_;
+  size_t block_bytes_;
+  char* staging_ = nullptr;
+  std::vector<StagingSlot> slots_;
+};
+
+}  // namespace statepager
