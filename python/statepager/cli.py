@@ -68,7 +68,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     _repeat(store, "rounds, alternating with fio")
     store.add_argument("--cold", action="store_true",
                        help="release physical pages on page-out (measures page creation too)")
-    step = _bench(bench, "step", "streamed AdamW step vs the storage floor and the "
+    step = _bench(bench, "step", "streamed AdamW step vs the floor (PCIe and fio) and the "
                                  "synchronous per-bucket baseline")
     step.add_argument("--params", type=count, default=count("2.5e8"))
     step.add_argument("--bucket", type=size, default=size("256M"))
@@ -84,6 +84,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
     step.add_argument("--unowned", action="store_true",
                       help="params as ordinary tensors: the pager holds the moments (and, in "
                            "atomic steps, the params' undo copies)")
+    step.add_argument("--fio-jobs", type=at_least(1, "fio jobs each way"), default=4,
+                      help="fio jobs each way for the floor; each gets io-depth / jobs "
+                           "requests in flight")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", type=size, default=size("4G"))
     _io_arguments(sleep)
