@@ -224,8 +224,10 @@ class PeakSampler:
 
 
 def _load_example(path: str):
+    """examples/megatron_gpt.py as the module megatron_gpt (its dataclass needs it in
+    sys.modules)."""
     spec = importlib.util.spec_from_file_location("megatron_gpt", path)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules["megatron_gpt"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
@@ -388,8 +390,9 @@ def print_megatron(r: dict) -> None:
         print(f"  {c['config']:8s} {_range(s):26s} {_range(o):26s} {rd:>12s} {wr:>11s} "
               f"{_gib(used):>15s} {_gib(t['max_allocated']):>15s} "
               f"{_gib(t['max_reserved']):>14s} {_gib(p['held'] if p else None):>9s}")
-    print(f"  driver peak: {done[0]['driver']['source'] if done else 'NVML'}, sampled every "
-          "ms over the timed steps, less the device's use before this process (all GiB)")
+    if done:
+        print(f"  driver peak: {done[0]['driver']['source']}, sampled every ms over the timed "
+              "steps, less the device's use before this process (all GiB)")
     for c in done:
         p, b = c["pager"], breakdown(c)
         notes = []
