@@ -37,7 +37,7 @@ from statepager.cli_args import at_least, directory, size
 
 GiB, MiB = 1 << 30, 1 << 20
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(_SOURCE_ROOT, "examples", "megatron_gpt.py")
+_EXAMPLE = os.path.join("examples", "megatron_gpt.py")
 
 # Megatron's own offload, as users configure it: Adam on the CPU for all of the state,
 # copies overlapped with it (HybridDeviceOptimizer).
@@ -102,10 +102,20 @@ def require_megatron() -> None:
         raise _C.UsageError(
             "bench megatron needs megatron-core, which is not installed: pip install "
             "'statepager[megatron]' (megatron-core 0.19.2, Python >= 3.12)")
-    if not os.path.isfile(EXAMPLE):
+    if example() is None:
         raise _C.UsageError(
-            f"bench megatron trains the GPT of examples/megatron_gpt.py, not found at "
-            f"{EXAMPLE}: run it from a source checkout of statepager")
+            "bench megatron trains the GPT of examples/megatron_gpt.py, found neither "
+            f"beside this package ({_SOURCE_ROOT}) nor in the working directory: run it from "
+            "a source checkout of statepager")
+
+
+def example() -> str | None:
+    """examples/megatron_gpt.py of the source tree this package is in, else of the
+    working directory; None when neither has it."""
+    for root in (_SOURCE_ROOT, os.getcwd()):
+        if os.path.isfile(os.path.join(root, _EXAMPLE)):
+            return os.path.join(root, _EXAMPLE)
+    return None
 
 
 def bench_megatron(args) -> dict:
@@ -117,7 +127,7 @@ def bench_megatron(args) -> dict:
     results = []
     with bench_directory(args.dir) as work:
         for name in args.configs:
-            spec = dict(model, config=name, store=os.path.join(work, name), example=EXAMPLE)
+            spec = dict(model, config=name, store=os.path.join(work, name), example=example())
             results.append(run_worker(spec, work, args.timeout))
     return {"model": model, "dir": args.dir, "configs": results,
             "failed": [c["config"] for c in results if "error" in c]}
