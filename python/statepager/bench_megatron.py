@@ -336,6 +336,8 @@ def run_config(spec: dict) -> dict:
                 "held": max(max(p[0], p[1] + p[2]) for p in pool),
                 "buckets": sum(s.buckets for s in binding.last),
                 "largest_bucket": max(b.nbytes for s in binding.streams for b in s.buckets),
+                # The members step one after another: the largest one's window.
+                "window": max(s.window_bytes for s in binding.streams),
             }
         gpt.finish(model)
         return result
@@ -411,7 +413,8 @@ def print_megatron(r: dict) -> None:
             notes.append(f"stored state {p['stored_bytes'] / 1e9:.2f} GB, read per step = "
                          f"stored: {one_pass}; {p['buckets']} buckets, largest "
                          f"{p['largest_bucket'] / MiB:.0f} MiB; pool peak mapped "
-                         f"{p['peak_mapped'] / GiB:.2f} GiB; pager compute (codecs + "
+                         f"{p['peak_mapped'] / GiB:.2f} GiB of a window of "
+                         f"{p['window'] / GiB:.2f} GiB; pager compute (codecs + "
                          f"optimizer math) {show(p['compute_s'], 's', 3)}")
         if b:
             notes.append(f"driver peak - torch max allocated = {_gib(b['above_torch_peak'])} "

@@ -86,7 +86,7 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
              "stored_bytes": 16 * 10**9, "compute_s": {"n": 5, "median": 0.02, "min": 0.01,
                                                        "max": 0.03},
              "peak_mapped": int(1.5 * GiB), "held": int(2.25 * GiB), "buckets": 70,
-             "largest_bucket": 750 << 20}
+             "largest_bucket": 750 << 20, "window": int(2.5 * GiB)}
     r = {"model": {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 512,
                    "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20,
                    "hbm_budget": None, "grads": "fp32"},
@@ -110,6 +110,7 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     unpaged = next(line for line in lines if line.strip().startswith("unpaged "))
     assert unpaged.split()[7:] == ["-", "-", "19.00", "5.00", "6.00", "-"]
     assert "offload  failed (exit status 1):" in out and "OutOfMemory" in out
-    assert "read per step = stored: True; 70 buckets, largest 750 MiB" in out
+    assert ("read per step = stored: True; 70 buckets, largest 750 MiB; pool peak mapped 1.50 "
+            "GiB of a window of 2.50 GiB") in out
     assert ("driver peak - torch max allocated = 4.00 GiB: CUDA context 0.50 + torch cache "
             "1.00 + page pool 2.00 + other 0.50") in out
