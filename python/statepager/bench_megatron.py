@@ -34,6 +34,7 @@ from statepager import _C
 from statepager.bench_pager import bench_directory
 from statepager.bench_report import show, spread
 from statepager.cli_args import at_least, directory, size
+from statepager.progress import Progress
 
 GiB, MiB = 1 << 30, 1 << 20
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -125,8 +126,10 @@ def bench_megatron(args) -> dict:
                                            "hbm_budget")}
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
     results = []
-    with bench_directory(args.dir) as work:
+    with bench_directory(args.dir) as work, \
+            Progress("bench megatron", len(args.configs)) as bar:
         for name in args.configs:
+            bar.phase(f"{name}: {CONFIGS[name]['what']}")
             spec = dict(model, config=name, store=os.path.join(work, name), example=example())
             results.append(run_worker(spec, work, args.timeout))
     return {"model": model, "dir": args.dir, "configs": results,
@@ -151,15 +154,16 @@ def run_worker(spec: dict, work: str, timeout: int) -> dict:
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 timeout=timeout).returncode
+            error = f"exit status {rc}"
         except subprocess.TimeoutExpired:
-            rc = f"timed out after {timeout} s"
+            rc, error = None, f"timed out after {timeout} s"
     if rc == 0 and os.path.isfile(out):
         with open(out) as f:
             return json.load(f)
     with open(log) as f:
         tail = f.read().splitlines()[-25:]
-    return {"config": spec["config"], "error": f"exit status {rc}",
-            "log_tail": tail, "seconds": time.perf_counter() - t0}
+    return {"config": spec["config"], "error": error, "log_tail": tail,
+            "seconds": time.perf_counter() - t0}
 
 
 # -- the worker: one configuration, in its own process ---------------------------------

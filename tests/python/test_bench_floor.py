@@ -24,7 +24,8 @@ def executable(path, text):
 
 def test_an_unpacked_fio_runs_with_its_own_library_folders(tmp_path):
     root = tmp_path / "deps" / "fio"
-    fio = executable(root / "usr" / "bin" / "fio", "#!/bin/sh\necho \"fio-9.9 $LD_LIBRARY_PATH\"\n")
+    fio = executable(root / "usr" / "bin" / "fio",
+                     "#!/bin/sh\necho \"fio-9.9 $LD_LIBRARY_PATH\"\n")
     libs = root / "usr" / "lib" / "x86_64-linux-gnu"
     os.makedirs(libs / "ceph")
     (libs / "libaio.so.1").write_bytes(b"")
@@ -41,7 +42,8 @@ def test_no_fio_or_a_broken_one_says_why_and_how_to_get_one(tmp_path):
     found, why = bench_floor.find_fio([str(tmp_path / "nowhere" / "fio")])
     assert found is None
     assert why.startswith("fio not found") and "scripts/fetch_fio.sh" in why
-    broken = executable(tmp_path / "fio", "#!/bin/sh\necho 'libaio.so.1: cannot open' >&2\nexit 127\n")
+    broken = executable(tmp_path / "fio",
+                        "#!/bin/sh\necho 'libaio.so.1: cannot open' >&2\nexit 127\n")
     found, why = bench_floor.find_fio([broken])
     assert found is None and "fio does not run" in why and "libaio.so.1: cannot open" in why
 
@@ -75,7 +77,8 @@ def test_on_the_cpu_the_floor_is_fio_alone_with_a_note(tmp_path):
     assert r["pcie"] is None and "the device is the CPU" in r["pcie_note"]
     assert r["bound_by"] == "fio" and r["seconds"] == r["fio"]["seconds"]
     text = "\n".join(bench_floor.describe(r))
-    assert "PCIe: no PCIe floor" in text and "set by fio (no PCIe on this device: fio alone)" in text
+    assert "PCIe: no PCIe floor" in text
+    assert "set by fio (no PCIe on this device: fio alone)" in text
 
 
 def test_without_fio_the_pcie_floor_stands_alone_and_says_so():
