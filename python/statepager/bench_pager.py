@@ -18,6 +18,7 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench_floor import find_fio
 from statepager.bench_report import faster, show, spread
 from statepager.pager import GiB, MiB, Pager
 from statepager.progress import Progress
@@ -36,16 +37,19 @@ def bench_directory(parent: str):
 
 
 def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | None:
-    """GB/s that fio measures for sequential `rw` (write|read) with O_DIRECT on io_uring."""
-    if shutil.which("fio") is None:
+    """GB/s that fio measures for sequential `rw` (write|read) with O_DIRECT on io_uring;
+    None without a fio (bench_floor.find_fio)."""
+    tool, _ = find_fio()
+    if tool is None:
         return None
     path = os.path.join(directory, "fio.dat")
     cmd = [
-        "fio", "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+        tool.path, "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
         f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--size={size}",
         "--output-format=json",
     ]
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                    env=tool.env).stdout)
     job = out["jobs"][0]["write" if rw == "write" else "read"]
     return job["bw_bytes"] / 1e9
 
@@ -150,7 +154,8 @@ def print_store(r: dict) -> None:
               f"{faster(ours['median'], raw, higher_is_better=True)}")
     print(f"  data intact after the round trips: {r['data_intact']}")
     if r.get("fio_write_gbps") is None:
-        print("  (fio not installed: apt-get install fio for the side-by-side figure)")
+        print("  (no fio: apt-get install fio, or scripts/fetch_fio.sh, for the side-by-side "
+              "figure)")
 
 
 def _mixed_tensors(pager: Pager, size: int, seed: int = 0) -> list:
