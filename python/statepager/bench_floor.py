@@ -108,7 +108,8 @@ def _fio_groups(fio: Fio, directory: str, jobs: list[tuple[str, str, int, int]],
     out = subprocess.run(argv, env=fio.env, capture_output=True, text=True)
     if out.returncode != 0:
         raise OSError(f"fio failed ({' '.join(argv)}): {(out.stderr or out.stdout).strip()[:500]}")
-    groups = json.loads(out.stdout[out.stdout.index("{"):])["jobs"]
+    # The JSON document, without notes fio may print before or after it.
+    groups = json.JSONDecoder().raw_decode(out.stdout, out.stdout.index("{"))[0]["jobs"]
     result = []
     for (_, rw, _, _), g in zip(jobs, groups):
         side = g["write" if rw == "write" else "read"]
