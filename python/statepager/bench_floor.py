@@ -57,13 +57,15 @@ def find_fio(candidates: list[str] | None = None) -> tuple[Fio | None, str]:
     failures, seen = [], set()
     for path in candidates:
         if path in seen or not os.path.isfile(path):
+            if path == os.environ.get(FIO_VARIABLE):
+                failures.append(f"${FIO_VARIABLE}={path} is not a file")
             continue
         seen.add(path)
         env = _environment(path)
         try:
             out = subprocess.run([path, "--version"], env=env, capture_output=True, text=True,
                                  timeout=30)
-        except OSError as e:
+        except (OSError, subprocess.TimeoutExpired) as e:
             failures.append(f"{path}: {e}")
             continue
         if out.returncode == 0:

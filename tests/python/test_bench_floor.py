@@ -53,6 +53,11 @@ def test_fio_on_its_own_path_variable_comes_first(tmp_path, monkeypatch):
     monkeypatch.setenv(bench_floor.FIO_VARIABLE, mine)
     assert bench_floor.fio_candidates()[0] == mine
     assert bench_floor.find_fio()[0].version == "fio-mine"
+    monkeypatch.setenv(bench_floor.FIO_VARIABLE, str(tmp_path / "gone"))
+    assert bench_floor.find_fio([str(tmp_path / "gone")]) == (
+        None, f"fio does not run (${bench_floor.FIO_VARIABLE}={tmp_path / 'gone'} is not a "
+              "file): install fio (apt-get install fio), set $STATEPAGER_FIO to a fio binary, "
+              "or unpack one with scripts/fetch_fio.sh into .deps/fio")
 
 
 @needs_fio
