@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -132,18 +133,20 @@ def fio_floor(fio: Fio, directory: str, read_bytes: int, write_bytes: int, *, bl
         per_job = -(-nbytes // jobs)
         return max(block, -(-per_job // block) * block)
 
-    # The write lays out files a.*; the reads read them; at once, b.* are written fresh.
-    write, = _fio_groups(fio, directory, [("a", "write", jobs, share(write_bytes))], block,
-                         per_depth, direct)
-    read, = _fio_groups(fio, directory, [("a", "read", jobs, share(read_bytes))], block,
-                        per_depth, direct)
-    both_read, both_write = _fio_groups(
-        fio, directory, [("a", "read", jobs, share(read_bytes)),
-                         ("b", "write", jobs, share(write_bytes))], block, per_depth, direct)
+    # In a directory of its own: the write lays out files a.*, the reads read them, and
+    # at once b.* are written fresh.
+    work = tempfile.mkdtemp(prefix="fio-", dir=directory)
+    try:
+        write, = _fio_groups(fio, work, [("a", "write", jobs, share(write_bytes))], block,
+                             per_depth, direct)
+        read, = _fio_groups(fio, work, [("a", "read", jobs, share(read_bytes))], block,
+                            per_depth, direct)
+        both_read, both_write = _fio_groups(
+            fio, work, [("a", "read", jobs, share(read_bytes)),
+                        ("b", "write", jobs, share(write_bytes))], block, per_depth, direct)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     both_s = max(both_read["seconds"], both_write["seconds"])
-    for name in os.listdir(directory):
-        if name.startswith(("a.", "b.")):
-            os.remove(os.path.join(directory, name))
     return {"version": fio.version, "jobs": jobs, "iodepth": per_depth, "block": block,
             "direct": direct, "read": read, "write": write,
             "both": {"read": both_read, "write": both_write, "seconds": both_s},
