@@ -2,7 +2,7 @@
 # benchmeg's GPU batch (issue 13: honest floors, bench megatron), on the GPU machine after
 # the module is built (scripts/gpu_suite.sh's build, which copies _C into python/, or
 # scripts/setup.sh). Logs go to $OUT. Three parts, each with its own time limit:
-#   a. tests/gpu/test_bench_megatron.py: bench megatron at a tiny size, two configurations
+#   a. tests/gpu/test_cuda_bench_megatron.py: bench megatron at a tiny size, two configurations
 #   b. bench step on CUDA, STEP_PARAMS (3.6e8: 4.3 GB of state each way) on /dev/shm,
 #      the floor from PCIe and fio
 #   c. bench megatron, the 1.34 B GPT, every configuration (MEGATRON_CONFIGS), 3 warm-up
@@ -44,7 +44,7 @@ part() {  # part NAME LIMIT_S COMMAND...: runs it under a time limit, says how l
   python3 -c "from statepager import bench_floor as f; fio, why = f.find_fio()
 print('fio:', f'{fio.path} ({fio.version})' if fio else why)"
   part a 150 bash -c "cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider \
-    $PWD/tests/gpu/test_bench_megatron.py"
+    $PWD/tests/gpu/test_cuda_bench_megatron.py"
   part b 120 python3 -m statepager bench step --device cuda --dir "$SHM" \
     --params "${STEP_PARAMS:-3.6e8}" --steps 3 --no-baseline --no-in-place
   left=$(( ${BUDGET_S:-290} - SECONDS ))

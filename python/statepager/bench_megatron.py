@@ -296,8 +296,12 @@ def run_config(spec: dict) -> dict:
             mains=config.get("mains", "fp32"), optimizer_options=config.get("optimizer_options"))
         opt_times = []
         _timed(optimizer, opt_times)
-        losses = [gpt.train_step(setup, model, optimizer, scheduler, i)
-                  for i in range(spec["warmup"])]
+        torch.cuda.synchronize()
+        built = {"driver": driver.used(),
+                 "pool_mapped": pager.stats()["mapped_bytes"] if pager else None}
+        with PeakSampler(driver.used) as warmup:
+            losses = [gpt.train_step(setup, model, optimizer, scheduler, i)
+                      for i in range(spec["warmup"])]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
@@ -323,7 +327,8 @@ def run_config(spec: dict) -> dict:
             "params": sum(p.numel() for p in model.parameters()),
             "losses": losses, "step_s": spread(steps), "opt_step_s": spread(opt_times),
             "driver": {"source": driver.source, "baseline": baseline,
-                       "with_context": with_context, "peak": sampler.peak,
+                       "with_context": with_context, "built": built["driver"],
+                       "warmup_peak": warmup.peak, "peak": sampler.peak,
                        "samples": sampler.samples},
             "torch": {"max_allocated": torch.cuda.max_memory_allocated(),
                       "max_reserved": torch.cuda.max_memory_reserved(),
@@ -342,6 +347,9 @@ def run_config(spec: dict) -> dict:
                 "largest_bucket": max(b.nbytes for s in binding.streams for b in s.buckets),
                 # The members step one after another: the largest one's window.
                 "window": max(s.window_bytes for s in binding.streams),
+                # What scope() built and left mapped (no hbm_budget: every main) until
+                # the first step pages it out.
+                "mapped_before_first_step": built["pool_mapped"],
             }
         gpt.finish(model)
         return result
@@ -427,7 +435,12 @@ def print_megatron(r: dict) -> None:
                          f"{_gib(b['other'])}")
         for i, note in enumerate(notes):
             print(f"  {c['config'] if i == 0 else '':8s} {note}")
-        print(f"  {'':8s} loss {c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}")
+        d = c["driver"]
+        first = (f"; pool mapped before the first step {_gib(p['mapped_before_first_step'])} "
+                 "GiB" if p else "")
+        warm = d["warmup_peak"] - (d["baseline"] or 0)
+        print(f"  {'':8s} warm-up steps: driver peak {_gib(warm)} GiB{first}; loss "
+              f"{c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}")
 
 
 def _range(s: dict) -> str:

@@ -1,6 +1,6 @@
 """`bench megatron` without megatron-core (CPU): its options, the error naming the extra
 to install, a failed configuration reported with its log, the peak sampler, and the
-side-by-side report from canned results. tests/gpu/test_bench_megatron.py runs it."""
+side-by-side report from canned results. tests/gpu/test_cuda_bench_megatron.py runs it."""
 import json
 import sys
 
@@ -74,7 +74,8 @@ def canned(config, *, peak, pager=None, error=None):
         "step_s": {"n": 5, "median": 0.5, "min": 0.4, "max": 0.7},
         "opt_step_s": {"n": 5, "median": 0.2, "min": 0.1, "max": 0.3},
         "driver": {"source": "NVML (device-wide used)", "baseline": 1 * GiB,
-                   "with_context": int(1.5 * GiB), "peak": peak, "samples": 900},
+                   "with_context": int(1.5 * GiB), "built": 4 * GiB, "warmup_peak": 15 * GiB,
+                   "peak": peak, "samples": 900},
         "torch": {"max_allocated": 5 * GiB, "max_reserved": 6 * GiB, "reserved": 6 * GiB,
                   "scope_pool": GiB // 4},
         "pager": pager,
@@ -86,7 +87,8 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
              "stored_bytes": 16 * 10**9, "compute_s": {"n": 5, "median": 0.02, "min": 0.01,
                                                        "max": 0.03},
              "peak_mapped": int(1.5 * GiB), "held": int(2.25 * GiB), "buckets": 70,
-             "largest_bucket": 750 << 20, "window": int(2.5 * GiB)}
+             "largest_bucket": 750 << 20, "window": int(2.5 * GiB),
+             "mapped_before_first_step": 5 * GiB}
     r = {"model": {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 512,
                    "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20,
                    "hbm_budget": None, "grads": "fp32"},
@@ -112,5 +114,7 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert "offload  failed (exit status 1):" in out and "OutOfMemory" in out
     assert ("read per step = stored: True; 70 buckets, largest 750 MiB; pool peak mapped 1.50 "
             "GiB of a window of 2.50 GiB") in out
+    assert ("warm-up steps: driver peak 14.00 GiB; pool mapped before the first step 5.00 "
+            "GiB; loss 10.5000 -> 9.2500") in out
     assert ("driver peak - torch max allocated = 4.00 GiB: CUDA context 0.50 + torch cache "
             "1.00 + page pool 2.00 + other 0.50") in out

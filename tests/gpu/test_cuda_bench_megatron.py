@@ -33,6 +33,7 @@ def test_bench_megatron_runs_two_configurations_side_by_side(tmp_path, capsys):
         assert 0 < c["opt_step_s"]["median"] < c["step_s"]["median"]
         d, t = c["driver"], c["torch"]
         assert d["samples"] > 0 and d["peak"] >= d["with_context"]
+        assert d["warmup_peak"] >= d["built"] >= d["with_context"]
         assert d["peak"] - (d["baseline"] or 0) > t["max_allocated"] > 0
         assert len(c["losses"]) == 5
     assert unpaged["pager"] is None
@@ -42,6 +43,7 @@ def test_bench_megatron_runs_two_configurations_side_by_side(tmp_path, capsys):
     assert p["bytes_read"] == [p["stored_bytes"]] * 3  # one pass per step
     assert p["bytes_written"] == [p["stored_bytes"]] * 3
     assert p["held"] >= p["peak_mapped"] > 0 and p["window"] >= p["largest_bucket"]
+    assert p["mapped_before_first_step"] > 0  # scope() built the mains resident
     # Mains and moments are out of device memory: less is allocated than unpaged.
     assert fp32["torch"]["max_allocated"] < unpaged["torch"]["max_allocated"]
     bench_megatron.print_megatron(r)
