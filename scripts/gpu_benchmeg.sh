@@ -34,7 +34,10 @@ part() {  # part NAME LIMIT_S COMMAND...: runs it under a time limit, says how l
   local name=$1 limit=$2 start=$SECONDS
   shift 2
   echo "=== part $name (limit ${limit} s): $*"
-  case " ${PARTS:-a b c} " in *" $name "*) ;; *) echo "=== part $name: skipped (PARTS)"; return ;; esac
+  case " ${PARTS:-a b c} " in
+    *" $name "*) ;;
+    *) echo "=== part $name: skipped (PARTS)"; return ;;
+  esac
   timeout "$limit" "$@" 2>&1 | grep -v -e "Warning: " -e "warnings.warn(" -e "^W1"
   local rc=${PIPESTATUS[0]}
   echo "=== part $name: exit $rc after $((SECONDS - start)) s"
