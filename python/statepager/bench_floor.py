@@ -90,8 +90,9 @@ def _environment(path: str) -> dict:
     dirs = sorted(d for top in ("usr/lib", "lib")
                   for d, _, files in os.walk(os.path.join(root, top))
                   if any(".so" in f for f in files))
-    if dirs:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(dirs + [env.get("LD_LIBRARY_PATH", "")])
+    if dirs:  # no empty entry: that would mean the working directory
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            dirs + [d for d in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d])
     return env
 
 
