@@ -32,7 +32,6 @@ from statepager.bench_report import spread
 
 MiB = 1 << 20
 FIO_VARIABLE = "STATEPAGER_FIO"
-_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _UNPACKED = os.path.join(".deps", "fio", "usr", "bin", "fio")
 
 
@@ -45,11 +44,24 @@ class Fio:
     version: str
 
 
+def source_root() -> str | None:
+    """The source checkout this package runs from (the folder above python/statepager
+    with pyproject.toml), or None when it runs installed."""
+    d = os.path.dirname(os.path.abspath(__file__))
+    while os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+        if os.path.isfile(os.path.join(d, "pyproject.toml")) and \
+                os.path.isdir(os.path.join(d, "python", "statepager")):
+            return d
+    return None
+
+
 def fio_candidates() -> list[str]:
     """Where fio is looked for, in order (see the module doc)."""
+    root = source_root()
     return [p for p in (os.environ.get(FIO_VARIABLE), shutil.which("fio"),
                         os.path.join(os.getcwd(), _UNPACKED),
-                        os.path.join(_SOURCE_ROOT, _UNPACKED)) if p]
+                        root and os.path.join(root, _UNPACKED)) if p]
 
 
 def find_fio(candidates: list[str] | None = None) -> tuple[Fio | None, str]:

@@ -31,13 +31,13 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench_floor import source_root
 from statepager.bench_pager import bench_directory
 from statepager.bench_report import show, spread
 from statepager.cli_args import at_least, directory, size
 from statepager.progress import Progress
 
 GiB, MiB = 1 << 30, 1 << 20
-_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _EXAMPLE = os.path.join("examples", "megatron_gpt.py")
 
 # Megatron's own offload, as users configure it: Adam on the CPU for all of the state,
@@ -105,16 +105,16 @@ def require_megatron() -> None:
             "'statepager[megatron]' (megatron-core 0.19.2, Python >= 3.12)")
     if example() is None:
         raise _C.UsageError(
-            "bench megatron trains the GPT of examples/megatron_gpt.py, found neither "
-            f"beside this package ({_SOURCE_ROOT}) nor in the working directory: run it from "
-            "a source checkout of statepager")
+            "bench megatron trains the GPT of examples/megatron_gpt.py, found neither in "
+            "the source checkout this package runs from nor in the working directory: run "
+            "it from a source checkout of statepager")
 
 
 def example() -> str | None:
     """examples/megatron_gpt.py of the source tree this package is in, else of the
     working directory; None when neither has it."""
-    for root in (_SOURCE_ROOT, os.getcwd()):
-        if os.path.isfile(os.path.join(root, _EXAMPLE)):
+    for root in (source_root(), os.getcwd()):
+        if root and os.path.isfile(os.path.join(root, _EXAMPLE)):
             return os.path.join(root, _EXAMPLE)
     return None
 
