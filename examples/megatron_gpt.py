@@ -58,10 +58,12 @@ def init(expert_parallel: int = 1) -> None:
 
 
 def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
-          moments: str = "fp32", mains: str = "fp32", attach: bool = True):
+          moments: str = "fp32", mains: str = "fp32", attach: bool = True,
+          optimizer_options: dict | None = None):
     """(model, optimizer, scheduler, binding): a bf16 GPT wrapped in Megatron's DDP, its
     DistributedOptimizer (built in pager.scope() and, unless attach=False, attached when a
-    pager is given)."""
+    pager is given). optimizer_options: more OptimizerConfig fields (e.g. Megatron's own
+    optimizer_cpu_offload, for comparison; statepager refuses it)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -97,7 +99,8 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
     model = DistributedDataParallel(config, ddp_config, gpt)
     opt_config = OptimizerConfig(optimizer="adam", lr=setup.lr, min_lr=setup.lr / 10,
                                  weight_decay=0.1, bf16=True, use_distributed_optimizer=True,
-                                 clip_grad=setup.clip_grad, overlap_param_gather=setup.overlap)
+                                 clip_grad=setup.clip_grad, overlap_param_gather=setup.overlap,
+                                 **(optimizer_options or {}))
     binding = None
     if pager is None:
         optimizer = get_megatron_optimizer(opt_config, [model])

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import tempfile
 
+from statepager.bench.floor import find_fio
+
 
 @contextlib.contextmanager
 def bench_directory(parent: str):
@@ -23,15 +25,18 @@ def bench_directory(parent: str):
 
 
 def fio(directory: str, rw: str, size: int, block: int, depth: int) -> float | None:
-    """GB/s that fio measures for sequential `rw` (write|read) with O_DIRECT on io_uring."""
-    if shutil.which("fio") is None:
+    """GB/s that fio measures for sequential `rw` (write|read) with O_DIRECT on io_uring;
+    None without a fio (bench.floor.find_fio)."""
+    tool, _ = find_fio()
+    if tool is None:
         return None
     path = os.path.join(directory, "fio.dat")
     cmd = [
-        "fio", "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+        tool.path, "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
         f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--size={size}",
         "--output-format=json",
     ]
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                    env=tool.env).stdout)
     job = out["jobs"][0]["write" if rw == "write" else "read"]
     return job["bw_bytes"] / 1e9

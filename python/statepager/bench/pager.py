@@ -119,7 +119,8 @@ def print_store(r: dict) -> None:
               f"{faster(ours['median'], raw, higher_is_better=True)}")
     print(f"  data intact after the round trips: {r['data_intact']}")
     if r.get("fio_write_gbps") is None:
-        print("  (fio not installed: apt-get install fio for the side-by-side figure)")
+        print("  (no fio: apt-get install fio, or scripts/fetch_fio.sh, for the side-by-side "
+              "figure)")
 
 
 def _mixed_tensors(pager: Pager, size: int, seed: int = 0) -> list:

@@ -30,3 +30,11 @@ def faster(ours: float, theirs: float, *, higher_is_better: bool) -> str:
     if abs(ratio - 1) < 0.005:
         return "as fast"
     return f"{ratio:.2f} x faster" if ratio > 1 else f"{1 / ratio:.2f} x slower"
+
+
+def multiple(ours: float, floor: float | None, name: str) -> str:
+    """'1.23 x the floor' (a time over the least time it could take); 'no floor
+    measured' when there is none."""
+    if floor is None or floor <= 0:
+        return f"{name}: none measured"
+    return f"{ours / floor:.2f} x {name}"

@@ -1,7 +1,8 @@
-"""python -m statepager bench step: the streamed optimizer step against the storage floor.
+"""python -m statepager bench step: the streamed optimizer step against the floor.
 
 One run measures, side by side on the same directory:
-  raw      the store's io_uring engine reading and writing at once, nothing else (floor);
+  floor    the least time the step's bytes take through PCIe and through fio
+           (statepager.bench.floor); the step is printed as a multiple of it;
   pcie     with --host-budget on CUDA: pinned host<->device copies on two streams at once,
            the floor of the host tier (the state moved is compared with it);
   paged    AdamW attached to a Pager: pipelined page-in, fused step, page-out; atomic
@@ -19,9 +20,9 @@ import time
 
 import torch
 
-from statepager import _C
+from statepager.bench import floor as bench_floor
 from statepager.bench.common import bench_directory
-from statepager.bench.report import faster, show, spread
+from statepager.bench.report import faster, multiple, show, spread
 from statepager.core.pager import MiB, Pager
 from statepager.progress import Progress
 
@@ -235,23 +236,18 @@ def _bench_step(args, work: str) -> dict:
         paged = paged_steps(args, work, device, n, bar)
         in_place = (None if args.no_in_place
                     else paged_steps(args, work, device, n, bar, atomic=False))
-        # The raw loop with the pager's I/O shape; at once, each direction gets half the slots.
-        bar.phase("raw io_uring loop")
-        depth, block = paged["io_depth"], paged["io_block"]
-        raw = _C.measure_raw_io(work, state, block, depth // 2, True, True)
-        raw_read = _C.measure_raw_io(work, state, block, depth, True, False)
-        raw_write = _C.measure_raw_io(work, state, block, depth, False, True)
+        bar.phase("floor: PCIe and fio")
+        floor = bench_floor.measure(work, device, paged["bytes_read"], paged["bytes_written"],
+                                    block=paged["io_block"], depth=paged["io_depth"],
+                                    direct=paged["direct_io"], jobs=args.fio_jobs)
         sync = None if args.no_baseline else sync_steps(args, work, device, n, bar)
-    floor = max(state / (raw["read_gbps"] * 1e9), state / (raw["write_gbps"] * 1e9))
     moved = (paged["bytes_read"] + paged["bytes_written"] + paged["bytes_to_host"] +
              paged["bytes_from_host"])
     result = {
         "device": str(device), "params": n, "unowned": args.unowned, "state_bytes": state,
         "dir": args.dir,
         "bucket_bytes": args.bucket, "depth": args.depth,
-        "raw_read_gbps": raw_read["read_gbps"], "raw_write_gbps": raw_write["write_gbps"],
-        "raw_both_read_gbps": raw["read_gbps"], "raw_both_write_gbps": raw["write_gbps"],
-        "floor_s": floor, "paged": paged,
+        "floor": floor, "floor_s": floor["seconds"], "paged": paged,
         "paged_gbps": moved / paged["step_s"]["median"] / 1e9,
     }
     if args.host_budget and device.type == "cuda":
@@ -271,12 +267,10 @@ def print_step(r: dict) -> None:
           f"{r['state_bytes'] / 1e9:.1f} GB of state each way, dir {r['dir']}, "
           f"buckets of {r['bucket_bytes'] // MiB} MiB x depth {r['depth']}, "
           f"direct_io={p['direct_io']}, io {p['io_depth']} x {p['io_block'] // MiB} MiB")
-    print(f"  raw io_uring (1 run each): read {r['raw_read_gbps']:.2f} GB/s, write "
-          f"{r['raw_write_gbps']:.2f} GB/s; both at once {r['raw_both_read_gbps']:.2f} + "
-          f"{r['raw_both_write_gbps']:.2f} GB/s")
-    print(f"  floor (read and write the state at once, raw): {r['floor_s']:.3f} s")
-    print(f"  paged step: {show(p['step_s'], 's', 3)}: "
-          f"{faster(step, r['floor_s'], higher_is_better=False)} than the floor; "
+    for line in bench_floor.describe(r["floor"]):
+        print("  " + line)
+    print(f"  paged step: {show(p['step_s'], 's', 3)} = "
+          f"{multiple(step, r['floor_s'], 'the floor')}; "
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "
           f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s "
           "(reads the mains only)")

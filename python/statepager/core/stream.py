@@ -235,6 +235,11 @@ class StreamedOptimizer:
         self._planned_layout = self._layout()
         return buckets
 
+    @property
+    def window_bytes(self) -> int:
+        """Physical bytes the step maps at most; the pool keeps them between steps."""
+        return self._window()
+
     def _window(self) -> int:
         """Physical bytes the step's pipeline maps at most: depth x the largest bucket."""
         largest = max((max(b.nbytes, b.planned) for b in self._buckets), default=0)

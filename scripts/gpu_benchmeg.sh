@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# benchmeg's GPU batch (issue 13: honest floors, bench megatron), on the GPU machine after
+# the module is built (scripts/gpu_suite.sh's build, which copies _C into python/, or
+# scripts/setup.sh). Logs go to $OUT. Three parts, each with its own time limit:
+#   a. tests/gpu/test_cuda_bench_megatron.py: bench megatron at a tiny size, two configurations
+#   b. bench step on CUDA, STEP_PARAMS (3.6e8: 4.3 GB of state each way) on /dev/shm,
+#      the floor from PCIe and fio
+#   c. bench megatron, the 1.34 B GPT, every configuration (MEGATRON_CONFIGS), 3 warm-up
+#      + 5 timed steps; MEGATRON_ARGS adds options (e.g. "--layers 12" to make it smaller).
+#      Its limit is what is left of BUDGET_S (290 s) after a and b.
+# PARTS picks parts (default "a b c"; e.g. PARTS=c for the GPT alone, in its own batch).
+# fio: on the PATH, or .deps/fio (scripts/fetch_fio.sh), unpacked here from
+# .deps/fio.tar.xz when only that was carried. megatron-core: /tmp/site, installed from
+# .whl/ when missing (as gpu_suite.sh does).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/statepager-gpu-out}
+SHM=${SHM:-/dev/shm/statepager-benchmeg}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G "python/statepager/_C*.so" >/dev/null; then
+  export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ ! -d /tmp/site/megatron ] && compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+fi
+[ -d /tmp/site/megatron ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
+if [ ! -x .deps/fio/usr/bin/fio ] && [ -f .deps/fio.tar.xz ]; then
+  tar -C .deps -xJf .deps/fio.tar.xz
+fi
+
+part() {  # part NAME LIMIT_S COMMAND...: runs it under a time limit, says how long it took
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "=== part $name (limit ${limit} s): $*"
+  case " ${PARTS:-a b c} " in
+    *" $name "*) ;;
+    *) echo "=== part $name: skipped (PARTS)"; return ;;
+  esac
+  timeout "$limit" "$@" 2>&1 | grep -v -e "Warning: " -e "warnings.warn(" -e "^W1"
+  local rc=${PIPESTATUS[0]}
+  echo "=== part $name: exit $rc after $((SECONDS - start)) s"
+}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+  python3 -c "from statepager.bench import floor as f; fio, why = f.find_fio()
+print('fio:', f'{fio.path} ({fio.version})' if fio else why)"
+  part a 150 bash -c "cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider \
+    $PWD/tests/gpu/test_cuda_bench_megatron.py"
+  part b 120 python3 -m statepager bench step --device cuda --dir "$SHM" \
+    --params "${STEP_PARAMS:-3.6e8}" --steps 3 --no-baseline --no-in-place
+  left=$(( ${BUDGET_S:-290} - SECONDS ))
+  [ "$left" -gt 30 ] || left=30
+  # shellcheck disable=SC2086
+  part c "$left" python3 -m statepager bench megatron --dir "$SHM" \
+    --configs "${MEGATRON_CONFIGS:-unpaged,offload,fp32,bf16,q8}" --warmup 3 --steps 5 \
+    --timeout 240 ${MEGATRON_ARGS:-}
+  echo "=== total ${SECONDS} s"
+} 2>&1 | tee "$OUT/benchmeg.log"

@@ -1,0 +1,112 @@
+"""The floor of `bench step` (statepager.bench.floor): fio found on the PATH or unpacked
+with its own libraries, fio's read/write/both figures on a real directory, the floor as
+the larger of PCIe and fio (PCIe skipped on the CPU, with a note), and `bench step`
+printing the step as a multiple of it."""
+import os
+import stat
+
+import pytest
+import torch
+
+from statepager import cli
+from statepager.bench import floor as bench_floor
+
+FIO, WHY_NOT = bench_floor.find_fio()
+needs_fio = pytest.mark.skipif(FIO is None, reason=f"no fio here ({WHY_NOT})")
+
+
+def executable(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_an_unpacked_fio_runs_with_its_own_library_folders(tmp_path, monkeypatch):
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    root = tmp_path / "deps" / "fio"
+    fio = executable(root / "usr" / "bin" / "fio",
+                     "#!/bin/sh\necho \"fio-9.9 $LD_LIBRARY_PATH\"\n")
+    libs = root / "usr" / "lib" / "x86_64-linux-gnu"
+    os.makedirs(libs / "ceph")
+    (libs / "libaio.so.1").write_bytes(b"")
+    (libs / "ceph" / "libceph-common.so.2").write_bytes(b"")
+    os.makedirs(root / "usr" / "share" / "doc")
+    found, why = bench_floor.find_fio([str(tmp_path / "missing"), fio])
+    assert why == "" and found.path == fio
+    dirs = found.env["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert dirs == [str(libs), str(libs / "ceph")]  # no empty entry (the working directory)
+    assert found.version.startswith(f"fio-9.9 {libs}{os.pathsep}{libs / 'ceph'}")
+
+
+def test_no_fio_or_a_broken_one_says_why_and_how_to_get_one(tmp_path):
+    found, why = bench_floor.find_fio([str(tmp_path / "nowhere" / "fio")])
+    assert found is None
+    assert why.startswith("fio not found") and "scripts/fetch_fio.sh" in why
+    broken = executable(tmp_path / "fio",
+                        "#!/bin/sh\necho 'libaio.so.1: cannot open' >&2\nexit 127\n")
+    found, why = bench_floor.find_fio([broken])
+    assert found is None and "fio does not run" in why and "libaio.so.1: cannot open" in why
+
+
+def test_fio_on_its_own_path_variable_comes_first(tmp_path, monkeypatch):
+    mine = executable(tmp_path / "myfio", "#!/bin/sh\necho fio-mine\n")
+    monkeypatch.setenv(bench_floor.FIO_VARIABLE, mine)
+    assert bench_floor.fio_candidates()[0] == mine
+    assert bench_floor.find_fio()[0].version == "fio-mine"
+    monkeypatch.setenv(bench_floor.FIO_VARIABLE, str(tmp_path / "gone"))
+    assert bench_floor.find_fio([str(tmp_path / "gone")]) == (
+        None, f"fio does not run (${bench_floor.FIO_VARIABLE}={tmp_path / 'gone'} is not a "
+              "file): install fio (apt-get install fio), set $STATEPAGER_FIO to a fio binary, "
+              "or unpack one with scripts/fetch_fio.sh into .deps/fio")
+
+
+@needs_fio
+def test_fio_floor_reads_writes_and_does_both_at_once(tmp_path):
+    mib = 1 << 20
+    r = bench_floor.fio_floor(FIO, str(tmp_path), 24 * mib, 16 * mib, block=mib, depth=8,
+                              jobs=2, direct=False)
+    assert r["jobs"] == 2 and r["iodepth"] == 4 and r["block"] == mib
+    assert r["read"]["bytes"] == 24 * mib and r["write"]["bytes"] == 16 * mib
+    both = r["both"]
+    assert both["read"]["bytes"] == 24 * mib and both["write"]["bytes"] == 16 * mib
+    for way in (r["read"], r["write"], both["read"], both["write"]):
+        assert way["gbps"] > 0 and way["seconds"] > 0
+    assert r["seconds"] == min(both["seconds"], r["read"]["seconds"] + r["write"]["seconds"])
+    assert os.listdir(tmp_path) == []  # its files are gone
+
+
+@needs_fio
+def test_on_the_cpu_the_floor_is_fio_alone_with_a_note(tmp_path):
+    r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 8 << 20, 8 << 20,
+                            block=1 << 20, depth=4, direct=False, jobs=2)
+    assert r["pcie"] is None and "the device is the CPU" in r["pcie_note"]
+    assert r["bound_by"] == "fio" and r["seconds"] == r["fio"]["seconds"]
+    text = "\n".join(bench_floor.describe(r))
+    assert "PCIe: no PCIe floor" in text
+    assert "set by fio (no PCIe on this device: fio alone)" in text
+
+
+def test_without_fio_the_pcie_floor_stands_alone_and_says_so():
+    pcie = {"seconds": {"n": 3, "median": 0.5, "min": 0.4, "max": 0.6}, "chunk": 1,
+            "h2d_gbps": 50.0, "d2h_gbps": 40.0}
+    r = {"read_bytes": 10**9, "write_bytes": 10**9, "pcie": pcie, "fio": None,
+         "pcie_note": "", "fio_note": "fio not found: install fio", "seconds": 0.5,
+         "bound_by": "pcie"}
+    text = "\n".join(bench_floor.describe(r))
+    assert "fio: fio not found: install fio" in text
+    assert "0.500 s, set by pcie (fio missing: PCIe alone)" in text
+    none = dict(r, pcie=None, pcie_note="no PCIe floor: the device is the CPU", seconds=None,
+                bound_by=None)
+    assert "no floor: neither could be measured here" in "\n".join(bench_floor.describe(none))
+
+
+@needs_fio
+def test_bench_step_prints_the_step_as_a_multiple_of_the_floor(capsys, tmp_path):
+    assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path),
+                     "--params", "3e6", "--steps", "2", "--bucket", "8M", "--no-baseline",
+                     "--no-in-place", "--fio-jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x the floor" in out and "fio (" in out and "no PCIe floor" in out, out
+    assert "raw io_uring" not in out
