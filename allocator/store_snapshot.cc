@@ -1,5 +1,7 @@
 #include "allocator/store_snapshot.h"
 
+#include <optional>
+
 #include "backing/errors.h"
 
 namespace statepager {
@@ -18,8 +20,9 @@ void StoreSnapshot::release() {
   }
 }
 
-CopyMethod StoreSnapshot::copy_to(const std::vector<std::string>& files,
-                                  const std::vector<Target>& targets) {
+StoreSnapshot::Copied StoreSnapshot::copy_to(const std::vector<std::string>& files,
+                                             const std::vector<Target>& targets,
+                                             uint64_t chunk_bytes) {
   if (targets.size() != placements_.size()) {
     throw UsageError("StoreSnapshot::copy_to: one target per extent is needed, " +
                      std::to_string(targets.size()) + " given for " +
@@ -28,7 +31,8 @@ CopyMethod StoreSnapshot::copy_to(const std::vector<std::string>& files,
   if (released_ > 0) throw UsageError("StoreSnapshot::copy_to: the snapshot was already copied");
   std::vector<OpenFile> out;
   for (const std::string& path : files) out.emplace_back(path, OpenFile::kWrite);
-  CopyMethod method = CopyMethod::kReflink;
+  Copied copied;
+  copied.crcs.resize(chunk_bytes > 0 ? placements_.size() : 0);
   for (; released_ < placements_.size(); released_++) {
     const Placement& p = placements_[released_];
     if (p.state != Residency::kFile) continue;
@@ -37,15 +41,19 @@ CopyMethod StoreSnapshot::copy_to(const std::vector<std::string>& files,
       throw UsageError("StoreSnapshot::copy_to: target file " + std::to_string(t.file) +
                        " of " + std::to_string(out.size()));
     }
+    std::optional<ChunkCrcs> crcs;
+    if (chunk_bytes > 0) crcs.emplace(chunk_bytes);
     uint64_t at = t.offset;
     for (const UringFile::Span& s : p.spans) {
-      method = copy_range(store_[s.file], s.offset, out[t.file], at, s.length, method);
+      copied.method = copy_range(store_[s.file], s.offset, out[t.file], at, s.length,
+                                 copied.method, crcs ? &*crcs : nullptr);
       at += s.length;
     }
+    if (crcs) copied.crcs[released_] = crcs->take();
     pager_.unhold(p.store_offset);
   }
   for (const OpenFile& f : out) f.sync();
-  return method;
+  return copied;
 }
 
 }  // namespace statepager

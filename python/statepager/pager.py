@@ -316,18 +316,21 @@ class Pager:
 
     _saving = None  # the background save in flight (statepager.checkpoint), one at a time
 
-    def save(self, path: str, *, background: bool = False, via: str = "store"):
+    def save(self, path: str, *, background: bool = False, via: str = "store",
+             checksum: str = "crc32c"):
         """Writes the state of every attached optimizer to the new directory `path`,
         atomically (see statepager.checkpoint). Call it between steps. The bytes are
         copied from the store's files (via="store"; "device" streams them through the
         device instead, bucket by bucket). background=True returns as soon as the state
         of this moment is secured: steps may run while the copy finishes, and a bucket's
-        page-out waits until that bucket has been copied. Returns a SaveHandle: wait(),
-        done(), and .method, .bytes, .seconds of the save."""
+        page-out waits until that bucket has been copied. checksum="crc32" writes the
+        format-3 checkpoint older statepagers read (zlib crc32, a second read of the
+        files); the default crc32c is computed while copying. Returns a SaveHandle:
+        wait(), done(), and .method, .bytes, .seconds of the save."""
         from statepager import checkpoint
 
         self.check_not_paused("save()")
-        return checkpoint.save(self, path, background=background, via=via)
+        return checkpoint.save(self, path, background=background, via=via, checksum=checksum)
 
     def load(self, path: str) -> bool:
         """Loads a checkpoint written by save() into the attached optimizers, after
