@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstring>
 
+#include "allocator/trace_range.h"
 #include "backing/errors.h"
 
 namespace statepager {
@@ -53,6 +54,7 @@ struct Job {
   bool done = false;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
+  TraceRange trace;                    // the same span, for profilers (allocator/trace_range.h)
 };
 
 IoShape io_shape_for(bool direct_io) {
@@ -904,6 +906,8 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
     if (job->started) continue;
     job->started = true;
     job->start_time = std::chrono::steady_clock::now();
+    job->trace.start(io_range_name(job->out, job->discard, job->bytes_moved),
+                     job->out ? TraceKind::kWrite : TraceKind::kRead);
     progressed = true;
     try {
       if (job->out) {
@@ -1058,6 +1062,7 @@ void Pager::complete(Job& job) {
   }
   if (job.out) outs_in_flight_--;
   job.end_time = std::chrono::steady_clock::now();
+  job.trace.end();
   job.done = true;
   queue_.erase(std::find_if(queue_.begin(), queue_.end(),
                             [&](const Ticket& t) { return t.get() == &job; }));

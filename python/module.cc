@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -14,6 +15,7 @@
 #include "allocator/pager.h"
 #include "allocator/pluggable.h"
 #include "allocator/store_snapshot.h"
+#include "allocator/trace_range.h"
 #include "backing/crc32c.h"
 #include "backing/errors.h"
 #include "backing/file_copy.h"
@@ -308,6 +310,25 @@ PYBIND11_MODULE(_C, m) {
            "(method, crcs): crcs[i] the crc32c per chunk_bytes of tensor i's store range "
            "(none when chunk_bytes is 0), computed while copying")
       .def("release", [](PySnapshot& s) { s.snapshot->release(); });
+
+  py::class_<TraceRange>(m, "TraceRange",
+                         "A named range on NVIDIA profilers' timelines (allocator/trace_range.h)")
+      .def(py::init<>())
+      .def(
+          "start",
+          [](TraceRange& r, const std::string& name, const std::string& kind) {
+            static const std::map<std::string, TraceKind> kinds = {
+                {"read", TraceKind::kRead}, {"step", TraceKind::kStep}, {"write", TraceKind::kWrite}};
+            const auto it = kinds.find(kind);
+            if (it == kinds.end()) {
+              throw UsageError("TraceRange.start: kind must be 'read', 'step' or 'write', not '" +
+                               kind + "'");
+            }
+            r.start(name, it->second);
+          },
+          py::arg("name"), py::arg("kind"))
+      .def("end", &TraceRange::end);
+  m.attr("NVTX") = TraceRange::compiled_in();
 
   py::class_<PyTicket>(m, "Ticket")
       .def_property_readonly("times", [](const PyTicket& t) { return job_times(*t.ticket); });

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from statepager import _C
+from statepager import _C, trace
 from statepager.bench_pager import bench_directory
 from statepager.bench_report import faster, show, spread
 from statepager.pager import MiB, Pager
@@ -90,7 +90,12 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
             _sync(device)
             times.append(time.perf_counter() - t0)
             last = binding.last
+        files = trace.write_outputs(last, getattr(args, "trace", None), getattr(args, "plot", None),
+                                    f"bench step: {n / 1e9:.2f} B params on {device}, buckets of "
+                                    f"{bucket // MiB} MiB x depth {args.depth}, step "
+                                    f"{last.step}") if atomic else []
         return {
+            "timeline_files": files,
             "first_step_s": times[0],
             "step_s": spread(times[1:]),  # step 1 reads mains only (moments are ZERO)
             "bytes_read": last.bytes_read,
@@ -243,6 +248,8 @@ def print_step(r: dict) -> None:
           f"{r['raw_write_gbps']:.2f} GB/s; both at once {r['raw_both_read_gbps']:.2f} + "
           f"{r['raw_both_write_gbps']:.2f} GB/s")
     print(f"  floor (read and write the state at once, raw): {r['floor_s']:.3f} s")
+    if p["timeline_files"]:
+        print(f"  last paged step's timeline: {', '.join(p['timeline_files'])}")
     print(f"  paged step: {show(p['step_s'], 's', 3)}: "
           f"{faster(step, r['floor_s'], higher_is_better=False)} than the floor; "
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "

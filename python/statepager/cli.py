@@ -11,7 +11,8 @@ import sys
 import torch
 
 from statepager import _C
-from statepager.cli_args import at_least, count, device, device_name, directory, io_block, size
+from statepager.cli_args import (at_least, count, device, device_name, directory, io_block,
+                                 output_file, plot_file, size)
 
 
 def _bench(bench, name: str, help: str, *, dir: bool = True, default_device: str | None = None):
@@ -84,6 +85,12 @@ def parser(prog: str) -> argparse.ArgumentParser:
     step.add_argument("--unowned", action="store_true",
                       help="params as ordinary tensors: the pager holds the moments (and, in "
                            "atomic steps, the params' undo copies)")
+    step.add_argument("--trace", type=output_file, metavar="FILE.json",
+                      help="write the last paged step's buckets as a Chrome trace (open in "
+                           "chrome://tracing or ui.perfetto.dev)")
+    step.add_argument("--plot", type=plot_file, metavar="FILE.png",
+                      help="draw the last paged step's timeline: page-in, step, page-out "
+                           "per bucket (needs matplotlib: statepager[plot])")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", type=size, default=size("4G"))
     _io_arguments(sleep)
