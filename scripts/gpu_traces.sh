@@ -4,12 +4,12 @@
 #   1. on the disk (DISK) at the 1.34 B GPT's size (PARAMS, default 1.34e9 fp32 params:
 #      16 GB of AdamW state each way), the timeline for docs/step_timeline_disk.png;
 #   2. on /dev/shm (RAM) at SHM_PARAMS (default 5e8), docs/step_timeline_shm.png;
-#   3. if nsys is installed, an Nsight Systems capture of a small bench step (2e8) with
+#   3. if nsys is installed, an Nsight Systems capture of a small bench step (1e8) with
 #      its NVTX summary: the statepager domain's page-in / step / page-out ranges.
 # Writes to $OUT: step_{disk,shm}.json (Chrome traces: chrome://tracing, ui.perfetto.dev),
 # step_{disk,shm}.png (when matplotlib is importable here; else draw them anywhere with
 # `python -m statepager.trace $OUT/step_disk.json step_disk.png`), traces.log, and
-# step.nsys-rep / nvtx.txt. Runs in about 3 minutes on the H200 machine.
+# step.nsys-rep / nvtx.txt. At most 4.8 minutes (timeouts 180 + 50 + 60 s).
 # Success: traces.log ends with "gpu traces: OK", after a "last paged step's timeline:"
 # line per bench and, with nsys, NVTX ranges named "page-in ...", "step bucket ..." and
 # "page-out ..." in nvtx.txt.
@@ -35,11 +35,11 @@ bench() {  # NAME DIR PARAMS LIMIT_S
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import statepager; print('statepager', statepager.__file__, 'NVTX compiled in:', statepager._C.NVTX)"
   [ -n "$PLOT" ] || echo "matplotlib is not importable here: traces only, no PNG"
-  bench disk "$DISK" "${PARAMS:-1.34e9}" 150
-  bench shm /dev/shm/statepager-bench "${SHM_PARAMS:-5e8}" 60
+  bench disk "$DISK" "${PARAMS:-1.34e9}" 180
+  bench shm /dev/shm/statepager-bench "${SHM_PARAMS:-5e8}" 50
   if command -v nsys >/dev/null; then
-    timeout 90 nsys profile -q -o "$OUT/step" --force-overwrite true --trace cuda,nvtx \
-      python3 -m statepager bench step --device cuda --dir "$DISK" --params 2e8 --steps 2 \
+    timeout 60 nsys profile -q -o "$OUT/step" --force-overwrite true --trace cuda,nvtx \
+      python3 -m statepager bench step --device cuda --dir "$DISK" --params 1e8 --steps 2 \
       --no-baseline --no-in-place >/dev/null || { echo "nsys capture FAILED"; status=1; }
     nsys stats -q --report nvtx_sum --format csv "$OUT/step.nsys-rep" > "$OUT/nvtx.txt" 2>&1
     echo "NVTX ranges in the capture (nvtx.txt):"
