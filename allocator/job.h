@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "allocator/trace_range.h"
 #include "allocator/device.h"
 
 namespace statepager {
@@ -82,6 +83,7 @@ struct Job {
   bool done = false;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
+  TraceRange trace;                    // the same span, for profilers (allocator/trace_range.h)
 };
 
 using Ticket = std::shared_ptr<Job>;

@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstring>
 
+#include "allocator/trace_range.h"
 #include "backing/errors.h"
 
 namespace statepager {
@@ -1069,6 +1070,8 @@ void Pager::start_job(Job& job) {
   if (!job.started) {
     job.started = true;
     job.start_time = std::chrono::steady_clock::now();
+    job.trace.start(io_range_name(job.out, job.discard, job.bytes_moved),
+                    job.out ? TraceKind::kWrite : TraceKind::kRead);
   }
   job.restart = false;
   try {
@@ -1145,6 +1148,7 @@ void Pager::complete(Job& job) {
   }
   if (job.out) outs_in_flight_--;
   job.end_time = std::chrono::steady_clock::now();
+  job.trace.end();
   job.done = true;
   queue_.erase(std::find_if(queue_.begin(), queue_.end(),
                             [&](const Ticket& t) { return t.get() == &job; }));

@@ -43,9 +43,17 @@ class StoreSnapshot {
     unsigned file = 0;
     uint64_t offset = 0;
   };
+  struct Copied {
+    CopyMethod method = CopyMethod::kReflink;  // the method used last
+    // With chunk_bytes > 0: per placement, the crc32c of each chunk_bytes of its
+    // store_bytes (the extent and the zeros after it), empty for ZERO ones.
+    std::vector<std::vector<uint32_t>> crcs;
+  };
   // Copies every FILE or HOST extent's store_bytes to its target (one per placement; ZERO ones
-  // are ignored), in order, and fsyncs the destinations. Returns the method used last.
-  CopyMethod copy_to(const std::vector<std::string>& files, const std::vector<Target>& targets);
+  // are ignored), in order, and fsyncs the destinations. With chunk_bytes > 0 the bytes
+  // are checksummed as they are copied (copy_range with ChunkCrcs: no second read).
+  Copied copy_to(const std::vector<std::string>& files, const std::vector<Target>& targets,
+                 uint64_t chunk_bytes = 0);
 
   void release();  // releases every hold still taken
 

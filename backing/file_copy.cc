@@ -68,20 +68,30 @@ uint64_t kernel_copy(const OpenFile& src, uint64_t src_offset, const OpenFile& d
   return done;
 }
 
-void read_write(const OpenFile& src, uint64_t src_offset, const OpenFile& dst,
-                uint64_t dst_offset, uint64_t length) {
+// Reads [offset, offset + length) of `src` through a buffer, passing each piece to
+// `use(bytes, n, done)` (`done`: bytes of the range before this piece).
+template <class Use>
+void read_range(const OpenFile& src, uint64_t offset, uint64_t length, Use use) {
   const size_t cap = static_cast<size_t>(std::min<uint64_t>(length, kBufferBytes));
   std::unique_ptr<char[]> buf(new char[cap]);
   uint64_t done = 0;
   while (done < length) {
     const size_t want = static_cast<size_t>(std::min<uint64_t>(length - done, cap));
-    const ssize_t got = ::pread(src.fd(), buf.get(), want, static_cast<off_t>(src_offset + done));
+    const ssize_t got = ::pread(src.fd(), buf.get(), want, static_cast<off_t>(offset + done));
     if (got < 0 && errno == EINTR) continue;
-    if (got < 0) throw_io_error(errno, "read", src.path(), src_offset + done);
-    if (got == 0) throw_short_source(src, src_offset + done);
-    write_range(dst, dst_offset + done, buf.get(), static_cast<uint64_t>(got));
+    if (got < 0) throw_io_error(errno, "read", src.path(), offset + done);
+    if (got == 0) throw_short_source(src, offset + done);
+    use(buf.get(), static_cast<size_t>(got), done);
     done += static_cast<uint64_t>(got);
   }
+}
+
+void read_write(const OpenFile& src, uint64_t src_offset, const OpenFile& dst,
+                uint64_t dst_offset, uint64_t length, ChunkCrcs* crcs) {
+  read_range(src, src_offset, length, [&](const char* bytes, size_t got, uint64_t done) {
+    if (crcs != nullptr) crcs->update(bytes, got);
+    write_range(dst, dst_offset + done, bytes, got);
+  });
 }
 
 }  // namespace
@@ -131,18 +141,24 @@ void OpenFile::sync() const {
 }
 
 CopyMethod copy_range(const OpenFile& src, uint64_t src_offset, const OpenFile& dst,
-                      uint64_t dst_offset, uint64_t length, CopyMethod first) {
+                      uint64_t dst_offset, uint64_t length, CopyMethod first, ChunkCrcs* crcs) {
   if (length == 0) return first;  // FICLONERANGE would read 0 as "to the end of the file"
   if (first == CopyMethod::kReflink) {
-    if (reflink(src, src_offset, dst, dst_offset, length)) return CopyMethod::kReflink;
+    if (reflink(src, src_offset, dst, dst_offset, length)) {
+      if (crcs != nullptr) {  // the source: the same blocks now, and open for reading
+        read_range(src, src_offset, length,
+                   [&](const char* bytes, size_t got, uint64_t) { crcs->update(bytes, got); });
+      }
+      return CopyMethod::kReflink;
+    }
     first = CopyMethod::kCopyFileRange;
   }
   uint64_t done = 0;
-  if (first == CopyMethod::kCopyFileRange) {
+  if (first == CopyMethod::kCopyFileRange && crcs == nullptr) {
     done = kernel_copy(src, src_offset, dst, dst_offset, length);
     if (done == length) return CopyMethod::kCopyFileRange;
   }
-  read_write(src, src_offset + done, dst, dst_offset + done, length - done);
+  read_write(src, src_offset + done, dst, dst_offset + done, length - done, crcs);
   return CopyMethod::kReadWrite;
 }
 

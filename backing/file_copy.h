@@ -12,6 +12,12 @@
 // Reflink needs block-aligned ranges (4 KiB covers the usual block sizes); an unaligned
 // range simply falls through to copy_file_range.
 //
+// Checksums at copy speed: given a ChunkCrcs (backing/crc32c.h), copy_range() checksums
+// the range in the same pass as it copies it. Bytes that move are checksummed in the
+// buffer between read and write, so copy_file_range (whose bytes never reach user memory)
+// is skipped for read_write; a reflink moves no bytes, so its range is read once
+// afterwards (unavoidable: nothing else has seen the bytes).
+//
 // Ownership: OpenFile owns its descriptor. Thread-safety: calls keep no shared state;
 // copies into disjoint ranges of the same files may run on several threads at once.
 // Errors: IoError subclasses (backing/errors.h) naming the file and offset; a source that
@@ -20,6 +26,8 @@
 
 #include <cstdint>
 #include <string>
+
+#include "backing/crc32c.h"
 
 namespace statepager {
 
@@ -53,9 +61,10 @@ class OpenFile {
 
 // Copies `length` bytes at `src_offset` of `src` to `dst_offset` of `dst`, trying `first`
 // and then the methods after it. Returns the method that copied the last of the bytes.
+// With `crcs`, the range's bytes are also fed to it, in order (see above).
 CopyMethod copy_range(const OpenFile& src, uint64_t src_offset, const OpenFile& dst,
                       uint64_t dst_offset, uint64_t length,
-                      CopyMethod first = CopyMethod::kReflink);
+                      CopyMethod first = CopyMethod::kReflink, ChunkCrcs* crcs = nullptr);
 
 // Writes `length` bytes of memory at `dst_offset` of `dst` (pwrite until done).
 void write_range(const OpenFile& dst, uint64_t dst_offset, const void* buf, uint64_t length);

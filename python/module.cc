@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -15,6 +16,8 @@
 #include "allocator/pluggable.h"
 #include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
+#include "allocator/trace_range.h"
+#include "backing/crc32c.h"
 #include "backing/errors.h"
 #include "backing/file_copy.h"
 #include "backing/raw_io.h"
@@ -254,6 +257,25 @@ PYBIND11_MODULE(_C, m) {
       "Routes statepager_alloc for `device` to `pager` (None: stop routing)");
 
   m.def(
+      "crc32c",
+      [](const py::object& data, uint32_t value) {
+        Py_buffer view;  // its bytes, contiguous (else the object's BufferError)
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+          throw py::error_already_set();
+        }
+        uint32_t crc;
+        {
+          py::gil_scoped_release release;
+          crc = crc32c(value, view.buf, static_cast<size_t>(view.len));
+        }
+        PyBuffer_Release(&view);
+        return crc;
+      },
+      py::arg("data"), py::arg("value") = 0,
+      "crc32c of the buffer's bytes, continuing `value` (as zlib.crc32 chains)");
+  m.attr("CRC32C_ENGINE") = crc32c_engine();
+
+  m.def(
       "copy_file",
       [](const std::string& src, const std::string& dst) {
         py::gil_scoped_release release;
@@ -276,14 +298,40 @@ PYBIND11_MODULE(_C, m) {
                              "(residency, bytes, store_bytes) per tensor, in order")
       .def("copy_to",
            [](PySnapshot& s, const std::vector<std::string>& files,
-              const std::vector<std::pair<unsigned, uint64_t>>& targets) {
+              const std::vector<std::pair<unsigned, uint64_t>>& targets, uint64_t chunk_bytes) {
              std::vector<StoreSnapshot::Target> t;
              for (auto [file, offset] : targets) t.push_back({file, offset});
-             return std::string(copy_method_name(s.snapshot->copy_to(files, t)));
+             StoreSnapshot::Copied copied;
+             {
+               py::gil_scoped_release release;
+               copied = s.snapshot->copy_to(files, t, chunk_bytes);
+             }
+             return py::make_tuple(copy_method_name(copied.method), copied.crcs);
            },
-           py::arg("files"), py::arg("targets"), py::call_guard<py::gil_scoped_release>())
+           py::arg("files"), py::arg("targets"), py::arg("chunk_bytes") = 0,
+           "(method, crcs): crcs[i] the crc32c per chunk_bytes of tensor i's store range "
+           "(none when chunk_bytes is 0), computed while copying")
       .def("release", [](PySnapshot& s) { s.snapshot->release(); },
            py::call_guard<py::gil_scoped_release>());
+
+  py::class_<TraceRange>(m, "TraceRange",
+                         "A named range on NVIDIA profilers' timelines (allocator/trace_range.h)")
+      .def(py::init<>())
+      .def(
+          "start",
+          [](TraceRange& r, const std::string& name, const std::string& kind) {
+            static const std::map<std::string, TraceKind> kinds = {
+                {"read", TraceKind::kRead}, {"step", TraceKind::kStep}, {"write", TraceKind::kWrite}};
+            const auto it = kinds.find(kind);
+            if (it == kinds.end()) {
+              throw UsageError("TraceRange.start: kind must be 'read', 'step' or 'write', not '" +
+                               kind + "'");
+            }
+            r.start(name, it->second);
+          },
+          py::arg("name"), py::arg("kind"))
+      .def("end", &TraceRange::end);
+  m.attr("NVTX") = TraceRange::compiled_in();
 
   py::class_<PyTicket>(m, "Ticket")
       .def_property_readonly("times", [](const PyTicket& t) { return job_times(*t.ticket); });

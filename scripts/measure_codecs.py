@@ -1,5 +1,5 @@
 """Measure the q8 moment codecs on real AdamW states; prints the tables that chose
-statepager.codecs' Q8_* defaults.
+statepager.formats.codecs' Q8_* defaults.
 
 A tiny causal transformer LM learns a synthetic Zipf-distributed bigram language (rare
 tokens give embedding rows with sparse gradients, so exp_avg_sq spans many decades).

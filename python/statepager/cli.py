@@ -11,7 +11,8 @@ import sys
 import torch
 
 from statepager import _C
-from statepager.cli_args import at_least, count, device, device_name, directory, io_block, size
+from statepager.cli_args import (at_least, count, device, device_name, directory, io_block,
+                                 output_file, plot_file, size)
 
 
 def _bench(bench, name: str, help: str, *, dir: bool = True, default_device: str | None = None):
@@ -90,6 +91,12 @@ def parser(prog: str) -> argparse.ArgumentParser:
     step.add_argument("--fio-jobs", type=at_least(1, "fio jobs each way"), default=4,
                       help="fio jobs each way for the floor; each gets io-depth / jobs "
                            "requests in flight")
+    step.add_argument("--trace", type=output_file, metavar="FILE.json",
+                      help="write the last paged step's buckets as a Chrome trace (open in "
+                           "chrome://tracing or ui.perfetto.dev)")
+    step.add_argument("--plot", type=plot_file, metavar="FILE.png",
+                      help="draw the last paged step's timeline: page-in, step, page-out "
+                           "per bucket (needs matplotlib: statepager[plot])")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", type=size, default=size("4G"))
     _io_arguments(sleep)

@@ -109,3 +109,25 @@ def device(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} "
                                              "CUDA devices (cuda:0 ...)")
     return text
+
+
+def output_file(text: str) -> str:
+    """A file to write: not a directory, in an existing directory this process may write."""
+    path = os.path.abspath(text)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory: give a file name in it")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent!r} is not a directory this user "
+                                         "can write: create it first, or give another path")
+    return text
+
+
+def plot_file(text: str) -> str:
+    """output_file(), when matplotlib can be imported (checked before a long bench runs)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise argparse.ArgumentTypeError("plotting needs matplotlib: pip install "
+                                         "'statepager[plot]' (or pip install matplotlib)") from None
+    return output_file(text)

@@ -77,8 +77,8 @@ def _checkpoint(path: str, verify: bool) -> dict:
     except _C.Error as e:
         return {**out, "checksums": "FAILED", "error": f"{type(e).__name__}: {e}"}
     nbytes = sum(o["data_bytes"] for o in out["optimizers"])
-    out["checksums"] = (f"verified: every tensor's crc32s match ({_size(nbytes)} of data read in "
-                        f"{time.perf_counter() - t0:.1f} s)")
+    out["checksums"] = (f"verified: every tensor's {manifest['checksum']}s match "
+                        f"({_size(nbytes)} of data read in {time.perf_counter() - t0:.1f} s)")
     return out
 
 

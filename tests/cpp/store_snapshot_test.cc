@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "backing/crc32c.h"
 #include "backing/errors.h"
 
 namespace statepager {
@@ -109,10 +110,20 @@ TEST_P(StoreSnapshotTest, CopyIsTheStateOfItsMomentWhilePagingGoesOn) {
   EXPECT_THROW(pager.hold(others), UsageError);  // one set of holds at a time
 
   const std::string dst = out_path();
-  snapshot.copy_to({dst}, targets);
+  const uint64_t chunk = 3 * 4096;
+  const StoreSnapshot::Copied copied = snapshot.copy_to({dst}, targets, chunk);
   pager.wait(out);
   const std::vector<uint8_t> file = read_file(dst);
+  ASSERT_EQ(copied.crcs.size(), saved.size());
+  EXPECT_TRUE(copied.crcs.back().empty());  // never_written: ZERO, nothing copied
   for (size_t i = 0; i < ids.size(); i++) {
+    // The crc32c of each chunk of what was copied (the extent and its zero padding).
+    std::vector<uint32_t> crcs;
+    const uint64_t end = targets[i].offset + snapshot.placements()[i].store_bytes;
+    for (uint64_t c = targets[i].offset; c < end; c += chunk) {
+      crcs.push_back(crc32c(0, file.data() + c, std::min(chunk, end - c)));
+    }
+    EXPECT_EQ(copied.crcs[i], crcs) << "extent " << ids[i];
     const std::vector<uint8_t> want = expected(pager, ids[i], 1);
     ASSERT_GE(file.size(), targets[i].offset + align_up(want.size()));
     EXPECT_TRUE(std::equal(want.begin(), want.end(), file.begin() + long(targets[i].offset)))

@@ -1,5 +1,6 @@
 """Checkpoints of paged optimizer state: exact resume in a fresh process, atomic save,
 and refusal (with nothing loaded) of corrupt or foreign checkpoints."""
+import hashlib
 import json
 import os
 import shutil
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -313,6 +315,73 @@ def test_other_format_is_refused(tmp_path, saved):
     with open(manifest, "w") as f:
         json.dump(m, f)
     refused(tmp_path, saved, statepager.CheckpointMismatchError, "version 99")
+
+
+def test_crc32c_known_answers():
+    """The published check values (RFC 3720 B.4), chaining as zlib.crc32 does."""
+    crc = statepager._C.crc32c
+    assert crc(b"123456789") == 0xE3069283
+    assert crc(bytes(32)) == 0x8A9136AA and crc(b"\xff" * 32) == 0x62A8AB43
+    assert crc(bytes(range(32))) == 0x46DD794E and crc(b"") == 0
+    assert crc(b"56789", crc(b"1234")) == 0xE3069283
+    assert crc(memoryview(torch.arange(10, dtype=torch.uint8).numpy())) == crc(bytes(range(10)))
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        crc(torch.arange(10, dtype=torch.uint8).numpy()[::2])
+    assert statepager._C.CRC32C_ENGINE in ("sse4.2", "armv8-crc", "table")
+
+
+def _as_version_3(path: str) -> dict:
+    """Rewrites checkpoint `path` as statepager wrote it before crc32c (format 3): zlib
+    crc32 of each 32 MiB of each tensor's own bytes, under "crc32". Returns the manifest."""
+    with open(os.path.join(path, "manifest.json")) as f:
+        m = json.load(f)
+    for o in m["optimizers"]:
+        with open(os.path.join(path, o["data"]), "rb") as f:
+            data = f.read()
+        for t in o["tensors"]:
+            del t["crc32c"]
+            t["crc32"] = [] if t["zero"] else [
+                zlib.crc32(data[t["offset"] + k:t["offset"] + min(k + (32 << 20), t["bytes"])])
+                for k in range(0, t["bytes"], 32 << 20)]
+    m.update(version=3, checksum="crc32")
+    body = {k: v for k, v in m.items() if k != "manifest_sha256"}
+    m["manifest_sha256"] = hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    return m
+
+
+def test_a_version_3_checkpoint_loads_and_its_crc32s_are_verified(tmp_path):
+    """Checkpoints of the statepager before crc32c (format 3, zlib crc32) still load,
+    checked by their own checksums; save(checksum="crc32") writes that format."""
+    model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "store"))
+    ckpt_run.steps(model, opt, sched, 0, 3)
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    h = pager.save(new)
+    assert h.checksum_seconds == 0  # crc32c: in the copy's pass, no second read
+    pager.save(old, checksum="crc32")
+    with pytest.raises(statepager.UsageError, match="checksum must be one of"):
+        pager.save(str(tmp_path / "x"), checksum="md5")
+    expect = ckpt_run.snapshot(model, opt, pager)
+    pager.close()
+    with open(os.path.join(old, "manifest.json")) as f:
+        written = json.load(f)
+    converted = _as_version_3(new)
+    assert written["version"] == 3 and written["checksum"] == "crc32"
+    assert [t["crc32"] for o in written["optimizers"] for t in o["tensors"]] == \
+        [t["crc32"] for o in converted["optimizers"] for t in o["tensors"]]
+    for path in (old, new):
+        model, pager, opt = fresh(tmp_path)
+        assert pager.load(path)
+        assert equal(ckpt_run.snapshot(model, opt, pager)["state"], expect["state"])
+        pager.close()  # deletes its store: the next fresh() starts anew
+    with open(os.path.join(new, "opt0", "state.bin"), "r+b") as f:
+        f.seek(5000)
+        b = f.read(1)
+        f.seek(5000)
+        f.write(bytes([b[0] ^ 0x10]))
+    refused(tmp_path, new, statepager.CorruptStoreError, "fails its checksum .*crc32 ")
 
 
 def test_missing_checkpoint_starts_fresh_with_a_notice(tmp_path, caplog):

@@ -1,4 +1,4 @@
-"""statepager.codecs: the residual format is bit-exact over a dense sample of fp32 bit
+"""statepager.formats.codecs: the residual format is bit-exact over a dense sample of fp32 bit
 patterns and (with param_checksum) detects a changed parameter; q8 stays within each
 scheme's error bound."""
 import pytest

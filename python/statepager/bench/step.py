@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from statepager import trace
 from statepager.bench import floor as bench_floor
 from statepager.bench.common import bench_directory
 from statepager.bench.report import faster, multiple, show, spread
@@ -96,7 +97,12 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
             last = binding.last
             after = pager.stats()
         host = {k: after[k] - before[k] for k in ("bytes_to_host", "bytes_from_host")}
+        files = trace.write_outputs(last, getattr(args, "trace", None), getattr(args, "plot", None),
+                                    f"bench step: {n / 1e9:.2f} B params on {device}, buckets of "
+                                    f"{bucket // MiB} MiB x depth {args.depth}, step "
+                                    f"{last.step}") if atomic else []
         return {
+            "timeline_files": files,
             "first_step_s": times[0],
             "step_s": spread(times[1:]),  # step 1 reads mains only (moments are ZERO)
             "bytes_read": last.bytes_read,
@@ -269,6 +275,8 @@ def print_step(r: dict) -> None:
           f"direct_io={p['direct_io']}, io {p['io_depth']} x {p['io_block'] // MiB} MiB")
     for line in bench_floor.describe(r["floor"]):
         print("  " + line)
+    if p["timeline_files"]:
+        print(f"  last paged step's timeline: {', '.join(p['timeline_files'])}")
     print(f"  paged step: {show(p['step_s'], 's', 3)} = "
           f"{multiple(step, r['floor_s'], 'the floor')}; "
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "

@@ -1,18 +1,24 @@
 """The manifest of a checkpoint (statepager.checkpoint): its format, its own checksum, and
 the checks of it that need no optimizer (a load's and `statepager inspect --verify`'s).
 
-manifest.json (format version 3):
-    format, version       "statepager-checkpoint", 3
+manifest.json (format version 4):
+    format, version       "statepager-checkpoint", 4
     manifest_sha256       sha256 of the canonical JSON (sorted keys, no whitespace) of
                           everything else in the manifest: an edited manifest is refused
-    checksum, chunk_bytes "crc32" of each chunk_bytes bytes of each tensor
+    checksum, chunk_bytes "crc32c" of each chunk_bytes bytes of each tensor's range in its
+                          data file: the tensor and the zeros after it up to the next
+                          4 KiB boundary (the range a save copies; checksummed as it is
+                          copied, backing/file_copy.h)
     optimizers            per attached optimizer (by binding name): class, formats,
                           parameter shapes, param-group hyperparameters, the small
                           per-parameter state (step counters, residual exception lists)
                           and the order of its entries (state_names), data
                           ("<name>/state.bin"), data_bytes, and every paged tensor
                           (parameter index, state name, dtype, shape, strides, bytes,
-                          zero, offset, crc32 per chunk; ZERO tensors take no bytes)
+                          zero, offset, and under the checksum's name its value per
+                          chunk; ZERO tensors take no bytes)
+Version 3 (statepager before crc32c) is still read and written (save(checksum="crc32")):
+"crc32" is zlib's crc32 of each chunk of the tensor's own bytes, under the key "crc32".
 Version 2 manifests (statepager before manifest checksums) are refused: an edited one
 cannot be told from an intact one.
 
@@ -32,9 +38,10 @@ import torch
 from statepager import _C
 from statepager.checkpoint import dirs as checkpoint_dirs
 
-FORMAT, VERSION = "statepager-checkpoint", 3
+FORMAT, VERSION = "statepager-checkpoint", 4
+CHECKSUMS = {4: "crc32c", 3: "crc32"}  # the checksum of each version read
 ALIGN = 4096
-CHUNK = 32 << 20      # bytes per crc32: big tensors are checksummed on several threads
+CHUNK = 32 << 20      # bytes per checksum: big tensors are verified on several threads
 DIGEST = "manifest_sha256"
 
 
@@ -62,22 +69,23 @@ def read_manifest(path: str) -> dict:
         raise CheckpointMismatchError(f"{manifest_path} is not a statepager checkpoint "
                                       f"manifest (format {FORMAT!r} expected)")
     version = manifest.get("version")
-    if version != VERSION:
+    if version not in CHECKSUMS:
         older = is_int(version) and version < VERSION
         by = ("an older statepager, whose manifests carry no checksum of their own (an "
               "edited one cannot be told from an intact one): load it with the statepager "
               "that wrote it" if older else "another statepager")
         raise CheckpointMismatchError(f"{manifest_path} has checkpoint format version "
                                       f"{version!r}, written by {by}; this statepager reads "
-                                      f"version {VERSION} only")
+                                      f"versions {sorted(CHECKSUMS)}")
     if manifest.get(DIGEST) != digest(manifest):
         raise _C.CorruptStoreError(
             f"{manifest_path} does not match its own checksum ({DIGEST}): it was edited or "
             "damaged after it was written. Nothing was loaded")
-    if manifest.get("checksum") != "crc32" or manifest.get("chunk_bytes") != CHUNK:
+    if manifest.get("checksum") != CHECKSUMS[version] or manifest.get("chunk_bytes") != CHUNK:
         raise CheckpointMismatchError(
             f"{manifest_path}: checksums {manifest.get('checksum')!r} per "
-            f"{manifest.get('chunk_bytes')} bytes, this statepager reads crc32 per {CHUNK}")
+            f"{manifest.get('chunk_bytes')} bytes, this statepager reads "
+            f"{CHECKSUMS[version]} per {CHUNK} in version {version}")
     entries = manifest.get("optimizers")
     names = ([e.get("name") for e in entries] if isinstance(entries, list)
              and all(isinstance(e, dict) for e in entries) else [None])
@@ -88,19 +96,26 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+def checked_bytes(checksum: str, nbytes: int) -> int:
+    """How many bytes from a tensor's offset its checksums cover (see the docstring)."""
+    return align(nbytes) if checksum == "crc32c" else nbytes
+
+
 class DataFile:
     """One optimizer's data file and the tensors the manifest records in it, checked
     against the file: its place (checkpoint_dirs.data_file), its size, and each tensor's
     entry (well-formed; as many bytes as its dtype and shape make, a 4 KiB-aligned range
-    inside data_bytes; one crc32 per CHUNK). Fields:
+    inside data_bytes; one `checksum` value per CHUNK). Fields:
         name, path    the optimizer's name and its data file
+        checksum      "crc32c" or "crc32" (the manifest's), also the entries' key of it
         tensors       {(parameter index, state name): tensor entry}
-        ranges        (offset, bytes, crc32s, parameter index, state name) of each
-                      non-ZERO tensor, in manifest order
+        ranges        (offset, bytes checksummed, checksums, parameter index, state name)
+                      of each non-ZERO tensor, in manifest order
     """
 
-    def __init__(self, entry: dict, root: str):
+    def __init__(self, entry: dict, root: str, checksum: str):
         self.name = entry["name"]
+        self.checksum = checksum
         manifest_path = os.path.join(root, checkpoint_dirs.MANIFEST)
         self.where = f"{manifest_path}: optimizer {self.name!r}"  # for error messages
         self.path = checkpoint_dirs.data_file(root, entry.get("data"), self.name, manifest_path)
@@ -120,7 +135,7 @@ class DataFile:
             if key in self.tensors:
                 self._corrupt(f"parameter {key[0]} {key[1]} is recorded twice")
             self.tensors[key] = t
-        self.ranges = [(t["offset"], t["bytes"], t["crc32"], *key)
+        self.ranges = [(t["offset"], checked_bytes(checksum, t["bytes"]), t[checksum], *key)
                        for key, t in self.tensors.items() if not t["zero"]]
 
     def _corrupt(self, what: str):
@@ -133,7 +148,7 @@ class DataFile:
                 and is_int(t.get("bytes")) and t["bytes"] >= 0):
             self._corrupt(f"tensor entry {t!r} is malformed")
         what = f"parameter {t['param']} {t['name']}"
-        offset, nbytes, crcs = t.get("offset"), t["bytes"], t.get("crc32")
+        offset, nbytes, crcs = t.get("offset"), t["bytes"], t.get(self.checksum)
         dtype = getattr(torch, t["dtype"].removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             self._corrupt(f"{what} has the unknown dtype {t['dtype']!r}")
@@ -146,13 +161,14 @@ class DataFile:
             return t["param"], t["name"]
         if t.get("zero") is not False:
             self._corrupt(f"{what} has no zero flag")
-        if not is_int(offset) or offset < 0 or offset % ALIGN or offset + nbytes > data_bytes:
-            self._corrupt(f"{what} at offset {offset!r} ({nbytes} bytes) is not a "
+        checked = checked_bytes(self.checksum, nbytes)
+        if not is_int(offset) or offset < 0 or offset % ALIGN or offset + checked > data_bytes:
+            self._corrupt(f"{what} at offset {offset!r} ({checked} bytes) is not a "
                           f"{ALIGN}-aligned range inside the first {data_bytes} bytes of its "
                           "data file")
         if (not isinstance(crcs, list) or len(crcs) != math.ceil(nbytes / CHUNK)
                 or not all(is_int(c) and 0 <= c < 1 << 32 for c in crcs)):
-            self._corrupt(f"{what} does not record one crc32 per {CHUNK} bytes")
+            self._corrupt(f"{what} does not record one {self.checksum} per {CHUNK} bytes")
         return t["param"], t["name"]
 
 

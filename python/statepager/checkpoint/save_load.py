@@ -1,7 +1,7 @@
 """Pager.save(path) / Pager.load(path): checkpoints of the state of attached optimizers.
 
 A checkpoint is a directory written once:
-    manifest.json     what it holds, with a checksum of its own (statepager.manifest)
+    manifest.json     what it holds, with a checksum of its own (statepager.checkpoint.manifest)
     <name>/state.bin  per optimizer: its tensors' bytes, each at a 4 KiB-aligned offset,
                       zeros in between
 
@@ -10,18 +10,22 @@ its files, so a save copies those ranges (reflink, copy_file_range or read/write
 backing/file_copy.h) and nothing passes through the device. The ranges are held at the
 moment of the call (allocator/store_snapshot.h): with background=True save() returns
 then, training goes on, and a page-out into a range not yet copied waits until it is.
-The checksums are computed from the written files on several threads, after the copy.
+The checksums (crc32c, the CPU's instruction) are computed in the same pass as the copy:
+bytes that move are checksummed between read and write, and the ranges a reflink shares
+are read once (backing/file_copy.h). save(checksum="crc32") writes the format-3 manifest
+of older statepagers instead: zlib crc32s, from a second read of the written files on
+several threads after the copy (as saves did before crc32c).
 Everything is written into a temporary directory beside `path`, fsynced and renamed: a
 crash leaves either the complete checkpoint or none, and the next save or load beside it
-removes the temporary of a killed save (statepager.checkpoint_dirs). A path inside a
+removes the temporary of a killed save (statepager.checkpoint.dirs). A path inside a
 store directory is refused before anything is written.
 
 A load is all or nothing. First it checks the manifest's format, version and own checksum
-(statepager.manifest), each data file's place inside the checkpoint and each tensor's
+(statepager.checkpoint.manifest), each data file's place inside the checkpoint and each tensor's
 range in it, the layout against the attached optimizers, and every tensor's crc32s. Then
 it creates, ZERO, the state entries the checkpoint holds for parameters that have none
 yet, checks each stored tensor against the live one (dtype, shape, strides, size) and
-decodes the small state and hyperparameters into staging (statepager.checkpoint_staging);
+decodes the small state and hyperparameters into staging (statepager.checkpoint.staging);
 a failure there drops what it created. Only then is each optimizer's state copied into
 the store (Pager::restore, which keeps the old bytes if it fails) and its staged values
 assigned, which cannot fail. Any difference is refused with an error that names it. With
@@ -44,7 +48,7 @@ from statepager import _C
 from statepager.checkpoint import dirs as checkpoint_dirs
 from statepager.checkpoint.dirs import DATA, MANIFEST
 from statepager.checkpoint.staging import Staged, check_layout, missing_state
-from statepager.checkpoint.manifest import (CHUNK, DIGEST, FORMAT, VERSION, CheckpointMismatchError,
+from statepager.checkpoint.manifest import (CHECKSUMS, CHUNK, DIGEST, FORMAT, CheckpointMismatchError,
                                  DataFile, align, digest, encode, read_manifest, stored,
                                  valid_name)
 from statepager.core import ranks
@@ -54,6 +58,8 @@ log = logging.getLogger("statepager")
 
 _READ = 4 << 20       # bytes per read while checksumming
 _VIAS = ("store", "device")
+_VERSION_OF = {name: version for version, name in CHECKSUMS.items()}
+_SUM = {"crc32c": _C.crc32c, "crc32": zlib.crc32}  # (bytes, value) -> value; GIL released
 
 
 class SaveHandle:
@@ -68,8 +74,9 @@ class SaveHandle:
         self.bytes = nbytes           # tensor bytes in the checkpoint (ZERO ones excluded)
         self.method: str | None = None  # how the bytes were copied (file_copy.h), or "device"
         self.call_seconds = 0.0       # save() itself: until training could go on
-        self.copy_seconds = 0.0       # copying the bytes (the part steps may wait for)
-        self.checksum_seconds = 0.0
+        self.copy_seconds = 0.0       # copying the bytes (the part steps may wait for), and
+                                      # checksumming them (crc32c: in the same pass)
+        self.checksum_seconds = 0.0   # a second read to checksum them (checksum="crc32")
         self.seconds: float | None = None  # from the call until the checkpoint was in place
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None  # set by the saving thread before it ends
@@ -100,19 +107,22 @@ def rank_directory(base: str) -> str:
     return os.path.join(os.path.abspath(base), "statepager", f"rank{ranks.rank():05d}")
 
 
-def check_save_options(background: bool, via: str) -> None:
+def check_save_options(background: bool, via: str, checksum: str = "crc32c") -> None:
     if via not in _VIAS:
         raise _C.UsageError(f"via must be one of {_VIAS}, not {via!r}")
+    if checksum not in _VERSION_OF:
+        raise _C.UsageError(f"checksum must be one of {tuple(_VERSION_OF)}, not {checksum!r} "
+                            "(crc32: the format-3 checkpoints of older statepagers)")
     if background and via != "store":
         raise _C.UsageError("a background save copies the store: use via='store'")
 
 
 def save(pager, core, path: str, *, background: bool = False,
-         via: str = "store") -> SaveHandle:
+         via: str = "store", checksum: str = "crc32c") -> SaveHandle:
     """Pager.save (core: the pager's _C.Pager, whose snapshot() holds the store ranges).
     The caller has settled the previous background save and keeps the handle of a
     background one (the next save or load settles it)."""
-    check_save_options(background, via)
+    check_save_options(background, via, checksum)
     t_call = time.perf_counter()
     path = os.path.abspath(path)
     checkpoint_dirs.refuse_store_target(path, pager.directory)
@@ -135,7 +145,7 @@ def save(pager, core, path: str, *, background: bool = False,
         for p in plan:
             p.place(states[at:at + len(p.tensors)])
             at += len(p.tensors)
-        manifest = {"format": FORMAT, "version": VERSION, "checksum": "crc32",
+        manifest = {"format": FORMAT, "version": _VERSION_OF[checksum], "checksum": checksum,
                     "chunk_bytes": CHUNK, "optimizers": [p.entry for p in plan]}
         checkpoint_dirs.make_parents(os.path.dirname(path))
         tmp = checkpoint_dirs.Temporary(path)
@@ -152,22 +162,26 @@ def save(pager, core, path: str, *, background: bool = False,
                 os.makedirs(os.path.dirname(f))
                 open(f, "wb").close()
             t0 = time.perf_counter()
+            inline = checksum == "crc32c"
             if snapshot is not None:
                 targets = [(i, e["offset"] or 0) for i, p in enumerate(plan)
                            for e in p.entries]
-                handle.method = snapshot.copy_to(files, targets)
+                handle.method, sums = snapshot.copy_to(files, targets, CHUNK if inline else 0)
             else:
                 handle.method = "device"
-                for p, f in zip(plan, files):
-                    p.write_through_device(f)
+                sums = [s for p, f in zip(plan, files)
+                        for s in p.write_through_device(f, checksum)]
             t1 = time.perf_counter()
-            ranges = [(f, e["offset"], e["bytes"]) for p, f in zip(plan, files)
-                      for e in p.entries if not e["zero"]]
-            sums = iter(checksums(ranges))
-            handle.copy_seconds, handle.checksum_seconds = t1 - t0, time.perf_counter() - t1
+            handle.copy_seconds = t1 - t0
+            if not inline:
+                sums = iter(checksums([(f, e["offset"], e["bytes"]) for p, f in zip(plan, files)
+                                       for e in p.entries if not e["zero"]], checksum))
+                sums = [[] if e["zero"] else next(sums) for p in plan for e in p.entries]
+                handle.checksum_seconds = time.perf_counter() - t1
+            sums = iter(sums)
             for p in plan:
                 for e in p.entries:
-                    e["crc32"] = [] if e["zero"] else next(sums)
+                    e[checksum] = next(sums)
             manifest[DIGEST] = digest(manifest)
             with open(os.path.join(tmp.path, MANIFEST), "w") as f:
                 json.dump(manifest, f)
@@ -242,10 +256,13 @@ class _Plan:
                 self.data_bytes += e["bytes"]
         self.entry["data_bytes"] = offset
 
-    def write_through_device(self, path: str) -> None:
+    def write_through_device(self, path: str, checksum: str) -> list:
         """The bytes via the device, bucket by bucket (page in, write, page out): the same
-        file as the store copy makes, without touching the store's files."""
+        file as the store copy makes, without touching the store's files. Returns each
+        entry's checksums, of the bytes as they were written for crc32c ([] when ZERO;
+        none at all for crc32, which is computed from the file afterwards)."""
         pager = self.binding.pager
+        sums = {}
         with open(path, "r+b") as f:
             for items in self.buckets:
                 moved = [(e, t) for e, t in items if not e["zero"]]
@@ -253,18 +270,33 @@ class _Plan:
                 try:
                     for e, t in moved:
                         data = flat_view(t.detach()).view(torch.uint8).cpu().numpy()
+                        pad = bytes(align(data.size) - data.size)
                         f.seek(e["offset"])
                         f.write(data.data)
-                        f.write(b"\0" * (align(data.size) - data.size))
+                        f.write(pad)
+                        if checksum == "crc32c":
+                            sums[id(e)] = _chunk_crc32c(memoryview(data), pad)
                 finally:
                     pager.page_out([t for _, t in moved])
             f.flush()
             os.fsync(f.fileno())
+        return [sums.get(id(e), []) for e in self.entries] if checksum == "crc32c" else []
 
 
-def checksums(ranges: list) -> list:
-    """crc32 of each CHUNK bytes of each (path, offset, nbytes) range: one list per range.
-    The chunks are read and summed on several threads (zlib and reads release the GIL)."""
+def _chunk_crc32c(data: memoryview, pad: bytes) -> list:
+    """crc32c of each CHUNK bytes of data followed by pad (the zeros to its 4 KiB
+    boundary, which lie inside data's last chunk)."""
+    out = [_C.crc32c(data[k:k + CHUNK]) for k in range(0, len(data), CHUNK)]
+    if pad:
+        out[-1] = _C.crc32c(pad, out[-1])
+    return out
+
+
+def checksums(ranges: list, checksum: str) -> list:
+    """`checksum` ("crc32c" or "crc32") of each CHUNK bytes of each (path, offset, nbytes)
+    range: one list per range. The chunks are read and summed on several threads (the
+    sums and reads release the GIL)."""
+    summed = _SUM[checksum]
     chunks = [(i, path, offset + k, min(CHUNK, n - k))
               for i, (path, offset, n) in enumerate(ranges) for k in range(0, n, CHUNK)]
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # a load checked each path first
@@ -281,7 +313,7 @@ def checksums(ranges: list) -> list:
             if got == 0:
                 raise _C.CorruptStoreError(f"{path} ends at byte {offset}, before its data "
                                            "does: the checkpoint is truncated")
-            value = zlib.crc32(local.buf[:got], value)
+            value = summed(local.buf[:got], value)
             offset += got
             left -= got
         return value
@@ -320,11 +352,11 @@ def load(pager, core, path: str) -> bool:
             f"{sorted(attached)} attached. Load it into the same model, optimizers and "
             "sharding it was saved from.")
     entries = [saved[b.name] for b in bindings]
-    data = [DataFile(entry, path) for entry in entries]
+    data = [DataFile(entry, path, manifest["checksum"]) for entry in entries]
     for binding, entry, d in zip(bindings, entries, data):
         check_layout(binding, entry, d)
     missing = [missing_state(binding, d) for binding, d in zip(bindings, data)]
-    _verify(data)
+    _verify(data, manifest["checksum"])
     # The live state changes from here on; until an optimizer is loaded, what changed in
     # it is undone on failure.
     created, loaded = {}, []
@@ -363,15 +395,17 @@ def verify(path: str, manifest: dict) -> None:
     """Every tensor's bytes in checkpoint `path` against the checksums in its manifest
     (read_manifest), with the data files' places and ranges checked as a load checks them:
     CorruptStoreError naming the first that fails."""
-    _verify([DataFile(entry, path) for entry in manifest["optimizers"]])
+    _verify([DataFile(entry, path, manifest["checksum"]) for entry in manifest["optimizers"]],
+            manifest["checksum"])
 
 
-def _verify(data: list) -> None:
-    """Every tensor's bytes against its checksums (data: manifest.DataFile per optimizer)."""
+def _verify(data: list, checksum: str) -> None:
+    """Every tensor's bytes against its checksums (data: manifest.DataFile per optimizer,
+    checksum: the manifest's)."""
     ranges = [(d.path, offset, nbytes) for d in data for offset, nbytes, *_ in d.ranges]
     owners = [(d, r) for d in data for r in d.ranges]
     for (path, *_), (d, (offset, nbytes, crcs, param, name)), found in zip(
-            ranges, owners, checksums(ranges)):
+            ranges, owners, checksums(ranges, checksum)):
         if found == crcs:
             continue
         k = next((k for k, (a, b) in enumerate(zip(found, crcs)) if a != b),
@@ -379,7 +413,7 @@ def _verify(data: list) -> None:
         at = offset + k * CHUNK
         raise _C.CorruptStoreError(
             f"{path}: optimizer {d.name!r} parameter {param} {name} fails its checksum in "
-            f"bytes {at}..{min(at + CHUNK, offset + nbytes)} (chunk {k}: crc32 "
+            f"bytes {at}..{min(at + CHUNK, offset + nbytes)} (chunk {k}: {checksum} "
             f"{found[k:k + 1]}, the manifest records {crcs[k:k + 1]}): the checkpoint is "
             "corrupt; nothing was loaded")
 

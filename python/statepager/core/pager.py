@@ -345,16 +345,19 @@ class Pager:
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def save(self, path: str, *, background: bool = False, via: str = "store"):
+    def save(self, path: str, *, background: bool = False, via: str = "store",
+             checksum: str = "crc32c"):
         """Writes the state of every attached optimizer to the new directory `path`,
         atomically (see statepager.checkpoint). Call it between steps. The bytes are
         copied from the store's files (via="store"; "device" streams them through the
         device instead, bucket by bucket). background=True returns as soon as the state
         of this moment is secured: steps may run while the copy finishes, and a bucket's
-        page-out waits until that bucket has been copied. Returns a SaveHandle: wait(),
-        done(), and .method, .bytes, .seconds of the save."""
+        page-out waits until that bucket has been copied. checksum="crc32" writes the
+        format-3 checkpoint older statepagers read (zlib crc32, a second read of the
+        files); the default crc32c is computed while copying. Returns a SaveHandle:
+        wait(), done(), and .method, .bytes, .seconds of the save."""
         self.check_not_paused("save()")
-        return self._save(path, background, via)
+        return self._save(path, background, via, checksum)
 
     def load(self, path: str) -> bool:
         """Loads a checkpoint written by save() into the attached optimizers, after
@@ -376,10 +379,11 @@ class Pager:
         self.check_not_paused("load_from()")
         return self._load(checkpoint.rank_directory(base))
 
-    def _save(self, path: str, background: bool, via: str):
-        checkpoint.check_save_options(background, via)
+    def _save(self, path: str, background: bool, via: str, checksum: str = "crc32c"):
+        checkpoint.check_save_options(background, via, checksum)
         self._settle_save()
-        handle = checkpoint.save(self, self._core, path, background=background, via=via)
+        handle = checkpoint.save(self, self._core, path, background=background, via=via,
+                                 checksum=checksum)
         if background:
             self._saving = handle  # one at a time: the next save or load waits for it
         return handle

@@ -45,6 +45,11 @@ class StepStats:
     write_busy_seconds: float = 0.0 # some page-out was moving bytes
     both_busy_seconds: float = 0.0  # reads and writes were moving at the same time
     peak_mapped_bytes: int = 0
+    # Per bucket, in order: (bytes, read, step, write), each a (start, end) pair in
+    # time.monotonic() seconds: its page-in's I/O, the optimizer's step on it (host time;
+    # the device may still run it after), its page-out's I/O; (0, 0) when nothing moved.
+    # statepager.trace draws it.
+    timeline: list = field(default_factory=list)
 
     @property
     def overlap(self) -> float:
@@ -409,39 +414,43 @@ class StreamedOptimizer:
         stats = StepStats(step=self._steps + 1, buckets=n)
         before = pager.stats()
         pager.reset_peak()
-        t_start = time.perf_counter()
+        t_start = time.monotonic()
         # Optimizers that count steps per param group (TE's and apex's FusedAdam) must
         # advance the count once per step, not once per bucket.
         self._group_steps = [g.get("step", _ABSENT) for g in self.optimizer.param_groups]
         self._group_steps_after = list(self._group_steps)
         ahead = max(1, self.depth - 2)
         ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
-        done_in, done_out = [], []
+        done_in, done_out, stepping = [], [], []
+        trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
         try:
             for j in range(min(ahead + 1, n)):
                 ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
             for i, b in enumerate(buckets):
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
                 h = ins.pop(i)
                 h.wait()
                 done_in.append(h)
-                t1 = time.perf_counter()
+                t1 = time.monotonic()
+                trace.start(f"step bucket {i}", "step")
                 self._step_bucket(b, atomic)
-                t2 = time.perf_counter()
+                trace.end()
+                t2 = time.monotonic()
+                stepping.append((t1, t2))
                 stats.wait_in_seconds += t1 - t0
                 stats.compute_seconds += t2 - t1
                 outs.append(self._release(b, wait=False))
                 done_out.append(outs[-1][0])
                 j = i + ahead + 1
                 if j < n:
-                    t0 = time.perf_counter()
+                    t0 = time.monotonic()
                     while len(outs) + len(ins) >= self.depth:
                         for h in outs[0]:
                             h.wait()
                         outs.popleft()
-                    stats.wait_out_seconds += time.perf_counter() - t0
+                    stats.wait_out_seconds += time.monotonic() - t0
                     ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             for handles in outs:
                 for h in handles:
                     h.wait()
@@ -451,7 +460,7 @@ class StreamedOptimizer:
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
         pager.keep_at_least(self._window())  # state created in this step
-        t_end = time.perf_counter()
+        t_end = time.monotonic()
         stats.wait_out_seconds += t_end - t0
         stats.seconds = t_end - t_start
         after = pager.stats()
@@ -462,6 +471,8 @@ class StreamedOptimizer:
         stats.read_busy_seconds = sum(e - s for s, e in reads)
         stats.write_busy_seconds = sum(e - s for s, e in writes)
         stats.both_busy_seconds = _intersection(reads, writes)
+        stats.timeline = [(b.nbytes, i.times, s, o.times)
+                          for b, i, s, o in zip(buckets, done_in, stepping, done_out)]
         self._steps += 1
         self.last = stats
         if self.log_steps:
