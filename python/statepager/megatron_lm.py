@@ -189,7 +189,7 @@ class Run:
         if _rank() == 0:
             print(f"statepager: optimizer state paged through {self.pager.directory} "
                   f"(rank 0; hbm budget {o.hbm_budget or 'unbounded'}, buckets of "
-                  f"{o.bucket_size / MiB:.0f} MiB, moments {o.moments}, mains {o.mains})",
+                  f"{o.bucket_size / MiB:g} MiB, moments {o.moments}, mains {o.mains})",
                   flush=True)
         return optimizer
 
@@ -263,9 +263,11 @@ class Run:
     def training_log(self, iteration: int, megatron_log):
         if self.binding is None:
             return megatron_log()
-        if self._interval.add(self.binding.last):
+        last = self.binding.last  # one StepStats per member (MegatronBinding)
+        members = last if isinstance(last, list) else [last]
+        if self._interval.add(members):
             step = IntervalStats()
-            step.add(self.binding.last)
+            step.add(members)
             self.megatron.write_scalars(step.scalars(), iteration)
         printed = []
 
