@@ -540,7 +540,7 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads"
             "--vocab-size", "128", "--tokenizer-type", "NullTokenizer"]
 
 
-def test_real_megatron_parser_validation_and_signatures(tmp_path, monkeypatch, capsys):
+def test_real_megatron_parser_validation_and_signatures(tmp_path, monkeypatch):
     mlm = _megatron_training()
     from megatron.training import arguments, checkpointing, training
 
@@ -573,10 +573,11 @@ def test_real_megatron_parser_validation_and_signatures(tmp_path, monkeypatch, c
         with pytest.raises(RefusedConfiguration, match="--optimizer-cpu-offload"):
             arguments.parse_and_validate_args()
 
-        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--help"])
-        with pytest.raises(SystemExit):
-            arguments.parse_args()
-        assert "--statepager-bucket-size" in capsys.readouterr().out
+        # Every parser Megatron builds knows the flags (its 0.19 --help itself fails on a
+        # '%' in one of its own help texts, so that is not what is checked).
+        parser = arguments.add_megatron_arguments(argparse.ArgumentParser())
+        assert parser.parse_known_args(["--statepager-bucket-size", "1M"])[0] \
+            .statepager_bucket_size == MiB
 
         # The wrappers bind Megatron's own signatures.
         opt = object()
