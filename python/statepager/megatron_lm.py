@@ -318,7 +318,9 @@ def _usage() -> str:
     return _USAGE + parser.format_help()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, megatron: MegatronLM | None = None) -> int:
+    """The entry point: runs argv[0] as __main__ with argv[1:] as its arguments, hooked
+    by install(megatron). 0 when the script returns, 2 for a refused configuration."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"statepager.megatron_lm: no training script {script!r}", file=sys.stderr)
         return 2
     try:
-        run = install()
+        run = install(megatron)
     except UsageError as e:
         print(f"statepager.megatron_lm: {e}", file=sys.stderr)
         return 2

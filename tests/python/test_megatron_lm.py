@@ -527,6 +527,9 @@ def _megatron_training():
         typing_extensions = pytest.importorskip("typing_extensions")
         typing.override = typing_extensions.override
     import megatron.training.training  # noqa: F401
+    from megatron.training import global_vars
+
+    global_vars.unset_global_variables()  # Megatron's arguments are set once per process
 
     from statepager.megatron_lm_hooks import MegatronLM
 
@@ -592,3 +595,43 @@ def test_real_megatron_parser_validation_and_signatures(tmp_path, monkeypatch):
         mlm.uninstall()
     assert training.save_checkpoint is checkpointing.save_checkpoint
     assert "statepager" not in training.get_megatron_optimizer.__module__
+
+
+_SCRIPT = """
+from megatron.training.arguments import parse_and_validate_args
+args = parse_and_validate_args()
+print("script ran:", args.statepager_directory, __name__)
+"""
+
+
+def test_main_runs_an_unchanged_script_and_refuses_at_start(tmp_path, monkeypatch, capsys):
+    mlm = _megatron_training()
+    from megatron.training import global_vars
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    flags = TINY_GPT + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    try:
+        assert megatron_lm.main([str(script)] + flags + ["--statepager-dir", "/sp"],
+                                megatron=mlm) == 0
+        assert "script ran: /sp __main__" in capsys.readouterr().out
+    finally:
+        mlm.uninstall()
+        global_vars.unset_global_variables()
+    try:
+        assert megatron_lm.main([str(script)] + flags,
+                                megatron=mlm) == 2
+        err = capsys.readouterr().err
+        assert "statepager.megatron_lm: statepager.megatron_lm needs a store directory" in err
+    finally:
+        mlm.uninstall()
+    monkeypatch.setenv("STATEPAGER_DIR", "/env-sp")
+    try:
+        assert megatron_lm.main([str(script)] + flags + ["--ckpt-format", "torch"],
+                                megatron=mlm) == 2
+        err = capsys.readouterr().err
+        assert "cannot run with these Megatron flags:\n  --ckpt-format: " in err
+    finally:
+        mlm.uninstall()
