@@ -19,5 +19,5 @@ if compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
 fi
 export STATEPAGER_TEST_LOGS=$OUT/megatron-lm
 ROOT=$PWD
-(cd /tmp && timeout 290 python3 -m pytest -q -rs -p no:cacheprovider \
+(cd /tmp && timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
   "$ROOT/tests/gpu/test_megatron_lm.py") 2>&1 | tee "$OUT/pytest.log" | tail -25

@@ -179,3 +179,26 @@ def test_async_save_matches_the_sync_one(runs):
                                      "*", "state.bin")):
             y = os.path.join(ckpt, os.path.relpath(x, runs.path("ckpt-paged")))
             assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+
+
+def test_crash_between_the_saves_leaves_the_tracker_on_the_previous_iteration(runs):
+    ckpt = runs.path("ckpt-crash")
+    # Megatron's part of iteration 4 cannot be written (its metadata.json is taken by a
+    # directory): the run dies after statepager's part, before the tracker names 4.
+    blocker = os.path.join(ckpt, "iter_0000004", "metadata.json")
+    os.makedirs(blocker)
+    code, text = runs.run("crash", ["--save", ckpt, "--save-interval", "2"])
+    assert code != 0
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "2"
+    assert os.path.isfile(os.path.join(ckpt, "iter_0000004", "statepager", "rank00000",
+                                       "manifest.json"))
+    # Restarted: resumes from 2, saves 4 again (replacing the unfinished part) and 6.
+    os.rmdir(blocker)
+    text = ok(runs.run("crash-resumed", ["--load", ckpt, "--save", ckpt,
+                                         "--save-interval", "2"]))
+    assert logged(text) == {i: runs.paged[i] for i in range(3, ITERS + 1)}
+    for x in glob.glob(runs.path("ckpt-paged", f"iter_{ITERS:07d}", "statepager", "rank00000",
+                                 "*", "state.bin")):
+        y = os.path.join(ckpt, os.path.relpath(x, runs.path("ckpt-paged")))
+        assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
