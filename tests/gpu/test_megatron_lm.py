@@ -1,5 +1,5 @@
 """Megatron-LM's pretrain_gpt.py, unchanged, through `python -m statepager.megatron_lm` on
-one GPU (torchrun): a tiny GPT (2 layers, hidden 256, --transformer-impl local, mock data)
+one GPU (torchrun; the DP = 2 tests need two): a tiny GPT (2 layers, hidden 256, --transformer-impl local, mock data)
 trained 6 iterations with a checkpoint at 4 and at 6, resumed from 4, compared with the
 same run unpaged. Losses and grad norms are compared as Megatron logs them (every
 iteration); the optimizer state statepager saved at iteration 6 after the resume is
@@ -64,12 +64,12 @@ class Runs:
     def path(self, *parts):
         return os.path.join(self.folder, *parts)
 
-    def run(self, name, extra, *, paged=True):
+    def run(self, name, extra, *, paged=True, gpus=1):
         store = self.path(f"store-{name}-{{rank}}")
         argv = TINY_GPT + extra + [a.replace("{store}", store) for a in PAGED if paged]
         entry = ["-m", "statepager.megatron_lm", PRETRAIN_GPT] if paged else [PRETRAIN_GPT]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1"] + entry + argv
+               "--nproc-per-node", str(gpus)] + entry + argv
         env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([MEGATRON_LM] + sys.path))
         p = subprocess.run(cmd, cwd=self.folder, env=env, stdout=subprocess.PIPE,
@@ -202,3 +202,29 @@ def test_crash_between_the_saves_leaves_the_tracker_on_the_previous_iteration(ru
                                  "*", "state.bin")):
         y = os.path.join(ckpt, os.path.relpath(x, runs.path("ckpt-paged")))
         assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (DP = 2)")
+
+
+@two_gpus
+def test_dp2_paged_equals_unpaged_resumes_exactly_and_a_missing_rank_fails_both(runs):
+    a, b = runs.path("dp2-unpaged"), runs.path("dp2-paged")
+    unpaged = logged(ok(runs.run("dp2-unpaged", ["--save", a], paged=False, gpus=2)))
+    paged = logged(ok(runs.run("dp2-paged", ["--save", b], gpus=2)))
+    assert sorted(paged) == list(range(1, ITERS + 1)) and paged == unpaged
+    resumed = logged(ok(runs.run("dp2-resumed", ["--load", b, "--ckpt-step", str(SAVE_AT),
+                                                 "--save", runs.path("dp2-resumed")],
+                                 gpus=2)))
+    assert resumed == {i: paged[i] for i in range(SAVE_AT + 1, ITERS + 1)}
+    for rank in (0, 1):
+        for x in glob.glob(os.path.join(b, f"iter_{ITERS:07d}", "statepager",
+                                        f"rank{rank:05d}", "*", "state.bin")):
+            y = os.path.join(runs.path("dp2-resumed"), os.path.relpath(x, b))
+            assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+    shutil.rmtree(os.path.join(b, f"iter_{SAVE_AT:07d}", "statepager", "rank00001"))
+    code, text = runs.run("dp2-broken", ["--load", b, "--ckpt-step", str(SAVE_AT)], gpus=2)
+    assert code != 0
+    # Both ranks fail, each naming rank 1 (rank 0 had its state).
+    assert text.count("failed on 1 of 2 ranks, so it fails on every rank: rank 1:") >= 2, \
+        text[-4000:]
