@@ -1,9 +1,11 @@
 """Megatron-LM's pretrain_gpt.py, unchanged, through `python -m statepager.megatron_lm` on
 one GPU (torchrun; the DP = 2 test needs two): a tiny GPT (2 layers, hidden 256,
---transformer-impl local, mock data) trained 6 iterations with a checkpoint at 4 and at 6, resumed from 4, compared with the
-same run unpaged. Losses and grad norms are compared as Megatron logs them (every
-iteration); the optimizer state statepager saved at iteration 6 after the resume is
-compared byte for byte with the uninterrupted run's.
+--transformer-impl local, mock data) trained 6 iterations with a checkpoint at 4 and at
+6, resumed from 4, compared with the same run unpaged. Losses and grad norms are
+compared as Megatron logs them (every iteration); the optimizer state statepager saved
+at iteration 6 after the resume is compared byte for byte with the uninterrupted run's.
+Also: --no-load-optim against Megatron's own, a rank's state missing, a refused flag,
+--async-save, and a crash between statepager's save and Megatron's.
 
 Skips without CUDA, megatron-core, or Megatron-LM's training scripts in .deps/megatron-lm
 (git-ignored; NVIDIA/Megatron-LM core_r0.19.0). Each run's log is kept under
