@@ -45,7 +45,8 @@ TINY_GPT = [
     "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
     "--bf16", "--use-distributed-optimizer", "--transformer-impl", "local",
-    "--no-gradient-accumulation-fusion", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",  # no apex, no TE
+    "--hidden-dropout", "0", "--attention-dropout", "0",
     "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
     "--save-interval", str(SAVE_AT),
 ]
