@@ -79,6 +79,11 @@ def rank_part(iteration_directory: str) -> str:
                         f"rank{_rank():05d}")
 
 
+def _holds_checkpoint(path: str) -> bool:
+    """Whether `path` is a checkpoint Pager.save wrote (it has its manifest)."""
+    return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
 class IntervalStats:
     """StepStats of the steps since the last report, summed over the optimizer's members
     (which step one after another)."""
@@ -215,7 +220,7 @@ class Run:
         the same iteration (a save that crashed before the tracker named it)."""
         stale = rank_part(directory)
         if os.path.lexists(stale):
-            if not os.path.isfile(os.path.join(stale, "manifest.json")):
+            if not _holds_checkpoint(stale):
                 raise UsageError(f"{stale} exists and is no statepager checkpoint: remove it "
                                  "or save elsewhere")
             shutil.rmtree(stale)
@@ -249,7 +254,11 @@ class Run:
                 optimizer.reload_model_params()
             return result
         directory = m.iteration_directory(base, iteration)
-        loaded, ok, reason = _attempt(lambda: self.pager.load_from(directory))
+        # Checked first, so a missing part is not taken for a fresh start (load_from's
+        # False) anywhere: it fails every rank.
+        loaded, ok, reason = False, True, ""
+        if _holds_checkpoint(rank_part(directory)):
+            loaded, ok, reason = _attempt(lambda: self.pager.load_from(directory))
         if ok and not loaded:
             ok, reason = False, (f"{rank_part(directory)} holds no statepager checkpoint "
                                  "(saved without statepager, or with --no-save-optim); pass "
