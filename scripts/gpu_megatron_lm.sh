@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Megatron-LM through `python -m statepager.megatron_lm` on the GPU machine:
+# tests/gpu/test_megatron_lm.py (pretrain_gpt.py, tiny GPT, 1 GPU; paged vs unpaged,
+# resume, --no-load-optim, a missing rank state, a refused flag, --async-save).
+# Expects `bash scripts/setup.sh` (or gpu_suite.sh) to have built the extension into
+# python/statepager/, megatron-core in .whl/ (README, "The GPU machine") and Megatron-LM's
+# core_r0.19.0 training scripts in .deps/megatron-lm (carried, git-ignored).
+# Logs: $OUT/pytest.log and one log per Megatron run in $OUT/megatron-lm/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/statepager-gpu-out}
+mkdir -p "$OUT/megatron-lm"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/megatron_core-*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+export STATEPAGER_TEST_LOGS=$OUT/megatron-lm
+ROOT=$PWD
+(cd /tmp && timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
+  "$ROOT/tests/gpu/test_megatron_lm.py") 2>&1 | tee "$OUT/pytest.log" | tail -25
