@@ -38,7 +38,13 @@ def use_fused(enabled: bool) -> bool:
 def applies_to(optimizer) -> bool:
     """True when the optimizer's algorithm is torch's Adam step (Adam, AdamW and their
     subclasses that keep it)."""
-    return type(optimizer).step is torch.optim.Adam.step
+    return _unhooked(type(optimizer).step) is _unhooked(torch.optim.Adam.step)
+
+
+def _unhooked(step):
+    """A class's step without the profiling hook torch puts around it (once per class,
+    marked `hooked`, at the first optimizer's construction)."""
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
 def _group_fusable(group: dict) -> bool:
@@ -68,7 +74,7 @@ class FusedStep:
             return None
         forms = []
         for p in bucket.params:
-            if not (p.is_cuda and p.dtype == torch.float32 and codecs.kernels_used(p)):
+            if not (p.dtype == torch.float32 and _kernels_for(p)):
                 return None
             state = self.optimizer.state.get(p)
             named = dict(self.binding.forms(p))
@@ -96,7 +102,7 @@ class FusedStep:
     @torch.no_grad()
     def step(self, bucket) -> None:
         """torch.optim.Adam.step on the bucket's parameters, one kernel per parameter."""
-        stream = torch.cuda.current_stream(bucket.params[0].device).cuda_stream
+        stream = _stream(bucket.params[0])
         for group, params in zip(self.optimizer.param_groups, bucket.groups):
             lr, (beta1, beta2) = group["lr"], group["betas"]
             wd, eps = group["weight_decay"], group["eps"]
@@ -116,6 +122,15 @@ class FusedStep:
                     flat_view(p), flat_view(p.grad), _stored(m), _stored(v), m.fmt,
                     1 - lr * wd if wd != 0 else None, 1 - beta1, beta2, 1 - beta2,
                     bias_correction2 ** 0.5, eps, step_size, stream)
+
+
+def _kernels_for(p: torch.Tensor) -> bool:
+    """True when p's device runs the kernels (a CUDA tensor, kernels built and on)."""
+    return codecs.kernels_used(p)
+
+
+def _stream(p: torch.Tensor) -> int:
+    return torch.cuda.current_stream(p.device).cuda_stream
 
 
 def _stored(form) -> list:
