@@ -38,8 +38,6 @@ __device__ __forceinline__ uint32_t bf16_rne(uint32_t bits) {
   return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
 }
 
-__device__ __forceinline__ bool bf16_is_nan(uint32_t h) { return (h & 0x7fffu) > 0x7f80u; }
-
 // ------------------------------------------------------------------------------ q8
 // One warp per block of 256 elements, 8 consecutive elements per lane: a lane reads two
 // float4 and writes one 8-byte word of codes.
@@ -163,10 +161,12 @@ __global__ void residual_encode_kernel(const float* __restrict__ main, const uin
   }
 }
 
+// A rebuilt master, and whether it is inconsistent with its param: it does not round to
+// it, or (codecs._inconsistent) it is NaN with a nonzero residual.
 __device__ __forceinline__ uint32_t rebuilt(uint32_t p, uint32_t r16, bool* bad) {
   const uint32_t bits = (p << 16) + static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(r16)));
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  *bad |= nan ? !bf16_is_nan(p) : bf16_rne(bits) != p;
+  *bad |= nan ? (r16 & 0xffffu) != 0 : bf16_rne(bits) != p;
   return bits;
 }
 
@@ -191,7 +191,7 @@ __global__ void residual_rebuild_kernel(const uint16_t* __restrict__ param, cons
                                                static_cast<uint16_t>(residual[base + j]), &b));
     }
   }
-  // An exception's residual is 0, so it rebuilds to its param's value and is never bad.
+  // An exception's residual is 0: it rebuilds to its param's value, never bad.
   if (b) *bad = 1;  // every writer writes 1: no atomic needed
 }
 

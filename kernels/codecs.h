@@ -44,7 +44,7 @@ void residual_encode(const float* main, const uint16_t* param, int16_t* residual
 
 // residual_rebuild: main_bits[i] = (param_bits[i] << 16) + residual[i], then main_bits at
 // exc_idx[k] = exc_bits[k]. Sets *bad = 1 (never clears it) when an element outside the
-// exceptions does not round to its param (NaN main: when its param is not NaN).
+// exceptions does not round to its param, or rebuilds to NaN with a nonzero residual.
 void residual_rebuild(const uint16_t* param, const int16_t* residual, float* main, int64_t n,
                       const int64_t* exc_idx, const int32_t* exc_bits, int64_t n_exc,
                       uint8_t* bad, int device, void* stream);
