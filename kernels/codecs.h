@@ -6,8 +6,9 @@
 //
 // Contract for every function:
 // - Pointers are device memory of `device`, contiguous, non-overlapping; n is the element
-//   count (n == 0 launches nothing). Vector loads are used when the pointers are 16-byte
-//   aligned, scalar ones otherwise: any alignment of the element type is accepted.
+//   count (n == 0 launches nothing; param_checksum then writes 0). Vector loads are used
+//   when the pointers are 16-byte aligned, scalar ones otherwise: any alignment of the
+//   element type is accepted.
 // - Work is enqueued on `stream` (a cudaStream_t, as torch's stream.cuda_stream); nothing
 //   waits for it. Thread-safe: no state beyond the CUDA runtime's.
 // - A launch the runtime refuses throws KernelError naming the kernel and the CUDA error.
