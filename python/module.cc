@@ -21,6 +21,7 @@
 #include "backing/errors.h"
 #include "backing/file_copy.h"
 #include "backing/raw_io.h"
+#include "python/kernel_bindings.h"
 
 namespace py = pybind11;
 using namespace statepager;
@@ -240,6 +241,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<IoUringUnavailableError>(m, "IoUringUnavailableError", base.ptr());
 
   m.attr("TORCH_VERSION") = STATEPAGER_TORCH_VERSION;
+  bind_kernels(m);
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
   m.def("residency_of", &residency_of, py::arg("tensor"),

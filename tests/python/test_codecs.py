@@ -290,3 +290,63 @@ def test_residual_bit_exact_for_all_2_32_patterns(device):
     non_finite = 2 * (1 << 23)
     ties_down = (1 << 15) - 2 * (1 << 6)
     assert exceptions == non_finite + ties_down
+
+
+@pytest.mark.parametrize("kind", ["signed", "nonneg"])
+def test_q8_codes_defined_for_non_finite_input(kind):
+    """Codes and scales of every input are defined (the CUDA kernels give the same bits):
+    a block with a NaN gets the one NaN scale 0x7fc00000 whatever the input's payload, a
+    non-finite block codes 0 (1 for a positive value of "nonneg"), a negative "nonneg"
+    value codes 0; such blocks decode to non-finite values, the others as before."""
+    x = torch.rand(5 * 256 + 9) + 0.5
+    x[3] = -float("nan")
+    x[256 + 4] = float("inf")
+    x[2 * 256 + 5] = -2.0  # negative: "nonneg" codes it 0
+    x[4 * 256 + 7] = float("nan")  # in the partial last block
+    codes = torch.full(x.shape, 77, dtype=torch.uint8)
+    scales = torch.empty(C.q8_num_blocks(x.numel()))
+    C.q8_encode(x, codes, scales, kind)
+    assert scales.view(torch.int32)[0] == 0x7FC00000 and scales.view(torch.int32)[4] == 0x7FC00000
+    assert scales[1] == float("inf") and scales[2] == 2.0
+    for b in (0, 1, 4):
+        block = codes[b * 256:(b + 1) * 256]
+        positive = torch.nan_to_num(x[b * 256:(b + 1) * 256]) > 0
+        expect = (positive & (kind == "nonneg")).to(torch.uint8)
+        assert torch.equal(block, expect)
+    if kind == "nonneg":
+        assert codes[2 * 256 + 5] == 0
+    out = torch.empty_like(x)
+    C.q8_decode(codes, scales, out, kind)
+    for b in (0, 1, 4):
+        assert not torch.isfinite(out[b * 256:(b + 1) * 256]).any()
+    assert torch.isfinite(out[3 * 256:4 * 256]).all()
+
+
+def test_residual_nan_rule():
+    """A rebuilt master that is NaN is judged by its residual (a NaN cast to bf16 gives
+    device-dependent bits): an exception (residual 0) is consistent, a param turned NaN
+    under a nonzero residual is not."""
+    main = torch.tensor([1.0, float("nan"), 2.5, 3.0])
+    param = main.to(torch.bfloat16)
+    residual = torch.empty(4, dtype=torch.int16)
+    exc = C.residual_encode(main, param, residual)
+    assert exc[0].tolist() == [1]
+    out = torch.empty(4)
+    assert not bool(C.residual_rebuild(param, residual, exc, out))
+    assert torch.equal(out.view(torch.int32), main.view(torch.int32))
+    main2 = torch.tensor([1.0 + 2**-12, 0.0, 2.5, 3.0])  # a nonzero residual at 0
+    param2 = main2.to(torch.bfloat16)
+    exc2 = C.residual_encode(main2, param2, residual)
+    assert residual[0] != 0
+    param2[0] = float("nan")
+    assert bool(C.residual_rebuild(param2, residual, exc2, out))
+
+
+def test_kernels_switch():
+    """use_kernels() returns the previous setting; CPU tensors never use the kernels."""
+    previous = C.use_kernels(False)
+    try:
+        assert C.use_kernels(True) is False
+        assert not C.kernels_used(torch.zeros(1))
+    finally:
+        C.use_kernels(previous)

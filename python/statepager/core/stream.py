@@ -23,6 +23,8 @@ from statepager import _C
 from statepager.core import state_dict, support
 from statepager.core.atomic import AtomicStep, UndoCopies
 from statepager.formats.stored import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
+from statepager.formats import codecs
+from statepager.formats.fused_adamw import FusedStep, applies_to
 
 log = logging.getLogger("statepager")
 
@@ -118,6 +120,7 @@ class StreamedOptimizer:
         # Per parameter (by id): its paged state entries' StoredForms, by name.
         self._forms: dict[int, dict[str, StoredForm]] = {}
         self._raw_step = _raw_step_function(optimizer)
+        self._fused = FusedStep(self) if applies_to(optimizer) else None
         self._deferred = support.DeferredState.for_optimizer(optimizer)
         for i, group in enumerate(optimizer.param_groups):
             self.check_group(group, i)
@@ -311,13 +314,16 @@ class StreamedOptimizer:
 
     # -- residency of one bucket ---------------------------------------------------
 
-    def _decode(self, b: Bucket, check_params: bool = True) -> None:
-        """Decodes the bucket's stored forms into fp32 working tensors. Residual masters
-        are checked against their model params (checksum and rounding) with one device
-        sync per bucket; the bucket is not stepped if any changed."""
-        if b.working:
-            self.pager.page_in(b.working)  # zero-filled scratch, nothing read
-        changed = [f.param_changed() for f in b.forms] + [f.decode() for f in b.forms]
+    def _decode(self, b: Bucket, check_params: bool = True, skip=()) -> None:
+        """Decodes the bucket's stored forms (but those in `skip`) into fp32 working
+        tensors. Residual masters are checked against their model params (checksum and
+        rounding) with one device sync per bucket; the bucket is not stepped if any
+        changed."""
+        forms = [f for f in b.forms if all(f is not s for s in skip)]
+        working = [f.working for f in forms if f.scratch]
+        if working:
+            self.pager.page_in(working)  # zero-filled scratch, nothing read
+        changed = [f.param_changed() for f in forms] + [f.decode() for f in forms]
         changed = [c for c in changed if c is not None] if check_params else []
         if changed and bool(torch.stack(changed).any()):  # one sync per bucket
             raise ValueError("a model parameter no longer matches the one its master weights "
@@ -325,9 +331,13 @@ class StreamedOptimizer:
                              "mains='residual' the masters cannot be rebuilt. Change model "
                              "weights through the optimizer, or use mains='fp32'.")
 
-    def _encode(self, b: Bucket) -> None:
-        for f in b.forms:
-            f.encode()
+    def _encode(self, b: Bucket, skip=()) -> None:
+        """Encodes the bucket's stored forms (but those in `skip`); residual masters' exception
+        counts are read with one device sync for the bucket."""
+        pending = [(f, f.encode()) for f in b.forms if all(f is not s for s in skip)]
+        pending = [(f, p) for f, p in pending if p is not None]
+        for (f, _), exceptions in zip(pending, codecs.finish_exceptions([p for _, p in pending])):
+            f.set_exceptions(exceptions)
 
     def _release(self, b: Bucket, wait: bool = True) -> list:
         """Pages the stored form out and drops the scratch; returns the handles."""
@@ -486,11 +496,29 @@ class StreamedOptimizer:
                      stats.compute_seconds, stats.peak_mapped_bytes / MiB)
 
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None) -> None:
-        self._decode(bucket)
+        # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
+        # stored form: they are not decoded unless it turns out not to apply.
+        fused = self._fused.moment_forms(bucket) if self._fused else None
+        self._decode(bucket, skip=fused or ())
         if atomic:
             atomic.save(bucket)
         if self.before_bucket:
             self.before_bucket(bucket.params)
+        if fused is not None and self._fused.ready(bucket):
+            self._fused.step(bucket)
+        else:
+            if fused:
+                self._decode(bucket, skip=[f for f in bucket.forms if all(f is not s for s in fused)])
+            fused = None
+            self._raw_step_bucket(bucket)
+        if atomic:
+            atomic.writing(bucket)
+        if self.after_bucket:
+            self.after_bucket(bucket.params)
+        self._encode(bucket, skip=fused or ())
+
+    def _raw_step_bucket(self, bucket: Bucket) -> None:
+        """The optimizer's own step on the bucket's parameters (their state decoded)."""
         if self._create_deferred_state(bucket):
             self._fill(bucket)
             self.pager.page_in(bucket.stored + bucket.working)  # zero-filled, nothing read
@@ -510,11 +538,6 @@ class StreamedOptimizer:
         if self._adopt(bucket):  # state the optimizer created lazily in this step
             self._fill(bucket)
             self.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
-        if atomic:
-            atomic.writing(bucket)
-        if self.after_bucket:
-            self.after_bucket(bucket.params)
-        self._encode(bucket)
 
 
 _ABSENT = object()

@@ -8,13 +8,21 @@
   (the block's absmax) per block. Lossy; schemes and block size were chosen by
   scripts/measure_codecs.py.
 
-Everything here is whole-tensor torch ops, so it runs unchanged on CPU and CUDA tensors.
-Outputs go into caller-preallocated tensors so they can be paged memory. All tensors
-must be contiguous; shapes are ignored (elements are taken in flat order).
+The torch ops here are the reference: they run on CPU and CUDA tensors alike and give
+the same bits on both. On CUDA tensors the default formats run as the extension's
+kernels instead (kernels/codecs.cu: one pass over the bytes, a launch or two per tensor),
+which give the reference's bits exactly (tests/gpu/test_codec_kernels.py);
+use_kernels(False) turns them off. Outputs go into caller-preallocated tensors so they
+can be paged memory. All tensors must be contiguous; shapes are ignored (elements are
+taken in flat order).
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+from statepager import _C
 
 # Chosen by scripts/measure_codecs.py (tiny LM, AdamW, 300 steps with moments re-coded
 # every step; held-out loss vs exact moments): linear m + sqrt v at block 256 cost +0.002
@@ -27,6 +35,29 @@ Q8_BLOCK = 256  # 1.0156 bytes/element with scales; every scheme trained better 
 Q8_SCHEMES = {"signed": ("linear", "e4m3"), "nonneg": ("linear", "sqrt", "e4m3", "e4m3_sqrt")}
 _E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 _CHECKSUM_ROW = 4096  # param_checksum's row length: keeps x * (column + 1) < 2**29
+_NAN = float("nan")  # as fp32: 0x7fc00000, the one NaN a non-finite q8 block's scale is
+
+# ------------------------------------------------------------------------- the kernels
+
+_kernels_on = _C.KERNELS_BUILT and os.environ.get("STATEPAGER_CODEC_KERNELS", "1") != "0"
+
+
+def use_kernels(enabled: bool) -> bool:
+    """Whether CUDA tensors use the extension's kernels (the default when it was built
+    with them; STATEPAGER_CODEC_KERNELS=0 turns them off at import) or the torch
+    reference. Returns the previous setting. Both give the same bits."""
+    global _kernels_on
+    previous, _kernels_on = _kernels_on, bool(enabled) and _C.KERNELS_BUILT
+    return previous
+
+
+def kernels_used(t: torch.Tensor) -> bool:
+    """True when codecs on tensors of t's device run as kernels."""
+    return _kernels_on and t.is_cuda
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 # ----------------------------------------------------------------------- residual format
@@ -59,6 +90,12 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
     assert residual_out.dtype == torch.int16
     assert main.numel() == param.numel() == residual_out.numel()
     assert main.is_contiguous() and param.is_contiguous() and residual_out.is_contiguous()
+    if kernels_used(main):
+        return finish_exceptions([PendingExceptions(main, param, residual_out)])[0]
+    return _residual_encode_reference(main, param, residual_out)
+
+
+def _residual_encode_reference(main, param, residual_out):
     bits = main.view(torch.int32).reshape(-1)
     # Sign-matched pairs (every legitimate one) cannot overflow here; a mismatched pair
     # may wrap, which still lands outside int16 or is caught by the RNE comparison below.
@@ -71,6 +108,42 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
     return idx, bits[idx]
 
 
+class PendingExceptions:
+    """residual_encode by the kernel (CUDA tensors, kernels on), its exception count still
+    on the device: finish_exceptions() reads the counts of many at once, with one device
+    sync (the reference syncs once per tensor). main, param and residual_out must stay as
+    they are until then."""
+
+    def __init__(self, main: torch.Tensor, param: torch.Tensor, residual_out: torch.Tensor):
+        assert kernels_used(main) and main.dtype == torch.float32
+        assert param.dtype == torch.bfloat16 and residual_out.dtype == torch.int16
+        assert main.numel() == param.numel() == residual_out.numel()
+        assert main.is_contiguous() and param.is_contiguous() and residual_out.is_contiguous()
+        self._args = main, param, residual_out
+        n, device = main.numel(), main.device
+        self.capacity = 1024 + n // 2048  # RNE ties are ~1 in 2**17 elements
+        self._idx = torch.empty(self.capacity, dtype=torch.int64, device=device)
+        self._bits = torch.empty(self.capacity, dtype=torch.int32, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        _C.kernels.residual_encode(main.view(-1), param.view(-1), residual_out.view(-1),
+                                   self._idx, self._bits, self.count, _stream(main))
+
+    def finish(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exceptions, sorted by index as the reference's, given the count's value.
+        More than the kernel had room for (a param far from RNE(main)): the reference
+        encodes again."""
+        if count > self.capacity:
+            return _residual_encode_reference(*self._args)
+        idx, order = self._idx[:count].sort()
+        return idx, self._bits[:count][order]
+
+
+def finish_exceptions(pending: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The exceptions of each PendingExceptions, in order; one device sync for all."""
+    counts = torch.cat([p.count for p in pending]).tolist() if pending else []
+    return [p.finish(k) for p, k in zip(pending, counts)]
+
+
 def param_checksum(param: torch.Tensor) -> torch.Tensor:
     """A position-sensitive checksum of the bf16 bits (0-dim int64 tensor, param's device).
 
@@ -79,6 +152,13 @@ def param_checksum(param: torch.Tensor) -> torch.Tensor:
     Any one changed element always changes the checksum; other changes collide with
     probability ~2**-31. Exact integer arithmetic: the same value on CPU and CUDA.
     """
+    if kernels_used(param):
+        param = param.contiguous()
+        rows = torch.empty(-(-param.numel() // _CHECKSUM_ROW), dtype=torch.int64,
+                           device=param.device)
+        out = torch.empty((), dtype=torch.int64, device=param.device)
+        _C.kernels.param_checksum(param.view(-1), rows, out, _stream(param))
+        return out
     p = 2**31 - 1  # prime modulus
     x = param.view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF).add_(1)
     n, total = x.numel(), torch.zeros((), dtype=torch.int64, device=x.device)
@@ -97,20 +177,34 @@ def residual_rebuild(param: torch.Tensor, residual: torch.Tensor,
                      exceptions: tuple[torch.Tensor, torch.Tensor],
                      main_out: torch.Tensor) -> torch.Tensor:
     """residual_decode without its checks and without a device sync: rebuilds the master
-    into `main_out` and returns the device bool mask of elements whose bf16 rounding is
-    not `param` (outside the exceptions): any True means the param changed."""
+    into `main_out` and returns a 0-dim device bool, True when some element outside the
+    exceptions is inconsistent with `param` (see _inconsistent): the param changed."""
     assert main_out.dtype == torch.float32 and param.dtype == torch.bfloat16
     assert residual.dtype == torch.int16
     assert main_out.numel() == param.numel() == residual.numel()
     assert main_out.is_contiguous() and param.is_contiguous() and residual.is_contiguous()
     idx, exc_bits = exceptions
+    if kernels_used(main_out):
+        bad = torch.zeros(1, dtype=torch.uint8, device=main_out.device)
+        _C.kernels.residual_rebuild(param.view(-1), residual.view(-1), main_out.view(-1),
+                                    idx.to(main_out.device), exc_bits.to(main_out.device), bad,
+                                    _stream(main_out))
+        return bad.view(()).bool()
     out = main_out.view(torch.int32).view(-1)
     torch.add(_bf16_bits_hi(param), residual.view(-1), out=out)
+    bad = _inconsistent(main_out.view(-1), param.view(-1), residual.view(-1))
     out[idx] = exc_bits.to(device=out.device)
-    # Compare bits, not values: NaN != NaN, and -0.0 == +0.0.
-    bad = main_out.view(-1).to(torch.bfloat16).view(torch.int16) != param.view(torch.int16).view(-1)
     bad[idx] = False
-    return bad
+    return bad.any()
+
+
+def _inconsistent(main: torch.Tensor, param: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Per element of a rebuilt master: True where it does not round to its param (bits,
+    not values: NaN != NaN, -0.0 != +0.0), or is NaN with a nonzero residual (a master
+    stored by residual is finite; the bf16 cast of a NaN is device-dependent, so NaNs are
+    judged by the residual instead: a NaN exception's residual is 0)."""
+    differs = main.to(torch.bfloat16).view(torch.int16) != param.view(torch.int16)
+    return torch.where(main.isnan(), residual != 0, differs)
 
 
 def residual_decode(param: torch.Tensor, residual: torch.Tensor,
@@ -124,8 +218,11 @@ def residual_decode(param: torch.Tensor, residual: torch.Tensor,
     catches a param turned NaN (and some turned inf) but misses finite changes -- a changed
     param with the old residual decodes to a master that rounds to the changed param.
     """
-    bad = residual_rebuild(param, residual, exceptions, main_out)
-    n_bad = int(bad.sum())
+    n_bad = 0
+    if bool(residual_rebuild(param, residual, exceptions, main_out)):
+        bad = _inconsistent(main_out.view(-1), param.view(-1), residual.view(-1))
+        bad[exceptions[0].to(bad.device)] = False
+        n_bad = int(bad.sum())
     if n_bad:
         what = f"{n_bad} of {param.numel()} elements differ from bf16(master)"
     elif checksum is not None and int(param_checksum(param)) != int(checksum):
@@ -182,12 +279,20 @@ def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor
     For "nonneg" a positive value never gets code 0 (it gets the smallest positive code:
     overestimating a tiny v shrinks its update; 0 would blow it up). Zeros stay exact: a
     zero block gets scale 0 and decodes to exact zeros; finite input never produces
-    NaN/inf. Non-finite input makes its block decode to NaN.
+    NaN/inf. Non-finite input makes its block decode non-finite: its scale is NaN (always
+    0x7fc00000) or inf. Codes are defined for all input (linear, sqrt): 0 throughout a
+    block whose scale is not finite and for a negative "nonneg" value under sqrt (then
+    the "nonneg" rule above: 1 for a positive value).
     """
     scheme, codes_dtype = _q8_layout(x, codes_out, scales_out, kind, block, scheme)
+    if kernels_used(x) and _kernel_q8(kind, block, scheme):
+        _C.kernels.q8_encode(x.view(-1), codes_out.view(torch.uint8).view(-1), scales_out.view(-1),
+                             kind == "nonneg", _stream(x))
+        return
     scales, row = scales_out.view(-1), 0
     for xb, cb in zip(_blocks(x, block), _blocks(codes_out.view(codes_dtype), block)):
         s = xb.abs().amax(dim=1, keepdim=True)
+        s = torch.where(s.isnan(), _NAN, s)  # one NaN whatever the input's
         scales[row:row + len(s)] = s.view(-1)
         row += len(s)
         # Divide by s rather than multiply by 1/s: 1/s overflows for subnormal s.
@@ -197,7 +302,9 @@ def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor
         if scheme.startswith("e4m3"):
             cb.copy_(u.mul_(_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
         else:
-            cb.copy_(u.mul_(127.0 if kind == "signed" else 255.0).round_())
+            u.mul_(127.0 if kind == "signed" else 255.0)
+            # Out-of-range float -> integer casts differ between devices: defined codes.
+            cb.copy_(u.masked_fill_(u.isnan() | ~torch.isfinite(s), 0.0).round_())
         if kind == "nonneg":
             # Never decode a positive v as 0: with m != 0 the update would be m/eps.
             cb.masked_fill_((cb == 0) & (xb > 0), 1)
@@ -207,18 +314,33 @@ def q8_decode(codes: torch.Tensor, scales: torch.Tensor, x_out: torch.Tensor,
               kind: str = "signed", *, block: int = Q8_BLOCK, scheme: str | None = None) -> None:
     """Inverse of q8_encode (same kind, block and scheme) into fp32 `x_out`."""
     scheme, codes_dtype = _q8_layout(x_out, codes, scales, kind, block, scheme)
+    if kernels_used(x_out) and _kernel_q8(kind, block, scheme):
+        _C.kernels.q8_decode(codes.view(torch.uint8).view(-1), scales.view(-1), x_out.view(-1),
+                             kind == "nonneg", _stream(x_out))
+        return
     scales, row = scales.view(-1), 0
     for xb, cb in zip(_blocks(x_out, block), _blocks(codes.view(codes_dtype), block)):
         s = scales[row:row + len(xb)].view(-1, 1)
         row += len(xb)
+        # Divide by a tensor: CUDA divides by a Python number as a multiplication by its
+        # reciprocal, which is not the same bits as CPU's division.
         if scheme.startswith("e4m3"):
-            u = cb.view(torch.float8_e4m3fn).to(torch.float32).div_(_E4M3_MAX)
+            u = cb.view(torch.float8_e4m3fn).to(torch.float32).div_(_constant(_E4M3_MAX, xb))
         else:
-            u = cb.to(torch.float32).div_(127.0 if kind == "signed" else 255.0)
+            u = cb.to(torch.float32).div_(_constant(127.0 if kind == "signed" else 255.0, xb))
         if scheme in ("sqrt", "e4m3_sqrt"):
             u.square_()
         # |u| <= 1, so u * s never exceeds the block's absmax: no overflow.
         torch.mul(u, s, out=xb)
+
+
+def _kernel_q8(kind: str, block: int, scheme: str) -> bool:
+    """True when the kernels implement this q8 variant (the default schemes, Q8_BLOCK)."""
+    return block == Q8_BLOCK and scheme == _scheme(kind, None)
+
+
+def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
 # --------------------------------------------------------------------------------- sizes

@@ -66,19 +66,29 @@ class StoredForm:
             codecs.q8_decode(self.tensors[0], self.tensors[1], w, self.kind)
         elif self.fmt == "residual":
             return codecs.residual_rebuild(flat_view(self.model_param), self.tensors[0],
-                                           self.exceptions, w).any()
+                                           self.exceptions, w)
         return None
 
-    def encode(self) -> None:
+    def encode(self) -> codecs.PendingExceptions | None:
+        """Encodes the working tensor into the stored form. Residual format with the CUDA
+        kernels: returns the exceptions still being counted; the caller passes them,
+        finished (codecs.finish_exceptions, one sync for many), to set_exceptions()."""
         w = flat_view(self.working)
         if self.fmt == "bf16":
             self.tensors[0].copy_(w)
         elif self.fmt == "q8":
             codecs.q8_encode(w, self.tensors[0], self.tensors[1], self.kind)
         elif self.fmt == "residual":
-            self.exceptions = codecs.residual_encode(w, flat_view(self.model_param),
-                                                     self.tensors[0])
             self.fingerprint = codecs.param_checksum(self.model_param)
+            param = flat_view(self.model_param)
+            if codecs.kernels_used(w):
+                return codecs.PendingExceptions(w, param, self.tensors[0])
+            self.exceptions = codecs.residual_encode(w, param, self.tensors[0])
+        return None
+
+    def set_exceptions(self, exceptions: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The exceptions of the residual encode() returned pending."""
+        self.exceptions = exceptions
 
     def param_changed(self) -> torch.Tensor | None:
         """Residual format: a device bool, True when the model parameter differs from the

@@ -1,0 +1,212 @@
+// The bindings of kernels/codecs.h. Each function checks its tensors (UsageError naming
+// the argument) and enqueues the kernel on `stream`, the cuda_stream of the caller's
+// current torch stream; launch failures become DeviceError.
+#include "python/kernel_bindings.h"
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backing/errors.h"
+
+#ifdef STATEPAGER_WITH_KERNELS
+#include "kernels/adamw.h"
+#include "kernels/codecs.h"
+#endif
+
+namespace py = pybind11;
+
+namespace statepager {
+
+#ifdef STATEPAGER_WITH_KERNELS
+namespace {
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw UsageError("statepager kernels: " + what);
+}
+
+// `t` is a contiguous CUDA tensor of `dtype` on `device` (-1: any; returns its index).
+int check(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int device = -1) {
+  need(t.is_cuda(), std::string(name) + " must be a CUDA tensor");
+  need(t.scalar_type() == dtype, std::string(name) + " must be " + c10::toString(dtype) +
+                                     ", not " + c10::toString(t.scalar_type()));
+  need(t.is_contiguous(), std::string(name) + " must be contiguous");
+  need(device < 0 || t.get_device() == device, std::string(name) + " is on another device");
+  return t.get_device();
+}
+
+void* as_stream(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
+
+template <class F>
+void launch(F&& f) {
+  try {
+    f();
+  } catch (const kernels::KernelError& e) {
+    throw DeviceError(e.what());
+  }
+}
+
+void q8_encode(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+               bool nonneg, uintptr_t stream) {
+  const int dev = check(x, "x", torch::kFloat32);
+  check(codes, "codes", torch::kUInt8, dev);
+  check(scales, "scales", torch::kFloat32, dev);
+  const int64_t n = x.numel();
+  need(codes.numel() == n, "codes must have as many elements as x");
+  need(scales.numel() == (n + kernels::kQ8Block - 1) / kernels::kQ8Block,
+       "scales must have one element per block of 256");
+  launch([&] {
+    kernels::q8_encode(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                       n, nonneg, dev, as_stream(stream));
+  });
+}
+
+void q8_decode(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& x,
+               bool nonneg, uintptr_t stream) {
+  const int dev = check(x, "x", torch::kFloat32);
+  check(codes, "codes", torch::kUInt8, dev);
+  check(scales, "scales", torch::kFloat32, dev);
+  const int64_t n = x.numel();
+  need(codes.numel() == n, "codes must have as many elements as x");
+  need(scales.numel() == (n + kernels::kQ8Block - 1) / kernels::kQ8Block,
+       "scales must have one element per block of 256");
+  launch([&] {
+    kernels::q8_decode(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<float>(),
+                       n, nonneg, dev, as_stream(stream));
+  });
+}
+
+const uint16_t* bf16_bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr());
+}
+
+void residual_encode(const torch::Tensor& main, const torch::Tensor& param,
+                     const torch::Tensor& residual, const torch::Tensor& exc_idx,
+                     const torch::Tensor& exc_bits, const torch::Tensor& count, uintptr_t stream) {
+  const int dev = check(main, "main", torch::kFloat32);
+  check(param, "param", torch::kBFloat16, dev);
+  check(residual, "residual", torch::kInt16, dev);
+  check(exc_idx, "exc_idx", torch::kInt64, dev);
+  check(exc_bits, "exc_bits", torch::kInt32, dev);
+  check(count, "count", torch::kInt64, dev);
+  const int64_t n = main.numel();
+  need(param.numel() == n && residual.numel() == n, "main, param and residual differ in size");
+  need(exc_idx.numel() == exc_bits.numel() && count.numel() == 1,
+       "exc_idx and exc_bits must be equally long, count one element");
+  launch([&] {
+    kernels::residual_encode(main.data_ptr<float>(), bf16_bits(param), residual.data_ptr<int16_t>(),
+                             n, exc_idx.data_ptr<int64_t>(), exc_bits.data_ptr<int32_t>(),
+                             exc_idx.numel(), count.data_ptr<int64_t>(), dev, as_stream(stream));
+  });
+}
+
+void residual_rebuild(const torch::Tensor& param, const torch::Tensor& residual,
+                      const torch::Tensor& main, const torch::Tensor& exc_idx,
+                      const torch::Tensor& exc_bits, const torch::Tensor& bad, uintptr_t stream) {
+  const int dev = check(main, "main", torch::kFloat32);
+  check(param, "param", torch::kBFloat16, dev);
+  check(residual, "residual", torch::kInt16, dev);
+  check(exc_idx, "exc_idx", torch::kInt64, dev);
+  check(exc_bits, "exc_bits", torch::kInt32, dev);
+  check(bad, "bad", torch::kUInt8, dev);
+  const int64_t n = main.numel();
+  need(param.numel() == n && residual.numel() == n, "main, param and residual differ in size");
+  need(exc_idx.numel() == exc_bits.numel() && bad.numel() == 1,
+       "exc_idx and exc_bits must be equally long, bad one element");
+  launch([&] {
+    kernels::residual_rebuild(bf16_bits(param), residual.data_ptr<int16_t>(), main.data_ptr<float>(),
+                              n, exc_idx.data_ptr<int64_t>(), exc_bits.data_ptr<int32_t>(),
+                              exc_idx.numel(), bad.data_ptr<uint8_t>(), dev, as_stream(stream));
+  });
+}
+
+void param_checksum(const torch::Tensor& param, const torch::Tensor& rows, const torch::Tensor& out,
+                    uintptr_t stream) {
+  const int dev = check(param, "param", torch::kBFloat16);
+  check(rows, "rows", torch::kInt64, dev);
+  check(out, "out", torch::kInt64, dev);
+  const int64_t n = param.numel();
+  need(rows.numel() == (n + kernels::kChecksumRow - 1) / kernels::kChecksumRow,
+       "rows must have one element per 4096 params");
+  need(out.numel() == 1, "out must have one element");
+  launch([&] {
+    kernels::param_checksum(bf16_bits(param), n, rows.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
+                            dev, as_stream(stream));
+  });
+}
+
+// One moment's stored tensors: [fp32] / [bf16] / [q8 codes (uint8), q8 scales (fp32)].
+kernels::Moment moment(const std::vector<torch::Tensor>& t, const std::string& format,
+                       const char* name, int dev, int64_t n) {
+  const std::string what = std::string(name) + " (" + format + ")";
+  if (format == "fp32" || format == "bf16") {
+    need(t.size() == 1, what + " must be one tensor");
+    check(t[0], name, format == "fp32" ? torch::kFloat32 : torch::kBFloat16, dev);
+    need(t[0].numel() == n, what + " must have as many elements as param");
+    return {t[0].data_ptr(), nullptr};
+  }
+  need(format == "q8", "unknown moment format '" + format + "': use fp32, bf16 or q8");
+  need(t.size() == 2, what + " must be two tensors, codes and scales");
+  check(t[0], name, torch::kUInt8, dev);
+  check(t[1], name, torch::kFloat32, dev);
+  need(t[0].numel() == n && t[1].numel() == (n + kernels::kQ8Block - 1) / kernels::kQ8Block,
+       what + ": codes must have as many elements as param, scales one per 256");
+  return {t[0].data_ptr(), t[1].data_ptr<float>()};
+}
+
+void adamw_step(const torch::Tensor& param, const torch::Tensor& grad,
+                const std::vector<torch::Tensor>& exp_avg,
+                const std::vector<torch::Tensor>& exp_avg_sq, const std::string& format,
+                std::optional<double> decay, double lerp_weight, double beta2,
+                double one_minus_beta2, double bias_correction2_sqrt, double eps,
+                double step_size, uintptr_t stream) {
+  const int dev = check(param, "param", torch::kFloat32);
+  check(grad, "grad", torch::kFloat32, dev);
+  const int64_t n = param.numel();
+  need(grad.numel() == n, "grad must have as many elements as param");
+  const kernels::MomentFormat f = format == "fp32" ? kernels::MomentFormat::kFp32
+                                  : format == "bf16" ? kernels::MomentFormat::kBf16
+                                                     : kernels::MomentFormat::kQ8;
+  const kernels::Moment m = moment(exp_avg, format, "exp_avg", dev, n);
+  const kernels::Moment v = moment(exp_avg_sq, format, "exp_avg_sq", dev, n);
+  // Rounded to fp32 as torch rounds a Python number for a float tensor's op.
+  const kernels::AdamWScalars s{decay.has_value(), static_cast<float>(decay.value_or(1.0)),
+                                static_cast<float>(lerp_weight), static_cast<float>(beta2),
+                                static_cast<float>(one_minus_beta2),
+                                static_cast<float>(bias_correction2_sqrt),
+                                static_cast<float>(eps), static_cast<float>(step_size)};
+  launch([&] {
+    kernels::adamw_step(param.data_ptr<float>(), grad.data_ptr<float>(), m, v, f, n, s, dev,
+                        as_stream(stream));
+  });
+}
+
+}  // namespace
+#endif
+
+void bind_kernels(py::module_& m) {
+#ifdef STATEPAGER_WITH_KERNELS
+  m.attr("KERNELS_BUILT") = true;
+  auto k = m.def_submodule("kernels", "CUDA codec kernels (see statepager/codecs.py)");
+  k.def("q8_encode", &q8_encode, py::arg("x"), py::arg("codes"), py::arg("scales"),
+        py::arg("nonneg"), py::arg("stream"));
+  k.def("q8_decode", &q8_decode, py::arg("codes"), py::arg("scales"), py::arg("x"),
+        py::arg("nonneg"), py::arg("stream"));
+  k.def("residual_encode", &residual_encode, py::arg("main"), py::arg("param"),
+        py::arg("residual"), py::arg("exc_idx"), py::arg("exc_bits"), py::arg("count"),
+        py::arg("stream"));
+  k.def("residual_rebuild", &residual_rebuild, py::arg("param"), py::arg("residual"),
+        py::arg("main"), py::arg("exc_idx"), py::arg("exc_bits"), py::arg("bad"),
+        py::arg("stream"));
+  k.def("param_checksum", &param_checksum, py::arg("param"), py::arg("rows"), py::arg("out"),
+        py::arg("stream"));
+  k.def("adamw_step", &adamw_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("format"), py::arg("decay"), py::arg("lerp_weight"),
+        py::arg("beta2"), py::arg("one_minus_beta2"), py::arg("bias_correction2_sqrt"),
+        py::arg("eps"), py::arg("step_size"), py::arg("stream"));
+#else
+  m.attr("KERNELS_BUILT") = false;
+#endif
+}
+
+}  // namespace statepager

@@ -1,0 +1,345 @@
+"""The CUDA codec kernels (kernels/codecs.cu) give the CPU reference's bits (codecs.py's
+torch ops on CPU tensors) for every input: random data, NaN/Inf/subnormals, all-zero
+blocks, odd tails, misaligned tensors; the fused AdamW step (kernels/adamw.cu) gives
+torch's foreach AdamW's bits; and a streamed step with the kernels on is the step with
+them off, bit for bit."""
+import pytest
+import torch
+
+import statepager
+from statepager import PagedAdamW, Pager
+from statepager.formats import codecs as C, fused_adamw
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+SIZES = [1, 7, 255, 256, 257, 4096 * 3 + 17, (1 << 20) + 3]
+
+
+@pytest.fixture(autouse=True)
+def kernels_built():
+    if not statepager._C.KERNELS_BUILT:
+        pytest.fail("the extension was built without the codec kernels (no nvcc at build "
+                    "time): rebuild it where nvcc is on PATH")
+    previous = C.use_kernels(True)
+    yield
+    C.use_kernels(previous)
+
+
+def bits(t):
+    t = t.contiguous()
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]).cpu()
+
+
+def same_values(a, b):
+    """Bit for bit, but any NaN matches any NaN: arithmetic that makes a NaN gives the
+    canonical 0x7fffffff on a GPU and the operand's payload on a CPU."""
+    a, b = a.cpu(), b.cpu()
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(bits(a[~nan]), bits(b[~nan]))
+
+
+def misaligned(t, offset):
+    """t's values in CUDA memory that starts `offset` elements past an aligned address."""
+    buf = torch.empty(t.numel() + offset, dtype=t.dtype, device="cuda")
+    out = buf[offset:]
+    out.copy_(t.reshape(-1))
+    return out
+
+
+def moments(kind, n, seed):
+    """Blocks of magnitudes 1e-42 .. 3e38, exact zeros, a zero block, and edge values."""
+    g = torch.Generator().manual_seed(seed)
+    nb = C.q8_num_blocks(n)
+    exps = torch.empty(nb).uniform_(-42, 38, generator=g)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * (10 ** exps).repeat_interleave(256)[:n]
+    x = x.clamp(-3.4e38, 3.4e38).float()
+    x[torch.rand(n, generator=g) < 0.05] = 0.0
+    if kind == "nonneg":
+        x = x.abs()
+    x[256:512] = 0.0
+    special = [float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, -0.0,
+               3.4028234663852886e38, -5.0]  # -5: a negative "nonneg" value
+    for i, v in enumerate(special):
+        at = 1024 + 256 * 3 * i + 17
+        if at < n:
+            x[at] = v
+    if n > 600:
+        x[-3] = -float("nan")  # a NaN with the sign bit, in the (odd) tail
+    return x
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["signed", "nonneg"])
+def test_q8_kernels_are_the_reference(kind, n, offset):
+    x = moments(kind, n, seed=n)
+    codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(C.q8_num_blocks(n))
+    C.q8_encode(x, codes, scales, kind)  # CPU: the reference
+    xd = misaligned(x, offset)
+    codes_d, scales_d = misaligned(torch.zeros(n, dtype=torch.uint8), offset), \
+        torch.empty(C.q8_num_blocks(n), device="cuda")
+    C.q8_encode(xd, codes_d, scales_d, kind)
+    assert torch.equal(bits(scales_d), bits(scales))
+    assert torch.equal(codes_d.cpu(), codes)
+    out = torch.empty(n)
+    C.q8_decode(codes, scales, out, kind)
+    out_d = misaligned(torch.zeros(n), offset)
+    C.q8_decode(codes_d, scales_d, out_d, kind)
+    assert same_values(out_d, out)
+    # The torch reference on CUDA is the same bits too (the kernels off).
+    C.use_kernels(False)
+    C.q8_encode(xd, codes_d, scales_d, kind)
+    assert torch.equal(bits(scales_d), bits(scales)) and torch.equal(codes_d.cpu(), codes)
+    C.q8_decode(codes_d, scales_d, out_d, kind)
+    assert same_values(out_d, out)
+
+
+def masters(n, seed):
+    """fp32 masters with RNE ties, NaN (with payloads), Inf, subnormals, +-0, near max."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int64)
+    b = b & ~(0xFF << 23) | ((torch.randint(100, 150, (n,), generator=g) << 23))  # sane exponents
+    b = torch.where(b >= 2**31, b - 2**32, b)
+    m = b.to(torch.int32).view(torch.float32).clone()
+    ties = torch.rand(n, generator=g) < 0.01
+    m.view(torch.int32)[ties] = m.view(torch.int32)[ties] & ~0xFFFF | 0x8000
+    special = [float("nan"), float("inf"), -float("inf"), 1e-45, -0.0, 0.0,
+               3.4028234663852886e38, 3.3961e38]
+    for i, v in enumerate(special):
+        if 3 * i < n:
+            m[3 * i] = v
+    if n > 30:
+        m.view(torch.int32)[30] = 0x7FA12345  # a NaN payload
+    return m
+
+
+def params_for(m, seed, changed=0.0):
+    """bf16 RNE(m), with a share `changed` of the elements one ulp off."""
+    p = m.to(torch.bfloat16)
+    if changed:
+        g = torch.Generator().manual_seed(seed)
+        off = torch.rand(m.numel(), generator=g) < changed
+        p.view(torch.int16)[off] += 1
+    return p
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("changed", [0.0, 0.3])  # 0.3: exceptions overflow the kernel's list
+def test_residual_kernels_are_the_reference(n, offset, changed):
+    m = masters(n, seed=n)
+    p = params_for(m, n, changed)
+    r = torch.empty(n, dtype=torch.int16)
+    idx, exc_bits = C.residual_encode(m, p, r)
+    md, pd = misaligned(m, offset), misaligned(p, offset)
+    rd = misaligned(torch.ones(n, dtype=torch.int16), offset)
+    idx_d, exc_bits_d = C.residual_encode(md, pd, rd)
+    assert torch.equal(rd.cpu(), r)
+    assert torch.equal(idx_d.cpu(), idx) and torch.equal(exc_bits_d.cpu(), exc_bits)
+    # Rebuild: exact masters, consistent.
+    out_d = misaligned(torch.zeros(n), offset)
+    assert not bool(C.residual_rebuild(pd, rd, (idx_d, exc_bits_d), out_d))
+    assert torch.equal(bits(out_d), bits(m))
+    # A changed param is noticed exactly where the reference notices it.
+    for change in ("ulp", "nan", "none"):
+        p2 = p.clone()
+        if change == "ulp":
+            p2.view(torch.int16)[n // 2] += 1
+        elif change == "nan":
+            p2[n - 1] = float("nan")
+        out = torch.empty(n)
+        ref = bool(C.residual_rebuild(p2, r, (idx, exc_bits), out))
+        got = bool(C.residual_rebuild(misaligned(p2, offset), rd, (idx_d, exc_bits_d), out_d))
+        assert got == ref, change
+        assert torch.equal(bits(out_d), bits(out))
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 4096 * 5 + 77, (1 << 20) + 3])
+def test_checksum_kernel_is_the_reference(n, offset):
+    g = torch.Generator().manual_seed(n)
+    p = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    if n:
+        p.view(torch.int16)[0] = -1  # 0xFFFF: the largest x
+    ref = int(C.param_checksum(p))
+    assert int(C.param_checksum(misaligned(p, offset))) == ref
+
+
+# ------------------------------------------------------------------ the fused AdamW step
+
+def stored_moment(x, fmt, kind):
+    """x (fp32, CUDA) in `fmt` as the kernel takes it, and its decoded fp32 value."""
+    if fmt == "fp32":
+        return [x.clone()], x.clone()
+    if fmt == "bf16":
+        b = x.to(torch.bfloat16)
+        return [b], b.float()
+    codes = torch.empty(x.numel(), dtype=torch.uint8, device="cuda")
+    scales = torch.empty(C.q8_num_blocks(x.numel()), device="cuda")
+    C.q8_encode(x, codes, scales, kind)
+    out = torch.empty_like(x)
+    C.q8_decode(codes, scales, out, kind)
+    return [codes, scales], out
+
+
+def foreach_adamw(p, g, m, v, lr, beta1, beta2, eps, wd, step):
+    """_multi_tensor_adam's ops for one parameter (decoupled weight decay), in place."""
+    if wd != 0:
+        torch._foreach_mul_([p], 1 - lr * wd)
+    torch._foreach_lerp_([m], [g], 1 - beta1)
+    torch._foreach_mul_([v], beta2)
+    torch._foreach_addcmul_([v], [g], [g], 1 - beta2)
+    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+    d = torch._foreach_sqrt([v])
+    torch._foreach_div_(d, [bias_correction2 ** 0.5])
+    torch._foreach_add_(d, eps)
+    torch._foreach_addcdiv_([p], [m], d, [(lr / bias_correction1) * -1])
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("n", [1, 255, 256, 4096 * 3 + 17, (1 << 20) + 3])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "q8"])
+@pytest.mark.parametrize("hyper", [(1e-3, 0.9, 0.999, 1e-8, 0.01, 7.0),
+                                   (0.5, 0.2, 0.0, 1e-3, 0.0, 1.0)])
+def test_adamw_kernel_is_torch_foreach(fmt, n, offset, hyper):
+    """One fused step: the bits of torch's foreach ops on the decoded moments, then
+    encoded (q8/bf16 as the codecs encode)."""
+    lr, beta1, beta2, eps, wd, step = hyper
+    gen = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=gen).cuda()
+    g = (torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-30, 3, generator=gen)).cuda()
+    m0 = moments("signed", n, seed=n + 1).cuda().clamp(-1e30, 1e30)
+    v0 = moments("nonneg", n, seed=n + 2).cuda().clamp(0, 1e30)
+    if n > 600:
+        g[5], g[300] = float("nan"), float("inf")
+    m_t, m = stored_moment(m0, fmt, "signed")
+    v_t, v = stored_moment(v0, fmt, "nonneg")
+    ref_p = p.clone()
+    foreach_adamw(ref_p, g, m, v, lr, beta1, beta2, eps, wd, step)
+    want_m, want_v = stored_moment(m, fmt, "signed")[0], stored_moment(v, fmt, "nonneg")[0]
+    pd, gd = misaligned(p, offset), misaligned(g, offset)
+    m_d = [misaligned(t, offset) if i == 0 else t for i, t in enumerate(m_t)]
+    v_d = [misaligned(t, offset) if i == 0 else t for i, t in enumerate(v_t)]
+    bc2 = 1 - beta2 ** step
+    statepager._C.kernels.adamw_step(
+        pd, gd, m_d, v_d, fmt, 1 - lr * wd if wd != 0 else None, 1 - beta1, beta2, 1 - beta2,
+        bc2 ** 0.5, eps, (lr / (1 - beta1 ** step)) * -1, torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(bits(pd), bits(ref_p))
+    for got, want in zip(m_d + v_d, want_m + want_v):
+        assert torch.equal(bits(got), bits(want))
+
+
+# ------------------------------------------------------------------ the streamed step
+
+def model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(512, 384), (1000,), (3, 5, 7), (257, 129), (4096 * 3 + 1,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16))
+            for s in shapes]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many fused AdamW kernels ran (a list that grows by one per launch)."""
+    calls, launch = [], statepager._C.kernels.adamw_step
+    monkeypatch.setattr(statepager._C.kernels, "adamw_step",
+                        lambda *a, **k: (calls.append(a[4] if len(a) > 4 else k["format"]),
+                                         launch(*a, **k)))
+    return calls
+
+
+def run(store_dir, moments, mains, kernels, steps=6, fused=True):
+    C.use_kernels(kernels)
+    fused_adamw.use_fused(fused)
+    ps = model()
+    with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
+        opt = PagedAdamW(ps, pager=pager, lr=1e-2, weight_decay=0.1, bucket_size=1 * MiB,
+                         moments=moments, mains=mains)
+        for k in range(steps):
+            for i, p in enumerate(ps):
+                g = torch.Generator().manual_seed(100 * k + i)
+                p.grad = torch.randn(p.shape, generator=g).to("cuda", torch.bfloat16)
+                if k == 2 and i == 0:
+                    p.grad[0, :5] = float("inf")  # a non-finite block in the moments
+            opt.step()
+        state = opt.state_dict()
+        return [p.detach().cpu() for p in ps], state
+
+
+def flat_state(state):
+    return [(i, k, bits(v) if isinstance(v, torch.Tensor) else v)
+            for i, s in sorted(state["state"].items()) for k, v in sorted(s.items())]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("moments,mains", [("q8", "residual"), ("q8", "fp32"),
+                                           ("bf16", "residual"), ("fp32", "residual")])
+def test_streamed_step_with_kernels_is_without(tmp_path, moments, mains, fused, fused_calls):
+    ref_params, ref_state = run(str(tmp_path / "ref"), moments, mains, kernels=False)
+    assert not fused_calls
+    try:
+        params, state = run(str(tmp_path / "k"), moments, mains, kernels=True, fused=fused)
+    finally:
+        fused_adamw.use_fused(True)
+    # The first step creates the state (torch's own step); the 5 after it are fused.
+    assert fused_calls == ([moments] * 5 * len(params) if fused else [])
+    for a, b in zip(params, ref_params):
+        assert torch.equal(bits(a), bits(b))
+    got, want = flat_state(state), flat_state(ref_state)
+    assert [x[:2] for x in got] == [x[:2] for x in want]
+    for (i, k, a), (_, _, b) in zip(got, want):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (i, k)
+
+
+def fp32_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.randn(16, 8, 3, 3, generator=g).contiguous(memory_format=torch.channels_last)
+    return [torch.nn.Parameter(t.cuda()) for t in
+            (conv, torch.randn(300, 257, generator=g), torch.randn(1001, generator=g),
+             torch.randn(256, generator=g))]
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("AdamW", {}), ("AdamW", {"weight_decay": 0.0, "foreach": True}),
+    ("AdamW", {"betas": (0.3, 0.0), "eps": 1e-3}),  # lerp's other branch; addcmul alpha 1
+    ("Adam", {"lr": 3e-3}), ("Adam", {"weight_decay": 0.1, "decoupled_weight_decay": True})])
+def test_fused_adamw_is_torch_foreach(store_dir, name, kwargs, fused_calls):
+    """fp32 state: the fused step on the pager's tensors gives what torch's own foreach
+    AdamW gives unpaged, bit for bit (params, moments, step counts)."""
+    cls = getattr(torch.optim, name)
+    ref_p, p = fp32_params(), fp32_params()
+    kwargs = {"lr": 1e-2, "weight_decay": 0.05, **kwargs}
+    ref, opt = cls(ref_p, **kwargs), cls(p, **kwargs)
+    with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
+        pager.attach(opt, bucket_size=256 << 10)
+        for k in range(5):
+            for i, (a, b) in enumerate(zip(ref_p, p)):
+                if (i + k) % 4 == 3 and k > 0:  # no gradient this step
+                    a.grad = b.grad = None
+                    continue
+                g = torch.randn(a.shape, generator=torch.Generator().manual_seed(10 * k + i))
+                a.grad = torch.empty_like(a).copy_(g)
+                b.grad = torch.empty_like(b).copy_(g)
+            ref.step()
+            opt.step()
+        for a, b in zip(ref_p, p):
+            assert torch.equal(bits(a.detach()), bits(b.detach()))
+        a, b = ref.state_dict(), opt.state_dict()
+        for i, st in a["state"].items():
+            for key, v in st.items():
+                assert torch.equal(bits(v), bits(b["state"][i][key])), (i, key)
+    assert fused_calls, "the fused step never ran"
+
+
+def test_fused_step_stays_off_where_it_does_not_apply(store_dir, fused_calls):
+    """fused=True (torch's fused kernel) and amsgrad run torch's own step."""
+    for kwargs in ({"fused": True}, {"amsgrad": True}, {"foreach": False}):
+        ps = fp32_params()
+        opt = torch.optim.AdamW(ps, lr=1e-2, **kwargs)
+        with Pager(store_dir + str(len(kwargs)) + next(iter(kwargs)), device="cuda") as pager:
+            pager.attach(opt, bucket_size=256 << 10)
+            for _ in range(3):
+                for p in ps:
+                    p.grad = torch.ones_like(p)
+                opt.step()
+    assert not fused_calls

@@ -1,0 +1,134 @@
+"""The fused AdamW step's place in the streamed step, on the CPU: with the kernel stood in
+for by torch's own foreach ops on the decoded moments (what kernels/adamw.cu computes;
+tests/gpu/test_codec_kernels.py holds the real kernel to them), a fused run is the
+unfused run bit for bit (params, moments in every format, step counts), the moments are
+neither decoded nor encoded, and the fused step stays off where it does not apply."""
+import types
+
+import pytest
+import torch
+
+import statepager
+from statepager import PagedAdamW, Pager
+from statepager.formats import codecs as C, fused_adamw
+
+KiB = 1 << 10
+
+
+def decoded(tensors, fmt, kind):
+    if fmt == "fp32":
+        return tensors[0]
+    if fmt == "bf16":
+        return tensors[0].float()
+    out = torch.empty(tensors[0].numel())
+    C.q8_decode(tensors[0], tensors[1], out, kind)
+    return out
+
+
+def encode(x, tensors, fmt, kind):
+    if fmt == "bf16":
+        tensors[0].copy_(x)
+    elif fmt == "q8":
+        C.q8_encode(x, tensors[0], tensors[1], kind)
+
+
+def stand_in(calls):
+    """adamw_step as torch's foreach ops between a decode and an encode."""
+    def adamw_step(p, g, mt, vt, fmt, decay, lerp_weight, beta2, one_minus_beta2,
+                   bias_correction2_sqrt, eps, step_size, stream):
+        calls.append(fmt)
+        m, v = decoded(mt, fmt, "signed"), decoded(vt, fmt, "nonneg")
+        if decay is not None:
+            torch._foreach_mul_([p], decay)
+        torch._foreach_lerp_([m], [g], lerp_weight)
+        torch._foreach_mul_([v], beta2)
+        torch._foreach_addcmul_([v], [g], [g], one_minus_beta2)
+        d = torch._foreach_sqrt([v])
+        torch._foreach_div_(d, [bias_correction2_sqrt])
+        torch._foreach_add_(d, eps)
+        torch._foreach_addcdiv_([p], [m], d, [step_size])
+        encode(m, mt, fmt, "signed")
+        encode(v, vt, fmt, "nonneg")
+    return adamw_step
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The fused step applies to CPU tensors, its kernel stood in for; returns the list of
+    its calls (their formats) and of q8 decodes."""
+    calls, decodes = [], []
+    monkeypatch.setattr(fused_adamw, "_kernels_for", lambda p: True)
+    monkeypatch.setattr(fused_adamw, "_stream", lambda p: 0)
+    if getattr(statepager._C, "kernels", None) is None:  # built without nvcc
+        monkeypatch.setattr(statepager._C, "kernels", types.SimpleNamespace(), raising=False)
+    monkeypatch.setattr(statepager._C.kernels, "adamw_step", stand_in(calls), raising=False)
+    real = C.q8_decode
+    monkeypatch.setattr(C, "q8_decode", lambda *a, **k: (decodes.append(1), real(*a, **k)))
+    return calls, decodes
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.GELU(),
+                               torch.nn.Linear(300, 6)).bfloat16()
+
+
+def train(moments, mains, store_dir, steps=4, foreach=True, **kwargs):
+    m = model()
+    with Pager(store_dir, device="cpu", page_size=64 * KiB) as pager:
+        opt = PagedAdamW(m.parameters(), pager=pager, lr=1e-2, weight_decay=0.1,
+                         bucket_size=64 * KiB, moments=moments, mains=mains, foreach=foreach,
+                         **kwargs)
+        for i in range(steps):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(8, 40, generator=g).bfloat16(), torch.randn(8, 6, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x).float(), y).backward()
+            opt.step()
+        sd = opt.state_dict()
+    return [p.detach().clone() for p in m.parameters()], sd
+
+
+def same(run_a, run_b):
+    (pa, sa), (pb, sb) = run_a, run_b
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pa, pb))
+    for i, st in sa["state"].items():
+        for k, v in st.items():
+            w = sb["state"][i][k]
+            assert torch.equal(v.view(torch.int32), w.view(torch.int32)) if v.is_floating_point() \
+                else torch.equal(v, w), (i, k)
+
+
+@pytest.mark.parametrize("moments,mains", [("q8", "residual"), ("bf16", "fp32"),
+                                           ("fp32", "residual"), ("q8", "fp32")])
+def test_fused_run_is_the_unfused_run(tmp_path, moments, mains, fused_on_cpu):
+    calls, decodes = fused_on_cpu
+    fused_adamw.use_fused(False)
+    try:
+        unfused = train(moments, mains, str(tmp_path / "a"))
+    finally:
+        fused_adamw.use_fused(True)
+    assert not calls
+    decodes.clear()
+    fused = train(moments, mains, str(tmp_path / "b"))
+    # Steps 2-4 fused (4 parameters each); the first creates the state (torch's step).
+    assert calls == [moments] * 3 * 4
+    if moments == "q8":
+        # Decoded: the stand-in's own (2 per call) and state_dict()'s; not by the step.
+        assert len(decodes) == 2 * len(calls) + 2 * 4
+    same(unfused, fused)
+
+
+def test_fused_step_off_where_it_does_not_apply(tmp_path, fused_on_cpu):
+    calls, _ = fused_on_cpu
+    train("q8", "fp32", str(tmp_path / "a"), amsgrad=True)
+    train("q8", "fp32", str(tmp_path / "b"), foreach=False)  # torch's for-loop step
+    m = model()
+    with Pager(str(tmp_path / "c"), device="cpu", page_size=64 * KiB) as pager:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        pager.attach(opt, bucket_size=64 * KiB)
+        for _ in range(3):
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+    assert not calls
