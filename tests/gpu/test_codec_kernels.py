@@ -302,7 +302,7 @@ def fp32_params(seed=0):
 @pytest.mark.parametrize("name,kwargs", [
     ("AdamW", {}), ("AdamW", {"weight_decay": 0.0, "foreach": True}),
     ("AdamW", {"betas": (0.3, 0.0), "eps": 1e-3}),  # lerp's other branch; addcmul alpha 1
-    ("Adam", {"lr": 3e-3}), ("Adam", {"weight_decay": 0.1, "decoupled_weight_decay": True})])
+    ("Adam", {"lr": 3e-3, "weight_decay": 0.0}), ("Adam", {"weight_decay": 0.1, "decoupled_weight_decay": True})])
 def test_fused_adamw_is_torch_foreach(store_dir, name, kwargs, fused_calls):
     """fp32 state: the fused step on the pager's tensors gives what torch's own foreach
     AdamW gives unpaged, bit for bit (params, moments, step counts)."""

@@ -145,18 +145,12 @@ class MegatronMember:
         # What scope() left resident goes out first: the budget may hold little more.
         pager.page_out([main for _, main in self.megatron.float16_params() if pager.owns(main)])
 
-        def paged(main):
-            if pager.owns(main):
-                return None
-            t = pager.empty_like(main)
-            pager.page_in(t)
-            with torch.no_grad():
-                t.copy_(main)
-            pager.page_out(t)
-            t.__dict__.update(main.__dict__)
-            return t
-
-        moved = self.megatron.replace_mains(paged)
+        # Every copy is made before Megatron's references change: a failure leaves them.
+        fresh = {}
+        for _, main in self.megatron.float16_params():
+            if not pager.owns(main):
+                fresh[id(main)] = self._paged_copy(main)
+        moved = self.megatron.replace_mains(lambda main: fresh.get(id(main)))
         inner = self.megatron.inner
         for group in inner.param_groups:
             for i, p in enumerate(group["params"]):
@@ -164,6 +158,26 @@ class MegatronMember:
                     group["params"][i] = moved[id(p)]
                     if p in inner.state:
                         inner.state[moved[id(p)]] = inner.state.pop(p)
+
+    def _paged_copy(self, main: torch.Tensor) -> torch.Tensor:
+        """A pager tensor holding main's values and attributes, paged out."""
+        pager = self.pager
+        t = pager.empty_like(main)
+        try:
+            pager.page_in(t)
+        except _C.OutOfMemoryError as e:
+            budget = pager.stats()["budget_bytes"]
+            if budget is None:  # the device itself is full
+                raise
+            raise _C.UsageError(
+                f"hbm_budget {budget / MiB:.0f} MiB cannot hold a {main.numel() * 4 / MiB:.1f} "
+                "MiB fp32 main of Megatron's (it may span two pages) while moving it into "
+                "the pager: raise hbm_budget") from e
+        with torch.no_grad():
+            t.copy_(main)
+        pager.page_out(t)
+        t.__dict__.update(main.__dict__)
+        return t
 
     def _make_carriers(self) -> None:
         device = next(iter(self.model_of.values())).device
