@@ -17,6 +17,14 @@ if compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
     --target /tmp/site .whl/megatron_core-*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+# The wheel ships the dataset helpers built, yet pretrain_gpt.py runs `make` in their
+# folder (megatron/training/initialize.py): give it Megatron-LM's Makefile (carried in
+# .deps/megatron-lm), with the built library newer than its source so nothing is rebuilt.
+helpers=/tmp/site/megatron/core/datasets
+if [ -d "$helpers" ] && [ ! -f "$helpers/Makefile" ]; then
+  cp .deps/megatron-lm/megatron/core/datasets/Makefile "$helpers/"
+  touch "$helpers"/helpers_cpp*.so
+fi
 export STATEPAGER_TEST_LOGS=$OUT/megatron-lm
 ROOT=$PWD
 (cd /tmp && timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
