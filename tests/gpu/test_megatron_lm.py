@@ -46,6 +46,7 @@ TINY_GPT = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
     "--bf16", "--use-distributed-optimizer", "--transformer-impl", "local",
     "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",  # no apex, no TE
+    "--no-persist-layer-norm", "--no-rope-fusion",
     "--hidden-dropout", "0", "--attention-dropout", "0",
     "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
     "--save-interval", str(SAVE_AT),
