@@ -80,19 +80,29 @@ const uint16_t* bf16_bits(const torch::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
 
-void residual_encode(const torch::Tensor& main, const torch::Tensor& param,
-                     const torch::Tensor& residual, const torch::Tensor& exc_idx,
-                     const torch::Tensor& exc_bits, const torch::Tensor& count, uintptr_t stream) {
+// The tensors of a residual master (fp32 main, bf16 param, int16 residual, exceptions):
+// one device, one size; returns the device.
+int check_residual(const torch::Tensor& main, const torch::Tensor& param,
+                   const torch::Tensor& residual, const torch::Tensor& exc_idx,
+                   const torch::Tensor& exc_bits) {
   const int dev = check(main, "main", torch::kFloat32);
   check(param, "param", torch::kBFloat16, dev);
   check(residual, "residual", torch::kInt16, dev);
   check(exc_idx, "exc_idx", torch::kInt64, dev);
   check(exc_bits, "exc_bits", torch::kInt32, dev);
-  check(count, "count", torch::kInt64, dev);
   const int64_t n = main.numel();
   need(param.numel() == n && residual.numel() == n, "main, param and residual differ in size");
-  need(exc_idx.numel() == exc_bits.numel() && count.numel() == 1,
-       "exc_idx and exc_bits must be equally long, count one element");
+  need(exc_idx.numel() == exc_bits.numel(), "exc_idx and exc_bits must be equally long");
+  return dev;
+}
+
+void residual_encode(const torch::Tensor& main, const torch::Tensor& param,
+                     const torch::Tensor& residual, const torch::Tensor& exc_idx,
+                     const torch::Tensor& exc_bits, const torch::Tensor& count, uintptr_t stream) {
+  const int dev = check_residual(main, param, residual, exc_idx, exc_bits);
+  check(count, "count", torch::kInt64, dev);
+  need(count.numel() == 1, "count must be one element");
+  const int64_t n = main.numel();
   launch([&] {
     kernels::residual_encode(main.data_ptr<float>(), bf16_bits(param), residual.data_ptr<int16_t>(),
                              n, exc_idx.data_ptr<int64_t>(), exc_bits.data_ptr<int32_t>(),
@@ -103,16 +113,10 @@ void residual_encode(const torch::Tensor& main, const torch::Tensor& param,
 void residual_rebuild(const torch::Tensor& param, const torch::Tensor& residual,
                       const torch::Tensor& main, const torch::Tensor& exc_idx,
                       const torch::Tensor& exc_bits, const torch::Tensor& bad, uintptr_t stream) {
-  const int dev = check(main, "main", torch::kFloat32);
-  check(param, "param", torch::kBFloat16, dev);
-  check(residual, "residual", torch::kInt16, dev);
-  check(exc_idx, "exc_idx", torch::kInt64, dev);
-  check(exc_bits, "exc_bits", torch::kInt32, dev);
+  const int dev = check_residual(main, param, residual, exc_idx, exc_bits);
   check(bad, "bad", torch::kUInt8, dev);
+  need(bad.numel() == 1, "bad must be one element");
   const int64_t n = main.numel();
-  need(param.numel() == n && residual.numel() == n, "main, param and residual differ in size");
-  need(exc_idx.numel() == exc_bits.numel() && bad.numel() == 1,
-       "exc_idx and exc_bits must be equally long, bad one element");
   launch([&] {
     kernels::residual_rebuild(bf16_bits(param), residual.data_ptr<int16_t>(), main.data_ptr<float>(),
                               n, exc_idx.data_ptr<int64_t>(), exc_bits.data_ptr<int32_t>(),
