@@ -206,13 +206,15 @@ def pcie_floor(device: torch.device, read_bytes: int, write_bytes: int, *, round
 
 
 def measure(directory: str, device: torch.device, read_bytes: int, write_bytes: int, *,
-            block: int, depth: int, direct: bool, jobs: int = 4) -> dict:
+            block: int, depth: int, direct: bool, jobs: int = 4,
+            host_in: int = 0, host_out: int = 0) -> dict:
     """Both floors and the larger one ("seconds", set by "bound_by"); a floor that could
-    not be measured is None with its reason in "pcie_note" / "fio_note"."""
+    not be measured is None with its reason in "pcie_note" / "fio_note". read_bytes and
+    write_bytes go through the files; host_in and host_out (a host tier's) cross PCIe too."""
     r = {"read_bytes": read_bytes, "write_bytes": write_bytes, "pcie": None, "fio": None,
          "pcie_note": "", "fio_note": ""}
     if device.type == "cuda":
-        r["pcie"] = pcie_floor(device, read_bytes, write_bytes)
+        r["pcie"] = pcie_floor(device, read_bytes + host_in, write_bytes + host_out)
     else:
         r["pcie_note"] = "no PCIe floor: the device is the CPU"
     fio, r["fio_note"] = find_fio()

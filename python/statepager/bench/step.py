@@ -2,9 +2,9 @@
 
 One run measures, side by side on the same directory:
   floor    the least time the step's bytes take through PCIe and through fio
-           (statepager.bench.floor); the step is printed as a multiple of it;
-  pcie     with --host-budget on CUDA: pinned host<->device copies on two streams at once,
-           the floor of the host tier (the state moved is compared with it);
+           (statepager.bench.floor); the step is printed as a multiple of it
+           (with --host-budget, the host tier's bytes cross PCIe in its floor too, and the
+           state moved is compared with that PCIe figure);
   paged    AdamW attached to a Pager: pipelined page-in, fused step, page-out; atomic
            (copy-on-write into fresh store ranges, undo copies of unowned params), and
            again with atomic=False (in place) for what all-or-nothing steps cost;
@@ -204,27 +204,6 @@ def sync_steps(args, work: str, device, n, bar) -> dict:
         os.remove(path)
 
 
-def pcie_both_gbps(device, nbytes: int, rounds: int = 5) -> float:
-    """Pinned host->device and device->host copies of `nbytes` each, on two streams at
-    once (the copy engines' floor for the host tier), in GB/s of both directions."""
-    h2d = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    times = []
-    for _ in range(1 + rounds):  # the first round is warm-up
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with torch.cuda.stream(up):
-            dev_in.copy_(h2d, non_blocking=True)
-        with torch.cuda.stream(down):
-            d2h.copy_(dev_out, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / min(times[1:]) / 1e9
-
-
 def bench_step(args) -> dict:
     with bench_directory(args.dir) as work:
         return _bench_step(args, work)
@@ -245,7 +224,9 @@ def _bench_step(args, work: str) -> dict:
         bar.phase("floor: PCIe and fio")
         floor = bench_floor.measure(work, device, paged["bytes_read"], paged["bytes_written"],
                                     block=paged["io_block"], depth=paged["io_depth"],
-                                    direct=paged["direct_io"], jobs=args.fio_jobs)
+                                    direct=paged["direct_io"], jobs=args.fio_jobs,
+                                    host_in=paged["bytes_from_host"],
+                                    host_out=paged["bytes_to_host"])
         sync = None if args.no_baseline else sync_steps(args, work, device, n, bar)
     moved = (paged["bytes_read"] + paged["bytes_written"] + paged["bytes_to_host"] +
              paged["bytes_from_host"])
@@ -256,8 +237,6 @@ def _bench_step(args, work: str) -> dict:
         "floor": floor, "floor_s": floor["seconds"], "paged": paged,
         "paged_gbps": moved / paged["step_s"]["median"] / 1e9,
     }
-    if args.host_budget and device.type == "cuda":
-        result["pcie_both_gbps"] = pcie_both_gbps(device, min(state, 1 << 30))
     if in_place is not None:
         result["in_place"] = in_place
     if sync is not None:
@@ -292,9 +271,11 @@ def print_step(r: dict) -> None:
                 f"{p['bytes_from_host'] / 1e9:.2f} GB from host + "
                 f"{p['bytes_to_host'] / 1e9:.2f} GB to host; state moved "
                 f"{r['paged_gbps']:.2f} GB/s")
-        if "pcie_both_gbps" in r:
-            line += (f" vs concurrent PCIe {r['pcie_both_gbps']:.2f} GB/s (pinned, two streams):"
-                     f" {100 * r['paged_gbps'] / r['pcie_both_gbps']:.0f}%")
+        pcie = r["floor"]["pcie"]
+        if pcie is not None:  # the same bytes each way, pinned, two streams, this run
+            both = pcie["h2d_gbps"] + pcie["d2h_gbps"]
+            line += (f" vs concurrent PCIe {both:.2f} GB/s (the floor's copies):"
+                     f" {100 * r['paged_gbps'] / both:.0f}%")
         print(line)
     if "in_place" in r:
         q = r["in_place"]
