@@ -9,19 +9,7 @@ import os
 
 import torch
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'4G', '512M', '1.5GiB', '1048576' -> bytes (binary units: K = 1024); ValueError for
-    anything else."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in _UNITS else ""
-    number = float(t[: len(t) - len(unit)])  # ValueError for "", "512X", "G"
-    if not math.isfinite(number):
-        raise ValueError(text)
-    return int(number * _UNITS[unit])
-
+from statepager.core.args import parse_size
 
 def size(text: str) -> int:
     """A byte count above 0, with an optional unit."""

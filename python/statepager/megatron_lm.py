@@ -9,7 +9,10 @@ environment variables (statepager.integrations.megatron_lm_config); the optimize
 Pager.scope() and attached; checkpoints carry the optimizer state through the pager, in
 <iteration directory>/statepager/rank<NNNNN>/, written before Megatron's tracker file
 names the iteration and loaded by every rank or by none; each step's StepStats join
-Megatron's log line, timers and TensorBoard / W&B writers.
+Megatron's log line, timers and TensorBoard / W&B writers. With only STATEPAGER_DIR (and
+the other STATEPAGER_* variables) set, the start-up hook python/_statepager_autoload.py
+calls install_once() when megatron.training is imported, so `torchrun pretrain_gpt.py`
+is paged too.
 
 Ordering of a save (Run.save): synchronous, statepager's part is written and every
 rank has agreed it succeeded before Megatron's save starts, so the tracker, written at
@@ -185,7 +188,7 @@ class Run:
             raise UsageError("Megatron built its optimizer before parsing its arguments: "
                              "statepager.megatron_lm cannot serve this script")
         self.pager = Pager(o.directory, self.device, hbm_budget=o.hbm_budget,
-                           page_size=o.page_size)
+                           host_budget=o.host_budget, page_size=o.page_size)
         with self.pager.scope():
             optimizer = megatron_build()
         self.binding = self.pager.attach(optimizer, bucket_size=o.bucket_size, depth=o.depth,
@@ -193,7 +196,8 @@ class Run:
         self.optimizer = optimizer
         if _rank() == 0:
             print(f"statepager: optimizer state paged through {self.pager.directory} "
-                  f"(rank 0; hbm budget {o.hbm_budget or 'unbounded'}, buckets of "
+                  f"(rank 0; hbm budget {o.hbm_budget or 'unbounded'}, host budget "
+                  f"{o.host_budget or 'none'}, buckets of "
                   f"{o.bucket_size / MiB:g} MiB, moments {o.moments}, mains {o.mains})",
                   flush=True)
         return optimizer
@@ -310,6 +314,25 @@ def install(megatron: MegatronLM | None = None, *, device: str = "cuda") -> Run:
     return run
 
 
+_installed: Run | None = None  # install_once's; the training thread's only
+_installing = False
+
+
+def install_once() -> Run | None:
+    """install(), at most once per process: the entry point and the start-up hook
+    (_statepager_autoload, STATEPAGER_DIR set) both call it, and the hook fires inside
+    the entry point's own install (it imports megatron.training). The Run installed, or
+    None when called during that install."""
+    global _installed, _installing
+    if _installed is None and not _installing:
+        _installing = True
+        try:
+            _installed = install()
+        finally:
+            _installing = False
+    return _installed
+
+
 _USAGE = """usage: python -m statepager.megatron_lm SCRIPT [SCRIPT ARGS ...]
        torchrun [torchrun args] -m statepager.megatron_lm SCRIPT [SCRIPT ARGS ...]
 
@@ -339,7 +362,7 @@ def main(argv: list[str] | None = None, megatron: MegatronLM | None = None) -> i
         print(f"statepager.megatron_lm: no training script {script!r}", file=sys.stderr)
         return 2
     try:
-        run = install(megatron)
+        run = install(megatron) if megatron is not None else install_once()
     except UsageError as e:
         print(f"statepager.megatron_lm: {e}", file=sys.stderr)
         return 2
@@ -355,4 +378,8 @@ def main(argv: list[str] | None = None, megatron: MegatronLM | None = None) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the imported module, not this __main__ copy: install_once's state is
+    # that module's, which the start-up hook also calls.
+    from statepager import megatron_lm
+
+    sys.exit(megatron_lm.main())

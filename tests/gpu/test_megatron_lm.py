@@ -1,11 +1,20 @@
 """Megatron-LM's pretrain_gpt.py, unchanged, through `python -m statepager.megatron_lm` on
 one GPU (torchrun; the DP = 2 test needs two): a tiny GPT (2 layers, hidden 256,
---transformer-impl local, mock data) trained 6 iterations with a checkpoint at 4 and at
-6, resumed from 4, compared with the same run unpaged. Losses and grad norms are
-compared as Megatron logs them (every iteration); the optimizer state statepager saved
-at iteration 6 after the resume is compared byte for byte with the uninterrupted run's.
-Also: --no-load-optim against Megatron's own, a rank's state missing, a refused flag,
---async-save, and a crash between statepager's save and Megatron's.
+--transformer-impl local, mock data) trained 20 iterations with checkpoints at 10 and
+20, compared with the same run unpaged; then the paged run killed (SIGKILL, the whole
+process group) once it has logged iteration 15 and restarted with --load: iterations
+11-20 as in the uninterrupted run, and the optimizer state statepager saved at 20 byte
+for byte the uninterrupted run's. Losses and grad norms are compared as Megatron logs
+them (every iteration). Also: --no-load-optim against Megatron's own, a rank's state
+missing, a refused flag, --async-save, a crash between statepager's save and Megatron's,
+and statepager turned on by environment variables alone (no -m statepager.megatron_lm:
+the package's start-up hook, its .pth in a site directory).
+
+Megatron's own logging: the first iteration a run logs does not reset its loss sum
+(training_log's is_first_iteration), so the second iteration after a resume prints the
+mean of both losses. Every resume, Megatron's own unpaged one included, shows it;
+resumed_as() checks that iteration against that mean and the control run against
+Megatron's own resume.
 
 Skips without CUDA, megatron-core, or Megatron-LM's training scripts in .deps/megatron-lm
 (git-ignored; NVIDIA/Megatron-LM core_r0.19.0). Each run's log is kept under
@@ -16,6 +25,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -36,7 +46,7 @@ pytestmark = [
                               "(NVIDIA/Megatron-LM core_r0.19.0, git-ignored)"),
 ]
 
-ITERS, SAVE_AT = 6, 4
+ITERS, SAVE_AT, KILL_AT = 20, 10, 15
 TINY_GPT = [
     "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
     "--seq-length", "128", "--max-position-embeddings", "128",
@@ -68,19 +78,40 @@ class Runs:
     def path(self, *parts):
         return os.path.join(self.folder, *parts)
 
-    def run(self, name, extra, *, paged=True, gpus=1):
+    def run(self, name, extra, *, paged=True, gpus=1, kill_after=None, env=None,
+            entry=True, first_path=None):
+        """kill_after=N: SIGKILL to the whole run (torchrun and its workers) once it has
+        logged iteration N. entry=False: plain pretrain_gpt.py, statepager's options
+        only in `env` (the startup hook's way)."""
         store = self.path(f"store-{name}-{{rank}}")
-        argv = TINY_GPT + extra + [a.replace("{store}", store) for a in PAGED if paged]
-        entry = ["-m", "statepager.megatron_lm", PRETRAIN_GPT] if paged else [PRETRAIN_GPT]
+        argv = TINY_GPT + extra + [a.replace("{store}", store)
+                                   for a in PAGED if paged and entry]
+        module = ["-m", "statepager.megatron_lm"] if paged and entry else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(gpus)] + entry + argv
+               "--nproc-per-node", str(gpus)] + module + [PRETRAIN_GPT] + argv
+        path = ([first_path] if first_path else []) + [MEGATRON_LM] + sys.path
         env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([MEGATRON_LM] + sys.path))
-        p = subprocess.run(cmd, cwd=self.folder, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=400)
+                   PYTHONPATH=os.pathsep.join(path), **(env or {}))
+        p = subprocess.Popen(cmd, cwd=self.folder, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        lines = []
+        try:
+            for line in p.stdout:
+                lines.append(line)
+                m = LINE.search(line)
+                if kill_after is not None and m and int(m.group(1)) >= kill_after:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    lines.append(f"[test] SIGKILL to the run after iteration {m.group(1)}\n")
+                    break
+            code = p.wait(timeout=400)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        text = "".join(lines)
         with open(os.path.join(self.logs, f"{name}.log"), "w") as f:
-            f.write(" ".join(cmd) + "\n\n" + p.stdout)
-        return p.returncode, p.stdout
+            f.write(" ".join(cmd) + "\n\n" + text)
+        return code, text
 
 
 def logged(text):
@@ -94,6 +125,34 @@ def ok(result):
     return text
 
 
+def resumed_as(resumed, uninterrupted, first):
+    """`resumed` (a run resumed at iteration `first`) logs iterations first..ITERS as
+    `uninterrupted` did: the same losses and grad norms, but for Megatron's print of the
+    second iteration after a resume (the mean of that iteration's loss and the one
+    before: see the module's docstring), checked against that mean to the printed
+    precision."""
+    assert sorted(resumed) == list(range(first, ITERS + 1))
+    for i in range(first, ITERS + 1):
+        loss, norm = resumed[i]
+        assert norm == uninterrupted[i][1], f"iteration {i}: grad norm {norm} vs {uninterrupted[i]}"
+        if i != first + 1:
+            assert loss == uninterrupted[i][0], f"iteration {i}: loss {loss} vs {uninterrupted[i]}"
+        else:
+            mean = (float(uninterrupted[i - 1][0]) + float(uninterrupted[i][0])) / 2
+            assert abs(float(loss) - mean) <= 2e-6 * mean, (i, loss, mean)
+
+
+def same_state(a, b, iteration=ITERS, rank=0):
+    """statepager's saved state of `iteration` in checkpoint folders a and b, byte for byte."""
+    part = os.path.join(f"iter_{iteration:07d}", "statepager", f"rank{rank:05d}")
+    ours = sorted(os.path.relpath(p, a) for p in glob.glob(os.path.join(a, part, "*", "state.bin")))
+    theirs = sorted(os.path.relpath(p, b) for p in glob.glob(os.path.join(b, part, "*", "state.bin")))
+    assert ours and ours == theirs
+    for rel in ours:
+        x, y = os.path.join(a, rel), os.path.join(b, rel)
+        assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     r = Runs(str(tmp_path_factory.mktemp("megatron_lm")))
@@ -101,9 +160,12 @@ def runs(tmp_path_factory):
     r.unpaged = logged(ok(r.run("unpaged", ["--save", a], paged=False)))
     r.paged_text = ok(r.run("paged", ["--save", b]))
     r.paged = logged(r.paged_text)
-    r.resumed_text = ok(r.run("resumed", ["--load", b, "--ckpt-step", str(SAVE_AT),
-                                          "--save", r.path("ckpt-resumed")]))
-    r.resumed = logged(r.resumed_text)
+    k = r.path("ckpt-killed")
+    r.killed_code, r.killed_text = r.run("killed", ["--save", k], kill_after=KILL_AT)
+    r.restarted = logged(ok(r.run("restarted", ["--load", k, "--save", k])))
+    # Control: Megatron's own resume, unpaged, from its iteration SAVE_AT.
+    r.unpaged_resumed = logged(ok(r.run("unpaged-resumed", ["--load", a, "--ckpt-step",
+                                                            str(SAVE_AT)], paged=False)))
     load_fresh = ["--ckpt-step", str(SAVE_AT), "--no-load-optim"]
     r.fresh_paged = logged(ok(r.run("fresh-paged", ["--load", b] + load_fresh)))
     r.fresh_unpaged = logged(ok(r.run("fresh-unpaged", ["--load", a] + load_fresh,
@@ -132,25 +194,21 @@ def test_checkpoint_holds_statepager_state_beside_megatrons(runs):
         assert f.read().strip() == str(ITERS)
 
 
-def test_resume_continues_exactly(runs):
-    assert sorted(runs.resumed) == list(range(SAVE_AT + 1, ITERS + 1))
-    assert runs.resumed == {i: runs.paged[i] for i in range(SAVE_AT + 1, ITERS + 1)}
-    # The optimizer state after the resumed iterations, byte for byte.
-    ours = sorted(glob.glob(runs.path("ckpt-paged", f"iter_{ITERS:07d}", "statepager",
-                                      "rank00000", "*", "state.bin")))
-    theirs = sorted(glob.glob(runs.path("ckpt-resumed", f"iter_{ITERS:07d}", "statepager",
-                                        "rank00000", "*", "state.bin")))
-    assert ours and [os.path.relpath(p, runs.path("ckpt-paged")) for p in ours] == \
-        [os.path.relpath(p, runs.path("ckpt-resumed")) for p in theirs]
-    for x, y in zip(ours, theirs):
-        assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+def test_killed_at_15_and_restarted_continues_exactly(runs):
+    assert runs.killed_code != 0 and "SIGKILL to the run after iteration" in runs.killed_text
+    assert max(logged(runs.killed_text)) == KILL_AT
+    with open(runs.path("ckpt-killed", "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == str(SAVE_AT)
+    resumed_as(runs.restarted, runs.paged, SAVE_AT + 1)
+    # Megatron's own resume prints the same, its logging quirk included.
+    assert runs.restarted == runs.unpaged_resumed
+    same_state(runs.path("ckpt-paged"), runs.path("ckpt-killed"))
 
 
 def test_no_load_optim_starts_fresh_as_megatron_does(runs):
-    expected = list(range(SAVE_AT + 1, ITERS + 1))
-    assert sorted(runs.fresh_paged) == expected
+    assert sorted(runs.fresh_paged) == list(range(SAVE_AT + 1, ITERS + 1))
     assert runs.fresh_paged == runs.fresh_unpaged
-    assert runs.fresh_paged[ITERS] != runs.resumed[ITERS]
+    assert runs.fresh_paged[ITERS] != runs.restarted[ITERS]
 
 
 def test_missing_rank_state_fails_the_load_naming_the_rank(runs):
@@ -182,33 +240,47 @@ def test_async_save_matches_the_sync_one_and_timers_report(runs):
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(ITERS)
     for it in (SAVE_AT, ITERS):
-        for x in glob.glob(runs.path("ckpt-paged", f"iter_{it:07d}", "statepager", "rank00000",
-                                     "*", "state.bin")):
-            y = os.path.join(ckpt, os.path.relpath(x, runs.path("ckpt-paged")))
-            assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+        same_state(runs.path("ckpt-paged"), ckpt, it)
 
 
 def test_crash_between_the_saves_leaves_the_tracker_on_the_previous_iteration(runs):
     ckpt = runs.path("ckpt-crash")
-    # Megatron's part of iteration 4 cannot be written (its metadata.json is taken by a
-    # directory): the run dies after statepager's part, before the tracker names 4.
-    blocker = os.path.join(ckpt, "iter_0000004", "metadata.json")
+    # Megatron's part of iteration 10 cannot be written (its metadata.json is taken by a
+    # directory): the run dies after statepager's part, before the tracker names 10.
+    blocker = os.path.join(ckpt, f"iter_{SAVE_AT:07d}", "metadata.json")
     os.makedirs(blocker)
-    code, text = runs.run("crash", ["--save", ckpt, "--save-interval", "2"])
+    code, text = runs.run("crash", ["--save", ckpt, "--save-interval", "5"])
     assert code != 0
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
-        assert f.read().strip() == "2"
-    assert os.path.isfile(os.path.join(ckpt, "iter_0000004", "statepager", "rank00000",
+        assert f.read().strip() == "5"
+    assert os.path.isfile(os.path.join(ckpt, f"iter_{SAVE_AT:07d}", "statepager", "rank00000",
                                        "manifest.json"))
-    # Restarted: resumes from 2, saves 4 again (replacing the unfinished part) and 6.
+    # Restarted: resumes from 5, saves 10 again (replacing the unfinished part), 15, 20.
     os.rmdir(blocker)
-    text = ok(runs.run("crash-resumed", ["--load", ckpt, "--save", ckpt,
-                                         "--save-interval", "2"]))
-    assert logged(text) == {i: runs.paged[i] for i in range(3, ITERS + 1)}
-    for x in glob.glob(runs.path("ckpt-paged", f"iter_{ITERS:07d}", "statepager", "rank00000",
-                                 "*", "state.bin")):
-        y = os.path.join(ckpt, os.path.relpath(x, runs.path("ckpt-paged")))
-        assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+    resumed_as(logged(ok(runs.run("crash-resumed", ["--load", ckpt, "--save", ckpt,
+                                                    "--save-interval", "5"]))),
+               runs.paged, 6)
+    same_state(runs.path("ckpt-paged"), ckpt)
+
+
+def test_environment_alone_turns_statepager_on(runs, tmp_path):
+    """Plain `torchrun pretrain_gpt.py`, statepager's options in STATEPAGER_* only: the
+    start-up hook (statepager-autoload.pth, which pip puts in site-packages; here in a
+    site directory a sitecustomize on PYTHONPATH adds, as Python adds site-packages)
+    hooks Megatron-LM when it is imported."""
+    site_dir, startup = tmp_path / "site", tmp_path / "startup"
+    site_dir.mkdir()
+    startup.mkdir()
+    for name in ("statepager-autoload.pth", "_statepager_autoload.py"):
+        shutil.copy(os.path.join(ROOT, "python", name), site_dir)
+    (startup / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
+    ckpt = runs.path("ckpt-env")
+    env = {"STATEPAGER_DIR": runs.path("store-env-{rank}"), "STATEPAGER_BUCKET_SIZE": "4M",
+           "STATEPAGER_PAGE_SIZE": "2M", "STATEPAGER_HBM_BUDGET": "256M"}
+    text = ok(runs.run("env", ["--save", ckpt], env=env, entry=False, first_path=str(startup)))
+    assert "statepager: optimizer state paged through" in text
+    assert logged(text) == runs.paged
+    same_state(runs.path("ckpt-paged"), ckpt)
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (DP = 2)")
@@ -216,19 +288,16 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 
 @two_gpus
 def test_dp2_paged_equals_unpaged_resumes_exactly_and_a_missing_rank_fails_both(runs):
-    a, b = runs.path("dp2-unpaged"), runs.path("dp2-paged")
+    a, b, k = runs.path("dp2-unpaged"), runs.path("dp2-paged"), runs.path("dp2-killed")
     unpaged = logged(ok(runs.run("dp2-unpaged", ["--save", a], paged=False, gpus=2)))
     paged = logged(ok(runs.run("dp2-paged", ["--save", b], gpus=2)))
     assert sorted(paged) == list(range(1, ITERS + 1)) and paged == unpaged
-    resumed = logged(ok(runs.run("dp2-resumed", ["--load", b, "--ckpt-step", str(SAVE_AT),
-                                                 "--save", runs.path("dp2-resumed")],
-                                 gpus=2)))
-    assert resumed == {i: paged[i] for i in range(SAVE_AT + 1, ITERS + 1)}
+    code, _ = runs.run("dp2-killed", ["--save", k], gpus=2, kill_after=KILL_AT)
+    assert code != 0
+    restarted = logged(ok(runs.run("dp2-restarted", ["--load", k, "--save", k], gpus=2)))
+    resumed_as(restarted, paged, SAVE_AT + 1)
     for rank in (0, 1):
-        for x in glob.glob(os.path.join(b, f"iter_{ITERS:07d}", "statepager",
-                                        f"rank{rank:05d}", "*", "state.bin")):
-            y = os.path.join(runs.path("dp2-resumed"), os.path.relpath(x, b))
-            assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
+        same_state(b, k, rank=rank)
     shutil.rmtree(os.path.join(b, f"iter_{SAVE_AT:07d}", "statepager", "rank00001"))
     code, text = runs.run("dp2-broken", ["--load", b, "--ckpt-step", str(SAVE_AT)], gpus=2)
     assert code != 0

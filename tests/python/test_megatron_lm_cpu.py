@@ -37,9 +37,9 @@ def test_flags_give_the_options():
     args = parse(["--statepager-dir", "/nvme/sp-{rank}", "--statepager-hbm-budget", "8G",
                   "--statepager-bucket-size", "64M", "--statepager-depth", "4",
                   "--statepager-moments", "q8", "--statepager-mains", "residual",
-                  "--statepager-page-size", "2M"])
+                  "--statepager-page-size", "2M", "--statepager-host-budget", "64G"])
     assert options_from(args) == Options("/nvme/sp-{rank}", hbm_budget=8 << 30,
-                                         page_size=2 * MiB, bucket_size=64 * MiB, depth=4,
+                                         host_budget=64 << 30, page_size=2 * MiB, bucket_size=64 * MiB, depth=4,
                                          moments="q8", mains="residual")
 
 
@@ -49,9 +49,9 @@ def test_defaults_without_flags():
 
 def test_environment_gives_defaults_and_flags_win():
     env = {"STATEPAGER_DIR": "/env/sp", "STATEPAGER_HBM_BUDGET": "1G",
-           "STATEPAGER_MOMENTS": "bf16"}
+           "STATEPAGER_MOMENTS": "bf16", "STATEPAGER_HOST_BUDGET": "2G"}
     assert options_from(parse([], env)) == Options("/env/sp", hbm_budget=1 << 30,
-                                                   moments="bf16")
+                                                   host_budget=2 << 30, moments="bf16")
     o = options_from(parse(["--statepager-moments", "q8", "--statepager-dir", "/flag"], env))
     assert (o.directory, o.moments, o.hbm_budget) == ("/flag", "q8", 1 << 30)
 
@@ -59,6 +59,7 @@ def test_environment_gives_defaults_and_flags_win():
 @pytest.mark.parametrize("var, value, words", [
     ("STATEPAGER_BUCKET_SIZE", "lots", "not a size"),
     ("STATEPAGER_HBM_BUDGET", "0", "more than 0"),
+    ("STATEPAGER_HOST_BUDGET", "8X", "not a size"),
     ("STATEPAGER_DEPTH", "1", "at least 2"),
     ("STATEPAGER_MOMENTS", "int4", "fp32, bf16, q8"),
 ])
@@ -256,10 +257,11 @@ class AdamWithReload(torch.optim.Adam):
         self.reloads += 1
 
 
-def make_run(tmp_path, name, **args):
+def make_run(tmp_path, name, host_budget=0, **args):
     fake = FakeMegatron(**args)
     run = Run(fake, device="cpu")
-    run.options = Options(str(tmp_path / f"store-{name}"), bucket_size=4096)
+    run.options = Options(str(tmp_path / f"store-{name}"), bucket_size=4096,
+                          host_budget=host_budget)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(3)]
     run.build_optimizer(lambda: AdamWithReload(params, lr=0.1))
@@ -402,9 +404,10 @@ def test_async_save_finishes_before_the_tracker(tmp_path):
     run.close()
 
 
-def test_load_restores_exactly_and_no_load_optim_starts_fresh(tmp_path):
+@pytest.mark.parametrize("host_budget", [0, 64 * MiB], ids=["store", "host-tier"])
+def test_load_restores_exactly_and_no_load_optim_starts_fresh(tmp_path, host_budget):
     base = str(tmp_path / "ckpt")
-    run, fake, params = make_run(tmp_path, "a", save=base)
+    run, fake, params = make_run(tmp_path, "a", save=base, host_budget=host_budget)
     train(run, params, 3)
     saved = state(run, params)
     run.save(3, run.optimizer, False, megatron_save(fake, base, 3, []))
@@ -412,7 +415,7 @@ def test_load_restores_exactly_and_no_load_optim_starts_fresh(tmp_path):
     after = state(run, params)
     run.close()
 
-    resumed, fake2, params2 = make_run(tmp_path, "b", load=base)
+    resumed, fake2, params2 = make_run(tmp_path, "b", load=base, host_budget=host_budget)
     with torch.no_grad():  # Megatron's load puts the model params back
         for p, q in zip(params2, saved[0]):
             p.copy_(q)

@@ -5,6 +5,7 @@ the device or on the core's limits (page granularity, maxima) are checked in C++
 users get the same errors."""
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from statepager import _C
 
 _LIMIT = 1 << 64  # what a size_t of the core holds
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def integer(name: str, value, *, minimum: int = 0) -> int:
@@ -64,3 +66,14 @@ def bucketing(bucket_size, depth) -> tuple[int, int]:
     """attach()'s bucket_size (bytes, at least 1) and depth (buckets resident or in
     flight, at least 2: one stepping, one in flight)."""
     return integer("bucket_size", bucket_size, minimum=1), integer("depth", depth, minimum=2)
+
+
+def parse_size(text: str) -> int:
+    """'4G', '512M', '1.5GiB', '1048576' -> bytes (binary units: K = 1024); ValueError for
+    anything else."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    number = float(t[: len(t) - len(unit)])  # ValueError for "", "512X", "G"
+    if not math.isfinite(number):
+        raise ValueError(text)
+    return int(number * _UNITS[unit])

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from statepager import UsageError
-from statepager.cli_args import parse_size
+from statepager.core.args import parse_size
 
 MiB = 1 << 20
 MOMENTS = ("fp32", "bf16", "q8")
@@ -31,6 +31,7 @@ class Options:
 
     directory: str                  # the rank's store; "{rank}" becomes the global rank
     hbm_budget: int | None = None   # bytes of device memory the pool may hold
+    host_budget: int = 0            # bytes of pinned host memory between HBM and the store
     page_size: int = 32 * MiB
     bucket_size: int = 256 * MiB
     depth: int = 3
@@ -45,6 +46,9 @@ _FLAGS = (
      "(e.g. /nvme/sp-{rank}). Turns statepager on"),
     ("hbm-budget", "STATEPAGER_HBM_BUDGET", "hbm_budget", "size",
      "device memory the page pool may hold, e.g. 8G (default: unbounded)"),
+    ("host-budget", "STATEPAGER_HOST_BUDGET", "host_budget", "size",
+     "pinned host memory that keeps paged-out state between HBM and the store files, e.g. "
+     "64G; above it the least needed state goes to the store (default: none)"),
     ("page-size", "STATEPAGER_PAGE_SIZE", "page_size", "size",
      "bytes per physical page, a multiple of 2M (default 32M)"),
     ("bucket-size", "STATEPAGER_BUCKET_SIZE", "bucket_size", "size",
