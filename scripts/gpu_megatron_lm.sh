@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Megatron-LM through `python -m statepager.megatron_lm` on the GPU machine:
-# tests/gpu/test_megatron_lm.py (pretrain_gpt.py, tiny GPT, 1 GPU; paged vs unpaged,
-# resume, --no-load-optim, a missing rank state, a refused flag, --async-save).
+# tests/gpu/test_megatron_lm.py (pretrain_gpt.py, tiny GPT, 20 iterations, 1 GPU and
+# DP = 2 where two are visible; paged vs unpaged, SIGKILL at 15 and restart, Megatron's own
+# resume as control, --no-load-optim, a missing rank state, a refused flag, --async-save,
+# a crash between the saves, STATEPAGER_* alone through the start-up hook). Its Megatron
+# runs go in two waves of concurrent processes: about 3 minutes on an H200.
 # Expects `bash scripts/setup.sh` (or gpu_suite.sh) to have built the extension into
 # python/statepager/, megatron-core in .whl/ (README, "The GPU machine") and Megatron-LM's
 # core_r0.19.0 training scripts in .deps/megatron-lm (carried, git-ignored).

@@ -16,9 +16,14 @@ mean of both losses. Every resume, Megatron's own unpaged one included, shows it
 resumed_as() checks that iteration against that mean and the control run against
 Megatron's own resume.
 
+The runs are independent processes, started in two waves (each run's inputs come from
+the first) that run at once on the GPU(s), so the whole module takes about two runs'
+time; the tests then check what they logged and wrote.
+
 Skips without CUDA, megatron-core, or Megatron-LM's training scripts in .deps/megatron-lm
 (git-ignored; NVIDIA/Megatron-LM core_r0.19.0). Each run's log is kept under
 $STATEPAGER_TEST_LOGS when set (scripts/gpu_megatron_lm.sh sets it), else in tmp_path."""
+import concurrent.futures
 import filecmp
 import glob
 import importlib.util
@@ -153,24 +158,109 @@ def same_state(a, b, iteration=ITERS, rank=0):
         assert filecmp.cmp(x, y, shallow=False), f"{x} and {y} differ"
 
 
+two_gpus = torch.cuda.device_count() >= 2
+
+
+def wave(runs, jobs):
+    """Runs `jobs` ({key: (name, extra, options)}) at once; {key: (status, log)}."""
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {key: pool.submit(runs.run, name, extra, **options)
+                   for key, (name, extra, options) in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def env_only_options(r):
+    """Plain `torchrun pretrain_gpt.py`, statepager's options in STATEPAGER_* only: the
+    start-up hook (statepager-autoload.pth, which pip puts in site-packages; here in a
+    site directory that a sitecustomize on PYTHONPATH adds, as Python adds
+    site-packages) hooks Megatron-LM when it is imported."""
+    site_dir, startup = r.path("env-site"), r.path("env-startup")
+    os.makedirs(site_dir)
+    os.makedirs(startup)
+    for name in ("statepager-autoload.pth", "_statepager_autoload.py"):
+        shutil.copy(os.path.join(ROOT, "python", name), site_dir)
+    with open(os.path.join(startup, "sitecustomize.py"), "w") as f:
+        f.write(f"import site\nsite.addsitedir({site_dir!r})\n")
+    env = {"STATEPAGER_DIR": r.path("store-env-{rank}"), "STATEPAGER_BUCKET_SIZE": "4M",
+           "STATEPAGER_PAGE_SIZE": "2M", "STATEPAGER_HBM_BUDGET": "256M"}
+    return dict(env=env, entry=False, first_path=startup)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     r = Runs(str(tmp_path_factory.mktemp("megatron_lm")))
-    a, b = r.path("ckpt-unpaged"), r.path("ckpt-paged")
-    r.unpaged = logged(ok(r.run("unpaged", ["--save", a], paged=False)))
-    r.paged_text = ok(r.run("paged", ["--save", b]))
-    r.paged = logged(r.paged_text)
-    k = r.path("ckpt-killed")
-    r.killed_code, r.killed_text = r.run("killed", ["--save", k], kill_after=KILL_AT)
-    r.restarted = logged(ok(r.run("restarted", ["--load", k, "--save", k])))
-    # Control: Megatron's own resume, unpaged, from its iteration SAVE_AT.
-    r.unpaged_resumed = logged(ok(r.run("unpaged-resumed", ["--load", a, "--ckpt-step",
-                                                            str(SAVE_AT)], paged=False)))
+    a, b, k = r.path("ckpt-unpaged"), r.path("ckpt-paged"), r.path("ckpt-killed")
+    crash = r.path("ckpt-crash")
+    # Megatron's part of iteration 10 cannot be written (its metadata.json is taken by a
+    # directory): the crash run dies after statepager's part, before the tracker names 10.
+    blocker = os.path.join(crash, f"iter_{SAVE_AT:07d}", "metadata.json")
+    os.makedirs(blocker)
+    first = {
+        "unpaged": ("unpaged", ["--save", a], dict(paged=False)),
+        "paged": ("paged", ["--save", b], {}),
+        "killed": ("killed", ["--save", k], dict(kill_after=KILL_AT)),
+        "refused": ("refused", ["--save", r.path("ckpt-refused"), "--ckpt-format", "torch"], {}),
+        "async": ("async", ["--save", r.path("ckpt-async"), "--async-save", "--async-strategy",
+                            "mcore", "--use-persistent-ckpt-worker", "--timing-log-level", "1"],
+                  {}),
+        "crash": ("crash", ["--save", crash, "--save-interval", "5"], {}),
+        "env": ("env", ["--save", r.path("ckpt-env")], env_only_options(r)),
+    }
+    if two_gpus:
+        first.update({
+            "dp2-unpaged": ("dp2-unpaged", ["--save", r.path("dp2-unpaged")],
+                            dict(paged=False, gpus=2)),
+            "dp2-paged": ("dp2-paged", ["--save", r.path("dp2-paged")], dict(gpus=2)),
+            "dp2-killed": ("dp2-killed", ["--save", r.path("dp2-killed")],
+                           dict(gpus=2, kill_after=KILL_AT)),
+        })
+    r.result = wave(r, first)
+    # What the crash left, before its restart changes it.
+    r.crash_tracker = tracker(crash)
+    r.crash_part = os.path.isfile(os.path.join(crash, f"iter_{SAVE_AT:07d}", "statepager",
+                                               "rank00000", "manifest.json"))
+    os.rmdir(blocker)
+    broken = r.path("ckpt-broken")
+    shutil.copytree(b, broken, symlinks=True)
+    shutil.rmtree(os.path.join(broken, f"iter_{SAVE_AT:07d}", "statepager", "rank00000"))
     load_fresh = ["--ckpt-step", str(SAVE_AT), "--no-load-optim"]
-    r.fresh_paged = logged(ok(r.run("fresh-paged", ["--load", b] + load_fresh)))
-    r.fresh_unpaged = logged(ok(r.run("fresh-unpaged", ["--load", a] + load_fresh,
-                                      paged=False)))
+    second = {
+        "restarted": ("restarted", ["--load", k, "--save", k], {}),
+        # Control: Megatron's own resume, unpaged, from its iteration SAVE_AT.
+        "unpaged-resumed": ("unpaged-resumed", ["--load", a, "--ckpt-step", str(SAVE_AT)],
+                            dict(paged=False)),
+        "fresh-paged": ("fresh-paged", ["--load", b] + load_fresh, {}),
+        "fresh-unpaged": ("fresh-unpaged", ["--load", a] + load_fresh, dict(paged=False)),
+        "broken": ("broken", ["--load", broken, "--ckpt-step", str(SAVE_AT)], {}),
+        # Restarted: resumes from 5, saves 10 again (replacing the unfinished part), 15, 20.
+        "crash-resumed": ("crash-resumed", ["--load", crash, "--save", crash,
+                                            "--save-interval", "5"], {}),
+    }
+    if two_gpus and r.result["dp2-paged"][0] == 0:
+        dp2_broken = r.path("dp2-broken")
+        shutil.copytree(r.path("dp2-paged"), dp2_broken, symlinks=True)
+        shutil.rmtree(os.path.join(dp2_broken, f"iter_{SAVE_AT:07d}", "statepager",
+                                   "rank00001"))
+        second.update({
+            "dp2-restarted": ("dp2-restarted", ["--load", r.path("dp2-killed"), "--save",
+                                                r.path("dp2-killed")], dict(gpus=2)),
+            "dp2-broken": ("dp2-broken", ["--load", dp2_broken, "--ckpt-step", str(SAVE_AT)],
+                           dict(gpus=2)),
+        })
+    r.result.update(wave(r, second))
+    r.unpaged = logged(ok(r.result["unpaged"]))
+    r.paged_text = ok(r.result["paged"])
+    r.paged = logged(r.paged_text)
     return r
+
+
+def tracker(base):
+    """What Megatron's tracker file in `base` names, or None."""
+    path = os.path.join(base, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
 
 
 def test_paged_losses_equal_unpaged(runs):
@@ -190,39 +280,36 @@ def test_checkpoint_holds_statepager_state_beside_megatrons(runs):
         d = runs.path("ckpt-paged", f"iter_{it:07d}")
         assert os.path.isfile(os.path.join(d, "statepager", "rank00000", "manifest.json"))
         assert os.path.isfile(os.path.join(d, "metadata.json"))  # Megatron's torch_dist
-    with open(runs.path("ckpt-paged", "latest_checkpointed_iteration.txt")) as f:
-        assert f.read().strip() == str(ITERS)
+    assert tracker(runs.path("ckpt-paged")) == str(ITERS)
 
 
 def test_killed_at_15_and_restarted_continues_exactly(runs):
-    assert runs.killed_code != 0 and "SIGKILL to the run after iteration" in runs.killed_text
-    assert max(logged(runs.killed_text)) == KILL_AT
-    with open(runs.path("ckpt-killed", "latest_checkpointed_iteration.txt")) as f:
-        assert f.read().strip() == str(SAVE_AT)
-    resumed_as(runs.restarted, runs.paged, SAVE_AT + 1)
+    code, text = runs.result["killed"]
+    assert code != 0 and "SIGKILL to the run after iteration" in text
+    assert max(logged(text)) == KILL_AT
+    restarted = logged(ok(runs.result["restarted"]))
+    resumed_as(restarted, runs.paged, SAVE_AT + 1)
     # Megatron's own resume prints the same, its logging quirk included.
-    assert runs.restarted == runs.unpaged_resumed
+    assert restarted == logged(ok(runs.result["unpaged-resumed"]))
+    assert tracker(runs.path("ckpt-killed")) == str(ITERS)
     same_state(runs.path("ckpt-paged"), runs.path("ckpt-killed"))
 
 
 def test_no_load_optim_starts_fresh_as_megatron_does(runs):
-    assert sorted(runs.fresh_paged) == list(range(SAVE_AT + 1, ITERS + 1))
-    assert runs.fresh_paged == runs.fresh_unpaged
-    assert runs.fresh_paged[ITERS] != runs.restarted[ITERS]
+    fresh_paged = logged(ok(runs.result["fresh-paged"]))
+    assert sorted(fresh_paged) == list(range(SAVE_AT + 1, ITERS + 1))
+    assert fresh_paged == logged(ok(runs.result["fresh-unpaged"]))
+    assert fresh_paged[ITERS] != runs.paged[ITERS]
 
 
 def test_missing_rank_state_fails_the_load_naming_the_rank(runs):
-    ckpt = runs.path("ckpt-broken")
-    shutil.copytree(runs.path("ckpt-paged"), ckpt, symlinks=True)
-    shutil.rmtree(os.path.join(ckpt, f"iter_{SAVE_AT:07d}", "statepager", "rank00000"))
-    code, text = runs.run("broken", ["--load", ckpt, "--ckpt-step", str(SAVE_AT)])
+    code, text = runs.result["broken"]
     assert code != 0
     assert "fails on every rank: rank 0:" in text and "--no-load-optim" in text
 
 
 def test_unsupported_flag_is_refused_at_start(runs):
-    code, text = runs.run("refused", ["--save", runs.path("ckpt-refused"),
-                                      "--ckpt-format", "torch"])
+    code, text = runs.result["refused"]
     assert code != 0
     assert "statepager cannot run with these Megatron flags" in text
     assert "--ckpt-format" in text
@@ -230,76 +317,40 @@ def test_unsupported_flag_is_refused_at_start(runs):
 
 
 def test_async_save_matches_the_sync_one_and_timers_report(runs):
-    ckpt = runs.path("ckpt-async")
-    text = ok(runs.run("async", ["--save", ckpt, "--async-save", "--async-strategy", "mcore",
-                                 "--use-persistent-ckpt-worker", "--timing-log-level", "1"]))
+    text = ok(runs.result["async"])
     assert logged(text) == runs.paged
     # --timing-log-level 1: Megatron's timer report lists statepager's timers (those
     # above zero: the waits may be).
     assert "statepager-step" in text
-    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
-        assert f.read().strip() == str(ITERS)
+    assert tracker(runs.path("ckpt-async")) == str(ITERS)
     for it in (SAVE_AT, ITERS):
-        same_state(runs.path("ckpt-paged"), ckpt, it)
+        same_state(runs.path("ckpt-paged"), runs.path("ckpt-async"), it)
 
 
 def test_crash_between_the_saves_leaves_the_tracker_on_the_previous_iteration(runs):
-    ckpt = runs.path("ckpt-crash")
-    # Megatron's part of iteration 10 cannot be written (its metadata.json is taken by a
-    # directory): the run dies after statepager's part, before the tracker names 10.
-    blocker = os.path.join(ckpt, f"iter_{SAVE_AT:07d}", "metadata.json")
-    os.makedirs(blocker)
-    code, text = runs.run("crash", ["--save", ckpt, "--save-interval", "5"])
-    assert code != 0
-    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
-        assert f.read().strip() == "5"
-    assert os.path.isfile(os.path.join(ckpt, f"iter_{SAVE_AT:07d}", "statepager", "rank00000",
-                                       "manifest.json"))
-    # Restarted: resumes from 5, saves 10 again (replacing the unfinished part), 15, 20.
-    os.rmdir(blocker)
-    resumed_as(logged(ok(runs.run("crash-resumed", ["--load", ckpt, "--save", ckpt,
-                                                    "--save-interval", "5"]))),
-               runs.paged, 6)
-    same_state(runs.path("ckpt-paged"), ckpt)
+    assert runs.result["crash"][0] != 0
+    assert runs.crash_tracker == "5" and runs.crash_part
+    resumed_as(logged(ok(runs.result["crash-resumed"])), runs.paged, 6)
+    same_state(runs.path("ckpt-paged"), runs.path("ckpt-crash"))
 
 
-def test_environment_alone_turns_statepager_on(runs, tmp_path):
-    """Plain `torchrun pretrain_gpt.py`, statepager's options in STATEPAGER_* only: the
-    start-up hook (statepager-autoload.pth, which pip puts in site-packages; here in a
-    site directory a sitecustomize on PYTHONPATH adds, as Python adds site-packages)
-    hooks Megatron-LM when it is imported."""
-    site_dir, startup = tmp_path / "site", tmp_path / "startup"
-    site_dir.mkdir()
-    startup.mkdir()
-    for name in ("statepager-autoload.pth", "_statepager_autoload.py"):
-        shutil.copy(os.path.join(ROOT, "python", name), site_dir)
-    (startup / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
-    ckpt = runs.path("ckpt-env")
-    env = {"STATEPAGER_DIR": runs.path("store-env-{rank}"), "STATEPAGER_BUCKET_SIZE": "4M",
-           "STATEPAGER_PAGE_SIZE": "2M", "STATEPAGER_HBM_BUDGET": "256M"}
-    text = ok(runs.run("env", ["--save", ckpt], env=env, entry=False, first_path=str(startup)))
+def test_environment_alone_turns_statepager_on(runs):
+    text = ok(runs.result["env"])
     assert "statepager: optimizer state paged through" in text
     assert logged(text) == runs.paged
-    same_state(runs.path("ckpt-paged"), ckpt)
+    same_state(runs.path("ckpt-paged"), runs.path("ckpt-env"))
 
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (DP = 2)")
-
-
-@two_gpus
+@pytest.mark.skipif(not two_gpus, reason="needs two GPUs (DP = 2)")
 def test_dp2_paged_equals_unpaged_resumes_exactly_and_a_missing_rank_fails_both(runs):
-    a, b, k = runs.path("dp2-unpaged"), runs.path("dp2-paged"), runs.path("dp2-killed")
-    unpaged = logged(ok(runs.run("dp2-unpaged", ["--save", a], paged=False, gpus=2)))
-    paged = logged(ok(runs.run("dp2-paged", ["--save", b], gpus=2)))
-    assert sorted(paged) == list(range(1, ITERS + 1)) and paged == unpaged
-    code, _ = runs.run("dp2-killed", ["--save", k], gpus=2, kill_after=KILL_AT)
-    assert code != 0
-    restarted = logged(ok(runs.run("dp2-restarted", ["--load", k, "--save", k], gpus=2)))
-    resumed_as(restarted, paged, SAVE_AT + 1)
+    paged = logged(ok(runs.result["dp2-paged"]))
+    assert sorted(paged) == list(range(1, ITERS + 1))
+    assert paged == logged(ok(runs.result["dp2-unpaged"]))
+    assert runs.result["dp2-killed"][0] != 0
+    resumed_as(logged(ok(runs.result["dp2-restarted"])), paged, SAVE_AT + 1)
     for rank in (0, 1):
-        same_state(b, k, rank=rank)
-    shutil.rmtree(os.path.join(b, f"iter_{SAVE_AT:07d}", "statepager", "rank00001"))
-    code, text = runs.run("dp2-broken", ["--load", b, "--ckpt-step", str(SAVE_AT)], gpus=2)
+        same_state(runs.path("dp2-paged"), runs.path("dp2-killed"), rank=rank)
+    code, text = runs.result["dp2-broken"]
     assert code != 0
     # Both ranks fail, each naming rank 1 (rank 0 had its state).
     assert text.count("failed on 1 of 2 ranks, so it fails on every rank: rank 1:") >= 2, \
