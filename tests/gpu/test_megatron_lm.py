@@ -12,9 +12,12 @@ the package's start-up hook, its .pth in a site directory).
 
 Megatron's own logging: the first iteration a run logs does not reset its loss sum
 (training_log's is_first_iteration), so the second iteration after a resume prints the
-mean of both losses. Every resume, Megatron's own unpaged one included, shows it;
-resumed_as() checks that iteration against that mean and the control run against
-Megatron's own resume.
+mean of both losses (every resume shows it); resumed_as() checks that iteration against
+that mean. Megatron's own resume of this run unpaged is no control here: megatron-core
+0.19.2 with torch's AdamW (no TransformerEngine, no apex) fails it while building the
+optimizer's sharded state dict before any step (DistributedOptimizer.state_dict:
+`assert len(steps) == 1`, the state being empty), so the uninterrupted run is the
+reference.
 
 The runs are independent processes, started in two waves (each run's inputs come from
 the first) that run at once on the GPU(s), so the whole module takes about two runs'
@@ -226,9 +229,6 @@ def runs(tmp_path_factory):
     load_fresh = ["--ckpt-step", str(SAVE_AT), "--no-load-optim"]
     second = {
         "restarted": ("restarted", ["--load", k, "--save", k], {}),
-        # Control: Megatron's own resume, unpaged, from its iteration SAVE_AT.
-        "unpaged-resumed": ("unpaged-resumed", ["--load", a, "--ckpt-step", str(SAVE_AT)],
-                            dict(paged=False)),
         "fresh-paged": ("fresh-paged", ["--load", b] + load_fresh, {}),
         "fresh-unpaged": ("fresh-unpaged", ["--load", a] + load_fresh, dict(paged=False)),
         "broken": ("broken", ["--load", broken, "--ckpt-step", str(SAVE_AT)], {}),
@@ -289,8 +289,6 @@ def test_killed_at_15_and_restarted_continues_exactly(runs):
     assert max(logged(text)) == KILL_AT
     restarted = logged(ok(runs.result["restarted"]))
     resumed_as(restarted, runs.paged, SAVE_AT + 1)
-    # Megatron's own resume prints the same, its logging quirk included.
-    assert restarted == logged(ok(runs.result["unpaged-resumed"]))
     assert tracker(runs.path("ckpt-killed")) == str(ITERS)
     same_state(runs.path("ckpt-paged"), runs.path("ckpt-killed"))
 
