@@ -46,8 +46,9 @@ void launch(F&& f) {
   }
 }
 
-void q8_encode(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-               bool nonneg, uintptr_t stream) {
+// The device of x (float32), after checking codes (a uint8 per element of x) and scales
+// (a float32 per block of kQ8Block) against it.
+int check_q8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
   const int dev = check(x, "x", torch::kFloat32);
   check(codes, "codes", torch::kUInt8, dev);
   check(scales, "scales", torch::kFloat32, dev);
@@ -55,6 +56,13 @@ void q8_encode(const torch::Tensor& x, const torch::Tensor& codes, const torch::
   need(codes.numel() == n, "codes must have as many elements as x");
   need(scales.numel() == (n + kernels::kQ8Block - 1) / kernels::kQ8Block,
        "scales must have one element per block of 256");
+  return dev;
+}
+
+void q8_encode(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+               bool nonneg, uintptr_t stream) {
+  const int dev = check_q8(x, codes, scales);
+  const int64_t n = x.numel();
   launch([&] {
     kernels::q8_encode(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                        n, nonneg, dev, as_stream(stream));
@@ -63,13 +71,8 @@ void q8_encode(const torch::Tensor& x, const torch::Tensor& codes, const torch::
 
 void q8_decode(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& x,
                bool nonneg, uintptr_t stream) {
-  const int dev = check(x, "x", torch::kFloat32);
-  check(codes, "codes", torch::kUInt8, dev);
-  check(scales, "scales", torch::kFloat32, dev);
+  const int dev = check_q8(x, codes, scales);
   const int64_t n = x.numel();
-  need(codes.numel() == n, "codes must have as many elements as x");
-  need(scales.numel() == (n + kernels::kQ8Block - 1) / kernels::kQ8Block,
-       "scales must have one element per block of 256");
   launch([&] {
     kernels::q8_decode(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), x.data_ptr<float>(),
                        n, nonneg, dev, as_stream(stream));

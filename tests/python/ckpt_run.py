@@ -63,6 +63,17 @@ def snapshot(model, opt, pager):
             "lr": [g["lr"] for g in opt.param_groups]}
 
 
+def saved(tmp_path) -> str:
+    """A checkpoint after 3 steps (PagedAdamW, two param groups, a scheduler), saved
+    into tmp_path/ckpt from a store in tmp_path/store; its path."""
+    model, pager, opt, sched = model_and_opt(str(tmp_path / "store"))
+    steps(model, opt, sched, 0, 3)
+    path = str(tmp_path / "ckpt")
+    pager.save(path)
+    pager.close()
+    return path
+
+
 def main():
     store, ckpt, out, n, m, mode = sys.argv[1:7]
     n, m = int(n), int(m)
@@ -108,3 +119,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+

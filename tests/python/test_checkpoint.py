@@ -260,12 +260,7 @@ def test_fresh_optimizer_gets_the_state_of_the_checkpoint(tmp_path):
 
 @pytest.fixture
 def saved(tmp_path):
-    model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "store"))
-    ckpt_run.steps(model, opt, sched, 0, 3)
-    path = str(tmp_path / "ckpt")
-    pager.save(path)
-    pager.close()
-    return path
+    return ckpt_run.saved(tmp_path)
 
 
 def fresh(tmp_path):

@@ -88,13 +88,7 @@ def files(*roots) -> dict:
 
 @pytest.fixture
 def saved(tmp_path):
-    """A checkpoint after 3 steps (PagedAdamW, two param groups, a scheduler)."""
-    model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "store"))
-    ckpt_run.steps(model, opt, sched, 0, 3)
-    path = str(tmp_path / "ckpt")
-    pager.save(path)
-    pager.close()
-    return path
+    return ckpt_run.saved(tmp_path)
 
 
 def sign(m: dict) -> None:
