@@ -135,20 +135,27 @@ class Pager:
     # -- tensors ---------------------------------------------------------------------
 
     def empty(self, *shape, dtype: torch.dtype = torch.float32, store: str = "",
-              strides: Sequence[int] | None = None) -> torch.Tensor:
+              strides: Sequence[int] | None = None,
+              pieces: Sequence[int] | None = None) -> torch.Tensor:
         """A deferred tensor: address reserved, no memory and no I/O until page_in().
         `store` names the store its bytes go to ("" the default one); `strides` its
-        memory layout (None: contiguous)."""
+        memory layout (None: contiguous). `pieces`: the byte sizes of consecutive parts
+        of its bytes (in memory order) that are paged on their own, each through a view
+        of exactly its bytes (the tensor itself pages them all); every one but the last a
+        multiple of 4 KiB, together the tensor's bytes. None: one part."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         return self._core.empty(args.shape(shape), args.dtype(dtype), args.text("store", store),
-                                None if strides is None else args.shape(strides))
+                                None if strides is None else args.shape(strides),
+                                None if pieces is None else args.integers("pieces", pieces))
 
-    def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None,
+                   pieces: Sequence[int] | None = None) -> torch.Tensor:
         """empty() shaped and laid out as torch.empty_like(t) would be (preserve_format:
-        a channels_last or transposed t gives the same strides), optionally another dtype."""
+        a channels_last or transposed t gives the same strides), optionally another dtype,
+        in `pieces` (see empty())."""
         like = torch.empty_like(t, dtype=dtype, device="meta")
-        return self.empty(like.shape, dtype=like.dtype, strides=like.stride())
+        return self.empty(like.shape, dtype=like.dtype, strides=like.stride(), pieces=pieces)
 
     def owns(self, t) -> bool:
         """True when t is a tensor whose bytes are a tensor of this pager (a view of one
@@ -166,7 +173,8 @@ class Pager:
         self._core.move_to_store(list(tensors), store)
 
     def residency(self, t: torch.Tensor) -> str:
-        """'zero', 'file', 'host', 'resident', 'paging_in' or 'paging_out'."""
+        """'zero', 'file', 'host', 'resident', 'paging_in' or 'paging_out'; 'mixed' for a
+        tensor whose pieces (empty(pieces=...)) are not all alike."""
         return self._core.residency(t)
 
     def is_resident(self, t: torch.Tensor) -> bool:
