@@ -535,6 +535,15 @@ PYBIND11_MODULE(_C, m) {
              return std::string(residency_name(common.value_or(
                  self.pager->residency(self.extent_of(t)))));
            })
+      .def("piece_bytes",
+           [](PyPager& self, const torch::Tensor& t) {
+             // The byte sizes of the pieces of t's storage (one for a tensor without).
+             std::vector<size_t> sizes;
+             for (ExtentId id : self.pager->pieces(self.extent_of(t))) {
+               sizes.push_back(self.pager->size(id));
+             }
+             return sizes;
+           })
       .def("owns", [](PyPager& self, const torch::Tensor& t) {
              return self.pager->find(reinterpret_cast<uintptr_t>(t.storage().data())).has_value();
            })

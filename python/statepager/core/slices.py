@@ -16,6 +16,7 @@ and scales in whole blocks (formats.stored.StoredForm.chunk).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,12 +32,37 @@ from statepager.formats.fused_adamw import applies_to
 CHUNK_ALIGN = codecs.Q8_BLOCK * 4096 // 4
 
 
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """Elements [start, stop), in memory order, of a parameter that steps in chunks, in
+    param group `group`."""
+
+    param: torch.Tensor
+    group: int
+    start: int
+    stop: int
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This chunk's elements of t, a tensor shaped and laid out as the parameter."""
+        return flat_view(t)[self.start:self.stop]
+
+
 def chunk_bounds(numel: int, max_elements: int) -> list[tuple[int, int]]:
     """(start, stop) of consecutive chunks covering `numel` elements, each at most
     max_elements rounded down to CHUNK_ALIGN (one CHUNK_ALIGN at least), all starting
     on a multiple of CHUNK_ALIGN."""
     size = max(CHUNK_ALIGN, max_elements // CHUNK_ALIGN * CHUNK_ALIGN)
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+
+
+def pieces(numel: int, element_size: int) -> list[int] | None:
+    """Pager.empty's pieces for a tensor of `numel` elements of a parameter that steps in
+    chunks: one per CHUNK_ALIGN elements, so that the elements of any chunk_bounds are
+    whole pieces; None (one piece) for a tensor of one CHUNK_ALIGN or less."""
+    if numel <= CHUNK_ALIGN:
+        return None
+    full, rest = divmod(numel, CHUNK_ALIGN)
+    return [CHUNK_ALIGN * element_size] * full + ([rest * element_size] if rest else [])
 
 
 def sliceable(optimizer: torch.optim.Optimizer) -> bool:
@@ -56,18 +82,28 @@ def check_sliceable(optimizer: torch.optim.Optimizer, what: str) -> None:
             "the largest parameter's state, or use Adam/AdamW.")
 
 
+def counters(state: dict) -> dict:
+    """Copies of a parameter's scalar tensor state (Adam's "step"), as step_in_slices
+    takes them: the values of before the step."""
+    return {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+
+
 @torch.no_grad()
 def step_in_slices(optimizer: torch.optim.Optimizer, step: Callable, group_index: int,
-                   p: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
+                   p: torch.Tensor, bounds: list[tuple[int, int]],
+                   before: dict | None = None) -> None:
     """optimizer's step (`step(optimizer)`, its algorithm without hooks) of parameter p of
     param group `group_index`, chunk by chunk over `bounds` (chunk_bounds). p's state
-    exists (its first step is whole). Every param group's "params" is replaced while a
-    chunk steps and put back after; p's counters change only once every chunk stepped."""
+    exists (its first step is whole, or created beforehand). Every param group's "params"
+    is replaced while a chunk steps and put back after. p's counters are set once every
+    chunk stepped, each chunk stepping from `before` (counters(), taken before the step's
+    first chunk of p: so a step whose chunks are stepped in several calls still counts
+    once), or from their values now."""
     if p.grad is None:
         return  # torch steps nothing, and counts nothing, for it
     state = optimizer.state[p]
     grad = _in_layout_of(p, p.grad)
-    counters = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
+    before = counters(state) if before is None else before
     sliced = [k for k, v in state.items() if support.pageable(v, p)]
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
@@ -79,7 +115,7 @@ def step_in_slices(optimizer: torch.optim.Optimizer, step: Callable, group_index
             view = flat_view(p.detach())[start:stop]
             view.grad = flat_view(grad)[start:stop]
             chunk = dict(state)
-            chunk.update({k: state[k].clone() for k in counters})  # as before the step
+            chunk.update({k: v.clone() for k, v in before.items()})
             chunk.update({k: flat_view(state[k])[start:stop] for k in sliced})
             optimizer.state[view] = chunk
             groups[group_index]["params"] = [view]
@@ -91,7 +127,7 @@ def step_in_slices(optimizer: torch.optim.Optimizer, step: Callable, group_index
     finally:
         for g, params in zip(groups, saved):
             g["params"] = params
-    for k in counters:
+    for k in before:
         state[k].copy_(stepped[k])
 
 

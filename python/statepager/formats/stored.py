@@ -36,6 +36,7 @@ class StoredForm:
         """bounds: the chunks (statepager.core.slices.chunk_bounds) the stored tensors are
         made of, one piece each (Pager.empty's pieces); None: one piece."""
         self.working, self.fmt, self.kind, self.model_param = working, fmt, kind, model_param
+        self.bounds = bounds
         self.exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
                            torch.empty(0, dtype=torch.int32, device=working.device))
         self.fingerprint = None  # residual: the model parameter's, when last encoded
