@@ -1,5 +1,6 @@
 // statepager._C: the C++ core as seen from Python. Tensors are built over pool extents
-// with torch::from_blob; their deleter releases the extent, and holds the Pager alive.
+// with torch::from_blob; their deleter releases the extents (one, or a tensor's pieces) and
+// holds the Pager alive.
 #include <torch/extension.h>
 
 #include <chrono>

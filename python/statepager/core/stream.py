@@ -252,7 +252,7 @@ class StreamedOptimizer:
     def _plan(self) -> list[Bucket]:
         """Buckets of about bucket_size over the param groups' parameters, in order (a
         parameter listed twice in a group steps twice, as in torch, in one bucket); a
-        parameter larger than a bucket in chunks (split()), over consecutive buckets."""
+        parameter larger than a bucket in chunks (_chunking), over consecutive buckets."""
         groups = self.optimizer.param_groups
         buckets, where = [], {}
 
