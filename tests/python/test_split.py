@@ -71,15 +71,16 @@ def test_split_parameter_steps_as_unpaged(store_dir, variant):
         assert state[0]["step"].item() == 4
 
 
-@pytest.mark.parametrize("moments", ["fp32", "bf16", "q8"])
-def test_paged_adamw_formats_split_as_whole(store_dir, tmp_path, moments):
+@pytest.mark.parametrize("moments,mains", [("fp32", "fp32"), ("bf16", "fp32"), ("q8", "fp32"),
+                                          ("fp32", "residual"), ("q8", "residual")])
+def test_paged_adamw_formats_split_as_whole(store_dir, tmp_path, moments, mains):
     """Each stored format, split into chunks, against itself whole (one bucket per
     parameter): the same bits."""
     def run(directory, bucket_size):
         model = params(dtype=torch.bfloat16)
         with Pager(directory, page_size=PAGE) as pager:
             opt = PagedAdamW(model, pager=pager, lr=1e-2, bucket_size=bucket_size,
-                             moments=moments)
+                             moments=moments, mains=mains)
             for step in range(3):
                 set_grads(model, step)
                 opt.step()
@@ -129,15 +130,15 @@ def test_state_dict_round_trip(store_dir):
                 assert torch.equal(a[i][k], b[i][k])
 
 
-@pytest.mark.parametrize("moments", ["fp32", "q8"])
-def test_checkpoint_round_trip(tmp_path, moments):
+@pytest.mark.parametrize("moments,mains", [("fp32", "fp32"), ("q8", "residual")])
+def test_checkpoint_round_trip(tmp_path, moments, mains):
     """save_to / load_from of split parameters: the run goes on as if never stopped; the
     checkpoint's tensors are whole, as a run with whole buckets reads them."""
     def start(directory, bucket_size):
         model = params(dtype=torch.bfloat16)
         pager = Pager(str(tmp_path / directory), page_size=PAGE)
         return model, pager, PagedAdamW(model, pager=pager, lr=1e-2, bucket_size=bucket_size,
-                                        moments=moments)
+                                        moments=moments, mains=mains)
     model, pager, opt = start("a", BUCKET)
     for step in range(2):
         set_grads(model, step)
@@ -162,13 +163,14 @@ def test_checkpoint_round_trip(tmp_path, moments):
     pager.close()
 
 
-def test_failed_step_in_a_later_chunk_changes_nothing(store_dir):
+@pytest.mark.parametrize("mains", ["fp32", "residual"])
+def test_failed_step_in_a_later_chunk_changes_nothing(store_dir, mains):
     model = params(dtype=torch.bfloat16)
     ref = params(dtype=torch.bfloat16)
     with Pager(store_dir, page_size=PAGE) as pager:
-        opt = PagedAdamW(model, pager=pager, lr=1e-2, bucket_size=BUCKET)
+        opt = PagedAdamW(model, pager=pager, lr=1e-2, bucket_size=BUCKET, mains=mains)
         with Pager(store_dir + "-ref", page_size=PAGE) as ref_pager:
-            ref_opt = PagedAdamW(ref, pager=ref_pager, lr=1e-2, bucket_size=BUCKET)
+            ref_opt = PagedAdamW(ref, pager=ref_pager, lr=1e-2, bucket_size=BUCKET, mains=mains)
             binding = opt.binding
             set_grads(model, 0)
             opt.step()

@@ -305,8 +305,6 @@ class StreamedOptimizer:
             return None
         if (self.before_bucket and not self.before_chunk) or (self.after_bucket and not self.after_chunk):
             return None
-        if self.pager.owns(p) and self.mains == "residual":
-            return None  # its exception list is one per master (not per chunk) for now
         if any(f.bounds is None and f.scratch for f in self._forms.get(id(p), {}).values()):
             return None  # stored whole already
         made = [p] if self.pager.owns(p) else []

@@ -37,9 +37,11 @@ class StoredForm:
         made of, one piece each (Pager.empty's pieces); None: one piece."""
         self.working, self.fmt, self.kind, self.model_param = working, fmt, kind, model_param
         self.bounds = bounds
-        self.exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
-                           torch.empty(0, dtype=torch.int32, device=working.device))
-        self.fingerprint = None  # residual: the model parameter's, when last encoded
+        self._whole, self._range = None, None  # a chunk's: the whole form, (start, stop)
+        self._exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
+                            torch.empty(0, dtype=torch.int32, device=working.device))
+        self._fingerprint = None  # residual: the model parameter's, when last encoded
+        self._chunk_fingerprints = {}  # residual: (start, stop) -> a chunk's, when encoded
         n = working.numel()
 
         def pieces(size_of) -> list[int] | None:
@@ -65,8 +67,9 @@ class StoredForm:
         """The form of elements [start, stop) of the working tensor, in memory order (start
         a multiple of Q8_BLOCK; stop too, or the end): views of the working and stored
         tensors and of the model parameter, whose encode writes the bytes the whole form's
-        encode writes there. A residual chunk has its own exceptions (indices from start,
-        the whole's among them); encoding it sets those, not the whole form's."""
+        encode writes there. A residual chunk's exceptions are the whole form's in it
+        (indices from start): setting them (its encode) sets those of the whole form
+        there; its fingerprint is the chunk's model parameter's, kept by the whole form."""
         if start % codecs.Q8_BLOCK or not 0 <= start < stop <= self.working.numel() or (
                 stop % codecs.Q8_BLOCK and stop != self.working.numel()):
             raise ValueError(f"chunk [{start}, {stop}) of a tensor of {self.working.numel()} "
@@ -83,11 +86,46 @@ class StoredForm:
                             self.tensors[1][first:first + codecs.q8_num_blocks(stop - start)]]
         else:
             part.tensors = [self.tensors[0][start:stop]]
-        index, bits = self.exceptions
-        inside = (index >= start) & (index < stop)
-        part.exceptions = (index[inside] - start, bits[inside])
-        part.fingerprint = None  # of the whole model parameter, not of this chunk
+        part._whole, part._range = self, (start, stop)
         return part
+
+    @property
+    def exceptions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual format: (flat int64 indices, int32 main bits) of the elements the
+        residual does not hold (codecs.residual_encode), sorted by index."""
+        if self._whole is None:
+            return self._exceptions
+        (start, stop), (index, bits) = self._range, self._whole.exceptions
+        inside = (index >= start) & (index < stop)
+        return index[inside] - start, bits[inside]
+
+    @exceptions.setter
+    def exceptions(self, exceptions: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self._whole is None:
+            self._exceptions = exceptions
+            return
+        (start, stop), (index, bits) = self._range, self._whole.exceptions
+        before, after = index < start, index >= stop
+        self._whole.exceptions = (
+            torch.cat([index[before], exceptions[0] + start, index[after]]),
+            torch.cat([bits[before], exceptions[1], bits[after]]))
+
+    @property
+    def fingerprint(self):
+        """Residual format: the model parameter's checksum (codecs.param_checksum) when
+        last encoded; None when unknown."""
+        if self._whole is None:
+            return self._fingerprint
+        return self._whole._chunk_fingerprints.get(self._range)
+
+    @fingerprint.setter
+    def fingerprint(self, value) -> None:
+        # A whole encode or load makes the chunks' unknown, a chunk's encode the whole's.
+        if self._whole is None:
+            self._fingerprint, self._chunk_fingerprints = value, {}
+        else:
+            self._whole._fingerprint = None
+            self._whole._chunk_fingerprints[self._range] = value
 
     @property
     def scratch(self) -> bool:
