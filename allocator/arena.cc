@@ -50,4 +50,13 @@ void Arena::free(uintptr_t addr) {
   free_[start] = len;
 }
 
+void Arena::split(uintptr_t addr, size_t offset) {
+  auto used = used_.find(addr);
+  if (used == used_.end() || offset == 0 || offset >= used->second) {
+    throw UsageError("Arena::split: no allocated range to cut at that offset");
+  }
+  used_[addr + offset] = used->second - offset;
+  used->second = offset;
+}
+
 }  // namespace statepager

@@ -5,7 +5,8 @@
 //
 // Thread-safety: none; the Pool serializes calls.
 // Errors: allocate() throws OutOfMemoryError when no free range is large enough;
-// free() of an address that was not allocated throws UsageError.
+// free() of an address that was not allocated throws UsageError, as does split() of one
+// or at an offset outside it.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +22,9 @@ class Arena {
   // Returns the start of a free range of `bytes`, aligned to `align` (a power of two).
   uintptr_t allocate(size_t bytes, size_t align);
   void free(uintptr_t addr);
+  // Cuts the allocated range starting at `addr` in two at addr + offset (0 < offset <
+  // its length): each part is then freed on its own. UsageError otherwise.
+  void split(uintptr_t addr, size_t offset);
 
   uintptr_t base() const { return base_; }
   size_t size() const { return size_; }

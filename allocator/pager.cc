@@ -17,6 +17,9 @@ constexpr size_t kAddressAlign = 4096;
 
 size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
+// An extent's own range in its store: whole file blocks, one at least.
+size_t file_range_bytes(size_t bytes) { return align_up(std::max<size_t>(bytes, 1), kFileAlign); }
+
 }  // namespace
 
 IoShape io_shape_for(bool direct_io) {
@@ -60,6 +63,7 @@ struct Pager::Extent {
   uint64_t last_use = 0;  // Pager::use_clock_ at its last page-in, page-out or read-ahead
   bool tier_moving = false;  // being spilled or read ahead (a Job with spills or tier_move)
   Residency restore_from = Residency::kZero;  // its state before a restore (see begin_restore)
+  ExtentId next_piece = 0;  // create_pieces(): the tensor's next piece (0: none)
 
   // The store ranges it refers to now, and in an epoch also those it committed.
   std::vector<uint64_t> ranges() const {
@@ -146,30 +150,67 @@ const Pager::Extent& Pager::extent_locked(ExtentId id) const {
   return const_cast<Pager*>(this)->extent_locked(id);
 }
 
-ExtentId Pager::create(size_t bytes, unsigned store) {
+ExtentId Pager::create(size_t bytes, unsigned store) { return create_pieces({bytes}, store)[0]; }
+
+std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, unsigned store) {
+  size_t total = 0;
+  for (size_t i = 0; i < pieces.size(); i++) {
+    const bool last = i + 1 == pieces.size();
+    if ((!last && pieces[i] % kAddressAlign != 0) || (pieces.size() > 1 && pieces[i] == 0)) {
+      throw UsageError("piece " + std::to_string(i) + " of " + std::to_string(pieces[i]) +
+                       " bytes: every piece of a tensor but the last must be a multiple of " +
+                       std::to_string(kAddressAlign) + " bytes, and none of several empty");
+    }
+    total += pieces[i];
+  }
+  if (pieces.empty()) throw UsageError("a tensor of no pieces");
   std::unique_lock lock(mu_);
   check_open_locked();
   check_store_locked(store);
-  if (bytes > pool_.arena_bytes()) {
-    throw UsageError("a tensor of " + std::to_string(bytes) + " bytes is larger than the "
+  if (total > pool_.arena_bytes()) {
+    throw UsageError("a tensor of " + std::to_string(total) + " bytes is larger than the "
                      "pager's whole address arena (arena_size " +
                      std::to_string(pool_.arena_bytes()) + " bytes): create the Pager with "
                      "a larger arena_size");
   }
-  auto extent = std::make_unique<Extent>();
-  extent->bytes = bytes;
-  extent->file_bytes = align_up(std::max<size_t>(bytes, 1), kFileAlign);
-  extent->addr = pool_.allocate(std::max<size_t>(bytes, 1), kAddressAlign);
+  // The file ranges, then the address range: what can fail, undone if it does.
+  std::vector<uint64_t> offsets;
+  uintptr_t addr;
   try {
-    extent->store_offset = stores_[store]->space.allocate(extent->file_bytes, kFileAlign);
+    for (size_t bytes : pieces) {
+      offsets.push_back(stores_[store]->space.allocate(file_range_bytes(bytes), kFileAlign));
+    }
+    addr = pool_.allocate(std::max<size_t>(total, 1), kAddressAlign);
   } catch (...) {
-    pool_.free(extent->addr);
+    for (uint64_t offset : offsets) stores_[store]->space.free(offset);
     throw;
   }
-  const ExtentId id = next_id_++;
-  by_address_[extent->addr] = id;
-  extents_[id] = std::move(extent);
-  return id;
+  std::vector<ExtentId> ids;
+  for (size_t i = 0; i < pieces.size(); i++) {
+    if (i + 1 < pieces.size()) pool_.split(addr, pieces[i]);
+    auto e = std::make_unique<Extent>();
+    e->addr = addr;
+    e->bytes = pieces[i];
+    e->file_bytes = file_range_bytes(pieces[i]);
+    e->store_offset = offsets[i];
+    const ExtentId id = next_id_++;
+    if (!ids.empty()) extents_[ids.back()]->next_piece = id;
+    by_address_[addr] = id;
+    extents_[id] = std::move(e);
+    ids.push_back(id);
+    addr += pieces[i];
+  }
+  return ids;
+}
+
+std::vector<ExtentId> Pager::pieces(ExtentId first) const {
+  std::unique_lock lock(mu_);
+  std::vector<ExtentId> ids{first};
+  for (ExtentId next = extent_locked(first).next_piece; next != 0;
+       next = extent_locked(next).next_piece) {
+    ids.push_back(next);
+  }
+  return ids;
 }
 
 uintptr_t Pager::create_segment(size_t bytes) {

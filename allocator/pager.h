@@ -153,6 +153,16 @@ class Pager {
   // mapped, no file I/O. UsageError when `bytes` exceeds the whole arena (arena_bytes);
   // OutOfMemoryError when the arena has no free range that large.
   ExtentId create(size_t bytes, unsigned store = 0);
+  // One tensor's bytes as adjacent extents ("pieces"), so that a part of a tensor larger
+  // than a bucket can be paged on its own: pieces[i] bytes each, one after the other from
+  // one address, every piece but the last a positive multiple of 4 KiB (so that each
+  // starts a file block and its own pages). Each piece is an extent as create() makes
+  // (paged, stored and released on its own). Returns their ids in address order. Errors
+  // as create(), and UsageError for empty or misaligned pieces; nothing is created then.
+  std::vector<ExtentId> create_pieces(const std::vector<size_t>& pieces, unsigned store = 0);
+  // The extents of the tensor whose first extent is `first`: [first] for one create()
+  // made, all its pieces, in address order, for one create_pieces() made.
+  std::vector<ExtentId> pieces(ExtentId first) const;
 
   // The store named `name` ("" is the default store, 0), opened on first use as
   // <directory>/<name>/state.bin. UsageError for a name that is not a plain file name.

@@ -47,6 +47,7 @@ class Pool {
   // Address ranges; nothing is mapped by these.
   uintptr_t allocate(size_t bytes, size_t align);
   void free(uintptr_t addr);
+  void split(uintptr_t addr, size_t offset) { arena_.split(addr, offset); }
   bool contains(uintptr_t addr, size_t bytes) const;
 
   // Takes (drops) one reference on every page overlapping [addr, addr + bytes).

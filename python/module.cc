@@ -1,5 +1,6 @@
 // statepager._C: the C++ core as seen from Python. Tensors are built over pool extents
-// with torch::from_blob; their deleter releases the extent, and holds the Pager alive.
+// with torch::from_blob; their deleter releases the extents (one, or a tensor's pieces) and
+// holds the Pager alive.
 #include <torch/extension.h>
 
 #include <chrono>
@@ -42,10 +43,32 @@ struct PyPager {
     return *id;
   }
 
+  // The extents holding t's elements: its storage's extent, or of a tensor made of
+  // pieces (Pager.empty(pieces=...)) the pieces its elements lie in, so that a view of
+  // one piece pages that piece alone.
+  std::vector<ExtentId> extents_of(const torch::Tensor& t) const {
+    std::vector<ExtentId> ids = pager->pieces(extent_of(t));
+    if (ids.size() == 1) return ids;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+    size_t span = t.numel() == 0 ? 0 : 1;  // elements from the first to the last, inclusive
+    for (int64_t d = 0; d < t.dim(); d++) {
+      if (t.numel() != 0) span += static_cast<size_t>((t.size(d) - 1) * t.stride(d));
+    }
+    const uintptr_t end = start + span * t.element_size();
+    std::vector<ExtentId> inside;
+    for (ExtentId id : ids) {
+      const uintptr_t a = pager->address(id);
+      if (a < end && a + pager->size(id) > start) inside.push_back(id);
+    }
+    return inside;
+  }
+
   std::vector<ExtentId> extents_of(const std::vector<torch::Tensor>& tensors) const {
     std::vector<ExtentId> ids;
     ids.reserve(tensors.size());
-    for (const auto& t : tensors) ids.push_back(extent_of(t));
+    for (const auto& t : tensors) {
+      for (ExtentId id : extents_of(t)) ids.push_back(id);
+    }
     return ids;
   }
 };
@@ -429,25 +452,37 @@ PYBIND11_MODULE(_C, m) {
            py::arg("host_budget_bytes") = 0)
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
-              const std::string& store, std::optional<std::vector<int64_t>> strides) {
+              const std::string& store, std::optional<std::vector<int64_t>> strides,
+              std::optional<std::vector<size_t>> pieces) {
              const size_t bytes = tensor_bytes(shape, strides, scalar);
-             const ExtentId id = self.pager->create(bytes, self.pager->open_store(store));
+             std::vector<size_t> sizes = pieces.value_or(std::vector<size_t>{bytes});
+             size_t total = 0;
+             for (size_t n : sizes) total += n;
+             if (total != bytes) {
+               throw UsageError("Pager.empty: pieces of " + std::to_string(total) +
+                                " bytes in all for a tensor of " + std::to_string(bytes) +
+                                ": the pieces must add up to the tensor's bytes");
+             }
+             const std::vector<ExtentId> ids =
+                 self.pager->create_pieces(sizes, self.pager->open_store(store));
              std::shared_ptr<Pager> keep = self.pager;
              // Pager::release never waits (a tensor still paging is freed when its bucket
              // completes), so the deleter needs no GIL release: torch may run it with or
              // without the GIL, on any thread.
-             auto deleter = [keep, id](void*) {
-               try {
-                 keep->release(id);
-               } catch (const std::exception& e) {
-                 // PyTorch calls deleters noexcept: report, and leave the range reserved.
-                 std::fprintf(stderr, "statepager: releasing a pager tensor failed: %s\n",
-                              e.what());
+             auto deleter = [keep, ids](void*) {
+               for (ExtentId id : ids) {
+                 try {
+                   keep->release(id);
+                 } catch (const std::exception& e) {
+                   // PyTorch calls deleters noexcept: report, and leave the range reserved.
+                   std::fprintf(stderr, "statepager: releasing a pager tensor failed: %s\n",
+                                e.what());
+                 }
                }
              };
              // target_device: an unmapped address is unknown to cudaPointerGetAttributes,
              // so torch must not try to infer the device from it.
-             auto blob = at::for_blob(reinterpret_cast<void*>(self.pager->address(id)), shape);
+             auto blob = at::for_blob(reinterpret_cast<void*>(self.pager->address(ids[0])), shape);
              if (strides) blob.strides(*strides);
              return blob.deleter(deleter)
                  .options(torch::TensorOptions().dtype(scalar).device(self.device))
@@ -455,7 +490,7 @@ PYBIND11_MODULE(_C, m) {
                  .make_tensor();
            },
            py::arg("shape"), py::arg("dtype"), py::arg("store") = "",
-           py::arg("strides") = py::none())
+           py::arg("strides") = py::none(), py::arg("pieces") = py::none())
       .def("move_to_store",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, const std::string& store) {
              self.pager->move_to_store(self.extents_of(tensors), self.pager->open_store(store));
@@ -491,7 +526,24 @@ PYBIND11_MODULE(_C, m) {
       .def("is_done", [](PyPager& self, const PyTicket& t) { return self.pager->is_done(t.ticket); })
       .def("residency",
            [](PyPager& self, const torch::Tensor& t) {
-             return residency_name(self.pager->residency(self.extent_of(t)));
+             // Of a tensor made of pieces: theirs when they agree, else "mixed".
+             std::optional<Residency> common;
+             for (ExtentId id : self.extents_of(t)) {
+               const Residency r = self.pager->residency(id);
+               if (common && *common != r) return std::string("mixed");
+               common = r;
+             }
+             return std::string(residency_name(common.value_or(
+                 self.pager->residency(self.extent_of(t)))));
+           })
+      .def("piece_bytes",
+           [](PyPager& self, const torch::Tensor& t) {
+             // The byte sizes of the pieces of t's storage (one for a tensor without).
+             std::vector<size_t> sizes;
+             for (ExtentId id : self.pager->pieces(self.extent_of(t))) {
+               sizes.push_back(self.pager->size(id));
+             }
+             return sizes;
            })
       .def("owns", [](PyPager& self, const torch::Tensor& t) {
              return self.pager->find(reinterpret_cast<uintptr_t>(t.storage().data())).has_value();

@@ -26,5 +26,23 @@ TEST(Arena, ExhaustionAndBadFreeAreTypedErrors) {
   EXPECT_THROW(arena.free(12345), UsageError);
 }
 
+TEST(Arena, SplitRangesAreFreedOnTheirOwn) {
+  Arena arena(4096, 1 << 20);
+  const uintptr_t a = arena.allocate(3 * 4096, 4096);
+  arena.split(a, 4096);
+  arena.split(a + 4096, 4096);
+  EXPECT_EQ(arena.allocated_bytes(), 3u * 4096);
+  arena.free(a + 4096);  // the middle one: a hole of its size
+  EXPECT_EQ(arena.allocate(4096, 4096), a + 4096);
+  arena.free(a);
+  arena.free(a + 4096);
+  arena.free(a + 2 * 4096);
+  EXPECT_EQ(arena.allocated_bytes(), 0u);
+  EXPECT_EQ(arena.allocate(1 << 20, 4096), 4096u);  // coalesced whole again
+  EXPECT_THROW(arena.split(4096, 0), UsageError);
+  EXPECT_THROW(arena.split(4096, 1 << 20), UsageError);
+  EXPECT_THROW(arena.split(8192, 4096), UsageError);  // not an allocation's start
+}
+
 }  // namespace
 }  // namespace statepager

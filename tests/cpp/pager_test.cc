@@ -107,6 +107,40 @@ TEST(Pager, AddressStableAcrossPaging) {
   }
 }
 
+TEST(Pager, PiecesAreAdjacentAndPagedOnTheirOwn) {
+  PagerOptions o = small_options("pieces");
+  Pager pager(make_host_device(), o);
+  const size_t page = o.pool.page_bytes;
+  const ExtentId before = pager.create(1000);  // a neighbour sharing the first page
+  const std::vector<ExtentId> ids = pager.create_pieces({2 * page, 2 * page, 12345});
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_EQ(pager.pieces(ids[0]), ids);
+  EXPECT_EQ(pager.pieces(before), std::vector<ExtentId>{before});
+  EXPECT_EQ(pager.address(ids[1]), pager.address(ids[0]) + 2 * page);
+  EXPECT_EQ(pager.address(ids[2]), pager.address(ids[1]) + 2 * page);
+  for (ExtentId id : ids) {
+    pager.wait(pager.page_in({id}));
+    fill_random(pager.address(id), pager.size(id), uint32_t(id));
+    pager.wait(pager.page_out({id}));
+  }
+  // One piece in: its pages only (two, plus one it may share with a neighbour).
+  pager.reset_peak();
+  pager.wait(pager.page_in({ids[1]}));
+  EXPECT_LE(pager.stats().mapped_bytes, 3 * page);
+  EXPECT_EQ(pager.residency(ids[0]), Residency::kFile);
+  EXPECT_TRUE(equals_random(pager.address(ids[1]), 2 * page, uint32_t(ids[1])));
+  pager.wait(pager.page_in({ids[0], ids[2]}));
+  for (ExtentId id : ids) EXPECT_TRUE(equals_random(pager.address(id), pager.size(id), uint32_t(id)));
+  for (ExtentId id : ids) pager.release(id);
+  pager.release(before);
+  EXPECT_EQ(pager.stats().mapped_bytes, 0u);
+  EXPECT_EQ(pager.stats().extents, 0u);
+  EXPECT_THROW(pager.create_pieces({4095, 10}), UsageError);
+  EXPECT_THROW(pager.create_pieces({4096, 0}), UsageError);
+  EXPECT_THROW(pager.create_pieces({}), UsageError);
+  EXPECT_EQ(pager.stats().extents, 0u);
+}
+
 TEST(Pager, BudgetIsNeverExceeded) {
   PagerOptions o = small_options("budget");
   o.pool.budget_bytes = 8 * o.pool.page_bytes;

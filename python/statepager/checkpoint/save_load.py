@@ -49,8 +49,8 @@ from statepager.checkpoint import dirs as checkpoint_dirs
 from statepager.checkpoint.dirs import DATA, MANIFEST
 from statepager.checkpoint.staging import Staged, check_layout, missing_state
 from statepager.checkpoint.manifest import (CHECKSUMS, CHUNK, DIGEST, FORMAT, CheckpointMismatchError,
-                                 DataFile, align, digest, encode, read_manifest, stored,
-                                 valid_name)
+                                 DataFile, align, checked_bytes, digest, encode, read_manifest,
+                                 stored, valid_name)
 from statepager.core import ranks
 from statepager.core.flat import flat_view
 
@@ -137,10 +137,17 @@ def save(pager, core, path: str, *, background: bool = False,
         h.wait()
     plan = [_Plan(binding) for binding in pager.bindings]
     tensors = [t for p in plan for t in p.tensors]
-    snapshot = core.snapshot(tensors) if via == "store" else None
+    # A tensor made of pieces (a parameter that steps in chunks) is copied piece by piece,
+    # back to back: its bytes in the checkpoint are those of a tensor of one piece.
+    pieces = [pager.piece_views(t) for t in tensors]
+    snapshot = core.snapshot([v for views in pieces for v in views]) if via == "store" else None
     try:
-        states = ([s for s, _, _ in snapshot.placements] if snapshot is not None
-                  else [pager.residency(t) for t in tensors])
+        if snapshot is not None:
+            placed = iter(snapshot.placements)
+            states = ["zero" if all(next(placed)[0] == "zero" for _ in range(len(views))
+                                    ) else "file" for views in pieces]
+        else:
+            states = [pager.residency(t) for t in tensors]
         at = 0
         for p in plan:
             p.place(states[at:at + len(p.tensors)])
@@ -162,10 +169,16 @@ def save(pager, core, path: str, *, background: bool = False,
                 os.makedirs(os.path.dirname(f))
                 open(f, "wb").close()
             t0 = time.perf_counter()
-            inline = checksum == "crc32c"
+            # Checksums per CHUNK of a tensor made of pieces are read back from the file.
+            whole = all(len(views) == 1 for views in pieces)
+            inline = checksum == "crc32c" and whole
+            if not whole:  # a ZERO piece of a tensor that is not ZERO leaves a hole
+                for p, f in zip(plan, files):
+                    os.truncate(f, p.entry["data_bytes"])
             if snapshot is not None:
-                targets = [(i, e["offset"] or 0) for i, p in enumerate(plan)
-                           for e in p.entries]
+                entries = [(i, e) for i, p in enumerate(plan) for e in p.entries]
+                targets = [(i, (e["offset"] or 0) + at) for (i, e), views in zip(entries, pieces)
+                           for at in _starts(views)]
                 handle.method, sums = snapshot.copy_to(files, targets, CHUNK if inline else 0)
             else:
                 handle.method = "device"
@@ -174,7 +187,8 @@ def save(pager, core, path: str, *, background: bool = False,
             t1 = time.perf_counter()
             handle.copy_seconds = t1 - t0
             if not inline:
-                sums = iter(checksums([(f, e["offset"], e["bytes"]) for p, f in zip(plan, files)
+                sums = iter(checksums([(f, e["offset"], checked_bytes(checksum, e["bytes"]))
+                                       for p, f in zip(plan, files)
                                        for e in p.entries if not e["zero"]], checksum))
                 sums = [[] if e["zero"] else next(sums) for p in plan for e in p.entries]
                 handle.checksum_seconds = time.perf_counter() - t1
@@ -223,8 +237,8 @@ class _Plan:
         self.buckets = [[({"param": index[id(p)], "name": name, "dtype": str(t.dtype),
                            "shape": list(t.shape), "strides": list(t.stride()),
                            "bytes": t.numel() * t.element_size()}, t)
-                         for p in b.params for name, t in stored(binding, p)]
-                        for b in binding.buckets]
+                         for p in bucket for name, t in stored(binding, p)]
+                        for bucket in binding.params_by_bucket()]
         self.entries = [e for items in self.buckets for e, _ in items]
         self.tensors = [t for items in self.buckets for _, t in items]
         small, names = {}, {}
@@ -281,6 +295,15 @@ class _Plan:
             f.flush()
             os.fsync(f.fileno())
         return [sums.get(id(e), []) for e in self.entries] if checksum == "crc32c" else []
+
+
+def _starts(views: list) -> list:
+    """The byte offset of each of consecutive views from the first one's start."""
+    out, at = [], 0
+    for v in views:
+        out.append(at)
+        at += v.numel() * v.element_size()
+    return out
 
 
 def _chunk_crc32c(data: memoryview, pad: bytes) -> list:
@@ -381,12 +404,18 @@ def _restore(pager, core, staged: list, loaded: list) -> None:
     staged values. Appends the name of each optimizer loaded to `loaded`."""
     # Resident tensors go out first (between steps there are none), so their bytes are
     # at rest in the store, where Pager::restore keeps them if it fails.
-    resident = [t for s in staged for t in s.restore[0] if pager.is_resident(t)]
+    resident = [t for s in staged for t in s.restore[0]
+                if pager.residency(t) in ("resident", "mixed")]
     if resident:
         pager.page_out(resident)
     for s in staged:
         tensors, zero, offsets = s.restore
-        core.restore(tensors, zero, s.data.path, offsets)
+        pieces = [pager.piece_views(t) for t in tensors]  # each piece from its place
+        core.restore([v for views in pieces for v in views],
+                     [z for z, views in zip(zero, pieces) for _ in views],
+                     s.data.path,
+                     [offset + at for offset, views in zip(offsets, pieces)
+                      for at in _starts(views)])
         s.apply()
         loaded.append(s.binding.name)
 
@@ -428,7 +457,8 @@ def _create_state(binding, missing: dict) -> dict:
         p = params[j]
         created[p] = list(specs)
         for name, (shape, dtype, strides) in specs.items():
-            opt.state[p][name] = pager.empty(shape, dtype=dtype, strides=strides)
+            like = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+            opt.state[p][name] = binding.empty_state_like(p, like)
     if created:
         binding.state_changed()
     return created

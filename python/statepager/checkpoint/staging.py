@@ -103,8 +103,8 @@ class Staged:
         for key, t in saved.items():
             self._check_tensor(key, t, live[key])
         index = {id(p): j for j, p in enumerate(self._params)}
-        order = [(saved[(index[id(p)], n)], t) for b in self.binding.buckets
-                 for p in b.params for n, t in stored(self.binding, p)]
+        order = [(saved[(index[id(p)], n)], t) for bucket in self.binding.params_by_bucket()
+                 for p in bucket for n, t in stored(self.binding, p)]
         self.restore = ([t for _, t in order], [s["zero"] for s, _ in order],
                         [s["offset"] or 0 for s, _ in order])
 

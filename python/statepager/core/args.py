@@ -40,6 +40,14 @@ def shape(dims) -> list[int]:
     return out
 
 
+def integers(name: str, values) -> list[int]:
+    """A sequence of integer() values (byte counts: Pager.empty's pieces)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise _C.UsageError(f"{name} must be a sequence of integers, not "
+                            f"{type(values).__name__} {values!r}")
+    return [integer(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
 def _as_int(value) -> int | None:
     if isinstance(value, bool):
         return None

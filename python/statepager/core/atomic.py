@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from statepager.core import slices
+
 
 class UndoCopies:
     """Per binding: one pager tensor for each tensor a step overwrites outside the pager,
@@ -38,26 +40,36 @@ class UndoCopies:
         self.pager, self.store, self.mirror = pager, store, mirror
         self._copies: dict[int, torch.Tensor] = {}  # id(param) -> the copy of its target
 
-    def targets(self, params) -> list:
-        out = []
-        for p in params:
-            if not self.pager.owns(p):
-                out.append(p)
-            elif self.mirror is not None:
-                out.append(self.mirror(p))
+    def _target(self, p):
+        """What the step overwrites outside the pager for p, or None."""
+        if not self.pager.owns(p):
+            return p
+        return self.mirror(p) if self.mirror is not None else None
+
+    def targets(self, params, chunks=()) -> list:
+        """Those of the whole params, then the chunks' parts of those of theirs
+        (slices.Chunk)."""
+        whole = [self._target(p) for p in params]
+        parts = [(c, self._target(c.param)) for c in chunks]
+        return [t for t in whole if t is not None] + [c.of(t) for c, t in parts if t is not None]
+
+    def copies(self, params, chunks=()) -> list:
+        """The pager tensors for targets(params, chunks), in the same order: a chunk's is
+        the part of its parameter's copy, which is made of pieces (slices.pieces)."""
+        out = [self._copy(p, t, False) for p in params
+               if (t := self._target(p)) is not None]
+        out += [c.of(self._copy(c.param, t, True)) for c in chunks
+                if (t := self._target(c.param)) is not None]
         return out
 
-    def copies(self, params) -> list:
-        """The pager tensors for targets(params), in the same order."""
-        out = []
-        for p, t in zip([p for p in params if self.mirror or not self.pager.owns(p)],
-                        self.targets(params)):
-            copy = self._copies.get(id(p))
-            if copy is None or copy.shape != t.shape or copy.dtype != t.dtype:
-                copy = self._copies[id(p)] = self.pager.empty_like(t)  # t's layout: a memcpy
-                self.pager.move_to_store([copy], self.store)
-            out.append(copy)
-        return out
+    def _copy(self, p, t: torch.Tensor, in_pieces: bool) -> torch.Tensor:
+        pieces = slices.pieces(t.numel(), t.element_size()) if in_pieces else None
+        copy = self._copies.get(id(p))
+        if copy is None or copy.shape != t.shape or copy.dtype != t.dtype or \
+                self.pager.pieces(copy) != (pieces or [t.numel() * t.element_size()]):
+            copy = self._copies[id(p)] = self.pager.empty_like(t, pieces=pieces)  # t's layout
+            self.pager.move_to_store([copy], self.store)
+        return copy
 
 
 class AtomicStep:
@@ -86,7 +98,7 @@ class AtomicStep:
 
     def save(self, bucket) -> None:
         """Before the bucket steps: copies what it will overwrite (its pages are in)."""
-        targets = self.undo.targets(bucket.params)
+        targets = self.undo.targets(bucket.params, bucket.chunks)
         if targets:
             with torch.no_grad():
                 torch._foreach_copy_(bucket.undo, targets)
@@ -107,7 +119,7 @@ class AtomicStep:
         with torch.no_grad():
             for b in [b for b in self._saved if b.undo]:  # one bucket's copies at a time
                 pager.page_in(b.undo)  # the bucket being stepped still has them resident
-                torch._foreach_copy_(self.undo.targets(b.params), b.undo)
+                torch._foreach_copy_(self.undo.targets(b.params, b.chunks), b.undo)
                 pager.discard_async(b.undo).wait()
             if self.rebuild_mirror is not None:
                 for b in self._written:
@@ -125,14 +137,17 @@ class AtomicStep:
     def _rebuild_mirrors(self, bucket) -> None:
         """The model parameters of the bucket's (restored) fp32 masters, written from them;
         the masters are read and let go without being written (an epoch, aborted)."""
-        masters = [p for p in bucket.params if self.pager.owns(p)]
-        if not masters:
+        pairs = [(m, self.rebuild_mirror(m)) for m in bucket.params if self.pager.owns(m)]
+        pairs += [(c.of(c.param), c.of(self.rebuild_mirror(c.param))) for c in bucket.chunks
+                  if self.pager.owns(c.param)]
+        if not pairs:
             return
+        masters = [m for m, _ in pairs]
         epoch = self.pager.begin_epoch(masters)
         try:
             self.pager.page_in(masters)
-            for m in masters:  # rounded as after_bucket rounds them (copy_)
-                self.rebuild_mirror(m).copy_(m)
+            for m, mirror in pairs:  # rounded as after_bucket rounds them (copy_)
+                mirror.copy_(m)
         finally:
             epoch.abort()
 

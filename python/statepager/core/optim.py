@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from statepager.core import args
+from statepager.core import args, slices
+from statepager.core.flat import flat_view
 from statepager.core.pager import MiB, Pager
 
 
@@ -33,7 +34,8 @@ class PagedAdamW(torch.optim.AdamW):
         for group in groups:
             masters = []
             for p in group["params"]:
-                m = pager.empty_like(p, dtype=torch.float32)  # p's memory layout
+                # p's memory layout, in pieces so that it can step in chunks
+                m = pager.empty_like(p, dtype=torch.float32, pieces=slices.pieces(p.numel(), 4))
                 m.requires_grad_(p.requires_grad)
                 self._model_of[id(m)] = p
                 masters.append(m)
@@ -48,21 +50,39 @@ class PagedAdamW(torch.optim.AdamW):
         self.binding = pager.attach(self, bucket_size=bucket_size, depth=depth,
                                     log_steps=log_steps, before_bucket=self._load_grads,
                                     after_bucket=self._store_params, moments=moments,
-                                    mains=mains, model_param=self.model_param)
+                                    mains=mains, model_param=self.model_param,
+                                    before_chunk=self._load_grads_of_chunk,
+                                    after_chunk=self._store_chunk)
 
     def _fill_masters(self, pager: Pager, masters, bucket_size: int) -> None:
+        """Each master from its model parameter, in buckets of about bucket_size (a master
+        made of pieces piece by piece)."""
+        parts = [(m, start, view.numel()) for m in masters
+                 for start, view in _starts(pager.piece_views(m))]
         bucket, nbytes = [], 0
-        for m in masters + [None]:
-            if m is None or (bucket and nbytes + m.numel() * 4 > bucket_size):
-                pager.page_in(bucket)
+        for part in parts + [None]:
+            if part is None or (bucket and nbytes + part[2] * 4 > bucket_size):
+                views = [flat_view(m)[start:start + n] for m, start, n in bucket]
+                pager.page_in(views)
                 with torch.no_grad():
-                    for b in bucket:
-                        b.copy_(self._model_of[id(b)])
-                pager.page_out(bucket)
+                    for view, (m, start, n) in zip(views, bucket):
+                        view.copy_(flat_view(self._model_of[id(m)])[start:start + n])
+                pager.page_out(views)
                 bucket, nbytes = [], 0
-            if m is not None:
-                bucket.append(m)
-                nbytes += m.numel() * 4
+            if part is not None:
+                bucket.append(part)
+                nbytes += part[2] * 4
+
+    def _load_grads_of_chunk(self, master, start: int, stop: int) -> None:
+        if start == 0:  # its first chunk in this step: the grad, whole (not a pager tensor)
+            self._load_grads([master])
+
+    @torch.no_grad()
+    def _store_chunk(self, master, start: int, stop: int) -> None:
+        if master.grad is not None:
+            flat_view(self._model_of[id(master)])[start:stop].copy_(flat_view(master)[start:stop])
+        if stop == master.numel():
+            master.grad = None
 
     def model_param(self, master: torch.Tensor) -> torch.nn.Parameter:
         return self._model_of[id(master)]
@@ -87,3 +107,11 @@ class PagedAdamW(torch.optim.AdamW):
                 p.grad = None
             else:
                 p.grad.zero_()
+
+
+def _starts(views):
+    """(start element, view) of consecutive 1-D views."""
+    at = 0
+    for v in views:
+        yield at, v
+        at += v.numel()

@@ -13,6 +13,7 @@ import torch
 from statepager import _C
 from statepager.checkpoint import save_load as checkpoint
 from statepager.core import adapters, args, guard, ranks, scope
+from statepager.core.flat import flat_view
 from statepager.core.stream import StreamedOptimizer
 
 MiB = 1 << 20
@@ -135,20 +136,44 @@ class Pager:
     # -- tensors ---------------------------------------------------------------------
 
     def empty(self, *shape, dtype: torch.dtype = torch.float32, store: str = "",
-              strides: Sequence[int] | None = None) -> torch.Tensor:
+              strides: Sequence[int] | None = None,
+              pieces: Sequence[int] | None = None) -> torch.Tensor:
         """A deferred tensor: address reserved, no memory and no I/O until page_in().
         `store` names the store its bytes go to ("" the default one); `strides` its
-        memory layout (None: contiguous)."""
+        memory layout (None: contiguous). `pieces`: the byte sizes of consecutive parts
+        of its bytes (in memory order) that are paged on their own, each through a view
+        of exactly its bytes (the tensor itself pages them all); every one but the last a
+        multiple of 4 KiB, together the tensor's bytes. None: one part."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         return self._core.empty(args.shape(shape), args.dtype(dtype), args.text("store", store),
-                                None if strides is None else args.shape(strides))
+                                None if strides is None else args.shape(strides),
+                                None if pieces is None else args.integers("pieces", pieces))
 
-    def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None,
+                   pieces: Sequence[int] | None = None) -> torch.Tensor:
         """empty() shaped and laid out as torch.empty_like(t) would be (preserve_format:
-        a channels_last or transposed t gives the same strides), optionally another dtype."""
+        a channels_last or transposed t gives the same strides), optionally another dtype,
+        in `pieces` (see empty())."""
         like = torch.empty_like(t, dtype=dtype, device="meta")
-        return self.empty(like.shape, dtype=like.dtype, strides=like.stride())
+        return self.empty(like.shape, dtype=like.dtype, strides=like.stride(), pieces=pieces)
+
+    def pieces(self, t: torch.Tensor) -> list[int]:
+        """The byte sizes of the pieces t's storage is made of (empty(pieces=...)); one
+        for a tensor made without."""
+        return self._core.piece_bytes(t)
+
+    def piece_views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """t's elements as 1-D views in memory order, one per piece (each pages that
+        piece alone); [t] for a tensor of one piece."""
+        sizes = self.pieces(t)
+        if len(sizes) == 1:
+            return [t]
+        flat, views, at = flat_view(t), [], 0
+        for nbytes in sizes:
+            views.append(flat[at:at + nbytes // t.element_size()])
+            at += nbytes // t.element_size()
+        return views
 
     def owns(self, t) -> bool:
         """True when t is a tensor whose bytes are a tensor of this pager (a view of one
@@ -166,7 +191,8 @@ class Pager:
         self._core.move_to_store(list(tensors), store)
 
     def residency(self, t: torch.Tensor) -> str:
-        """'zero', 'file', 'host', 'resident', 'paging_in' or 'paging_out'."""
+        """'zero', 'file', 'host', 'resident', 'paging_in' or 'paging_out'; 'mixed' for a
+        tensor whose pieces (empty(pieces=...)) are not all alike."""
         return self._core.residency(t)
 
     def is_resident(self, t: torch.Tensor) -> bool:
@@ -288,7 +314,8 @@ class Pager:
     def attach(self, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
                log_steps: bool = False, before_bucket=None, after_bucket=None,
                moments: str = "fp32", mains: str = "fp32", model_param=None,
-               name: str | None = None, keep_resident=None, atomic: bool = True):
+               name: str | None = None, keep_resident=None, atomic: bool = True,
+               before_chunk=None, after_chunk=None):
         """Streams `optimizer`'s state through this pager: its state tensors (and its
         parameters, when this pager owns them) live here, and step() pages each bucket
         of about `bucket_size` bytes in, steps it, and pages it out, with `depth`
@@ -302,6 +329,15 @@ class Pager:
         atomic: a step that raises changes nothing and a retry steps once
         (statepager.atomic; the store needs room for a second copy of the state);
         atomic=False steps in place and a failed step leaves the state partly stepped.
+        A parameter whose state is larger than bucket_size steps in chunks of consecutive
+        elements over consecutive buckets when the optimizer's step is torch's Adam step
+        and its pager tensors are made of pieces (statepager.core.slices; the binding
+        makes the state so; an fp32 master the pager owns must be made with
+        empty(pieces=statepager.core.slices.pieces(numel, 4)), as PagedAdamW makes them),
+        else it is a bucket of its own. before_chunk(p, start, stop) and
+        after_chunk(p, start, stop) are then called around the step of elements
+        [start, stop) of p (memory order), where before_bucket and after_bucket get whole
+        parameters; with bucket hooks but no chunk hooks, no parameter steps in chunks.
         A Megatron DistributedOptimizer or ChainedOptimizer is attached through
         statepager.integrations.megatron (one binding per member; returns a
         MegatronBinding); it sets name, before_bucket, after_bucket, model_param and
@@ -333,7 +369,8 @@ class Pager:
                                     log_steps=log_steps, before_bucket=before_bucket,
                                     after_bucket=after_bucket, moments=moments, mains=mains,
                                     model_param=model_param, name=name,
-                                    keep_resident=keep_resident, atomic=atomic)
+                                    keep_resident=keep_resident, atomic=atomic,
+                                    before_chunk=before_chunk, after_chunk=after_chunk)
         self._bindings.append(binding)
         return binding
 

@@ -84,12 +84,12 @@ def paged_load_state_dict(binding, state_dict: dict) -> None:
             for p in b.params:
                 mine = old.pop(id(p), {})  # the rest is let go with its bucket
                 if id(p) in order:
-                    _load_entries(binding.pager, optimizer, p, order[id(p)], paged[id(p)], mine)
+                    _load_entries(binding, optimizer, p, order[id(p)], paged[id(p)], mine)
     for hook in post.values():
         hook(optimizer)
 
 
-def _load_entries(pager, optimizer, p, order: list, paged: dict, old: dict) -> None:
+def _load_entries(binding, optimizer, p, order: list, paged: dict, old: dict) -> None:
     """p's state as loaded: the entries torch loaded, the paged ones copied into pager
     tensors (its old ones where shape, dtype and layout match), in the saved order."""
     loaded = optimizer.state[p]
@@ -103,8 +103,8 @@ def _load_entries(pager, optimizer, p, order: list, paged: dict, old: dict) -> N
         t = old.get(name)
         like = torch.empty_like(v, dtype=dtype, device="meta")
         if t is None or t.dtype != dtype or t.stride() != like.stride():
-            t = pager.empty_like(v, dtype=dtype)
-            pager.page_in(t)
+            t = binding.empty_state_like(p, v, dtype=dtype)
+            binding.pager.page_in(t)
         t.copy_(v)
         state[name] = t
     optimizer.state[p] = state

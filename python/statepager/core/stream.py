@@ -4,6 +4,9 @@ An attached optimizer keeps its per-parameter state tensors (and its parameters,
 they are fp32 masters the pager owns) in the pager. step() walks buckets of parameters:
 each bucket is paged in, stepped by the optimizer's own algorithm on just those
 parameters, and paged out, while the next bucket is read and the previous one written.
+A parameter whose state is larger than a bucket steps in chunks (statepager.core.slices),
+consecutive buckets holding consecutive chunks: its pager tensors are made of pieces
+(Pager.empty's pieces), so that a chunk pages alone.
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ from typing import Callable, Sequence
 import torch
 
 from statepager import _C
-from statepager.core import state_dict, support
+from statepager.core import slices, state_dict, support
 from statepager.core.atomic import AtomicStep, UndoCopies
+from statepager.core.slices import Chunk
 from statepager.formats.stored import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 from statepager.formats import codecs
 from statepager.formats.fused_adamw import FusedStep, applies_to
@@ -68,6 +72,7 @@ class StepStats:
 class Bucket:
     params: list                                 # distinct parameters, in param_groups order
     groups: list = field(default_factory=list)   # per param group: its params in this bucket
+    chunks: list = field(default_factory=list)   # Chunks of parameters that step in chunks
     stored: list = field(default_factory=list)   # paged tensors that persist (moved by I/O)
     working: list = field(default_factory=list)  # scratch fp32 tensors of narrow formats
     forms: list = field(default_factory=list)    # StoredForm of every paged tensor
@@ -78,6 +83,9 @@ class Bucket:
 
 
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
+# Called with (param, start, stop) around the step of a chunk of a parameter: elements
+# [start, stop) of it in memory order (statepager.core.slices).
+ChunkHook = Callable[[torch.Tensor, int, int], None]
 
 
 class StreamedOptimizer:
@@ -89,7 +97,8 @@ class StreamedOptimizer:
                  model_param: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  name: str = "opt0",
                  keep_resident: Callable[[torch.Tensor], bool] | None = None,
-                 atomic: bool = True):
+                 atomic: bool = True, before_chunk: ChunkHook | None = None,
+                 after_chunk: ChunkHook | None = None):
         if depth < 2:
             raise ValueError("depth must be at least 2 (one bucket stepping, one in flight)")
         if optimizer in _attached:
@@ -107,6 +116,7 @@ class StreamedOptimizer:
         self.log_steps = log_steps
         self.before_bucket = before_bucket
         self.after_bucket = after_bucket
+        self.before_chunk, self.after_chunk = before_chunk, after_chunk
         # Called with no arguments around each step's buckets (the Megatron adapter reads
         # its clip coefficient before, and knows the mains are copied after).
         self.before_step: Callable[[], None] | None = None
@@ -119,6 +129,9 @@ class StreamedOptimizer:
         self._steps = 0
         # Per parameter (by id): its paged state entries' StoredForms, by name.
         self._forms: dict[int, dict[str, StoredForm]] = {}
+        # Parameters that step in chunks (by id): their chunks' (start, stop).
+        self._split: dict[int, list[tuple[int, int]]] = {}
+        self._counts: dict[int, dict] = {}  # in a step: counters of split params before it
         self._raw_step = _raw_step_function(optimizer)
         self._fused = FusedStep(self) if applies_to(optimizer) else None
         self._deferred = support.DeferredState.for_optimizer(optimizer)
@@ -136,7 +149,11 @@ class StreamedOptimizer:
                 f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: depth "
                 f"{depth} x the largest bucket ({window // depth / MiB:.0f} MiB with its page "
                 f"rounding) = {window / MiB:.0f} MiB. Raise hbm_budget, or lower depth or "
-                "bucket_size (a parameter larger than bucket_size is a bucket of its own).")
+                "bucket_size (a parameter whose state is larger than bucket_size steps in "
+                "chunks of at most bucket_size, of 262144 elements at least; it is a bucket "
+                "of its own when its optimizer is not Adam's, when bucket hooks come without "
+                "chunk hooks, or when its pager tensor was made without "
+                "Pager.empty(pieces=...)).")
         pager.keep_at_least(window)
         self._adopt_existing_state()
         _attached.add(optimizer)
@@ -187,18 +204,30 @@ class StreamedOptimizer:
 
     def _form(self, p, name: str, working: torch.Tensor, fmt: str,
               form: StoredForm | None) -> StoredForm:
-        if form is None or form.working is not working:
+        split = id(p) in self._split
+        if form is None or form.working is not working or (form.bounds is not None) != split:
             kind = "nonneg" if "sq" in name else "signed"
             model = self._model_param(p) if fmt == "residual" and self._model_param else None
-            form = StoredForm(self.pager, working, fmt, kind, model)
+            bounds = slices.chunk_bounds(working.numel(), slices.CHUNK_ALIGN) if split else None
+            form = StoredForm(self.pager, working, fmt, kind, model, bounds)
         return form
+
+    def empty_state_like(self, p, t: torch.Tensor, dtype: torch.dtype | None = None):
+        """A pager tensor for state of parameter p shaped and laid out as t (Pager.
+        empty_like), in pieces when p steps in chunks."""
+        pieces = None
+        if id(p) in self._split:
+            size = torch.empty((), dtype=dtype or t.dtype).element_size()
+            pieces = slices.pieces(t.numel(), size)
+        return self.pager.empty_like(t, dtype=dtype, pieces=pieces)
 
     def _fill(self, b: Bucket) -> None:
         b.forms = [f for p in b.params for _, f in self.forms(p)]
+        b.forms += [f.chunk(c.start, c.stop) for c in b.chunks for _, f in self.forms(c.param)]
         b.stored = [t for f in b.forms for t in f.tensors]
         self.pager.move_to_store(b.stored, self.name)  # this binding's own store
         b.working = [f.working for f in b.forms if f.scratch]
-        b.undo = self._undo.copies(b.params) if self.atomic else []
+        b.undo = self._undo.copies(b.params, b.chunks) if self.atomic else []
         b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working + b.undo)
 
     def _layout(self) -> list:
@@ -210,8 +239,10 @@ class StreamedOptimizer:
         created, an estimate (the optimizer's count of param-shaped tensors, else 2)."""
         if self._resident(p):
             return 0
-        nbytes = sum(t.numel() * t.element_size() for _, f in self.forms(p)
-                     for t in f.tensors + ([f.working] if f.scratch else []))
+        nbytes = sum(_form_bytes(v, self.moments) for v in self.optimizer.state.get(p, {}).values()
+                     if self.pager.owns(v))
+        if self.pager.owns(p):
+            nbytes += _form_bytes(p, self.mains)
         if not self.optimizer.state.get(p):
             count = self._deferred.moments(group) if self._deferred else 2
             per = p.numel() * p.element_size() * (1 if self.moments == "fp32" else 2)
@@ -220,9 +251,20 @@ class StreamedOptimizer:
 
     def _plan(self) -> list[Bucket]:
         """Buckets of about bucket_size over the param groups' parameters, in order (a
-        parameter listed twice in a group steps twice, as in torch, in one bucket)."""
+        parameter listed twice in a group steps twice, as in torch, in one bucket); a
+        parameter larger than a bucket in chunks (_chunking), over consecutive buckets."""
         groups = self.optimizer.param_groups
-        buckets, cur, where = [], None, {}
+        buckets, where = [], {}
+
+        def room(nbytes: int) -> Bucket:
+            cur = buckets[-1] if buckets else None
+            if cur is None or ((cur.params or cur.chunks) and cur.planned + nbytes > self.bucket_size):
+                cur = Bucket(params=[], groups=[[] for _ in groups])
+                buckets.append(cur)
+            cur.planned += nbytes
+            return cur
+
+        split = {}
         for gi, group in enumerate(groups):
             for p in group["params"]:
                 b = where.get(id(p))
@@ -231,17 +273,73 @@ class StreamedOptimizer:
                     if self.atomic:  # its undo copy (statepager.atomic)
                         nbytes += sum(t.numel() * t.element_size()
                                       for t in self._undo.targets([p]))
-                    if cur is None or (cur.params and cur.planned + nbytes > self.bucket_size):
-                        cur = Bucket(params=[], groups=[[] for _ in groups])
-                        buckets.append(cur)
-                    cur.params.append(p)
-                    cur.planned += nbytes
-                    b = where[id(p)] = cur
+                    bounds = self._chunking(p, nbytes)
+                    if bounds:
+                        split[id(p)] = bounds
+                        for start, stop in bounds:
+                            part = -(-nbytes * (stop - start) // p.numel())
+                            room(part).chunks.append(Chunk(p, gi, start, stop))
+                        where[id(p)] = None
+                        continue
+                    b = where[id(p)] = room(nbytes)
+                    b.params.append(p)
+                if b is None:
+                    raise _C.UsageError(
+                        f"param group {gi} lists a parameter twice that steps in chunks (its "
+                        "state is larger than bucket_size): list it once, or raise bucket_size")
                 b.groups[gi].append(p)
+        self._split = split
         for b in buckets:
             self._fill(b)
         self._planned_layout = self._layout()
         return buckets
+
+    def _chunking(self, p, nbytes: int) -> list[tuple[int, int]] | None:
+        """The chunks p steps in when its `nbytes` are more than a bucket and it can: the
+        optimizer's step is Adam's, bucket hooks have chunk hooks beside them, and p's
+        pager tensors (the parameter when the pager owns it, and its state) are made of
+        pieces (slices.pieces) or not made yet. None: p is a bucket of its own."""
+        if nbytes <= self.bucket_size or p.numel() <= slices.CHUNK_ALIGN or self._resident(p):
+            return None
+        if not slices.sliceable(self.optimizer) or self._deferred is None:
+            return None
+        if (self.before_bucket and not self.before_chunk) or (self.after_bucket and not self.after_chunk):
+            return None
+        if any(f.bounds is None and f.scratch for f in self._forms.get(id(p), {}).values()):
+            return None  # stored whole already
+        made = [p] if self.pager.owns(p) else []
+        made += [v for v in self.optimizer.state.get(p, {}).values() if self.pager.owns(v)]
+        if not all(self.pager.pieces(t) == slices.pieces(t.numel(), t.element_size())
+                   for t in made):
+            return None
+        bounds = slices.chunk_bounds(p.numel(), self.bucket_size * p.numel() // nbytes)
+        return bounds if len(bounds) > 1 else None
+
+    def params_by_bucket(self) -> list[list]:
+        """Per bucket, the parameters it steps, one that steps in chunks in the bucket of
+        its first chunk (the order checkpoints list their tensors in)."""
+        return [b.params + [c.param for c in b.chunks if c.start == 0] for b in self.buckets]
+
+    def _whole_buckets(self):
+        """The buckets, each parameter that steps in chunks as a bucket of its own, whole
+        (for state_dict(), load_state_dict() and checkpoints through the device, which
+        read and write whole state entries: one such parameter's state is resident at
+        once, beyond the step's window)."""
+        groups = self.optimizer.param_groups
+        for b in self.buckets:
+            if not b.chunks:
+                yield b
+                continue
+            if b.params:
+                whole = Bucket(params=b.params, groups=b.groups)
+                self._fill(whole)
+                yield whole
+            for c in b.chunks:
+                if c.start == 0:
+                    whole = Bucket(params=[c.param], groups=[[] for _ in groups])
+                    whole.groups[c.group].append(c.param)
+                    self._fill(whole)
+                    yield whole
 
     @property
     def window_bytes(self) -> int:
@@ -274,12 +372,20 @@ class StreamedOptimizer:
 
     def _adopt_existing_state(self) -> None:
         """State that already exists in ordinary memory moves into the pager, bucket by bucket."""
-        for b in self.buckets:
+        for b in self._whole_buckets():
             if self._adopt(b):
                 self._fill(b)
                 self.pager.page_in(b.stored + b.working)
                 self._encode(b)
                 self._release(b)
+        self._fill_chunked()
+
+    def _fill_chunked(self) -> None:
+        """Fills the buckets holding chunks anew, after their whole buckets
+        (_whole_buckets) took in new state."""
+        for b in self.buckets:
+            if b.chunks:
+                self._fill(b)
 
     @torch.no_grad()
     def _adopt(self, bucket: Bucket) -> bool:
@@ -293,7 +399,7 @@ class StreamedOptimizer:
                 continue
             for name, v in list(state.items()):
                 if id(v) not in known and support.pageable(v, p) and not self.pager.owns(v):
-                    paged = self.pager.empty_like(v)
+                    paged = self.empty_state_like(p, v)
                     self.pager.page_in(paged)
                     paged.copy_(v)
                     state[name] = paged
@@ -306,10 +412,14 @@ class StreamedOptimizer:
         if self._deferred is None:
             return False
         created = False
-        for group, params in zip(self.optimizer.param_groups, bucket.groups):
+        groups = self.optimizer.param_groups
+        for group, params in zip(groups, bucket.groups):
             for p in params:
                 if not self._resident(p):
                     created |= self._deferred.create(group, p, self.pager.empty_like)
+        for c in bucket.chunks:
+            created |= self._deferred.create(groups[c.group], c.param,
+                                             functools.partial(self.empty_state_like, c.param))
         return created
 
     # -- residency of one bucket ---------------------------------------------------
@@ -355,8 +465,9 @@ class StreamedOptimizer:
         state entries by resident pager tensors of its own: they are stored from then on.
         rebuild_mains: the caller overwrites the masters from changed model params, so
         their stored form is not checked against them. write=False: the caller only
-        reads; nothing is encoded."""
-        for b in self.buckets:
+        reads; nothing is encoded. A parameter that steps in chunks comes whole, in a
+        bucket of its own."""
+        for b in self._whole_buckets():
             self.pager.page_in(b.stored)
             self._decode(b, check_params=not rebuild_mains)
             try:
@@ -367,6 +478,8 @@ class StreamedOptimizer:
                     self.pager.page_in(b.stored + b.working)
                     self._encode(b)
                 self._release(b)
+        if write:
+            self._fill_chunked()
 
     @contextlib.contextmanager
     def state_dict_by_reference(self):
@@ -380,8 +493,9 @@ class StreamedOptimizer:
             self.copies_state_dict = True
 
     def stored_in_buckets(self):
-        """Yields each bucket with its stored form resident (no decoding)."""
-        for b in self.buckets:
+        """Yields each bucket with its stored form resident (no decoding); a parameter
+        that steps in chunks whole, in a bucket of its own."""
+        for b in self._whole_buckets():
             self.pager.page_in(b.stored)
             try:
                 yield b
@@ -429,6 +543,7 @@ class StreamedOptimizer:
         # advance the count once per step, not once per bucket.
         self._group_steps = [g.get("step", _ABSENT) for g in self.optimizer.param_groups]
         self._group_steps_after = list(self._group_steps)
+        self._counts = {}
         ahead = max(1, self.depth - 2)
         ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
         done_in, done_out, stepping = [], [], []
@@ -498,12 +613,14 @@ class StreamedOptimizer:
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None) -> None:
         # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
         # stored form: they are not decoded unless it turns out not to apply.
-        fused = self._fused.moment_forms(bucket) if self._fused else None
+        fused = self._fused.moment_forms(bucket) if self._fused and not bucket.chunks else None
         self._decode(bucket, skip=fused or ())
         if atomic:
             atomic.save(bucket)
         if self.before_bucket:
             self.before_bucket(bucket.params)
+        for c in bucket.chunks if self.before_chunk else ():
+            self.before_chunk(c.param, c.start, c.stop)
         if fused is not None and self._fused.ready(bucket):
             self._fused.step(bucket)
         else:
@@ -515,7 +632,15 @@ class StreamedOptimizer:
             atomic.writing(bucket)
         if self.after_bucket:
             self.after_bucket(bucket.params)
+        for c in bucket.chunks if self.after_chunk else ():
+            self.after_chunk(c.param, c.start, c.stop)
         self._encode(bucket, skip=fused or ())
+
+    def _fill_again(self, bucket: Bucket) -> bool:
+        """Fills the bucket anew; True when that added tensors."""
+        known = len(bucket.forms)
+        self._fill(bucket)
+        return len(bucket.forms) != known
 
     def _raw_step_bucket(self, bucket: Bucket) -> None:
         """The optimizer's own step on the bucket's parameters (their state decoded)."""
@@ -523,24 +648,46 @@ class StreamedOptimizer:
             self._fill(bucket)
             self.pager.page_in(bucket.stored + bucket.working)  # zero-filled, nothing read
         groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g, params, counter in zip(groups, bucket.groups, self._group_steps):
-                g["params"] = params
-                _set_counter(g, counter)
-            self._raw_step(self.optimizer)
-            for i, g in enumerate(groups):
-                if g["params"]:
-                    self._group_steps_after[i] = g.get("step", _ABSENT)
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
+        if bucket.params:
+            saved = [g["params"] for g in groups]
+            try:
+                for g, params, counter in zip(groups, bucket.groups, self._group_steps):
+                    g["params"] = params
+                    _set_counter(g, counter)
+                self._raw_step(self.optimizer)
+                for i, g in enumerate(groups):
+                    if g["params"]:
+                        self._group_steps_after[i] = g.get("step", _ABSENT)
+            finally:
+                for g, params in zip(groups, saved):
+                    g["params"] = params
+        if bucket.chunks and self._fill_again(bucket):
+            # State an earlier bucket created for a parameter whose chunk this one holds.
+            self.pager.page_in(bucket.stored + bucket.working)  # zero-filled, nothing read
+        for c in bucket.chunks:
+            state = self.optimizer.state.get(c.param)
+            if c.param.grad is not None and not state:
+                raise _C.UsageError(
+                    f"{type(self.optimizer).__name__} created no state for a parameter that "
+                    "steps in chunks before its step: attach an optimizer whose state "
+                    "torch.optim.Adam creates (not overriding _init_group), or raise bucket_size")
+            before = self._counts.setdefault(id(c.param), slices.counters(state or {}))
+            slices.step_in_slices(self.optimizer, self._raw_step, c.group, c.param,
+                                  [(c.start, c.stop)], before)
         if self._adopt(bucket):  # state the optimizer created lazily in this step
             self._fill(bucket)
             self.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
 
 
 _ABSENT = object()
+
+
+def _form_bytes(t: torch.Tensor, fmt: str) -> int:
+    """Bytes the StoredForm of working tensor t takes resident: t, and its stored
+    tensors when they are not t itself."""
+    n = t.numel()
+    extra = {"fp32": 0, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n), "residual": 2 * n}
+    return n * t.element_size() + extra[fmt]
 
 
 def _set_counter(group: dict, counter) -> None:

@@ -9,8 +9,16 @@ tensor is kept at rest in the pager:
             already hold, plus a sparse exception list (lossless; see codecs.py)
 With any format but fp32 the working tensor is scratch: zero-filled on page-in, decoded
 into, stepped, encoded from, and discarded without being written.
+
+A tensor larger than a bucket steps in chunks (statepager.core.slices): at chunk bounds
+that fall on whole q8 blocks, a chunk's stored bytes are a contiguous slice of each stored
+tensor, the very bytes the whole tensor's encode writes there (StoredForm.chunk), so the
+stored tensors can be made of one piece per chunk (Pager.empty's pieces) and stay the
+same tensors, on disk and in checkpoints, as unchunked ones.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -23,26 +31,101 @@ MAIN_FORMATS = ("fp32", "residual")
 
 class StoredForm:
     def __init__(self, pager, working: torch.Tensor, fmt: str, kind: str = "signed",
-                 model_param: torch.Tensor | None = None):
+                 model_param: torch.Tensor | None = None,
+                 bounds: list[tuple[int, int]] | None = None):
+        """bounds: the chunks (statepager.core.slices.chunk_bounds) the stored tensors are
+        made of, one piece each (Pager.empty's pieces); None: one piece."""
         self.working, self.fmt, self.kind, self.model_param = working, fmt, kind, model_param
-        self.exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
-                           torch.empty(0, dtype=torch.int32, device=working.device))
-        self.fingerprint = None  # residual: the model parameter's, when last encoded
+        self.bounds = bounds
+        self._whole, self._range = None, None  # a chunk's: the whole form, (start, stop)
+        self._exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
+                            torch.empty(0, dtype=torch.int32, device=working.device))
+        self._fingerprint = None  # residual: the model parameter's, when last encoded
+        self._chunk_fingerprints = {}  # residual: (start, stop) -> a chunk's, when encoded
         n = working.numel()
+
+        def pieces(size_of) -> list[int] | None:
+            return None if bounds is None else [size_of(stop - start) for start, stop in bounds]
+
         if fmt == "fp32":
             self.tensors = [working]
         elif fmt == "bf16":
-            self.tensors = [pager.empty(n, dtype=torch.bfloat16)]
+            self.tensors = [pager.empty(n, dtype=torch.bfloat16, pieces=pieces(lambda k: 2 * k))]
         elif fmt == "q8":
-            self.tensors = [pager.empty(n, dtype=torch.uint8),
-                            pager.empty(codecs.q8_num_blocks(n), dtype=torch.float32)]
+            self.tensors = [pager.empty(n, dtype=torch.uint8, pieces=pieces(lambda k: k)),
+                            pager.empty(codecs.q8_num_blocks(n), dtype=torch.float32,
+                                        pieces=pieces(lambda k: 4 * codecs.q8_num_blocks(k)))]
         elif fmt == "residual":
             if model_param is None or model_param.dtype != torch.bfloat16:
                 raise ValueError("the 'residual' mains format needs a bf16 model parameter "
                                  "for every master: use mains='fp32' for this model")
-            self.tensors = [pager.empty(n, dtype=torch.int16)]
+            self.tensors = [pager.empty(n, dtype=torch.int16, pieces=pieces(lambda k: 2 * k))]
         else:
             raise ValueError(f"unknown format {fmt!r}: use one of {MOMENT_FORMATS + MAIN_FORMATS}")
+
+    def chunk(self, start: int, stop: int) -> "StoredForm":
+        """The form of elements [start, stop) of the working tensor, in memory order (start
+        a multiple of Q8_BLOCK; stop too, or the end): views of the working and stored
+        tensors and of the model parameter, whose encode writes the bytes the whole form's
+        encode writes there. A residual chunk's exceptions are the whole form's in it
+        (indices from start): setting them (its encode) sets those of the whole form
+        there; its fingerprint is the chunk's model parameter's, kept by the whole form."""
+        if start % codecs.Q8_BLOCK or not 0 <= start < stop <= self.working.numel() or (
+                stop % codecs.Q8_BLOCK and stop != self.working.numel()):
+            raise ValueError(f"chunk [{start}, {stop}) of a tensor of {self.working.numel()} "
+                             f"elements: it must start on a multiple of {codecs.Q8_BLOCK}")
+        part = copy.copy(self)
+        part.working = flat_view(self.working)[start:stop]
+        if self.model_param is not None:
+            part.model_param = flat_view(self.model_param)[start:stop]
+        if self.fmt == "fp32":
+            part.tensors = [part.working]
+        elif self.fmt == "q8":
+            first = start // codecs.Q8_BLOCK
+            part.tensors = [self.tensors[0][start:stop],
+                            self.tensors[1][first:first + codecs.q8_num_blocks(stop - start)]]
+        else:
+            part.tensors = [self.tensors[0][start:stop]]
+        part._whole, part._range = self, (start, stop)
+        return part
+
+    @property
+    def exceptions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual format: (flat int64 indices, int32 main bits) of the elements the
+        residual does not hold (codecs.residual_encode), sorted by index."""
+        if self._whole is None:
+            return self._exceptions
+        (start, stop), (index, bits) = self._range, self._whole.exceptions
+        inside = (index >= start) & (index < stop)
+        return index[inside] - start, bits[inside]
+
+    @exceptions.setter
+    def exceptions(self, exceptions: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self._whole is None:
+            self._exceptions = exceptions
+            return
+        (start, stop), (index, bits) = self._range, self._whole.exceptions
+        before, after = index < start, index >= stop
+        self._whole.exceptions = (
+            torch.cat([index[before], exceptions[0] + start, index[after]]),
+            torch.cat([bits[before], exceptions[1], bits[after]]))
+
+    @property
+    def fingerprint(self):
+        """Residual format: the model parameter's checksum (codecs.param_checksum) when
+        last encoded; None when unknown."""
+        if self._whole is None:
+            return self._fingerprint
+        return self._whole._chunk_fingerprints.get(self._range)
+
+    @fingerprint.setter
+    def fingerprint(self, value) -> None:
+        # A whole encode or load makes the chunks' unknown, a chunk's encode the whole's.
+        if self._whole is None:
+            self._fingerprint, self._chunk_fingerprints = value, {}
+        else:
+            self._whole._fingerprint = None
+            self._whole._chunk_fingerprints[self._range] = value
 
     @property
     def scratch(self) -> bool:

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from statepager import _C
-from statepager.core import adapters
+from statepager.core import adapters, slices
+from statepager.core.flat import flat_view
 from statepager.core.pager import MiB
 from statepager.integrations import megatron_internals as internals
 from statepager.integrations.megatron_internals import Internals
@@ -118,7 +119,8 @@ class MegatronMember:
         self.stream = pager.attach(
             self.megatron.inner, name=name, before_bucket=self._grads_in,
             after_bucket=self._mains_out, keep_resident=lambda p: not pager.owns(p),
-            model_param=self._shard16, **options)
+            model_param=self._shard16, before_chunk=self._grads_in_chunk,
+            after_chunk=self._mains_out_chunk, **options)
         self.stream.before_step = self._before_step
         self.stream.after_step = self._after_step
         refused = {m: _refusal(m, "statepager holds this optimizer's state: save it with "
@@ -139,8 +141,10 @@ class MegatronMember:
 
     def _adopt_mains(self) -> None:
         """Mains built outside Pager.scope() move into the pager, keeping their
-        attributes; Megatron's references to each (its groups, the inner optimizer's
-        param groups and state, model_param.main_param) are repointed."""
+        attributes, as do mains of more than slices.CHUNK_ALIGN elements that scope()
+        made of one piece (so that they can step in chunks); Megatron's references to
+        each (its groups, the inner optimizer's param groups and state,
+        model_param.main_param) are repointed."""
         pager = self.pager
         # What scope() left resident goes out first: the budget may hold little more.
         pager.page_out([main for _, main in self.megatron.float16_params() if pager.owns(main)])
@@ -148,7 +152,7 @@ class MegatronMember:
         # Every copy is made before Megatron's references change: a failure leaves them.
         fresh = {}
         for _, main in self.megatron.float16_params():
-            if not pager.owns(main):
+            if not pager.owns(main) or pager.pieces(main) != _pieces(main):
                 fresh[id(main)] = self._paged_copy(main)
         moved = self.megatron.replace_mains(lambda main: fresh.get(id(main)))
         inner = self.megatron.inner
@@ -160,24 +164,40 @@ class MegatronMember:
                         inner.state[moved[id(p)]] = inner.state.pop(p)
 
     def _paged_copy(self, main: torch.Tensor) -> torch.Tensor:
-        """A pager tensor holding main's values and attributes, paged out."""
+        """A pager tensor holding main's values and attributes, paged out; made of
+        pieces (slices.pieces), copied piece by piece. main may be a pager tensor of one
+        piece (scope() made it), at rest."""
         pager = self.pager
-        t = pager.empty_like(main)
+        t = pager.empty_like(main, pieces=_pieces(main))
+        owned = pager.owns(main)
+        if owned:
+            self._page_in(main, main)
         try:
-            pager.page_in(t)
+            at = 0
+            for view in pager.piece_views(t):
+                self._page_in(view, main)
+                with torch.no_grad():
+                    view.copy_(flat_view(main)[at:at + view.numel()])
+                pager.page_out(view)
+                at += view.numel()
+        finally:
+            if owned:
+                pager.page_out(main)
+        t.__dict__.update(main.__dict__)
+        return t
+
+    def _page_in(self, t: torch.Tensor, main: torch.Tensor) -> None:
+        """page_in(t) of a copy of main; a budget too small for it is a UsageError."""
+        try:
+            self.pager.page_in(t)
         except _C.OutOfMemoryError as e:
-            budget = pager.stats()["budget_bytes"]
+            budget = self.pager.stats()["budget_bytes"]
             if budget is None:  # the device itself is full
                 raise
             raise _C.UsageError(
-                f"hbm_budget {budget / MiB:.0f} MiB cannot hold a {main.numel() * 4 / MiB:.1f} "
-                "MiB fp32 main of Megatron's (it may span two pages) while moving it into "
-                "the pager: raise hbm_budget") from e
-        with torch.no_grad():
-            t.copy_(main)
-        pager.page_out(t)
-        t.__dict__.update(main.__dict__)
-        return t
+                f"hbm_budget {budget / MiB:.0f} MiB cannot hold {t.numel() * 4 / MiB:.1f} MiB "
+                f"of a {main.numel() * 4 / MiB:.1f} MiB fp32 main of Megatron's (it may span "
+                "two pages) while moving it into the pager: raise hbm_budget") from e
 
     def _make_carriers(self) -> None:
         device = next(iter(self.model_of.values())).device
@@ -229,6 +249,20 @@ class MegatronMember:
             if coeff is not None:
                 grad.mul_(coeff)  # what Megatron's clip does to an fp32 grad
             main.grad = grad
+
+    def _grads_in_chunk(self, main, start: int, stop: int) -> None:
+        if start == 0:  # its first chunk in this step: the whole grad, outside the pager
+            self._grads_in([main])
+
+    @torch.no_grad()
+    def _mains_out_chunk(self, main, start: int, stop: int) -> None:
+        model_param = self.model_of.get(id(main))
+        if model_param is None:
+            return
+        target = flat_view(self.megatron.param_buffer_slice(model_param))
+        target[start:stop].copy_(flat_view(main)[start:stop])
+        if self.bf16_grads and stop == main.numel():
+            main.grad = None
 
     @torch.no_grad()
     def _mains_out(self, params) -> None:
@@ -306,3 +340,8 @@ def _refusal(method: str, instead: str):
         raise _C.UsageError(f"{method}() is not available on a statepager-attached Megatron "
                             f"optimizer: {instead}.")
     return refuse
+
+
+def _pieces(main: torch.Tensor):
+    """The pieces of a paged main, so that it can step in chunks (slices.pieces)."""
+    return slices.pieces(main.numel(), 4)

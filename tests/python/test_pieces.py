@@ -1,0 +1,119 @@
+"""Tensors made of pieces (Pager.empty(pieces=...)): each piece pages on its own through a
+view of its bytes; and stored forms in chunks (StoredForm.chunk) write the bytes of the
+whole form's encode, so a tensor larger than a bucket keeps its on-disk format."""
+import pytest
+import torch
+
+import statepager
+from statepager import Pager
+from statepager.core.flat import flat_view
+from statepager.core.slices import CHUNK_ALIGN, chunk_bounds
+from statepager.formats import codecs
+from statepager.formats.stored import StoredForm
+
+KiB = 1 << 10
+PAGE = 64 * KiB
+
+
+def test_a_piece_pages_on_its_own(store_dir):
+    with Pager(store_dir, page_size=PAGE) as pager:
+        piece = 4 * PAGE
+        t = pager.empty((2 * piece + 400) // 4, pieces=[piece, piece, 400])  # fp32
+        assert pager.stats()["extents"] == 3
+        pager.page_in(t)
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+        pager.page_out(t)
+        assert pager.residency(t) == "file"
+        pager.reset_peak()
+        middle = t[piece // 4:piece // 2]
+        pager.page_in(middle)
+        assert pager.residency(middle) == "resident" and pager.residency(t) == "mixed"
+        assert pager.stats()["peak_mapped_bytes"] <= piece + PAGE  # + a page shared at an end
+        assert torch.equal(middle, torch.arange(piece // 4, piece // 2, dtype=torch.float32))
+        middle.neg_()
+        pager.page_out(middle)
+        pager.page_in(t)
+        expected = torch.arange(t.numel(), dtype=torch.float32)
+        expected[piece // 4:piece // 2].neg_()
+        assert torch.equal(t, expected)
+        pager.page_out(t)
+        del t, middle
+        assert pager.stats()["extents"] == 0
+
+
+def test_pieces_that_do_not_fit_are_refused(store_dir):
+    with Pager(store_dir, page_size=PAGE) as pager:
+        with pytest.raises(statepager.UsageError, match="add up"):
+            pager.empty(1024, pieces=[4096, 4095])
+        with pytest.raises(statepager.UsageError, match="multiple of 4096"):
+            pager.empty(1024, pieces=[100, 4096 - 100])
+        with pytest.raises(statepager.UsageError, match="pieces\\[1\\]"):
+            pager.empty(1024, pieces=[4096, -1])
+        assert pager.stats()["extents"] == 0
+
+
+def bounds_of(n):
+    return chunk_bounds(n, CHUNK_ALIGN)
+
+
+def resident(form):
+    """The tensors a form needs resident (its working tensor once)."""
+    return form.tensors + ([form.working] if form.scratch else [])
+
+
+@pytest.mark.parametrize("fmt,kind", [("fp32", "signed"), ("bf16", "signed"), ("q8", "signed"),
+                                      ("q8", "nonneg"), ("residual", "signed")])
+def test_stored_form_in_chunks_writes_the_whole_forms_bytes(store_dir, fmt, kind):
+    """Encoded chunk by chunk, each chunk paged in alone: the bytes and exceptions of the
+    whole tensor's encode; decoded chunk by chunk: the whole decode."""
+    n = 2 * CHUNK_ALIGN + 3 * codecs.Q8_BLOCK + 5  # a last chunk with a partial q8 block
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(n, generator=g)
+    if kind == "nonneg":
+        values = values.abs()
+    values[::9973] = float("inf")  # residual exceptions in several chunks
+    values[CHUNK_ALIGN - 1] = float("nan")
+    bounds = bounds_of(n)
+    assert len(bounds) == 3
+    with Pager(store_dir, page_size=PAGE) as pager:
+        pieces = [4 * (b - a) for a, b in bounds]
+        param = values.bfloat16() if fmt == "residual" else None
+        whole = StoredForm(pager, pager.empty(n), fmt, kind, param)
+        chunked = StoredForm(pager, pager.empty(n, pieces=pieces), fmt, kind, param, bounds)
+        pager.page_in(resident(whole))
+        whole.working.copy_(values)
+        whole.encode()
+        for start, stop in bounds:
+            part = chunked.chunk(start, stop)
+            pager.page_in(resident(part))
+            part.working.copy_(values[start:stop])
+            part.encode()
+            pager.page_out(resident(part))
+            if fmt == "residual":  # the whole form's exceptions, in this chunk
+                idx, bits = whole.exceptions
+                inside = (idx >= start) & (idx < stop)
+                assert torch.equal(part.exceptions[0], idx[inside] - start)
+                assert torch.equal(part.exceptions[1], bits[inside])
+        for a, b in zip(chunked.exceptions, whole.exceptions):  # set through the chunks
+            assert torch.equal(a, b)
+        pager.page_in(chunked.tensors)
+        for a, b in zip(chunked.tensors, whole.tensors):  
+            assert torch.equal(flat_view(a).view(torch.uint8), flat_view(b).view(torch.uint8))
+        whole.decode()
+        expected = whole.working.clone()
+        pager.page_out(chunked.tensors)
+        for start, stop in bounds:  # decoded by chunk, from the chunks' own exceptions
+            part = chunked.chunk(start, stop)
+            pager.page_in(resident(part))
+            if chunked.scratch:
+                part.working.zero_()
+            part.decode()
+            assert torch.equal(part.working.view(torch.int32), expected[start:stop].view(torch.int32))
+            pager.page_out(resident(part))
+
+
+def test_a_chunk_starts_on_a_q8_block():
+    form = StoredForm(None, torch.zeros(1000), "fp32")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        form.chunk(100, 600)
+    assert form.chunk(256, 1000).working.numel() == 744
