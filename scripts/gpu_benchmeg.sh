@@ -47,7 +47,7 @@ part() {  # part NAME LIMIT_S COMMAND...: runs it under a time limit, says how l
     *" $name "*) ;;
     *) echo "=== part $name: skipped (PARTS)"; return ;;
   esac
-  timeout "$limit" "$@" 2>&1 | grep -v -e "Warning: " -e "warnings.warn(" -e "^W1"
+  timeout "$limit" "$@" 2>&1 | grep --line-buffered -v -e "Warning: " -e "warnings.warn(" -e "^W1"
   local rc=${PIPESTATUS[0]}
   echo "=== part $name: exit $rc after $((SECONDS - start)) s"
 }

@@ -602,8 +602,9 @@ def config_lines(c: dict) -> list[str]:
                  f"GiB{first}; loss {c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}")
     f = c.get("floor")
     if f:
-        notes.append(f"step {multiple(c['step_s']['median'], f['seconds'], 'the floor')}, "
-                     f"opt.step {multiple(c['opt_step_s']['median'], f['seconds'], 'the floor')}"
+        notes.append((f"step {multiple(c['step_s']['median'], f['seconds'], 'the floor')}, "
+                      f"opt.step {multiple(c['opt_step_s']['median'], f['seconds'], 'the floor')}"
+                      if f["seconds"] else "no floor") +
                      "; the floor of its median step's bytes, measured after its steps:")
         notes += ["  " + line for line in bench_floor.describe(f)]
     if c["timeline_files"]:
@@ -641,8 +642,10 @@ def targets(configs: list) -> list[dict]:
 
     add(13, "fp32 opt.step / its floor", step("fp32", "opt_step_s"), floor("fp32"), 1.1,
         f"{step('fp32', 'opt_step_s'):.3f} / {floor('fp32'):.3f} s" if floor("fp32") else "")
-    add(13, "q8 step / fp32 step", step("q8"), step("fp32"), 0.45,
-        f"{step('q8'):.3f} / {step('fp32'):.3f} s" if "q8" in done and "fp32" in done else "")
+    for key, what in (("step_s", "step"), ("opt_step_s", "opt.step")):
+        add(13, f"q8 {what} / fp32 {what}", step("q8", key), step("fp32", key), 0.45,
+            f"{step('q8', key):.3f} / {step('fp32', key):.3f} s"
+            if "q8" in done and "fp32" in done else "")
     for name, limit in (("host-fp32", 1.0), ("host-q8", 0.35)):
         add(14, f"{name} step / offload step", step(name), step("offload"), limit,
             f"{step(name):.3f} / {step('offload'):.3f} s"
