@@ -533,6 +533,10 @@ def _used(c: dict) -> int:
     return d["peak"] - (d["baseline"] or 0)
 
 
+def _step(c: dict, key: str = "step_s") -> float:
+    return c[key]["median"]
+
+
 _COLUMNS = (("config", 9, "<"), ("step, s (median, min-max)", 26, "<"),
             ("opt.step, s", 26, "<"), ("store rd GB", 11, ">"), ("store wr GB", 11, ">"),
             ("host in GB", 10, ">"), ("host out GB", 11, ">"), ("driver peak GiB", 15, ">"),
@@ -623,7 +627,7 @@ def targets(configs: list) -> list[dict]:
     done = _done(configs)
 
     def step(name, key="step_s"):
-        return done[name][key]["median"] if name in done else None
+        return _step(done[name], key) if name in done else None
 
     def floor(name):
         f = done[name].get("floor") if name in done else None
@@ -663,28 +667,26 @@ def summary_lines(r: dict) -> list[str]:
     lines = ["summary (medians of the timed steps):"]
     offload = done.get("offload")
     if offload:
-        ref = offload["step_s"]["median"]
+        ref = _step(offload)
         lines.append(f"  step against Megatron's offload ({ref:.3f} s, driver peak "
                      f"{_gib(_used(offload))} GiB):")
-        lines += [f"    {n:9s} {c['step_s']['median']:.3f} s: "
-                  f"{faster(c['step_s']['median'], ref, higher_is_better=False)}; driver peak "
-                  f"{_gib(_used(c))} GiB" for n, c in done.items() if n != "offload"]
+        lines += [f"    {n:9s} {_step(c):.3f} s: {faster(_step(c), ref, higher_is_better=False)}"
+                  f"; driver peak {_gib(_used(c))} GiB" for n, c in done.items() if n != "offload"]
     else:
         lines.append("  Megatron's offload: not measured (not in --configs, or failed)")
-    floored = [(n, c) for n, c in done.items() if c.get("floor") and c["floor"]["seconds"]]
+    floored = [(n, c, c["floor"]) for n, c in done.items()
+               if c.get("floor") and c["floor"]["seconds"]]
     if floored:
         lines.append("  against each one's floor (the larger of PCIe and fio, for its bytes):")
-        lines += [f"    {n:9s} step {multiple(c['step_s']['median'], c['floor']['seconds'], 'its floor')}, "
-                  f"opt.step {multiple(c['opt_step_s']['median'], c['floor']['seconds'], 'its floor')} "
-                  f"({c['floor']['seconds']:.3f} s, set by {c['floor']['bound_by']})"
-                  for n, c in floored]
+        lines += [f"    {n:9s} step {multiple(_step(c), f['seconds'], 'its floor')}, opt.step "
+                  f"{multiple(_step(c, 'opt_step_s'), f['seconds'], 'its floor')} "
+                  f"({f['seconds']:.3f} s, set by {f['bound_by']})" for n, c, f in floored]
     for narrow, wide in (("q8", "fp32"), ("host-q8", "host-fp32")):
         if narrow in done and wide in done:
             a, b = done[narrow], done[wide]
-            lines.append(
-                f"  {narrow} / {wide}: step {a['step_s']['median'] / b['step_s']['median']:.2f}, "
-                f"opt.step {a['opt_step_s']['median'] / b['opt_step_s']['median']:.2f} "
-                f"({narrow}'s step is {faster(a['step_s']['median'], b['step_s']['median'], higher_is_better=False)})")
+            lines.append(f"  {narrow} / {wide}: step {_step(a) / _step(b):.2f}, opt.step "
+                         f"{_step(a, 'opt_step_s') / _step(b, 'opt_step_s'):.2f} ({narrow}'s "
+                         f"step is {faster(_step(a), _step(b), higher_is_better=False)})")
     lines.append("  targets (ratio = ours / reference; met when <= the limit):")
     for t in r["targets"]:
         verdict = ("not measured" if t["met"] is None else
