@@ -38,6 +38,9 @@ class Setup:
     clip_grad: float = 1.0
     ddp_bucket: int = 40_000    # elements per DDP bucket: several buckets even when small
     seed: int = 1234
+    # A native fp32 parameter beside the bf16 ones (like Mamba's A_log; it scales the loss,
+    # starting at 1). Megatron's optimizer_cpu_offload cannot step one (see build()).
+    fp32_param: bool = True
 
 
 def init(expert_parallel: int = 1) -> None:
@@ -57,19 +60,12 @@ def init(expert_parallel: int = 1) -> None:
                                                  expert_model_parallel_size=expert_parallel)
 
 
-def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
-          moments: str = "fp32", mains: str = "fp32", attach: bool = True,
-          optimizer_options: dict | None = None):
-    """(model, optimizer, scheduler, binding): a bf16 GPT wrapped in Megatron's DDP, its
-    DistributedOptimizer (built in pager.scope() and, unless attach=False, attached when a
-    pager is given). optimizer_options: more OptimizerConfig fields (e.g. Megatron's own
-    optimizer_cpu_offload, for comparison; statepager refuses it)."""
+def build_model(setup: Setup):
+    """A bf16 GPT wrapped in Megatron's DDP (init() first)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
@@ -90,13 +86,34 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
     spec = get_gpt_layer_local_spec(num_experts=setup.experts or None, moe_grouped_gemm=False)
     gpt = GPTModel(config, spec, vocab_size=setup.vocab,
                    max_sequence_length=setup.seq).cuda().bfloat16()
-    # A native fp32 parameter (like Mamba's A_log): Megatron steps it in place, unpaged.
-    gpt.loss_log_scale = torch.nn.Parameter(torch.zeros(1, device="cuda"))
+    if setup.fp32_param:  # Megatron steps it in place, unpaged
+        gpt.loss_log_scale = torch.nn.Parameter(torch.zeros(1, device="cuda"))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=setup.grad_fp32, overlap_grad_reduce=setup.overlap,
         overlap_param_gather=setup.overlap, use_distributed_optimizer=True,
         bucket_size=setup.ddp_bucket)
-    model = DistributedDataParallel(config, ddp_config, gpt)
+    return DistributedDataParallel(config, ddp_config, gpt)
+
+
+def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
+          moments: str = "fp32", mains: str = "fp32", attach: bool = True,
+          optimizer_options: dict | None = None, model=None):
+    """(model, optimizer, scheduler, binding): build_model()'s GPT (or `model`, one it
+    built), its DistributedOptimizer (built in pager.scope() and, unless attach=False,
+    attached when a pager is given). optimizer_options: more OptimizerConfig fields (e.g.
+    Megatron's own optimizer_cpu_offload, for comparison; statepager refuses it)."""
+    if setup.fp32_param and (optimizer_options or {}).get("optimizer_cpu_offload"):
+        # megatron-core 0.19.2: DistributedOptimizer rebuilds its HybridDeviceOptimizer from
+        # the main param shards, and an fp32 param's shard is model_param.view(-1)[range]
+        # (not detached, unlike the bf16 params' fp32 copies): torch's add_param_group
+        # refuses it ("can't optimize a non-leaf Tensor").
+        raise ValueError("Megatron's optimizer_cpu_offload (HybridDeviceOptimizer) cannot "
+                         "step a native fp32 parameter: its shard is a non-leaf view "
+                         "(megatron-core 0.19.2). Build with Setup(fp32_param=False)")
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model = build_model(setup) if model is None else model
     opt_config = OptimizerConfig(optimizer="adam", lr=setup.lr, min_lr=setup.lr / 10,
                                  weight_decay=0.1, bf16=True, use_distributed_optimizer=True,
                                  clip_grad=setup.clip_grad, overlap_param_gather=setup.overlap,
@@ -139,7 +156,9 @@ def train_step(setup: Setup, model, optimizer, scheduler, step: int) -> float:
     optimizer.zero_grad()
     tokens, position_ids, mask, labels = batch(setup, step)
     per_token = model(tokens, position_ids, mask, labels=labels)
-    loss = per_token.float().mean() * model.module.loss_log_scale.exp()
+    loss = per_token.float().mean()
+    if setup.fp32_param:
+        loss = loss * model.module.loss_log_scale.exp()
     loss.backward()
     model.finish_grad_sync()
     ok, _, _ = optimizer.step()

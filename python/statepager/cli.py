@@ -151,7 +151,8 @@ def _run_bench(args) -> int:
     elif args.what == "ckpt":
         from statepager.bench.ckpt import bench_ckpt as run, print_ckpt as show
     elif args.what == "megatron":
-        from statepager.bench.megatron import bench_megatron as run, print_megatron as show
+        # bench_megatron prints each configuration as it ends; the summary follows.
+        from statepager.bench.megatron import bench_megatron as run, print_summary as show
     elif args.what == "formats":
         from statepager.bench.formats import bench_formats as run, print_formats as show
     else:

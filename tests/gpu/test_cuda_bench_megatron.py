@@ -1,7 +1,11 @@
-"""`statepager bench megatron` on the GPU, at a tiny size, for two configurations (unpaged
-and statepager fp32), each in its own process: both train the same GPT to the same first
-loss, the paged one reads and writes its stored state once per step, and the driver's
-peak covers torch's peak allocation. Skips without megatron-core."""
+"""`statepager bench megatron` on the GPU, at a tiny size, for four configurations
+(unpaged, Megatron's own optimizer_cpu_offload, statepager fp32 on the store, and q8
+moments + residual mains in the host tier), each in its own process: all train the same
+GPT to the same first loss, Megatron's offload runs as users configure it, the paged
+ones move their stored state once per step each way (through the files, or the host
+tier alone), each has its floor measured in the same run, the first paged one's step is
+written as a Chrome trace, and the driver's peak covers torch's peak allocation. Skips
+without megatron-core."""
 import importlib.util
 import json
 import subprocess
@@ -10,6 +14,7 @@ import sys
 import pytest
 
 from statepager.bench import megatron as bench_megatron
+from statepager.bench.floor import find_fio
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,18 +22,22 @@ pytestmark = [
                        reason="megatron-core is not installed (the GPU suite carries it)"),
 ]
 TINY = ["--layers", "2", "--hidden", "256", "--heads", "4", "--vocab", "1024", "--seq", "64",
-        "--micro-batch", "2", "--warmup", "2", "--steps", "3", "--bucket", "1M"]
+        "--micro-batch", "2", "--warmup", "2", "--steps", "3", "--bucket", "1M",
+        "--fio-jobs", "2"]
+CONFIGS = ["unpaged", "offload", "fp32", "host-q8"]
 
 
-def test_bench_megatron_runs_two_configurations_side_by_side(tmp_path, capsys):
+def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
+    trace = tmp_path / "fp32.json"
     out = subprocess.run([sys.executable, "-m", "statepager", "bench", "megatron", "--dir",
-                          str(tmp_path), "--configs", "unpaged,fp32", *TINY, "--json"],
+                          str(tmp_path / "work"), "--configs", ",".join(CONFIGS), *TINY,
+                          "--trace", str(trace), "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["failed"] == [] and [c["config"] for c in r["configs"]] == ["unpaged", "fp32"]
-    unpaged, fp32 = r["configs"]
-    for c in (unpaged, fp32):
+    assert r["failed"] == [] and [c["config"] for c in r["configs"]] == CONFIGS
+    unpaged, offload, fp32, host = r["configs"]
+    for c in r["configs"]:
         assert c["step_s"]["n"] == c["opt_step_s"]["n"] == 3
         assert 0 < c["opt_step_s"]["median"] < c["step_s"]["median"]
         d, t = c["driver"], c["torch"]
@@ -36,16 +45,49 @@ def test_bench_megatron_runs_two_configurations_side_by_side(tmp_path, capsys):
         assert d["warmup_peak"] >= d["built"] >= d["with_context"]
         assert d["peak"] - (d["baseline"] or 0) > t["max_allocated"] > 0
         assert len(c["losses"]) == 5
-    assert unpaged["pager"] is None
-    assert fp32["losses"][0] == unpaged["losses"][0]  # the same GPT, the same batch
+        assert c["losses"][0] == unpaged["losses"][0]  # the same GPT, the same batch
+    assert unpaged["pager"] is offload["pager"] is None
+    assert unpaged["floor"] is offload["floor"] is None
+    # Megatron's offload holds no state in device memory: less allocated than unpaged.
+    assert offload["torch"]["max_allocated"] < unpaged["torch"]["max_allocated"]
+
     p = fp32["pager"]
-    assert p["stored_bytes"] > 0 and p["buckets"] > 1
-    assert p["bytes_read"] == [p["stored_bytes"]] * 3  # one pass per step
-    assert p["bytes_written"] == [p["stored_bytes"]] * 3
+    assert p["stored_bytes"] > 0 and p["buckets"] > 1 and p["undo_bytes"] == 0
+    assert p["bytes_read"] == p["bytes_written"] == [p["stored_bytes"]] * 3  # one pass
+    assert p["bytes_from_host"] == p["bytes_to_host"] == [0] * 3 and p["host_budget"] == 0
     assert p["held"] >= p["peak_mapped"] > 0 and p["window"] >= p["largest_bucket"]
     assert p["mapped_before_first_step"] > 0  # scope() built the mains resident
-    # Mains and moments are out of device memory: less is allocated than unpaged.
     assert fp32["torch"]["max_allocated"] < unpaged["torch"]["max_allocated"]
+    f = fp32["floor"]
+    assert (f["read_bytes"], f["write_bytes"]) == (p["stored_bytes"], p["stored_bytes"])
+    assert f["pcie"]["seconds"]["median"] > 0 and f["seconds"] > 0
+    assert (f["fio"] is not None) == (find_fio()[0] is not None), f["fio_note"]
+
+    # q8 moments + residual mains, all in the host tier: the files see nothing; the
+    # step writes its stored state and the undo copies of the mains' bf16 params.
+    q = host["pager"]
+    assert q["host_budget"] > 0 and q["undo_bytes"] > 0 and q["spilled_bytes"] == [0] * 3
+    assert q["bytes_read"] == q["bytes_written"] == [0] * 3
+    assert q["bytes_from_host"] == [q["stored_bytes"]] * 3
+    assert q["bytes_to_host"] == [q["stored_bytes"] + q["undo_bytes"]] * 3
+    assert q["stored_bytes"] < p["stored_bytes"] / 2  # 4 bytes and the scales vs 12
+    f = host["floor"]
+    assert (f["read_bytes"], f["write_bytes"]) == (0, 0) and f["fio"] is None
+    assert (f["host_in"], f["host_out"]) == (q["stored_bytes"],
+                                             q["stored_bytes"] + q["undo_bytes"])
+    assert f["bound_by"] == "pcie" and f["seconds"] > 0
+
+    # The first paged configuration's last timed step, as a Chrome trace.
+    assert fp32["timeline_files"] == [str(trace)] and host["timeline_files"] == []
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in events} == {"read", "step", "write"}
+    assert len({e["args"]["bucket"] for e in events}) == p["buckets"]
+
+    measured = {t["what"] for t in r["targets"] if t["value"] is not None}
+    assert measured == {"fp32 opt.step / its floor", "host-q8 step / offload step",
+                        "host-q8 driver peak / offload's"}  # q8 and host-fp32 did not run
     bench_megatron.print_megatron(r)
     text = capsys.readouterr().out
-    assert "read per step = stored: True" in text and "driver peak - torch max allocated" in text
+    assert "per step read = stored: True, written = stored: True" in text
+    assert "written = stored + undo copies" in text and "x the floor" in text
+    assert "step against Megatron's offload" in text and "issue 14: host-q8 step" in text

@@ -103,6 +103,22 @@ def test_without_fio_the_pcie_floor_stands_alone_and_says_so():
 
 
 @needs_fio
+def test_with_no_file_bytes_there_is_no_fio_floor_and_the_host_tier_bytes_are_named(tmp_path):
+    r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 0, 0, block=1 << 20, depth=4,
+                            direct=False, host_in=3 * 10**9, host_out=2 * 10**9)
+    assert r["fio"] is None and r["fio_note"] == ("no fio floor: nothing went through the "
+                                                  "store's files")
+    assert (r["host_in"], r["host_out"]) == (3 * 10**9, 2 * 10**9) and r["seconds"] is None
+    pcie = {"seconds": {"n": 3, "median": 0.5, "min": 0.4, "max": 0.6}, "chunk": 1,
+            "h2d_gbps": 50.0, "d2h_gbps": 40.0}
+    text = "\n".join(bench_floor.describe(dict(r, pcie=pcie, seconds=0.5, bound_by="pcie")))
+    assert text.startswith("floor: 0.00 GB read and 0.00 GB written through the files and "
+                           "3.00 GB from and 2.00 GB to the host tier (PCIe only), measured")
+    assert "fio: no fio floor: nothing went through the store's files" in text
+    assert "0.500 s, set by pcie (no file bytes: PCIe alone)" in text
+
+
+@needs_fio
 def test_bench_step_prints_the_step_as_a_multiple_of_the_floor(capsys, tmp_path):
     assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path),
                      "--params", "3e6", "--steps", "2", "--bucket", "8M", "--no-baseline",

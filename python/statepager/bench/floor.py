@@ -211,13 +211,15 @@ def measure(directory: str, device: torch.device, read_bytes: int, write_bytes: 
     """Both floors and the larger one ("seconds", set by "bound_by"); a floor that could
     not be measured is None with its reason in "pcie_note" / "fio_note". read_bytes and
     write_bytes go through the files; host_in and host_out (a host tier's) cross PCIe too."""
-    r = {"read_bytes": read_bytes, "write_bytes": write_bytes, "pcie": None, "fio": None,
-         "pcie_note": "", "fio_note": ""}
+    r = {"read_bytes": read_bytes, "write_bytes": write_bytes, "host_in": host_in,
+         "host_out": host_out, "pcie": None, "fio": None, "pcie_note": "", "fio_note": ""}
     if device.type == "cuda":
         r["pcie"] = pcie_floor(device, read_bytes + host_in, write_bytes + host_out)
     else:
         r["pcie_note"] = "no PCIe floor: the device is the CPU"
     fio, r["fio_note"] = find_fio()
+    if fio is not None and not (read_bytes or write_bytes):
+        fio, r["fio_note"] = None, "no fio floor: nothing went through the store's files"
     if fio is not None:
         try:
             r["fio"] = fio_floor(fio, directory, read_bytes, write_bytes, block=block,
@@ -236,8 +238,11 @@ def measure(directory: str, device: torch.device, read_bytes: int, write_bytes: 
 def describe(r: dict) -> list[str]:
     """The floor's lines for a report: what each floor measured, or why it is missing."""
     gb = 1e9
+    host = (f" through the files and {r['host_in'] / gb:.2f} GB from and "
+            f"{r['host_out'] / gb:.2f} GB to the host tier (PCIe only)"
+            if r.get("host_in") or r.get("host_out") else "")
     lines = [f"floor: {r['read_bytes'] / gb:.2f} GB read and {r['write_bytes'] / gb:.2f} GB "
-             "written, measured in this run by tools that are not statepager:"]
+             f"written{host}, measured in this run by tools that are not statepager:"]
     p = r["pcie"]
     if p is None:
         lines.append(f"  PCIe: {r['pcie_note']}")
@@ -261,7 +266,8 @@ def describe(r: dict) -> list[str]:
         lines.append("  no floor: neither could be measured here")
     else:
         only = "" if r["pcie"] is not None and r["fio"] is not None else \
-            (" (fio missing: PCIe alone)" if r["fio"] is None else
-             " (no PCIe on this device: fio alone)")
+            (" (no PCIe on this device: fio alone)" if r["pcie"] is None else
+             " (no file bytes: PCIe alone)" if not (r["read_bytes"] or r["write_bytes"]) else
+             " (fio missing: PCIe alone)")
         lines.append(f"  floor = the larger: {r['seconds']:.3f} s, set by {r['bound_by']}{only}")
     return lines

@@ -1,19 +1,24 @@
 """python -m statepager bench megatron: a Megatron GPT trained a few steps, unpaged, with
-Megatron's own optimizer CPU offload, and with statepager in each on-disk format, side by
-side in one run.
+Megatron's own optimizer CPU offload, and with statepager in each on-disk format, its state
+on the store (--dir) or in a pinned host tier, side by side in one run.
 
 Each configuration runs in its own process (`python -m statepager.bench.megatron
 --worker SPEC OUT`), so that each starts from clean device memory and the driver's view
-of the device is that configuration's alone. The GPT is examples/megatron_gpt.py's (a
-source checkout is needed), bf16 params in Megatron's DDP and DistributedOptimizer
-(torch AdamW when neither TransformerEngine nor apex is installed), on one GPU.
+of the device is that configuration's alone; its lines are printed as soon as it ends
+(a run cut short keeps what finished), then a summary. The GPT is
+examples/megatron_gpt.py's (a source checkout is needed), bf16 params in Megatron's DDP
+and DistributedOptimizer (torch AdamW when neither TransformerEngine nor apex is
+installed), on one GPU.
 
 Per configuration, over the timed steps (after the warm-up steps, whose first creates the
 moments): the step time (a whole training iteration) and optimizer.step()'s share, the
-pager's bytes read and written per step, and device memory at the steps' peak as the
-driver sees it (NVML, sampled by a thread every millisecond; cudaMemGetInfo when NVML is
-missing) beside torch's own counters and the page pool's, and what of the peak is none
-of them.
+pager's bytes read and written per step (store files and host tier), and device memory
+at the steps' peak as the driver sees it (NVML, sampled by a thread every millisecond;
+cudaMemGetInfo when NVML is missing) beside torch's own counters and the page pool's,
+and what of the peak is none of them. A paged configuration's process then measures the
+floor of its bytes (statepager.bench.floor: PCIe both ways with pinned buffers, fio on
+--dir; the larger), and its step is printed as a multiple of it. The summary compares
+each with Megatron's offload and checks issue 13's and 14's targets.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import importlib.util
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -31,10 +37,10 @@ import time
 import torch
 
 from statepager import _C
-from statepager.bench.floor import source_root
+from statepager.bench import floor as bench_floor
 from statepager.bench.common import bench_directory
-from statepager.bench.report import show, spread
-from statepager.cli_args import at_least, directory, size
+from statepager.bench.report import faster, multiple, show, spread
+from statepager.cli_args import at_least, directory, output_file, plot_file, size
 from statepager.progress import Progress
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -44,16 +50,23 @@ _EXAMPLE = os.path.join("examples", "megatron_gpt.py")
 # copies overlapped with it (HybridDeviceOptimizer).
 OFFLOAD = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                overlap_cpu_optimizer_d2h_h2d=True)
+# host: the Pager's host tier (host_budget) holds the whole paged state in pinned host
+# memory; the store on --dir is then only where a spill would go.
 CONFIGS = {
     "unpaged": dict(pager=False, what="unpaged (state in device memory)"),
     "offload": dict(pager=False, optimizer_options=OFFLOAD,
                     what="Megatron optimizer_cpu_offload (fraction 1.0, overlapped d2h/h2d)"),
-    "fp32": dict(pager=True, moments="fp32", mains="fp32", what="statepager, fp32"),
+    "fp32": dict(pager=True, moments="fp32", mains="fp32", what="statepager, fp32, store on --dir"),
     "bf16": dict(pager=True, moments="bf16", mains="fp32",
-                 what="statepager, bf16 moments, fp32 mains"),
+                 what="statepager, bf16 moments, fp32 mains, store on --dir"),
     "q8": dict(pager=True, moments="q8", mains="residual",
-               what="statepager, q8 moments, residual mains"),
+               what="statepager, q8 moments, residual mains, store on --dir"),
+    "host-fp32": dict(pager=True, host=True, moments="fp32", mains="fp32",
+                      what="statepager, fp32, state in the pinned host tier"),
+    "host-q8": dict(pager=True, host=True, moments="q8", mains="residual",
+                    what="statepager, q8 moments, residual mains, state in the pinned host tier"),
 }
+DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
 
 
 def configs(text: str) -> list[str]:
@@ -68,13 +81,24 @@ def configs(text: str) -> list[str]:
     return names
 
 
+def paged_config(text: str) -> str:
+    """One configuration that runs statepager (whose step has a timeline)."""
+    paged = [n for n, c in CONFIGS.items() if c["pager"]]
+    if text not in paged:
+        raise argparse.ArgumentTypeError(f"{text!r}: the timeline is a paged configuration's: "
+                                         f"one of {', '.join(paged)}")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `bench megatron`; the defaults are the 1.34 B GPT of issue 13."""
     p.add_argument("--dir", required=True, type=directory,
-                   help="where the pager's stores go (e.g. /dev/shm/sp): the bench makes a "
-                        "new directory in it and deletes it afterwards")
-    p.add_argument("--configs", type=configs, default=list(CONFIGS),
-                   help=f"which to run, comma-separated: {','.join(CONFIGS)} (default all)")
+                   help="where the pager's stores and the fio floor's files go (e.g. "
+                        "/dev/shm/sp): the bench makes a new directory in it and deletes it "
+                        "afterwards")
+    p.add_argument("--configs", type=configs, default=list(DEFAULT_CONFIGS),
+                   help=f"which to run, comma-separated, of {','.join(CONFIGS)} (default "
+                        f"{','.join(DEFAULT_CONFIGS)})")
     p.add_argument("--layers", type=at_least(1, "transformer layers"), default=24)
     p.add_argument("--hidden", type=at_least(1, "hidden size"), default=2048)
     p.add_argument("--heads", type=at_least(1, "attention heads"), default=16)
@@ -88,8 +112,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=at_least(1, "timed steps"), default=5)
     p.add_argument("--bucket", type=size, default=size("256M"), help="the pager's bucket_size")
     p.add_argument("--hbm-budget", type=size, default=None, help="the pager's hbm_budget")
+    p.add_argument("--host-budget", type=size, default=None,
+                   help="the host-* configurations' host_budget (default: what holds their "
+                        "state through atomic steps, from the model's parameters)")
+    p.add_argument("--fio-jobs", type=at_least(1, "fio jobs each way"), default=4,
+                   help="fio jobs each way for the floor")
     p.add_argument("--timeout", type=at_least(1, "seconds"), default=900,
-                   help="seconds each configuration may take")
+                   help="seconds each configuration may take (its floor included)")
+    p.add_argument("--timeline", type=paged_config, default=None,
+                   help="the paged configuration whose last timed step --trace and --plot "
+                        "draw (default: the first paged one of --configs)")
+    p.add_argument("--trace", type=output_file, metavar="FILE.json",
+                   help="write that step's buckets (page-in, step, page-out) as a Chrome "
+                        "trace (chrome://tracing, ui.perfetto.dev)")
+    p.add_argument("--plot", type=plot_file, metavar="FILE.png",
+                   help="draw that step's timeline (needs matplotlib: statepager[plot])")
     p.add_argument("--json", action="store_true")
 
 
@@ -113,27 +150,61 @@ def require_megatron() -> None:
 def example() -> str | None:
     """examples/megatron_gpt.py of the source tree this package is in, else of the
     working directory; None when neither has it."""
-    for root in (source_root(), os.getcwd()):
+    for root in (bench_floor.source_root(), os.getcwd()):
         if root and os.path.isfile(os.path.join(root, _EXAMPLE)):
             return os.path.join(root, _EXAMPLE)
     return None
 
 
+def timeline_config(args) -> str | None:
+    """The configuration whose step --trace / --plot draw (None when neither is asked
+    for); UsageError when it is not a paged one of --configs."""
+    if not (args.trace or args.plot):
+        return None
+    paged = [n for n in args.configs if CONFIGS[n]["pager"]]
+    name = args.timeline or (paged[0] if paged else None)
+    if name is None:
+        raise _C.UsageError(f"--trace and --plot draw a paged configuration's step, and "
+                            f"--configs {','.join(args.configs)} has none: add one (e.g. fp32)")
+    if name not in paged:
+        raise _C.UsageError(f"--trace and --plot draw a paged configuration's step: --timeline "
+                            f"{name!r} is not in --configs {','.join(args.configs)}: add it "
+                            "there or choose another")
+    return name
+
+
 def bench_megatron(args) -> dict:
+    """Runs each configuration (see the module doc). Unless --json, prints the header and
+    each configuration's lines as they come; print_summary() prints the rest."""
     require_megatron()
+    drawn = timeline_config(args)
     model = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
                                            "micro_batch", "warmup", "steps", "bucket",
-                                           "hbm_budget")}
+                                           "hbm_budget", "host_budget", "fio_jobs")}
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
-    results = []
+    r = {"model": model, "dir": args.dir, "configs": []}
+    live = not args.json
+    if live:
+        _print(header_lines(r))
     with bench_directory(args.dir) as work, \
             Progress("bench megatron", len(args.configs)) as bar:
         for name in args.configs:
             bar.phase(f"{name}: {CONFIGS[name]['what']}")
             spec = dict(model, config=name, store=os.path.join(work, name), example=example())
-            results.append(run_worker(spec, work, args.timeout))
-    return {"model": model, "dir": args.dir, "configs": results,
-            "failed": [c["config"] for c in results if "error" in c]}
+            if name == drawn:
+                spec.update(trace=args.trace and os.path.abspath(args.trace),
+                            plot=args.plot and os.path.abspath(args.plot))
+            c = run_worker(spec, work, args.timeout)
+            r["configs"].append(c)
+            if live:
+                _print(config_lines(c))
+    r["failed"] = [c["config"] for c in r["configs"] if "error" in c]
+    r["targets"] = targets(r["configs"])
+    return r
+
+
+def _print(lines: list[str]) -> None:
+    print("\n".join(lines), flush=True)
 
 
 def _free_port() -> int:
@@ -159,7 +230,7 @@ def run_worker(spec: dict, work: str, timeout: int) -> dict:
             rc, error = None, f"timed out after {timeout} s"
     if rc == 0 and os.path.isfile(out):
         with open(out) as f:
-            return json.load(f)
+            return dict(json.load(f), seconds=time.perf_counter() - t0)
     with open(log) as f:
         tail = f.read().splitlines()[-25:]
     return {"config": spec["config"], "error": error, "log_tail": tail,
@@ -267,14 +338,41 @@ def _scope_pool_bytes() -> int:
                if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
-def _stored_bytes(binding) -> int:
+def _bytes(binding, kind: str) -> int:
+    """Bytes of the buckets' `kind` tensors ("stored": the state at rest; "undo": the
+    atomic steps' copies of what a step overwrites outside the pager)."""
     return sum(t.numel() * t.element_size() for s in binding.streams for b in s.buckets
-               for t in b.stored)
+               for t in getattr(b, kind))
+
+
+def _moment_bytes(fmt: str, n: int) -> int:
+    from statepager.formats import codecs
+
+    return {"fp32": 4 * n, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n)}[fmt]
+
+
+def host_budget_for(params, moments: str, mains: str) -> int:
+    """Host tier bytes that hold the paged state of `params` (the trained ones; one rank,
+    so each is one main) through atomic steps: the state twice (a step's old bytes stay
+    until it commits), the undo copies of residual mains' bf16 params, and 3% + 256 MiB
+    for the tier's 4 KiB rounding."""
+    state = undo = 0
+    for p in params:
+        if p.requires_grad:
+            n = p.numel()
+            state += (4 if mains == "fp32" else 2) * n + 2 * _moment_bytes(moments, n)
+            undo += 2 * n if mains == "residual" else 0
+    return int((2 * state + undo) * 1.03) + 256 * MiB
+
+
+def _median(values: list) -> int:
+    return int(statistics.median(values))
 
 
 def run_config(spec: dict) -> dict:
-    """Trains the GPT of `spec` in this process and measures it (see the module doc)."""
-    from statepager import Pager
+    """Trains the GPT of `spec` in this process and measures it, then the floor of a
+    paged configuration's bytes (see the module doc)."""
+    from statepager import Pager, trace
 
     config = CONFIGS[spec["config"]]
     driver = DriverMemory()
@@ -284,16 +382,25 @@ def run_config(spec: dict) -> dict:
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     with_context = driver.used()
+    # The GPT as users train it: without the example's native fp32 test parameter, which
+    # Megatron's offload cannot step (megatron_gpt.build says why); the same in every
+    # configuration.
     setup = gpt.Setup(layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
                       vocab=spec["vocab"], seq=spec["seq"], batch=spec["micro_batch"],
                       grad_fp32=spec["grads"] == "fp32", steps=spec["warmup"] + spec["steps"],
-                      ddp_bucket=40_000_000)
-    pager = (Pager(spec["store"], "cuda", hbm_budget=spec["hbm_budget"]) if config["pager"]
-             else None)
+                      ddp_bucket=40_000_000, fp32_param=False)
+    model = gpt.build_model(setup)
+    host_budget = 0
+    if config.get("host"):
+        host_budget = spec.get("host_budget") or host_budget_for(
+            model.parameters(), config["moments"], config["mains"])
+    pager = (Pager(spec["store"], "cuda", hbm_budget=spec["hbm_budget"],
+                   host_budget=host_budget) if config["pager"] else None)
     try:
         model, optimizer, scheduler, binding = gpt.build(
-            setup, pager, bucket_size=spec["bucket"], moments=config.get("moments", "fp32"),
-            mains=config.get("mains", "fp32"), optimizer_options=config.get("optimizer_options"))
+            setup, pager, model=model, bucket_size=spec["bucket"],
+            moments=config.get("moments", "fp32"), mains=config.get("mains", "fp32"),
+            optimizer_options=config.get("optimizer_options"))
         opt_times = []
         _timed(optimizer, opt_times)
         torch.cuda.synchronize()
@@ -305,8 +412,9 @@ def run_config(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
-        steps, read, written, pool = [], [], [], []
-        compute = []
+        steps, moved, pool, compute = [], [], [], []
+        counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
+                    "spilled_bytes")
         with PeakSampler(driver.used) as sampler:
             for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
                 before = pager.stats() if pager else None
@@ -317,8 +425,7 @@ def run_config(spec: dict) -> dict:
                 steps.append(time.perf_counter() - t0)
                 if pager is not None:
                     after = pager.stats()
-                    read.append(after["bytes_read"] - before["bytes_read"])
-                    written.append(after["bytes_written"] - before["bytes_written"])
+                    moved.append({k: after[k] - before[k] for k in counters})
                     pool.append((after["peak_mapped_bytes"], after["mapped_bytes"],
                                  after["cached_bytes"]))
                     compute.append(sum(s.compute_seconds for s in binding.last))
@@ -334,29 +441,52 @@ def run_config(spec: dict) -> dict:
                       "max_reserved": torch.cuda.max_memory_reserved(),
                       "reserved": torch.cuda.memory_reserved(),
                       "scope_pool": _scope_pool_bytes()},
-            "pager": None,
+            "pager": None, "floor": None, "timeline_files": [],
         }
         if pager is not None:
-            result["pager"] = {
-                "bytes_read": read, "bytes_written": written,
-                "stored_bytes": _stored_bytes(binding),
-                "compute_s": spread(compute),
-                "peak_mapped": max(p[0] for p in pool),
-                "held": max(max(p[0], p[1] + p[2]) for p in pool),
-                "buckets": sum(s.buckets for s in binding.last),
-                "largest_bucket": max(b.nbytes for s in binding.streams for b in s.buckets),
+            stats = pager.stats()
+            result["pager"] = dict(
+                {k: [m[k] for m in moved] for k in counters},
+                stored_bytes=_bytes(binding, "stored"), undo_bytes=_bytes(binding, "undo"),
+                host_budget=host_budget, host_used=stats["host_used_bytes"],
+                direct_io=stats["direct_io"], io_depth=stats["io_depth"],
+                io_block=stats["io_block_bytes"],
+                compute_s=spread(compute),
+                peak_mapped=max(p[0] for p in pool),
+                held=max(max(p[0], p[1] + p[2]) for p in pool),
+                buckets=sum(s.buckets for s in binding.last),
+                largest_bucket=max(b.nbytes for s in binding.streams for b in s.buckets),
                 # The members step one after another: the largest one's window.
-                "window": max(s.window_bytes for s in binding.streams),
+                window=max(s.window_bytes for s in binding.streams),
                 # What scope() built and left mapped (no hbm_budget: every main) until
                 # the first step pages it out.
-                "mapped_before_first_step": built["pool_mapped"],
-            }
+                mapped_before_first_step=built["pool_mapped"])
+            if spec.get("trace") or spec.get("plot"):
+                last = max(binding.last, key=lambda s: s.bytes_read + s.bytes_written)
+                result["timeline_files"] = trace.write_outputs(
+                    last, spec.get("trace"), spec.get("plot"),
+                    f"bench megatron {spec['config']}: GPT {result['params'] / 1e9:.2f} B, "
+                    f"buckets of {spec['bucket'] // MiB} MiB, step {last.step}")
         gpt.finish(model)
-        return result
     finally:
         if pager is not None:
-            pager.close()
+            pager.close()  # its store and host tier go before the floor's turn
         torch.distributed.destroy_process_group()
+    if result["pager"] is not None:
+        result["floor"] = floor_of(result["pager"], os.path.dirname(spec["store"]),
+                                   spec["fio_jobs"])
+    return result
+
+
+def floor_of(p: dict, directory: str, jobs: int) -> dict:
+    """The floor (statepager.bench.floor) of the median step's bytes: those of the store
+    through fio in `directory` with the pager's I/O shape, and all of them (host tier's
+    too) through PCIe."""
+    return bench_floor.measure(
+        directory, torch.device("cuda", torch.cuda.current_device()),
+        _median(p["bytes_read"]), _median(p["bytes_written"]), block=p["io_block"],
+        depth=p["io_depth"], direct=p["direct_io"], jobs=jobs,
+        host_in=_median(p["bytes_from_host"]), host_out=_median(p["bytes_to_host"]))
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -389,62 +519,195 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
-def print_megatron(r: dict) -> None:
-    m = r["model"]
-    done = [c for c in r["configs"] if "error" not in c]
-    params = f"{done[0]['params'] / 1e9:.2f} B params, " if done else ""
-    print(f"megatron bench: GPT {params}{m['layers']} layers, hidden {m['hidden']}, "
-          f"{m['heads']} heads, vocab {m['vocab']}, seq {m['seq']}, micro-batch "
-          f"{m['micro_batch']}, {m['grads']} grads; {m['warmup']} warm-up + {m['steps']} "
-          f"timed steps; stores in {r['dir']}, buckets of {m['bucket'] // MiB} MiB")
-    head = (f"  {'config':8s} {'step, s (median, min-max)':26s} {'opt.step, s':26s} "
-            f"{'read GB/step':>12s} {'written GB':>11s} {'driver peak GiB':>15s} "
-            f"{'torch max alloc':>15s} {'torch max resv':>14s} {'pool held':>9s}")
-    print(head)
-    for c in r["configs"]:
-        if "error" in c:
-            print(f"  {c['config']:8s} failed ({c['error']}):")
-            for line in c["log_tail"]:
-                print(f"      {line}")
-            continue
-        s, o, p, d, t = c["step_s"], c["opt_step_s"], c["pager"], c["driver"], c["torch"]
-        rd = f"{spread(p['bytes_read'])['median'] / 1e9:.2f}" if p else "-"
-        wr = f"{spread(p['bytes_written'])['median'] / 1e9:.2f}" if p else "-"
-        used = d["peak"] - (d["baseline"] or 0)
-        print(f"  {c['config']:8s} {_range(s):26s} {_range(o):26s} {rd:>12s} {wr:>11s} "
-              f"{_gib(used):>15s} {_gib(t['max_allocated']):>15s} "
-              f"{_gib(t['max_reserved']):>14s} {_gib(p['held'] if p else None):>9s}")
-    if done:
-        print(f"  driver peak: {done[0]['driver']['source']}, sampled every ms over the timed "
-              "steps, less the device's use before this process (all GiB)")
-    for c in done:
-        p, b = c["pager"], breakdown(c)
-        notes = []
-        if p:
-            one_pass = all(x == p["stored_bytes"] for x in p["bytes_read"])
-            notes.append(f"stored state {p['stored_bytes'] / 1e9:.2f} GB, read per step = "
-                         f"stored: {one_pass}; {p['buckets']} buckets, largest "
-                         f"{p['largest_bucket'] / MiB:.0f} MiB; pool peak mapped "
-                         f"{p['peak_mapped'] / GiB:.2f} GiB of a window of "
-                         f"{p['window'] / GiB:.2f} GiB; pager compute (codecs + "
-                         f"optimizer math) {show(p['compute_s'], 's', 3)}")
-        if b:
-            notes.append(f"driver peak - torch max allocated = {_gib(b['above_torch_peak'])} "
-                         f"GiB: CUDA context {_gib(b['context'])} + torch cache "
-                         f"{_gib(b['torch_cache'])} + page pool {_gib(b['pool'])} + other "
-                         f"{_gib(b['other'])}")
-        for i, note in enumerate(notes):
-            print(f"  {c['config'] if i == 0 else '':8s} {note}")
-        d = c["driver"]
-        first = (f"; pool mapped before the first step {_gib(p['mapped_before_first_step'])} "
-                 "GiB" if p else "")
-        warm = d["warmup_peak"] - (d["baseline"] or 0)
-        print(f"  {'':8s} warm-up steps: driver peak {_gib(warm)} GiB{first}; loss "
-              f"{c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}")
+def _gb(values: list | None) -> str:
+    return "-" if values is None else f"{_median(values) / 1e9:.2f}"
 
 
 def _range(s: dict) -> str:
     return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}, n={s['n']})"
+
+
+def _used(c: dict) -> int:
+    """The driver's peak over the timed steps, less the device's use before the process."""
+    d = c["driver"]
+    return d["peak"] - (d["baseline"] or 0)
+
+
+def _step(c: dict, key: str = "step_s") -> float:
+    return c[key]["median"]
+
+
+_COLUMNS = (("config", 9, "<"), ("step, s (median, min-max)", 26, "<"),
+            ("opt.step, s", 26, "<"), ("store rd GB", 11, ">"), ("store wr GB", 11, ">"),
+            ("host in GB", 10, ">"), ("host out GB", 11, ">"), ("driver peak GiB", 15, ">"),
+            ("torch max alloc", 15, ">"), ("torch max resv", 14, ">"), ("pool held", 9, ">"))
+
+
+def _row(cells) -> str:
+    return "  " + " ".join(f"{c:{align}{width}}"
+                           for c, (_, width, align) in zip(cells, _COLUMNS)).rstrip()
+
+
+def header_lines(r: dict) -> list[str]:
+    """What runs, and the table's header."""
+    m = r["model"]
+    return [f"megatron bench: GPT, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} "
+            f"heads, vocab {m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}, "
+            f"{m['grads']} grads; {m['warmup']} warm-up + {m['steps']} timed steps; stores in "
+            f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB; each configuration in its own "
+            "process, printed as it ends (per step: medians; GB = 1e9 bytes, GiB = 2^30)",
+            _row(name for name, _, _ in _COLUMNS)]
+
+
+def config_lines(c: dict) -> list[str]:
+    """One configuration's row of the table and its notes (with its floor, if paged)."""
+    name = c["config"]
+    if "error" in c:
+        return [f"  {name:9s} failed ({c['error']}):"] + [f"      {line}" for line in c["log_tail"]]
+    p, t = c["pager"], c["torch"]
+    lines = [_row([name, _range(c["step_s"]), _range(c["opt_step_s"]),
+                   *(_gb(p and p[k]) for k in ("bytes_read", "bytes_written", "bytes_from_host",
+                                               "bytes_to_host")),
+                   _gib(_used(c)), _gib(t["max_allocated"]), _gib(t["max_reserved"]),
+                   _gib(p and p["held"])])]
+    notes = [f"{CONFIGS[name]['what']}: {c['params'] / 1e9:.3f} B params; {c['seconds']:.0f} s "
+             "in all (build, steps, floor)"]
+    if p:
+        reads = [a + b for a, b in zip(p["bytes_read"], p["bytes_from_host"])]
+        one_pass = all(x == p["stored_bytes"] for x in reads)
+        writes = [a + b for a, b in zip(p["bytes_written"], p["bytes_to_host"])]
+        undo = p["undo_bytes"]  # statepager.core.atomic
+        written = all(x == p["stored_bytes"] + undo for x in writes)
+        plus = f" + undo copies {undo / 1e9:.2f} GB" if undo else ""
+        line = (f"stored state {p['stored_bytes'] / 1e9:.2f} GB; per step read = stored: "
+                f"{one_pass}, written = stored{plus}: {written}")
+        if undo:
+            line += (" (atomic steps copy the bf16 params that residual mains are stored "
+                     "against; only a failed step reads them back)")
+        notes.append(line)
+        if p["host_budget"]:
+            notes.append(f"host tier {p['host_budget'] / 1e9:.2f} GB pinned, "
+                         f"{p['host_used'] / 1e9:.2f} GB in use after the steps; spilled to "
+                         f"the store over the timed steps: {sum(p['spilled_bytes']) / 1e9:.2f} GB")
+        notes.append(f"{p['buckets']} buckets, largest {p['largest_bucket'] / MiB:.0f} MiB; pool "
+                     f"peak mapped {p['peak_mapped'] / GiB:.2f} GiB of a window of "
+                     f"{p['window'] / GiB:.2f} GiB; pager compute (codecs + optimizer math) "
+                     f"{show(p['compute_s'], 's', 3)}")
+    b = breakdown(c)
+    if b:
+        notes.append(f"driver peak - torch max allocated = {_gib(b['above_torch_peak'])} GiB: "
+                     f"CUDA context {_gib(b['context'])} + torch cache {_gib(b['torch_cache'])}"
+                     f" + page pool {_gib(b['pool'])} + other {_gib(b['other'])} (driver: "
+                     f"{c['driver']['source']}, sampled every ms)")
+    first = (f"; pool mapped before the first step {_gib(p['mapped_before_first_step'])} GiB"
+             if p else "")
+    d = c["driver"]
+    notes.append(f"warm-up steps: driver peak {_gib(d['warmup_peak'] - (d['baseline'] or 0))} "
+                 f"GiB{first}; loss {c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}")
+    f = c.get("floor")
+    if f:
+        notes.append((f"step {multiple(c['step_s']['median'], f['seconds'], 'the floor')}, "
+                      f"opt.step {multiple(c['opt_step_s']['median'], f['seconds'], 'the floor')}"
+                      if f["seconds"] else "no floor") +
+                     "; the floor of its median step's bytes, measured after its steps:")
+        notes += ["  " + line for line in bench_floor.describe(f)]
+    if c["timeline_files"]:
+        notes.append(f"last timed step's timeline: {', '.join(c['timeline_files'])}")
+    return lines + [f"  {'':9s} {note}" for note in notes]
+
+
+def _done(configs: list) -> dict:
+    return {c["config"]: c for c in configs if "error" not in c}
+
+
+def targets(configs: list) -> list[dict]:
+    """Issue 13's and 14's targets, each {"issue", "what", "value", "limit", "met",
+    "detail"}: value = ours / reference (met: value <= limit); value and met None when
+    a configuration it needs did not run (or has no floor)."""
+    done = _done(configs)
+
+    def step(name, key="step_s"):
+        return _step(done[name], key) if name in done else None
+
+    def floor(name):
+        f = done[name].get("floor") if name in done else None
+        return f and f["seconds"]
+
+    def peak(name):
+        return _used(done[name]) if name in done else None
+
+    rows = []
+
+    def add(issue, what, ours, reference, limit, detail):
+        value = ours / reference if ours is not None and reference else None
+        rows.append({"issue": issue, "what": what, "value": value, "limit": limit,
+                     "met": None if value is None else value <= limit,
+                     "detail": detail if value is not None else ""})
+
+    add(13, "fp32 opt.step / its floor", step("fp32", "opt_step_s"), floor("fp32"), 1.1,
+        f"{step('fp32', 'opt_step_s'):.3f} / {floor('fp32'):.3f} s" if floor("fp32") else "")
+    for key, what in (("step_s", "step"), ("opt_step_s", "opt.step")):
+        add(13, f"q8 {what} / fp32 {what}", step("q8", key), step("fp32", key), 0.45,
+            f"{step('q8', key):.3f} / {step('fp32', key):.3f} s"
+            if "q8" in done and "fp32" in done else "")
+    for name, limit in (("host-fp32", 1.0), ("host-q8", 0.35)):
+        add(14, f"{name} step / offload step", step(name), step("offload"), limit,
+            f"{step(name):.3f} / {step('offload'):.3f} s"
+            if name in done and "offload" in done else "")
+    for name in ("host-fp32", "host-q8"):
+        add(14, f"{name} driver peak / offload's", peak(name), peak("offload"), 1.0,
+            f"{_gib(peak(name))} / {_gib(peak('offload'))} GiB"
+            if name in done and "offload" in done else "")
+    return rows
+
+
+def summary_lines(r: dict) -> list[str]:
+    """The comparisons between configurations, and the targets."""
+    done = _done(r["configs"])
+    lines = ["summary (medians of the timed steps):"]
+    offload = done.get("offload")
+    if offload:
+        ref = _step(offload)
+        lines.append(f"  step against Megatron's offload ({ref:.3f} s, driver peak "
+                     f"{_gib(_used(offload))} GiB):")
+        lines += [f"    {n:9s} {_step(c):.3f} s: {faster(_step(c), ref, higher_is_better=False)}"
+                  f"; driver peak {_gib(_used(c))} GiB" for n, c in done.items() if n != "offload"]
+    else:
+        lines.append("  Megatron's offload: not measured (not in --configs, or failed)")
+    floored = [(n, c, c["floor"]) for n, c in done.items()
+               if c.get("floor") and c["floor"]["seconds"]]
+    if floored:
+        lines.append("  against each one's floor (the larger of PCIe and fio, for its bytes):")
+        lines += [f"    {n:9s} step {multiple(_step(c), f['seconds'], 'its floor')}, opt.step "
+                  f"{multiple(_step(c, 'opt_step_s'), f['seconds'], 'its floor')} "
+                  f"({f['seconds']:.3f} s, set by {f['bound_by']})" for n, c, f in floored]
+    for narrow, wide in (("q8", "fp32"), ("host-q8", "host-fp32")):
+        if narrow in done and wide in done:
+            a, b = done[narrow], done[wide]
+            lines.append(f"  {narrow} / {wide}: step {_step(a) / _step(b):.2f}, opt.step "
+                         f"{_step(a, 'opt_step_s') / _step(b, 'opt_step_s'):.2f} ({narrow}'s "
+                         f"step is {faster(_step(a), _step(b), higher_is_better=False)})")
+    lines.append("  targets (ratio = ours / reference; met when <= the limit):")
+    for t in r["targets"]:
+        verdict = ("not measured" if t["met"] is None else
+                   f"{t['value']:.2f} ({t['detail']}): {'met' if t['met'] else 'NOT met'}")
+        lines.append(f"    issue {t['issue']}: {t['what']} <= {t['limit']:g}: {verdict}")
+    if r["failed"]:
+        lines.append(f"  failed: {', '.join(r['failed'])} (their logs above)")
+    return lines
+
+
+def print_megatron(r: dict) -> None:
+    """The whole report of a finished run (e.g. from --json)."""
+    _print(header_lines(r))
+    for c in r["configs"]:
+        _print(config_lines(c))
+    print_summary(r)
+
+
+def print_summary(r: dict) -> None:
+    """What follows the lines bench_megatron printed as it ran."""
+    _print(summary_lines(r))
 
 
 if __name__ == "__main__":
