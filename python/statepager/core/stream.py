@@ -485,9 +485,10 @@ class StreamedOptimizer:
                 j = i + ahead + 1
                 if j < n:
                     t0 = time.monotonic()
-                    # The bucket counting (outs[-1]) is never waited here: the depth
-                    # leaves at least one bucket older than it in outs.
                     while len(outs) + len(ins) >= self.depth:
+                        if outs[0] is counting.handles:  # depth 2: the bucket just stepped
+                            counting.finish_now()
+                            counting.let_go()
                         for h in outs[0]:
                             h.wait()
                         outs.popleft()
