@@ -70,17 +70,7 @@ __device__ __forceinline__ void load_moment(Moment m, int64_t blk, int64_t base,
       for (int j = 0; j < 8; ++j) v[j] = base + j < n ? __uint_as_float(uint32_t{h[base + j]} << 16) : 0.f;
     }
   } else {
-    const auto* codes = static_cast<const uint8_t*>(m.data);
-    const float s = m.scales[blk];
-    uint8_t q[8];
-    if (kVec && full) {
-      unpack8(*reinterpret_cast<const uint2*>(codes + base), q);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) q[j] = base + j < n ? codes[base + j] : 0;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = base + j < n ? q8_value<kNonneg>(q[j], s) : 0.f;
+    q8_load<kNonneg, kVec>(static_cast<const uint8_t*>(m.data), m.scales, blk, base, n, full, v);
   }
 }
 
@@ -108,18 +98,7 @@ __device__ __forceinline__ void store_moment(Moment m, int64_t blk, int lane, in
         if (base + j < n) h[base + j] = b[j];
     }
   } else {
-    auto* codes = static_cast<uint8_t*>(m.data);
-    const float s = q8_warp_scale(v);  // elements past n are 0: no effect
-    if (lane == 0) m.scales[blk] = s;
-    uint8_t q[8];
-    q8_codes<kNonneg>(v, s, q);
-    if (kVec && full) {
-      *reinterpret_cast<uint2*>(codes + base) = pack8(q);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (base + j < n) codes[base + j] = q[j];
-    }
+    q8_store<kNonneg, kVec>(static_cast<uint8_t*>(m.data), m.scales, blk, lane, base, n, full, v);
   }
 }
 

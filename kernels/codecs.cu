@@ -60,17 +60,7 @@ __global__ void q8_encode_kernel(const float* __restrict__ x, uint8_t* __restric
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = base + j < n ? x[base + j] : 0.f;  // 0: no effect on absmax
   }
-  const float s = q8_warp_scale(v);
-  if (lane == 0) scales[blk] = s;
-  uint8_t q[8];
-  q8_codes<kNonneg>(v, s, q);
-  if (kVec && full) {
-    *reinterpret_cast<uint2*>(codes + base) = pack8(q);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (base + j < n) codes[base + j] = q[j];
-  }
+  q8_store<kNonneg, kVec>(codes, scales, blk, lane, base, n, full, v);
 }
 
 template <bool kNonneg, bool kVec>
@@ -80,19 +70,16 @@ __global__ void q8_decode_kernel(const uint8_t* __restrict__ codes, const float*
   const int64_t blk = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (blk * kQ8Block >= n) return;
   const int64_t base = blk * kQ8Block + lane * 8;
-  const float s = scales[blk];
-  if (kVec && blk * kQ8Block + kQ8Block <= n) {
-    uint8_t q[8];
-    unpack8(*reinterpret_cast<const uint2*>(codes + base), q);
-    float v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = q8_value<kNonneg>(q[j], s);
+  const bool full = blk * kQ8Block + kQ8Block <= n;
+  float v[8];
+  q8_load<kNonneg, kVec>(codes, scales, blk, base, n, full, v);
+  if (kVec && full) {
     reinterpret_cast<float4*>(x + base)[0] = make_float4(v[0], v[1], v[2], v[3]);
     reinterpret_cast<float4*>(x + base)[1] = make_float4(v[4], v[5], v[6], v[7]);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      if (base + j < n) x[base + j] = q8_value<kNonneg>(codes[base + j], s);
+      if (base + j < n) x[base + j] = v[j];
   }
 }
 

@@ -1,6 +1,7 @@
 // Device helpers of the q8 format (codecs.q8_encode / q8_decode with the default schemes)
 // shared by the codec and optimizer kernels: a warp holds one block of 256 elements, 8
-// consecutive ones per lane. Bits as the CPU reference: IEEE round-to-nearest
+// consecutive ones per lane; q8_store and q8_load move a block between registers and the
+// stored codes and scale. Bits as the CPU reference: IEEE round-to-nearest
 // intrinsics only, so no build flag (fast math, FMA contraction) changes a result.
 #pragma once
 
@@ -69,6 +70,43 @@ __device__ __forceinline__ void unpack8(uint2 w, uint8_t (&q)[8]) {
     q[j] = w.x >> (8 * j) & 0xff;
     q[4 + j] = w.y >> (8 * j) & 0xff;
   }
+}
+
+// A warp's block `blk` of a q8 tensor of n elements (codes, scales), the lane's 8
+// elements starting at `base` (full: the whole block is inside the tensor; kVec: codes is
+// 8-byte aligned): writes the block's scale (lane 0) and the lane's codes of v (0 past n).
+// Every lane of the warp must call it.
+template <bool kNonneg, bool kVec>
+__device__ __forceinline__ void q8_store(uint8_t* codes, float* scales, int64_t blk, int lane,
+                                         int64_t base, int64_t n, bool full,
+                                         const float (&v)[8]) {
+  const float s = q8_warp_scale(v);
+  if (lane == 0) scales[blk] = s;
+  uint8_t q[8];
+  q8_codes<kNonneg>(v, s, q);
+  if (kVec && full) {
+    *reinterpret_cast<uint2*>(codes + base) = pack8(q);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (base + j < n) codes[base + j] = q[j];
+  }
+}
+
+// The lane's 8 values of block `blk` (q8_store's layout), 0 past n.
+template <bool kNonneg, bool kVec>
+__device__ __forceinline__ void q8_load(const uint8_t* codes, const float* scales, int64_t blk,
+                                        int64_t base, int64_t n, bool full, float (&v)[8]) {
+  const float s = scales[blk];
+  uint8_t q[8];
+  if (kVec && full) {
+    unpack8(*reinterpret_cast<const uint2*>(codes + base), q);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[j] = base + j < n ? codes[base + j] : 0;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = base + j < n ? q8_value<kNonneg>(q[j], s) : 0.f;
 }
 
 }  // namespace statepager::kernels

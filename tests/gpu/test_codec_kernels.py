@@ -3,6 +3,8 @@ torch ops on CPU tensors) for every input: random data, NaN/Inf/subnormals, all-
 blocks, odd tails, misaligned tensors; the fused AdamW step (kernels/adamw.cu) gives
 torch's foreach AdamW's bits; and a streamed step with the kernels on is the step with
 them off, bit for bit."""
+import warnings
+
 import pytest
 import torch
 
@@ -289,6 +291,73 @@ def test_streamed_step_with_kernels_is_without(tmp_path, moments, mains, fused, 
     assert [x[:2] for x in got] == [x[:2] for x in want]
     for (i, k, a), (_, _, b) in zip(got, want):
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (i, k)
+
+
+class TruncatingAdamW(PagedAdamW):
+    """Writes each bf16 param as its master truncated, not rounded: about half of every
+    master's elements are then residual exceptions, past the kernel's room."""
+
+    @torch.no_grad()
+    def _store_params(self, masters):
+        for m in masters:
+            if m.grad is not None:
+                self.model_param(m).copy_((m.view(torch.int32) & -65536).view(torch.float32))
+            m.grad = None
+
+
+def run_truncating(store_dir, kernels, depth, steps=4):
+    C.use_kernels(kernels)
+    ps = model()
+    with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
+        opt = TruncatingAdamW(ps, pager=pager, lr=1e-2, bucket_size=1 * MiB, moments="q8",
+                              mains="residual", depth=depth)
+        for k in range(steps):
+            for i, p in enumerate(ps):
+                g = torch.Generator().manual_seed(100 * k + i)
+                p.grad = torch.randn(p.shape, generator=g).to("cuda", torch.bfloat16)
+            opt.step()
+        exceptions = [len(f.exceptions[0]) for b in opt.binding.buckets for f in b.forms
+                      if f.fmt == "residual"]
+        return [p.detach().cpu() for p in ps], opt.state_dict(), exceptions
+
+
+@pytest.mark.parametrize("depth", [2, 3])  # 2: the counts are read before the next page-in
+def test_streamed_step_exceptions_past_the_kernels_room(tmp_path, depth):
+    """Read a bucket later, with the next bucket's checks, exceptions that overflow the
+    kernel's list are listed again from the scratch it kept: the step's bits are the
+    reference's."""
+    ref_params, ref_state, ref_exc = run_truncating(str(tmp_path / "ref"), False, depth)
+    params, state, exc = run_truncating(str(tmp_path / "k"), True, depth)
+    assert exc == ref_exc and max(exc) > 1024 + (512 * 384) // 2048  # past the room
+    for a, b in zip(params, ref_params):
+        assert torch.equal(bits(a), bits(b))
+    for (i, k, a), (_, _, b) in zip(flat_state(state), flat_state(ref_state)):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (i, k)
+
+
+def test_streamed_step_syncs_once_per_bucket(store_dir):
+    """q8 moments and residual mains, fused: the host waits for the device once per bucket
+    (its checks and the last bucket's exception counts) and once at the end, never per
+    tensor."""
+    ps = model()
+    with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
+        opt = PagedAdamW(ps, pager=pager, lr=1e-2, bucket_size=1 * MiB, moments="q8",
+                         mains="residual")
+        for k in range(3):  # the first creates the state
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            if k == 2:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        buckets = len(opt.binding.buckets)
+        assert buckets >= 3 and 1 <= len(syncs) <= buckets + 1, [str(w.message) for w in syncs]
 
 
 def fp32_params(seed=0):

@@ -376,7 +376,7 @@ class StreamedOptimizer:
             if self._adopt(b):
                 self._fill(b)
                 self.pager.page_in(b.stored + b.working)
-                self._encode(b)
+                self._encode_now(b)
                 self._release(b)
         self._fill_chunked()
 
@@ -424,35 +424,62 @@ class StreamedOptimizer:
 
     # -- residency of one bucket ---------------------------------------------------
 
-    def _decode(self, b: Bucket, check_params: bool = True, skip=()) -> None:
+    def _incoming(self, b: Bucket) -> list:
+        """What a bucket's page-in brings in the step: its stored forms, its undo copies,
+        and the scratch its decode fills (zero-filled, nothing read): not that of moments
+        the fused step reads in their stored form. Paged in with the rest, the scratch
+        costs the step no wait of its own (a page-in is a round trip through the I/O
+        thread, its zero fill queued behind the next bucket's copies)."""
+        fused = {id(f) for f in (self._fused.moment_forms(b) if self._fused else None) or ()}
+        scratch = [f.working for f in b.forms if f.scratch and id(f) not in fused]
+        return b.stored + b.undo + scratch
+
+    def _decode(self, b: Bucket, check_params: bool = True, skip=(),
+                counting: "_Counting | None" = None) -> None:
         """Decodes the bucket's stored forms (but those in `skip`) into fp32 working
         tensors. Residual masters are checked against their model params (checksum and
-        rounding) with one device sync per bucket; the bucket is not stepped if any
-        changed."""
-        forms = [f for f in b.forms if all(f is not s for s in skip)]
+        rounding); the bucket is not stepped if any changed. One device sync reads the
+        checks and the exception counts of `counting`, which it finishes."""
+        skip = {id(s) for s in skip}
+        forms = [f for f in b.forms if id(f) not in skip]
         working = [f.working for f in forms if f.scratch]
         if working:
-            self.pager.page_in(working)  # zero-filled scratch, nothing read
+            self.pager.page_in(working)  # zero-filled scratch; in already when _incoming
         changed = [f.param_changed() for f in forms] + [f.decode() for f in forms]
         changed = [c for c in changed if c is not None] if check_params else []
-        if changed and bool(torch.stack(changed).any()):  # one sync per bucket
+        pending = counting.pending if counting else []
+        if not changed and not pending:
+            return
+        flags = [torch.stack(changed).any().view(1).long()] if changed else []
+        values = torch.cat(flags + [p.count for _, p in pending]).tolist()  # the one sync
+        if pending:
+            counting.finish(values[len(flags):])
+        if flags and values[0]:
             raise ValueError("a model parameter no longer matches the one its master weights "
                              "were stored against (changed outside the optimizer?): with "
                              "mains='residual' the masters cannot be rebuilt. Change model "
                              "weights through the optimizer, or use mains='fp32'.")
 
-    def _encode(self, b: Bucket, skip=()) -> None:
-        """Encodes the bucket's stored forms (but those in `skip`); residual masters' exception
-        counts are read with one device sync for the bucket."""
-        pending = [(f, f.encode()) for f in b.forms if all(f is not s for s in skip)]
-        pending = [(f, p) for f, p in pending if p is not None]
+    def _encode(self, b: Bucket, skip=()) -> list:
+        """Encodes the bucket's stored forms (but those in `skip`). Returns the residual
+        masters' exceptions still being counted on the device, as (form, pending) pairs
+        (codecs.PendingExceptions; empty without the kernels): until they are finished,
+        the bucket's scratch must stay as it is."""
+        skip = {id(s) for s in skip}
+        pending = [(f, f.encode()) for f in b.forms if id(f) not in skip]
+        return [(f, p) for f, p in pending if p is not None]
+
+    def _encode_now(self, b: Bucket) -> None:
+        """_encode, its exception counts read at once (one device sync for the bucket)."""
+        pending = self._encode(b)
         for (f, _), exceptions in zip(pending, codecs.finish_exceptions([p for _, p in pending])):
             f.set_exceptions(exceptions)
 
-    def _release(self, b: Bucket, wait: bool = True) -> list:
-        """Pages the stored form out and drops the scratch; returns the handles."""
+    def _release(self, b: Bucket, wait: bool = True, scratch: bool = True) -> list:
+        """Pages the stored form out and (scratch=True) drops the scratch; returns the
+        handles."""
         handles = [self.pager.page_out_async(b.stored + b.undo)]
-        if b.working:
+        if b.working and scratch:
             handles.append(self.pager.discard_async(b.working))
         if wait:
             for h in handles:
@@ -476,7 +503,7 @@ class StreamedOptimizer:
                 if write:
                     self._fill(b)  # the caller's new tensors and their stored forms
                     self.pager.page_in(b.stored + b.working)
-                    self._encode(b)
+                    self._encode_now(b)
                 self._release(b)
         if write:
             self._fill_chunked()
@@ -547,10 +574,11 @@ class StreamedOptimizer:
         ahead = max(1, self.depth - 2)
         ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
         done_in, done_out, stepping = [], [], []
+        counting = _Counting(pager)  # the last bucket's exceptions, read with the next's checks
         trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
         try:
             for j in range(min(ahead + 1, n)):
-                ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
+                ins[j] = pager.page_in_async(self._incoming(buckets[j]))
             for i, b in enumerate(buckets):
                 t0 = time.monotonic()
                 h = ins.pop(i)
@@ -558,29 +586,45 @@ class StreamedOptimizer:
                 done_in.append(h)
                 t1 = time.monotonic()
                 trace.start(f"step bucket {i}", "step")
-                self._step_bucket(b, atomic)
+                pending = self._step_bucket(b, atomic, counting)
+                counting.let_go()  # the previous bucket's scratch: its counts are read
                 trace.end()
                 t2 = time.monotonic()
                 stepping.append((t1, t2))
                 stats.wait_in_seconds += t1 - t0
                 stats.compute_seconds += t2 - t1
-                outs.append(self._release(b, wait=False))
-                done_out.append(outs[-1][0])
+                handles = counting.hold(b, pending)  # before anything else can fail
+                handles += self._release(b, wait=False, scratch=not pending)
+                outs.append(handles)
+                done_out.append(handles[0])
                 j = i + ahead + 1
                 if j < n:
                     t0 = time.monotonic()
                     while len(outs) + len(ins) >= self.depth:
+                        if outs[0] is counting.handles:  # depth 2: the bucket just stepped
+                            counting.finish_now()
+                            counting.let_go()
                         for h in outs[0]:
                             h.wait()
                         outs.popleft()
                     stats.wait_out_seconds += time.monotonic() - t0
-                    ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
+                    ins[j] = pager.page_in_async(self._incoming(buckets[j]))
             t0 = time.monotonic()
+            counting.finish_now()
+            counting.let_go()
             for handles in outs:
                 for h in handles:
                     h.wait()
-        except BaseException:
-            _settle(list(ins.values()) + [h for handles in outs for h in handles])
+        except BaseException as error:
+            try:  # a stepped bucket's exceptions are its stored form's: never left unread
+                counting.finish_now()
+            except BaseException as failed:
+                error.add_note(f"statepager: reading a stepped bucket's residual exceptions "
+                               f"failed too ({failed!r}): its masters may not decode")
+            finally:
+                counting.let_go()
+            _settle(list(ins.values()) + [h for handles in outs for h in handles]
+                    + counting.handles)
             raise
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
@@ -610,11 +654,14 @@ class StreamedOptimizer:
                      100 * stats.overlap, stats.wait_in_seconds, stats.wait_out_seconds,
                      stats.compute_seconds, stats.peak_mapped_bytes / MiB)
 
-    def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None) -> None:
+    def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None,
+                     counting: "_Counting") -> list:
+        """Steps one bucket; finishes `counting` (with the bucket's checks). Returns the
+        bucket's pending exceptions (StreamedOptimizer._encode)."""
         # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
         # stored form: they are not decoded unless it turns out not to apply.
         fused = self._fused.moment_forms(bucket) if self._fused and not bucket.chunks else None
-        self._decode(bucket, skip=fused or ())
+        self._decode(bucket, skip=fused or (), counting=counting)
         if atomic:
             atomic.save(bucket)
         if self.before_bucket:
@@ -625,7 +672,8 @@ class StreamedOptimizer:
             self._fused.step(bucket)
         else:
             if fused:
-                self._decode(bucket, skip=[f for f in bucket.forms if all(f is not s for s in fused)])
+                moments = {id(f) for f in fused}
+                self._decode(bucket, skip=[f for f in bucket.forms if id(f) not in moments])
             fused = None
             self._raw_step_bucket(bucket)
         if atomic:
@@ -634,7 +682,7 @@ class StreamedOptimizer:
             self.after_bucket(bucket.params)
         for c in bucket.chunks if self.after_chunk else ():
             self.after_chunk(c.param, c.start, c.stop)
-        self._encode(bucket, skip=fused or ())
+        return self._encode(bucket, skip=fused or ())
 
     def _fill_again(self, bucket: Bucket) -> bool:
         """Fills the bucket anew; True when that added tensors."""
@@ -677,6 +725,46 @@ class StreamedOptimizer:
         if self._adopt(bucket):  # state the optimizer created lazily in this step
             self._fill(bucket)
             self.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
+
+
+class _Counting:
+    """The residual exceptions of the last bucket stepped, still being counted on the
+    device, read with the next bucket's checks (StreamedOptimizer._decode): one device sync
+    per bucket for both, and the device is not waited for while it encodes. Until they are
+    read, that bucket's scratch stays mapped: a count past the kernel's room lists the
+    exceptions again from it (codecs.PendingExceptions.finish)."""
+
+    def __init__(self, pager):
+        self.pager = pager
+        self.pending: list = []    # (StoredForm, codecs.PendingExceptions)
+        self.handles: list = []    # the held bucket's page-out handles; its discard joins them
+        self._bucket: Bucket | None = None  # whose scratch is held
+
+    def hold(self, bucket: Bucket, pending: list) -> list:
+        """The bucket just stepped, before its release, which keeps its scratch when
+        `pending`. Returns the list its page-out handles go into."""
+        assert not self.pending and self._bucket is None
+        self.handles = []
+        if pending:
+            self.pending, self._bucket = pending, bucket
+        return self.handles
+
+    def finish(self, counts: list) -> None:
+        """Sets each form's exceptions, given the counts read (in `pending`'s order)."""
+        for (form, p), count in zip(self.pending, counts):
+            form.set_exceptions(p.finish(count))
+        self.pending = []
+
+    def finish_now(self) -> None:
+        """finish() with the counts read now (one device sync)."""
+        if self.pending:
+            self.finish(torch.cat([p.count for _, p in self.pending]).tolist())
+
+    def let_go(self) -> None:
+        """Once finished: the held scratch is discarded (after the work queued on it)."""
+        if self._bucket is not None and not self.pending:
+            self.handles.append(self.pager.discard_async(self._bucket.working))
+            self._bucket = None
 
 
 _ABSENT = object()

@@ -96,6 +96,13 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
 
 
 def _residual_encode_reference(main, param, residual_out):
+    r, exc = _residuals(main, param)
+    residual_out.view(-1).copy_(r.masked_fill_(exc, 0))  # in range now: exact narrowing
+    return _exception_list(main, exc)
+
+
+def _residuals(main, param) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int32 residuals of residual_encode and its exception mask (the reference)."""
     bits = main.view(torch.int32).reshape(-1)
     # Sign-matched pairs (every legitimate one) cannot overflow here; a mismatched pair
     # may wrap, which still lands outside int16 or is caught by the RNE comparison below.
@@ -103,16 +110,20 @@ def _residual_encode_reference(main, param, residual_out):
     torch.sub(bits, r, out=r)
     exc = (r > 32767) | (r < -32768) | ~torch.isfinite(main.reshape(-1))
     exc |= main.reshape(-1).to(torch.bfloat16).view(torch.int16) != param.view(torch.int16).reshape(-1)
+    return r, exc
+
+
+def _exception_list(main, exc) -> tuple[torch.Tensor, torch.Tensor]:
     idx = exc.nonzero().reshape(-1)
-    residual_out.view(-1).copy_(r.masked_fill_(exc, 0))  # in range now: exact narrowing
-    return idx, bits[idx]
+    return idx, main.view(torch.int32).reshape(-1)[idx]
 
 
 class PendingExceptions:
     """residual_encode by the kernel (CUDA tensors, kernels on), its exception count still
-    on the device: finish_exceptions() reads the counts of many at once, with one device
-    sync (the reference syncs once per tensor). main, param and residual_out must stay as
-    they are until then."""
+    on the device (`count`, a 1-element int64 tensor): finish_exceptions() reads the counts
+    of many at once, with one device sync (the reference syncs once per tensor), or the
+    caller reads `count` with other values and calls finish(). main and param must stay
+    as they are until then."""
 
     def __init__(self, main: torch.Tensor, param: torch.Tensor, residual_out: torch.Tensor):
         assert kernels_used(main) and main.dtype == torch.float32
@@ -131,9 +142,13 @@ class PendingExceptions:
     def finish(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The exceptions, sorted by index as the reference's, given the count's value.
         More than the kernel had room for (a param far from RNE(main)): the reference
-        encodes again."""
+        lists them again from main and param. residual_out is not written again: the
+        kernel wrote it whole, with the reference's bits, and it may be paging out."""
         if count > self.capacity:
-            return _residual_encode_reference(*self._args)
+            main, param, _ = self._args
+            return _exception_list(main, _residuals(main, param)[1])
+        if count == 0:  # the usual case: no sort to launch, no buffer kept alive
+            return self._idx.new_empty(0), self._bits.new_empty(0)
         idx, order = self._idx[:count].sort()
         return idx, self._bits[:count][order]
 
