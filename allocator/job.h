@@ -61,8 +61,8 @@ struct Job {
   std::vector<Residency> after;        // page-out: their states once done (file or host)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
   std::vector<HostCopy> host_copies;   // device <-> host tier, on the copy engines
-  // A page-out short of host room: `spills` (least recently used HOST extents) are written
-  // back first, then `deferred` (extents of this bucket) take the room they leave
+  // A page-out short of host room: `spills` (HOST extents, Pager::choose_spills_locked)
+  // are written back first, then `deferred` (extents of this bucket) take the room they leave
   // (Pager::place_deferred_locked, phase two).
   std::vector<ExtentId> spills;
   std::vector<ExtentId> deferred;

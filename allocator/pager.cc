@@ -4,6 +4,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <tuple>
 
 #include "allocator/trace_range.h"
 #include "backing/errors.h"
@@ -27,6 +28,7 @@ IoShape io_shape_for(bool direct_io) {
 }
 
 constexpr uint64_t kNoOffset = ~uint64_t{0};
+constexpr uint64_t kNoUse = ~uint64_t{0};  // Extent::next_use not known
 
 // Bytes nowhere, in a store file or in the host tier: no bucket is moving it.
 bool at_rest(Residency s) {
@@ -61,6 +63,9 @@ struct Pager::Extent {
   uint64_t host_offset = kNoOffset;       // HOST (or paging out to it): its host range
   uint64_t committed_host = kNoOffset;    // host_offset then
   uint64_t last_use = 0;  // Pager::use_clock_ at its last page-in, page-out or read-ahead
+  // Pager::paged_in_bytes_ when it is expected to be paged in again (its last page-out's
+  // reuse_after hint), or kNoUse.
+  uint64_t next_use = kNoUse;
   bool tier_moving = false;  // being spilled or read ahead (a Job with spills or tier_move)
   Residency restore_from = Residency::kZero;  // its state before a restore (see begin_restore)
   ExtentId next_piece = 0;  // create_pieces(): the tensor's next piece (0: none)
@@ -408,8 +413,9 @@ Ticket Pager::page_in(const std::vector<ExtentId>& bucket) {
   return submit(bucket, false, 0, false);
 }
 
-Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream) {
-  return submit(bucket, true, stream, false);
+Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream,
+                        uint64_t reuse_after) {
+  return submit(bucket, true, stream, false, reuse_after);
 }
 
 Ticket Pager::discard(const std::vector<ExtentId>& bucket, uintptr_t stream) {
@@ -431,7 +437,7 @@ void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr,
 }
 
 Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream,
-                     bool discard) {
+                     bool discard, uint64_t reuse_after) {
   std::unique_lock lock(mu_);
   check_open_locked();
   auto job = std::make_shared<Job>();
@@ -452,6 +458,11 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
     const bool moves = !out ? s != Residency::kResident
                             : s == Residency::kResident || (discard && at_rest_with_bytes);
     if (moves) job->extents.push_back(id);
+  }
+  for (ExtentId id : ids) {  // the clock and hints of the spill choice
+    Extent& e = extent_locked(id);
+    if (!out) paged_in_bytes_ += e.bytes;
+    if (out) e.next_use = reuse_after > 0 ? paged_in_bytes_ + reuse_after : kNoUse;
   }
   if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
   if (out && !discard) {
@@ -546,19 +557,28 @@ std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
   return to_store;
 }
 
-// The least recently used HOST extents whose host range no save holds, until their
-// ranges add up to short_bytes: the job writes them back before placing its deferred
-// extents. They are 'paging_out' (tier_moving) meanwhile.
+// HOST extents whose host range no save holds, until their ranges add up to short_bytes
+// (see the class comment for the order): the job writes them back before placing its
+// deferred extents. They are 'paging_out' (tier_moving) meanwhile.
 void Pager::choose_spills_locked(Job& job, size_t short_bytes) {
-  std::vector<std::pair<uint64_t, ExtentId>> lru;
+  uint64_t needed = kNoUse;  // when the job's own extents are needed next, if known
+  for (ExtentId id : job.deferred) {
+    const Extent& e = extent_locked(id);
+    if (reuse_known_locked(e)) needed = std::min(needed, e.next_use);
+  }
+  // Ordered by (hint known, known: farthest next use first, else least recently used).
+  std::vector<std::tuple<bool, uint64_t, ExtentId>> order;
   for (const auto& [id, e] : extents_) {
-    if (e->state == Residency::kHost && held_.count(e->host_offset) == 0) {
-      lru.emplace_back(e->last_use, id);
+    if (e->state != Residency::kHost || held_.count(e->host_offset) != 0) continue;
+    if (!reuse_known_locked(*e)) {
+      order.emplace_back(false, e->last_use, id);
+    } else if (needed == kNoUse || e->next_use > needed) {
+      order.emplace_back(true, kNoUse - e->next_use, id);
     }
   }
-  std::sort(lru.begin(), lru.end());
+  std::sort(order.begin(), order.end());
   size_t freed = 0;
-  for (auto [use, id] : lru) {
+  for (auto [known, rank, id] : order) {
     if (freed >= short_bytes) break;
     job.spills.push_back(id);
     freed += extent_locked(id).file_bytes;
@@ -619,6 +639,11 @@ void Pager::spilled_locked(Extent& e) {
   drop_host_locked(e);
   e.state = Residency::kFile;
   e.tier_moving = false;
+}
+
+// A reuse hint that has not passed yet (one that has says nothing about the future).
+bool Pager::reuse_known_locked(const Extent& e) const {
+  return e.next_use != kNoUse && e.next_use > paged_in_bytes_;
 }
 
 // Waits until none of `ids` is being spilled or read ahead.

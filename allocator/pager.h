@@ -5,14 +5,20 @@
 // ZERO (never written: page-in fills zeros and reads nothing), FILE (its bytes are at
 // rest in the store file), HOST (at rest in the host tier: pinned host memory of
 // PagerOptions::host_budget_bytes, allocator/host_tier.h) or RESIDENT (mapped and
-// current). A page-out goes to the host tier while it has room; short of room, the least
-// recently used HOST extents (paged in or out longest ago) are first written back to the
-// store (spilled, as part of that bucket) and the bucket takes their room; what still does
-// not fit goes to the store file. A page-in takes the bytes from where they are and frees
-// the host range. read_ahead() copies FILE extents into free host room ahead of their
-// page-in. A bucket that needs an extent being spilled or read ahead waits for that move. Each extent has its own
-// 4 KiB-aligned range in the store file, so no two extents ever share a disk block and
-// I/O never needs read-modify-write; extents adjacent in the file are moved in one
+// current). A page-out goes to the host tier while it has room; short of room, HOST
+// extents are first written back to the store (spilled, as part of that bucket) and the
+// bucket takes their room; what still does not fit goes to the store file. Which spill: a
+// page-out may say when its extents are needed again (page_out's reuse_after; a cyclic
+// streamed step knows). Then only HOST extents needed later than that spill, the latest
+// first, and when none is, the bucket itself goes to the store: the extent needed farthest
+// ahead leaves, the bucket included (in a cyclic order plain LRU would spill exactly the
+// next one needed). Extents without a hint, or whose hint has passed, spill before any,
+// least recently used (paged in or out longest ago) first. A page-in takes the bytes
+// from where they are and frees the host range. read_ahead() copies FILE extents into
+// free host room ahead of their page-in. A bucket that needs an extent being spilled or
+// read ahead waits for that move. Each extent has its own 4 KiB-aligned range in the
+// store file, so no two extents ever share a disk block and I/O never needs
+// read-modify-write; extents adjacent in the file are moved in one
 // request.
 //
 // page_in() and page_out() take a bucket (a set of extents) and return a Ticket at once;
@@ -196,7 +202,11 @@ class Pager {
   // Buckets. Extents already in the requested state are skipped; an extent being paged
   // by another bucket is a UsageError. `stream`: see the class comment.
   Ticket page_in(const std::vector<ExtentId>& bucket);
-  Ticket page_out(const std::vector<ExtentId>& bucket, uintptr_t stream = 0);
+  // reuse_after > 0: the bucket will be paged in again once about that many more bytes
+  // have been named in page-ins (of any bucket, resident extents included: the clock
+  // the spill choice compares, see the class comment); 0: not known.
+  Ticket page_out(const std::vector<ExtentId>& bucket, uintptr_t stream = 0,
+                  uint64_t reuse_after = 0);
   // Drops extents' bytes: resident ones are unmapped without writing, FILE ones forget
   // their bytes at rest; all become ZERO (scratch tensors whose bytes live elsewhere in
   // another form, or are no longer needed). Ordered after `stream` like page_out().
@@ -273,7 +283,9 @@ class Pager {
  private:
   struct Extent;
   struct Store;
-  Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard);
+  Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard,
+                uint64_t reuse_after = 0);
+  bool reuse_known_locked(const Extent& e) const;
   void plan_locked(Job& job);
   std::vector<ExtentId> place_outs_locked(Job& job);
   void choose_spills_locked(Job& job, size_t short_bytes);
@@ -329,6 +341,7 @@ class Pager {
   std::unordered_map<uint64_t, std::vector<ExtentId>> epochs_;  // mu_: open epochs' extents
   uint64_t next_epoch_ = 1;            // mu_
   uint64_t use_clock_ = 0;             // mu_: ticks of page-ins and page-outs (LRU)
+  uint64_t paged_in_bytes_ = 0;        // mu_: bytes named in page-ins (reuse hints' clock)
   PagerStats counters_;                // mu_: counts of finished buckets (complete())
   bool closed_ = false;                // mu_
   bool stopping_ = false;              // mu_: tells the I/O thread to return once idle

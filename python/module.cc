@@ -507,10 +507,11 @@ PYBIND11_MODULE(_C, m) {
            },
            release_gil())
       .def("page_out",
-           [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream) {
-             return PyTicket{self.pager->page_out(self.extents_of(tensors), stream)};
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream,
+              uint64_t reuse_after) {
+             return PyTicket{self.pager->page_out(self.extents_of(tensors), stream, reuse_after)};
            },
-           py::arg("tensors"), py::arg("stream") = 0, release_gil())
+           py::arg("tensors"), py::arg("stream") = 0, py::arg("reuse_after") = 0, release_gil())
       .def("discard",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream) {
              return PyTicket{self.pager->discard(self.extents_of(tensors), stream)};

@@ -282,6 +282,71 @@ TEST_F(HostTierTest, SpillsTheLeastRecentlyUsed) {
   for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
 }
 
+// Writes pattern(seed) into the extent and pages it out saying it is needed again after
+// `reuse_after` bytes of page-ins.
+void write_hinted(Pager& pager, ExtentId id, uint32_t seed, uint64_t reuse_after) {
+  pager.wait(pager.page_in({id}));
+  const std::vector<uint8_t> bytes = pattern(id, seed, pager.size(id));
+  std::memcpy(reinterpret_cast<void*>(pager.address(id)), bytes.data(), bytes.size());
+  pager.wait(pager.page_out({id}, 0, reuse_after));
+}
+
+// With reuse hints the extent needed farthest ahead leaves the host tier, not the least
+// recently used one.
+TEST_F(HostTierTest, HintedPageOutsSpillTheExtentNeededFarthestAhead) {
+  Pager pager(make_host_device(), options(4 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 5);
+  const uint64_t x = 10 * kExtentBytes;  // far more than the test's own page-ins
+  for (auto [i, after] : {std::pair{0, 9 * x}, {1, 1 * x}, {2, 3 * x}, {3, 5 * x}}) {
+    write_hinted(pager, ids[i], 1, after);
+  }
+  write_hinted(pager, ids[4], 1, 2 * x);
+  EXPECT_EQ(pager.residency(ids[0]), Residency::kFile);  // the oldest too, but farthest
+  EXPECT_EQ(count(pager, ids, Residency::kHost), 4u);
+  EXPECT_EQ(pager.stats().spills, 1u);
+  write_hinted(pager, ids[0], 1, 2 * x);  // now ids[3] is needed latest
+  EXPECT_EQ(pager.residency(ids[3]), Residency::kFile);
+  EXPECT_EQ(pager.residency(ids[0]), Residency::kHost);
+  EXPECT_EQ(pager.stats().spills, 2u);
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
+}
+
+// A bucket needed later than everything in the host tier goes to the store itself: in a
+// cyclic order the bucket just stepped is the one needed farthest ahead.
+TEST_F(HostTierTest, ABucketNeededLastGoesToTheStoreWithoutSpilling) {
+  Pager pager(make_host_device(), options(2 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 3);
+  const uint64_t x = 10 * kExtentBytes;
+  write_hinted(pager, ids[0], 1, 1 * x);
+  write_hinted(pager, ids[1], 1, 2 * x);
+  write_hinted(pager, ids[2], 1, 3 * x);
+  EXPECT_EQ(pager.residency(ids[2]), Residency::kFile);
+  EXPECT_EQ(count(pager, ids, Residency::kHost), 2u);
+  EXPECT_EQ(pager.stats().spills, 0u);
+  EXPECT_EQ(pager.stats().bytes_written, kExtentBytes);
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
+}
+
+// Extents without a hint, or whose hint has passed, leave before hinted ones (least
+// recently used first); a page-out without a hint may spill hinted ones after them.
+TEST_F(HostTierTest, UnhintedAndPassedHintsSpillFirst) {
+  Pager pager(make_host_device(), options(3 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 5);
+  const uint64_t x = 10 * kExtentBytes;
+  write_hinted(pager, ids[0], 1, 9 * x);
+  write_hinted(pager, ids[1], 1, kExtentBytes);  // passes at the next page-in
+  write_hinted(pager, ids[2], 1, 0);             // no hint
+  write_hinted(pager, ids[3], 1, 1 * x);
+  EXPECT_EQ(pager.residency(ids[1]), Residency::kFile);  // passed, and older than ids[2]
+  write_hinted(pager, ids[4], 1, 1 * x);
+  EXPECT_EQ(pager.residency(ids[2]), Residency::kFile);
+  EXPECT_EQ(pager.residency(ids[0]), Residency::kHost);
+  write_all(pager, {ids[1]}, 1);  // no hint: the farthest hinted one goes
+  EXPECT_EQ(pager.residency(ids[0]), Residency::kFile);
+  EXPECT_EQ(pager.stats().spills, 3u);
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
+}
+
 // The extents of the bucket itself are never spilled for it: what does not fit goes to
 // the store.
 TEST_F(HostTierTest, ABucketLargerThanTheBudgetSpillsNothingOfItself) {
