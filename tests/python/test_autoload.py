@@ -7,6 +7,7 @@ version module and megatron.training's four modules with the functions the hooks
 so this runs on CPU machines without megatron-core; tests/gpu/test_megatron_lm.py runs
 the real pretrain_gpt.py this way."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,8 +28,19 @@ print("wrapped" if wrapped else "unwrapped", "statepager" in sys.modules)
 
 
 @pytest.fixture
-def fake_megatron(tmp_path):
-    """A folder holding a package `megatron` with the names statepager.megatron_lm reads."""
+def hook_dir(tmp_path):
+    """A folder holding the source's copy of the hook module alone (statepager itself is
+    imported from wherever this test imported it: installed, or the source tree)."""
+    folder = tmp_path / "hook"
+    folder.mkdir()
+    shutil.copy(os.path.join(SOURCE, "_statepager_autoload.py"), folder)
+    return str(folder)
+
+
+@pytest.fixture
+def fake_megatron(tmp_path, hook_dir):
+    """The hook's folder and one holding a package `megatron` with the names
+    statepager.megatron_lm reads, as a search path."""
     root = tmp_path / "fake"
     core, training = root / "megatron" / "core", root / "megatron" / "training"
     core.mkdir(parents=True)
@@ -42,15 +54,15 @@ def fake_megatron(tmp_path):
             body = ("from megatron.training import arguments, checkpointing, global_vars\n"
                     + body + "ORIGINAL = get_megatron_optimizer\n")
         (training / f"{module}.py").write_text(body)
-    return str(root)
+    return os.pathsep.join([hook_dir, str(root)])
 
 
 def hooked(env_changes, fake):
     """Runs CHECK with the hook armed by `import _statepager_autoload` (what the .pth
-    line does), the source's copy of the module first on the path."""
+    line does); `fake`: the path to the hook module and the fake Megatron."""
     code = "import _statepager_autoload\n" + CHECK
     env = {k: v for k, v in os.environ.items() if not k.startswith("STATEPAGER_")}
-    env.update(env_changes, PYTHONPATH=os.pathsep.join([SOURCE, fake] + sys.path))
+    env.update(env_changes, PYTHONPATH=os.pathsep.join([fake] + sys.path))
     out = subprocess.run([sys.executable, "-c", code], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     return out.returncode, out.stdout
@@ -76,7 +88,8 @@ def test_autoload_0_opts_out(fake_megatron, tmp_path):
 
 
 def test_an_unsupported_megatron_fails_the_import_with_the_reason(fake_megatron, tmp_path):
-    with open(os.path.join(fake_megatron, "megatron", "core", "package_info.py"), "w") as f:
+    fake = fake_megatron.split(os.pathsep)[-1]
+    with open(os.path.join(fake, "megatron", "core", "package_info.py"), "w") as f:
         f.write("__version__ = '0.12.0'\n")
     code, out = hooked({"STATEPAGER_DIR": str(tmp_path)}, fake_megatron)
     assert code != 0
@@ -92,7 +105,7 @@ def test_entry_point_and_hook_install_once(fake_megatron, tmp_path):
                       "print('replaced', len(replaced), 'twice', len(replaced) - len(set(replaced)))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STATEPAGER_")}
     env.update(STATEPAGER_DIR=str(tmp_path / "sp"),
-               PYTHONPATH=os.pathsep.join([SOURCE, fake_megatron] + sys.path))
+               PYTHONPATH=os.pathsep.join([fake_megatron] + sys.path))
     code = "import _statepager_autoload, sys, runpy; sys.argv[1:] = [%r]; " \
            "runpy.run_module('statepager.megatron_lm', run_name='__main__')" % str(script)
     out = subprocess.run([sys.executable, "-c", code], env=env, text=True,
