@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import logging
 import time
 import types
@@ -339,9 +340,10 @@ class StreamedOptimizer:
         for (f, _), exceptions in zip(pending, codecs.finish_exceptions([p for _, p in pending])):
             f.set_exceptions(exceptions)
 
-    def _release(self, b: Bucket, wait: bool = True) -> list:
-        """Pages the stored form out and drops the scratch; returns the handles."""
-        handles = [self.pager.page_out_async(b.stored + b.undo)]
+    def _release(self, b: Bucket, wait: bool = True, reuse_after: int = 0) -> list:
+        """Pages the stored form out and drops the scratch; returns the handles.
+        reuse_after: see Pager.page_out_async."""
+        handles = [self.pager.page_out_async(b.stored + b.undo, reuse_after)]
         if b.working:
             handles.append(self.pager.discard_async(b.working))
         if wait:
@@ -430,12 +432,26 @@ class StreamedOptimizer:
         self._group_steps = [g.get("step", _ABSENT) for g in self.optimizer.param_groups]
         self._group_steps_after = list(self._group_steps)
         ahead = max(1, self.depth - 2)
+        sched = _Schedule(buckets, ahead)
+        # With a host tier, the `depth` buckets past the page-ins in flight are read from
+        # the store into free host room (bounded by it: the pager never makes room for a
+        # read-ahead), so that their page-in is a copy from host memory that never waits
+        # for a file read it could have started earlier. Only that far: the room a
+        # read-ahead holds until its page-in is room the buckets stepped meanwhile
+        # cannot keep.
+        read_ahead = self.depth if before["host_budget_bytes"] else 0
         ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
         done_in, done_out, stepping = [], [], []
+        aheads = {}  # per bucket read ahead, its handle
         trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
+
+        def page_in(j: int) -> None:
+            ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
+            for k in range(max(j + 1, max(aheads, default=0) + 1), min(j + read_ahead + 1, n)):
+                aheads[k] = pager.read_ahead_async(buckets[k].stored + buckets[k].undo)
         try:
             for j in range(min(ahead + 1, n)):
-                ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
+                page_in(j)
             for i, b in enumerate(buckets):
                 t0 = time.monotonic()
                 h = ins.pop(i)
@@ -449,7 +465,7 @@ class StreamedOptimizer:
                 stepping.append((t1, t2))
                 stats.wait_in_seconds += t1 - t0
                 stats.compute_seconds += t2 - t1
-                outs.append(self._release(b, wait=False))
+                outs.append(self._release(b, wait=False, reuse_after=sched.reuse_after(i)))
                 done_out.append(outs[-1][0])
                 j = i + ahead + 1
                 if j < n:
@@ -459,13 +475,17 @@ class StreamedOptimizer:
                             h.wait()
                         outs.popleft()
                     stats.wait_out_seconds += time.monotonic() - t0
-                    ins[j] = pager.page_in_async(buckets[j].stored + buckets[j].undo)
+                    page_in(j)
             t0 = time.monotonic()
             for handles in outs:
                 for h in handles:
                     h.wait()
+            # Done by now (their page-ins waited for them). One that failed left its tensors
+            # in the store, whose page-in then read them (or failed the step itself).
+            _settle(aheads.values())
         except BaseException:
-            _settle(list(ins.values()) + [h for handles in outs for h in handles])
+            _settle(list(ins.values()) + [h for handles in outs for h in handles] +
+                    list(aheads.values()))
             raise
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
@@ -541,6 +561,35 @@ class StreamedOptimizer:
 
 
 _ABSENT = object()
+
+
+class _Schedule:
+    """When each bucket of a step is needed again, in bytes named in page-ins (the clock
+    of Pager.page_out_async's reuse_after). The step names bucket k's stored tensors
+    when it issues its page-in (the first ahead + 1 at once, then one after each bucket
+    stepped) and its scratch when it steps; steps repeat the same order, so bucket i,
+    paged out after its step, is needed again one step's bytes after its page-in was
+    issued."""
+
+    def __init__(self, buckets: list, ahead: int):
+        n = len(buckets)
+        # Prefix sums: stored[k] = bytes of the stored tensors of buckets before k.
+        stored = [0, *itertools.accumulate(_bytes(b.stored + b.undo) for b in buckets)]
+        scratch = [0, *itertools.accumulate(_bytes(b.working) for b in buckets)]
+        self._step = stored[n] + scratch[n]
+        # The clock (from the step's start) when bucket k's page-in is issued: the first
+        # ahead + 1 at once, then each after bucket k - ahead - 1 stepped.
+        self._issued = [stored[k] + scratch[max(0, k - ahead)] for k in range(n)]
+        # ... and once bucket i is paged out: page-ins issued through i + ahead, scratch
+        # named through i.
+        self._now = [stored[min(i + ahead, n - 1) + 1] + scratch[i + 1] for i in range(n)]
+
+    def reuse_after(self, i: int) -> int:
+        return max(1, self._step + self._issued[i] - self._now[i])
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _set_counter(group: dict, counter) -> None:
