@@ -216,8 +216,11 @@ def print_sleep(r: dict) -> None:
 
 def _print_tms(r: dict) -> None:
     t = r["tms"]
-    if "skipped" in t or "failed" in t:
-        print(f"  torch-memory-saver: skipped: {t.get('skipped') or t.get('failed')}")
+    if "skipped" in t:
+        print(f"  torch-memory-saver: skipped: {t['skipped']}")
+        return
+    if "failed" in t:
+        print(f"  torch-memory-saver: FAILED: {t['failed']}")
         return
     pause = [t["bytes"] / s / 1e9 for s in t["pause_s"]]
     resume = [t["bytes"] / s / 1e9 for s in t["resume_s"]]
