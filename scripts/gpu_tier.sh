@@ -29,24 +29,31 @@ if ! python3 -c "import torch_memory_saver" 2>/dev/null && compgen -G ".whl/torc
   python3 -m pip install -q --no-deps .whl/torch_memory_saver-0.0.10*.whl 2>&1 | tail -2 || true
 fi
 ROOT=$PWD
-(cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider \
-  "$ROOT/tests/gpu/test_cuda_host_tier.py" "$ROOT/tests/python/test_host_tier.py") 2>&1 |
-  tee "$OUT/tier_pytest.log" | tail -5
+# Each part runs even when one before it failed; the script's status says whether any did.
+status=0
+run() {  # run LOG COMMAND...: the command's output to $OUT/LOG and here
+  local log=$1
+  shift
+  "$@" 2>&1 | tee "$OUT/$log" || { echo "FAILED: $*"; status=1; }
+}
+cd_tmp_pytest() { (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$@"); }
+run tier_pytest.log cd_tmp_pytest "$ROOT/tests/gpu/test_cuda_host_tier.py" \
+  "$ROOT/tests/python/test_host_tier.py"
 
 # 2.5e8 params: 3 GB of state each way; the step's fresh copies need as much again. First
 # as in the last run (256 MiB x depth 3: 81%), then with a deeper pipeline and smaller
 # buckets (one more page-in queued on the copy engine while a page-out waits; a shorter
 # first page-in and last page-out, the only copies not overlapped).
-python3 -m statepager bench step --device cuda --dir /dev/shm --params 2.5e8 --bucket 256M \
-  --host-budget 7G --steps 5 --no-baseline --no-in-place 2>&1 | tee "$OUT/tier_bench_step.log"
-python3 -m statepager bench step --device cuda --dir /dev/shm --params 2.5e8 --bucket 128M \
-  --depth 4 --host-budget 7G --steps 5 --no-baseline --no-in-place 2>&1 |
-  tee "$OUT/tier_bench_step_d4.log"
+run tier_bench_step.log python3 -m statepager bench step --device cuda --dir /dev/shm \
+  --params 2.5e8 --bucket 256M --host-budget 7G --steps 5 --no-baseline --no-in-place
+run tier_bench_step_d4.log python3 -m statepager bench step --device cuda --dir /dev/shm \
+  --params 2.5e8 --bucket 128M --depth 4 --host-budget 7G --steps 5 --no-baseline --no-in-place
 
-# Half the state: 1.5 GB of host tier for 3 GB.
-python3 -m statepager bench step --device cuda --dir /dev/shm --params 2.5e8 --bucket 256M \
-  --host-budget 1500M --steps 5 --no-baseline 2>&1 | tee "$OUT/tier_bench_step_half.log"
+# Half the state: 1.5 GB of host tier for 3 GB (with the in-place run: bit-exact check).
+run tier_bench_step_half.log python3 -m statepager bench step --device cuda --dir /dev/shm \
+  --params 2.5e8 --bucket 256M --host-budget 1500M --steps 5 --no-baseline
 
 # 8 GiB of mixed tensors; the host tier holds them with their 4 KiB rounding.
-python3 -m statepager bench sleep --device cuda --dir /dev/shm --size 8G --host-budget 8400M \
-  --repeat 3 --compare-tms 2>&1 | tee "$OUT/tier_sleep.log"
+run tier_sleep.log python3 -m statepager bench sleep --device cuda --dir /dev/shm --size 8G \
+  --host-budget 8400M --repeat 3 --compare-tms
+exit $status
