@@ -459,10 +459,13 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
                             : s == Residency::kResident || (discard && at_rest_with_bytes);
     if (moves) job->extents.push_back(id);
   }
-  for (ExtentId id : ids) {  // the clock and hints of the spill choice
-    Extent& e = extent_locked(id);
-    if (!out) paged_in_bytes_ += e.bytes;
-    if (out) e.next_use = reuse_after > 0 ? paged_in_bytes_ + reuse_after : kNoUse;
+  // The clock and hints of the spill choice; an extent already at rest keeps its hint.
+  if (!out) {
+    for (ExtentId id : ids) paged_in_bytes_ += extent_locked(id).bytes;
+  } else {
+    for (ExtentId id : job->extents) {
+      extent_locked(id).next_use = reuse_after > 0 ? paged_in_bytes_ + reuse_after : kNoUse;
+    }
   }
   if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
   if (out && !discard) {
@@ -562,15 +565,12 @@ std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
 // deferred extents. They are 'paging_out' (tier_moving) meanwhile.
 void Pager::choose_spills_locked(Job& job, size_t short_bytes) {
   uint64_t needed = kNoUse;  // when the job's own extents are needed next, if known
-  for (ExtentId id : job.deferred) {
-    const Extent& e = extent_locked(id);
-    if (reuse_known_locked(e)) needed = std::min(needed, e.next_use);
-  }
-  // Ordered by (hint known, known: farthest next use first, else least recently used).
+  for (ExtentId id : job.deferred) needed = std::min(needed, extent_locked(id).next_use);
+  // Ordered by (hinted, hinted: farthest next use first, else least recently used).
   std::vector<std::tuple<bool, uint64_t, ExtentId>> order;
   for (const auto& [id, e] : extents_) {
     if (e->state != Residency::kHost || held_.count(e->host_offset) != 0) continue;
-    if (!reuse_known_locked(*e)) {
+    if (e->next_use == kNoUse) {
       order.emplace_back(false, e->last_use, id);
     } else if (needed == kNoUse || e->next_use > needed) {
       order.emplace_back(true, kNoUse - e->next_use, id);
@@ -639,11 +639,6 @@ void Pager::spilled_locked(Extent& e) {
   drop_host_locked(e);
   e.state = Residency::kFile;
   e.tier_moving = false;
-}
-
-// A reuse hint that has not passed yet (one that has says nothing about the future).
-bool Pager::reuse_known_locked(const Extent& e) const {
-  return e.next_use != kNoUse && e.next_use > paged_in_bytes_;
 }
 
 // Waits until none of `ids` is being spilled or read ahead.

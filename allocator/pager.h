@@ -12,14 +12,15 @@
 // streamed step knows). Then only HOST extents needed later than that spill, the latest
 // first, and when none is, the bucket itself goes to the store: the extent needed farthest
 // ahead leaves, the bucket included (in a cyclic order plain LRU would spill exactly the
-// next one needed). Extents without a hint, or whose hint has passed, spill before any,
-// least recently used (paged in or out longest ago) first. A page-in takes the bytes
-// from where they are and frees the host range. read_ahead() copies FILE extents into
-// free host room ahead of their page-in. A bucket that needs an extent being spilled or
-// read ahead waits for that move. Each extent has its own 4 KiB-aligned range in the
-// store file, so no two extents ever share a disk block and I/O never needs
-// read-modify-write; extents adjacent in the file are moved in one
-// request.
+// next one needed). A hint that has passed means "needed now": the extent stays (a
+// prediction that runs late, say with other buckets' page-ins in between, must not make
+// the next extent needed the first to leave). Extents without a hint spill before any,
+// least recently used (paged in or out longest ago) first. A page-in takes the bytes from
+// where they are and frees the host range. read_ahead() copies FILE extents into free
+// host room ahead of their page-in. A bucket that needs an extent being spilled or read
+// ahead waits for that move. Each extent has its own 4 KiB-aligned range in the store
+// file, so no two extents ever share a disk block and I/O never needs read-modify-write;
+// extents adjacent in the file are moved in one request.
 //
 // page_in() and page_out() take a bucket (a set of extents) and return a Ticket at once;
 // an I/O thread moves the bytes (allocator/store_tier.h: pinned staging slots, device copy
@@ -204,7 +205,8 @@ class Pager {
   Ticket page_in(const std::vector<ExtentId>& bucket);
   // reuse_after > 0: the bucket will be paged in again once about that many more bytes
   // have been named in page-ins (of any bucket, resident extents included: the clock
-  // the spill choice compares, see the class comment); 0: not known.
+  // the spill choice compares, see the class comment); 0: not known. Extents already at
+  // rest keep the hint they had.
   Ticket page_out(const std::vector<ExtentId>& bucket, uintptr_t stream = 0,
                   uint64_t reuse_after = 0);
   // Drops extents' bytes: resident ones are unmapped without writing, FILE ones forget
@@ -285,7 +287,6 @@ class Pager {
   struct Store;
   Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard,
                 uint64_t reuse_after = 0);
-  bool reuse_known_locked(const Extent& e) const;
   void plan_locked(Job& job);
   std::vector<ExtentId> place_outs_locked(Job& job);
   void choose_spills_locked(Job& job, size_t short_bytes);

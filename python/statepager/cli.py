@@ -99,6 +99,13 @@ def parser(prog: str) -> argparse.ArgumentParser:
                            "per bucket (needs matplotlib: statepager[plot])")
     sleep = _bench(bench, "sleep", "pause()/resume() of SIZE bytes vs the raw device")
     sleep.add_argument("--size", type=size, default=size("4G"))
+    sleep.add_argument("--host-budget", type=size, default=0,
+                       help="pinned host memory of the Pager's host tier (0: none, pause "
+                            "writes the store); SIZE plus 1%% holds everything")
+    sleep.add_argument("--compare-tms", action="store_true",
+                       help="also pause/resume the same tensors with torch-memory-saver "
+                            "(CUDA; in a process of its own; skipped, saying why, when the "
+                            "package is missing)")
     _io_arguments(sleep)
     _repeat(sleep, "pause/resume rounds after the first (the steady state)")
     mapping = _bench(bench, "map", "page map + unmap cost per GiB", dir=False)

@@ -327,9 +327,10 @@ TEST_F(HostTierTest, ABucketNeededLastGoesToTheStoreWithoutSpilling) {
   for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
 }
 
-// Extents without a hint, or whose hint has passed, leave before hinted ones (least
-// recently used first); a page-out without a hint may spill hinted ones after them.
-TEST_F(HostTierTest, UnhintedAndPassedHintsSpillFirst) {
+// Extents without a hint leave before hinted ones (least recently used first); one whose
+// hint has passed is needed now and stays; a page-out without a hint spills hinted ones
+// after the unhinted, the farthest first.
+TEST_F(HostTierTest, UnhintedSpillFirstAndPassedHintsStay) {
   Pager pager(make_host_device(), options(3 * kRounded));
   const std::vector<ExtentId> ids = make_extents(pager, 5);
   const uint64_t x = 10 * kExtentBytes;
@@ -337,12 +338,13 @@ TEST_F(HostTierTest, UnhintedAndPassedHintsSpillFirst) {
   write_hinted(pager, ids[1], 1, kExtentBytes);  // passes at the next page-in
   write_hinted(pager, ids[2], 1, 0);             // no hint
   write_hinted(pager, ids[3], 1, 1 * x);
-  EXPECT_EQ(pager.residency(ids[1]), Residency::kFile);  // passed, and older than ids[2]
-  write_hinted(pager, ids[4], 1, 1 * x);
   EXPECT_EQ(pager.residency(ids[2]), Residency::kFile);
-  EXPECT_EQ(pager.residency(ids[0]), Residency::kHost);
-  write_all(pager, {ids[1]}, 1);  // no hint: the farthest hinted one goes
+  EXPECT_EQ(pager.residency(ids[1]), Residency::kHost);
+  write_hinted(pager, ids[4], 1, 1 * x);  // only ids[0] is needed later
   EXPECT_EQ(pager.residency(ids[0]), Residency::kFile);
+  EXPECT_EQ(pager.residency(ids[1]), Residency::kHost);
+  write_all(pager, {ids[2]}, 1);  // no hint: the farthest hinted one goes
+  EXPECT_EQ(pager.residency(ids[4]), Residency::kFile);
   EXPECT_EQ(pager.stats().spills, 3u);
   for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
 }

@@ -109,3 +109,60 @@ def test_pause_resume_through_the_host_tier(store_dir, cuda_free):
         p.resume()
         assert all(bool((t == float(i)).all()) for i, t in enumerate(ts))
         assert p.stats()["bytes_written"] == 0
+
+
+def _train_layers(p, steps, atomic=True, first=0, model_opt=None):
+    """Eight 512 x 512 layers (1 MiB of weight each), AdamW in buckets of one layer."""
+    if model_opt is None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False)
+                                      for _ in range(8)]).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        if p is not None:
+            p.attach(opt, bucket_size=3 * MiB, depth=3, atomic=atomic)
+    else:
+        model, opt = model_opt
+    moved = []
+    for i in range(first, first + steps):
+        x = torch.randn(8, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        before = p.stats() if p is not None else None
+        opt.step()
+        if p is not None:
+            after = p.stats()
+            moved.append(after["bytes_read"] - before["bytes_read"] +
+                         after["bytes_written"] - before["bytes_written"])
+    return model, opt, moved
+
+
+def test_cyclic_steps_keep_half_the_state_in_the_host_tier(store_dir):
+    """In place at half the state: the host tier keeps its half across steps (reuse
+    hints), the store moves the other half each way, and the steps are bit-exact."""
+    model, _, _ = _train_layers(None, 6)
+    reference = [q.detach().cpu() for q in model.parameters()]
+    state = 8 * 2 * MiB  # two moments per layer
+    with Pager(store_dir, device="cuda", page_size=2 * MiB, host_budget=state // 2) as p:
+        model, _, moved = _train_layers(p, 6, atomic=False)
+        assert all(torch.equal(a.detach().cpu(), b) for a, b in zip(model.parameters(), reference))
+        for m in moved[3:]:  # half each way, give or take a layer's moments
+            assert abs(m - state) <= 2 * MiB, moved
+        assert p.stats()["read_aheads"] > 0
+
+
+def test_load_fills_the_host_tier_on_cuda(tmp_path):
+    with Pager(str(tmp_path / "a"), device="cuda", page_size=2 * MiB) as p:
+        model, opt, _ = _train_layers(p, 2)
+        p.save(str(tmp_path / "ckpt"))
+        with Pager(str(tmp_path / "b"), device="cuda", page_size=2 * MiB,
+                   host_budget=64 * MiB) as p2:
+            model2, opt2, _ = _train_layers(p2, 0)
+            with torch.no_grad():
+                for a, b in zip(model.parameters(), model2.parameters()):
+                    b.copy_(a)
+            assert p2.load(str(tmp_path / "ckpt"))
+            assert p2.stats()["host_bytes"] == 8 * 2 * MiB
+            _, _, moved = _train_layers(p2, 2, first=2, model_opt=(model2, opt2))
+            _train_layers(p, 2, first=2, model_opt=(model, opt))
+            assert moved[0] == 0  # the state came from the host tier
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))

@@ -1,6 +1,8 @@
 """The host tier (Pager(host_budget=...)): steps are bit-exact with none, half or all of
 the state in host memory; a budget that holds the state moves no file bytes; pause/resume
 and save/load go through it."""
+import resource
+
 import pytest
 import torch
 
@@ -140,3 +142,199 @@ def test_spills_and_read_ahead(store_dir):
         p.page_in(ts)
         assert p.stats()["bytes_read"] == read
         assert all(bool((t == float(i)).all()) for i, t in enumerate(ts))
+
+
+def layers(p: Pager, atomic: bool, n: int = 12):
+    """n bias-free 64 x 64 layers (each moment one 16 KiB extent: no 4 KiB rounding),
+    AdamW attached in buckets of one layer; returns model, opt and the bytes the pager
+    moves for them per step (moments, and with atomic steps the params' undo copies)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(n)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    state = n * 64 * 64 * 4 * (3 if atomic else 2)
+    if p is not None:
+        p.attach(opt, bucket_size=64 * 64 * 4 * 3, atomic=atomic)
+    return model, opt, state
+
+
+def steps(p, model, opt, first: int, count: int) -> list:
+    """Trains; per step the store's (bytes read, bytes written)."""
+    out = []
+    for i in range(first, first + count):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        before = p.stats() if p is not None else None
+        opt.step()
+        if p is not None:
+            after = p.stats()
+            out.append((after["bytes_read"] - before["bytes_read"],
+                        after["bytes_written"] - before["bytes_written"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layers_reference():
+    model, opt, _ = layers(None, False)
+    steps(None, model, opt, 0, 8)
+    return params(model)
+
+
+def masters(p: Pager | None, n: int = 12):
+    """n fp32 masters of 4096 elements (16 KiB: no 4 KiB rounding) with fixed gradients,
+    in the pager when p is given (else ordinary tensors); AdamW over them, attached in
+    buckets of one master and its two moments. Returns the masters, the optimizer and
+    their state's bytes (masters and moments)."""
+    ts = []
+    for i in range(n):
+        v = torch.randn(4096, generator=torch.Generator().manual_seed(i))
+        if p is None:
+            t = v
+        else:
+            t = p.empty(4096)
+            p.page_in(t)
+            t.copy_(v)
+            p.page_out(t)
+        t.grad = torch.randn(4096, generator=torch.Generator().manual_seed(100 + i)) * 1e-2
+        ts.append(t)
+    return ts, torch.optim.AdamW(ts, lr=1e-2, weight_decay=0.1), n * 3 * 16 * KiB
+
+
+def store_per_step(p: Pager, opt, count: int) -> list:
+    """Steps; per step the store's (bytes read, bytes written)."""
+    out = []
+    for _ in range(count):
+        before = p.stats()
+        opt.step()
+        after = p.stats()
+        out.append((after["bytes_read"] - before["bytes_read"],
+                    after["bytes_written"] - before["bytes_written"]))
+    return out
+
+
+def values(p: Pager, ts: list) -> list:
+    out = []
+    for t in ts:
+        p.page_in(t)
+        out.append(t.clone())
+        p.page_out(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def masters_reference():
+    ts, opt, _ = masters(None)
+    for _ in range(8):
+        opt.step()
+    return ts
+
+
+# A cyclic step keeps what fits in the host tier there across steps; only the rest goes
+# through the store. In place the tier keeps its budget's worth; atomic steps keep the
+# committed bytes until the step commits, so each bucket kept needs room for two copies
+# and half the budget stays (the kept set alternates around it from step to step: count
+# pairs of steps).
+@pytest.mark.parametrize("atomic, share, kept", [(False, 0.5, 0.5), (True, 1.0, 0.5),
+                                                 (True, 0.5, 0.25)])
+def test_cyclic_steps_keep_the_budget_in_the_host_tier(store_dir, masters_reference, atomic,
+                                                       share, kept):
+    state = masters(None)[2]
+    with Pager(store_dir, page_size=64 * KiB, host_budget=int(share * state)) as p:
+        ts, opt, _ = masters(p)
+        p.attach(opt, bucket_size=48 * KiB, atomic=atomic)
+        store_per_step(p, opt, 2)  # the first steps spill the masters' unhinted bytes
+        spills = p.stats()["spills"]
+        moved = store_per_step(p, opt, 6)
+        assert p.stats()["spills"] == spills  # the cycle spills nothing
+        assert all(torch.equal(a, b) for a, b in zip(values(p, ts), masters_reference))
+        read = sum(r for r, _ in moved[2:]) / 4
+        written = sum(w for _, w in moved[2:]) / 4
+        bucket = state / 12
+        assert abs(read - (1 - kept) * state) <= bucket, (moved, state)
+        assert abs(written - (1 - kept) * state) <= bucket, (moved, state)
+
+
+def test_without_reuse_hints_lru_moves_more(store_dir):
+    """The same steps with every page-out unhinted (least recently used first): the
+    comparison the step's spill order exists for."""
+    state = masters(None)[2]
+    with Pager(store_dir, page_size=64 * KiB, host_budget=state // 2) as p:
+        ts, opt, _ = masters(p)
+        p.attach(opt, bucket_size=48 * KiB, atomic=False)
+        hinted = store_per_step(p, opt, 6)[2:]
+        original = p.page_out_async  # from here on without hints
+        p.page_out_async = lambda tensors, reuse_after=0: original(tensors)
+        lru = store_per_step(p, opt, 6)[2:]
+        assert p.stats()["spills"] > 12
+    assert sum(map(sum, lru)) > 1.3 * sum(map(sum, hinted)), (hinted, lru)
+
+
+def test_steps_read_ahead_into_free_room(store_dir, masters_reference):
+    state = masters(None)[2]
+    with Pager(store_dir, page_size=64 * KiB, host_budget=state // 2) as p:
+        ts, opt, _ = masters(p)
+        p.attach(opt, bucket_size=48 * KiB, atomic=False)
+        store_per_step(p, opt, 8)
+        s = p.stats()
+        assert s["read_aheads"] > 0 and s["read_ahead_bytes"] > 0
+        assert s["host_used_bytes"] <= s["host_budget_bytes"]
+        assert all(torch.equal(a, b) for a, b in zip(values(p, ts), masters_reference))
+
+
+@pytest.mark.parametrize("share", [0.5, 4])
+def test_load_fills_the_host_tier(tmp_path, layers_reference, share):
+    _, _, state = layers(None, False)
+    budget = int(share * state)
+    with Pager(str(tmp_path / "s1"), page_size=64 * KiB) as p:
+        model, opt, _ = layers(p, False)
+        steps(p, model, opt, 0, 4)
+        p.save(str(tmp_path / "ckpt"))
+    with Pager(str(tmp_path / "s2"), page_size=64 * KiB, host_budget=budget) as p2:
+        model2, opt2, _ = layers(p2, False)
+        with torch.no_grad():
+            for a, b in zip(model.parameters(), model2.parameters()):
+                b.copy_(a)
+        assert p2.load(str(tmp_path / "ckpt"))
+        s = p2.stats()
+        assert s["host_bytes"] == min(budget, state)  # the first buckets first
+        assert s["read_ahead_bytes"] == min(budget, state)
+        first = p2.bindings[0].buckets[0].stored
+        assert all(p2.residency(t) == "host" for t in first)
+        moved = steps(p2, model2, opt2, 4, 4)
+        if share > 1:
+            assert moved[0] == (0, 0)  # the first step after the load reads no file
+        assert all(torch.equal(a, b) for a, b in zip(params(model2), layers_reference))
+
+
+def test_load_without_a_host_tier_leaves_the_state_in_the_store(tmp_path):
+    with Pager(str(tmp_path / "s1"), page_size=64 * KiB) as p:
+        model, opt, _ = layers(p, False)
+        steps(p, model, opt, 0, 2)
+        p.save(str(tmp_path / "ckpt"))
+        assert p.load(str(tmp_path / "ckpt"))
+        s = p.stats()
+        assert s["host_bytes"] == 0 and s["read_aheads"] == 0
+
+
+def test_a_step_failing_to_write_the_store_changes_nothing(store_dir, layers_reference):
+    """At half the budget each step writes part of the state to the store (spills and
+    page-outs); when those writes fail (a file-size limit: EFBIG, a NoSpaceError) the step
+    raises and leaves every parameter and host copy as before, and a retry steps once."""
+    _, _, state = layers(None, True)
+    with Pager(store_dir, page_size=64 * KiB, host_budget=state // 2) as p:
+        model, opt, _ = layers(p, True)
+        steps(p, model, opt, 0, 4)
+        before = params(model)
+        host = p.stats()["host_bytes"]
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            with pytest.raises(statepager.NoSpaceError):
+                steps(p, model, opt, 4, 1)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert all(torch.equal(a, b) for a, b in zip(params(model), before))
+        assert p.stats()["host_bytes"] == host
+        opt.zero_grad()  # the failed call's gradients are made again
+        steps(p, model, opt, 4, 4)
+        assert all(torch.equal(a, b) for a, b in zip(params(model), layers_reference))

@@ -2,7 +2,8 @@
 
 store  page-out then page-in of SIZE bytes of tensors, beside fio and the raw io_uring
        loop on the same directory;
-sleep  pause()/resume() of SIZE bytes of mixed tensors, beside the raw loop;
+sleep  pause()/resume() of SIZE bytes of mixed tensors, beside the raw loop; through the
+       host tier with --host-budget, beside torch-memory-saver with --compare-tms;
 map    the cost of mapping and unmapping pages, per GiB, and its share of a transfer.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench import tms as bench_tms
 from statepager.bench.common import bench_directory, fio
 from statepager.bench.report import faster, show, spread
 from statepager.core.pager import GiB, MiB, Pager
@@ -125,17 +127,7 @@ def print_store(r: dict) -> None:
 
 def _mixed_tensors(pager: Pager, size: int, seed: int = 0) -> list:
     """Tensors of mixed sizes and dtypes adding up to about `size` bytes."""
-    gen = torch.Generator().manual_seed(seed)
-    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.int64]
-    out, total, i = [], 0, 0
-    while total < size:
-        dt = dtypes[i % len(dtypes)]
-        item = torch.empty((), dtype=dt).element_size()
-        n = min(int(torch.randint(1 << 10, 96 << 20, (1,), generator=gen)), size - total) // item
-        out.append(pager.empty(max(n, 1), dtype=dt))
-        total += max(n, 1) * item
-        i += 1
-    return out
+    return [pager.empty(n, dtype=dt) for n, dt in bench_tms.tensor_spec(size, seed)]
 
 
 def bench_sleep(args) -> dict:
@@ -145,53 +137,67 @@ def bench_sleep(args) -> dict:
 
 def _bench_sleep(args, work: str) -> dict:
     size = args.size
-    with Progress("bench sleep", phases=3 + 2 * (1 + args.repeat)) as bar, \
-            Pager(os.path.join(work, "store"), device=args.device, io_depth=args.io_depth,
-                  io_block=args.io_block) as pager:
-        bar.phase("filling the tensors")
-        ts = _mixed_tensors(pager, size)
-        pager.page_in(ts)
-        g = torch.Generator(device=pager.device).manual_seed(1)
-        for t in ts:
-            t.view(torch.uint8).random_(generator=g)
-        sums = [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
-        free_resident = pager.free_device_memory()
-        # Round 1 writes store ranges never written before (on tmpfs the kernel allocates
-        # and zeroes their pages); the rounds after it are the steady state of a job that
-        # sleeps and wakes every iteration.
-        rounds, freed = [], 0
-        for r in range(1 + args.repeat):
-            bar.phase(f"round {r + 1}/{1 + args.repeat}: pause")
-            t0 = time.perf_counter()
-            pager.pause()
-            pause_s = time.perf_counter() - t0
-            freed = pager.free_device_memory() - free_resident
-            bar.phase(f"round {r + 1}/{1 + args.repeat}: resume")
-            t0 = time.perf_counter()
-            pager.resume()
-            rounds.append((pause_s, time.perf_counter() - t0))
-        ok = sums == [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
-        nbytes = sum(t.numel() * t.element_size() for t in ts)
-        stats = pager.stats()
-        # The raw loop with the pager's I/O shape.
-        bar.phase("raw io_uring loop")
-        depth, block = stats["io_depth"], stats["io_block_bytes"]
-        raw_r = _C.measure_raw_io(work, nbytes, block, depth, True, False)
-        raw_w = _C.measure_raw_io(work, nbytes, block, depth, False, True)
+    with Progress("bench sleep", phases=3 + 2 * (1 + args.repeat) + args.compare_tms) as bar:
+        with Pager(os.path.join(work, "store"), device=args.device, io_depth=args.io_depth,
+                   io_block=args.io_block, host_budget=args.host_budget) as pager:
+            result = _pager_sleep(args, work, pager, size, bar)
+        if args.compare_tms:
+            bar.phase("torch-memory-saver (its own process)")
+            result["tms"] = bench_tms.run(size, args.repeat, pager.device)
+    return result
+
+
+def _pager_sleep(args, work: str, pager: Pager, size: int, bar) -> dict:
+    bar.phase("filling the tensors")
+    ts = _mixed_tensors(pager, size)
+    pager.page_in(ts)
+    sums = bench_tms.fill(ts, pager.device)
+    free_resident = pager.free_device_memory()
+    # Round 1 writes store ranges never written before (on tmpfs the kernel allocates
+    # and zeroes their pages); the rounds after it are the steady state of a job that
+    # sleeps and wakes every iteration.
+    rounds, freed = [], 0
+    for r in range(1 + args.repeat):
+        bar.phase(f"round {r + 1}/{1 + args.repeat}: pause")
+        t0 = time.perf_counter()
+        pager.pause()
+        pause_s = time.perf_counter() - t0
+        freed = pager.free_device_memory() - free_resident
+        bar.phase(f"round {r + 1}/{1 + args.repeat}: resume")
+        t0 = time.perf_counter()
+        pager.resume()
+        rounds.append((pause_s, time.perf_counter() - t0))
+    ok = sums == bench_tms.sums(ts)
+    nbytes = sum(t.numel() * t.element_size() for t in ts)
+    stats = pager.stats()
+    # The raw loop with the pager's I/O shape.
+    bar.phase("raw io_uring loop")
+    depth, block = stats["io_depth"], stats["io_block_bytes"]
+    raw_r = _C.measure_raw_io(work, nbytes, block, depth, True, False)
+    raw_w = _C.measure_raw_io(work, nbytes, block, depth, False, True)
     pause = [nbytes / p / 1e9 for p, _ in rounds]
     resume = [nbytes / r / 1e9 for _, r in rounds]
-    return {"device": args.device, "dir": args.dir, "bytes": nbytes, "tensors": len(ts),
+    return {"device": str(pager.device), "dir": args.dir, "bytes": nbytes, "tensors": len(ts),
             "direct_io": stats["direct_io"], "io_depth": depth, "io_block": block,
+            "host_budget": args.host_budget, "file_bytes_written": stats["bytes_written"],
+            "file_bytes_read": stats["bytes_read"],
             "raw_write_gbps": raw_w["write_gbps"],
             "raw_read_gbps": raw_r["read_gbps"], "freed_bytes": freed, "data_intact": ok,
             "first": {"pause_gbps": pause[0], "resume_gbps": resume[0]},
             "again": {"pause_gbps": spread(pause[1:]), "resume_gbps": spread(resume[1:])}}
 
 
+# Issue 14's targets for pause/resume through the host tier: GB/s steady each way, GB/s
+# of the first pause, and multiples of torch-memory-saver's steady pause and resume.
+TARGETS = {"steady_gbps": 40.0, "first_pause_gbps": 25.0, "pause_vs_tms": 10.0,
+           "resume_vs_tms": 4.0}
+
+
 def print_sleep(r: dict) -> None:
+    tier = (f", host tier {r['host_budget'] / GiB:.2f} GiB" if r["host_budget"] else "")
     print(f"sleep bench: {r['bytes'] / GiB:.2f} GiB in {r['tensors']} tensors on {r['device']}, "
           f"dir {r['dir']}, direct_io={r['direct_io']}, io {r['io_depth']} x "
-          f"{r['io_block'] // MiB} MiB")
+          f"{r['io_block'] // MiB} MiB{tier}")
     first, again = r["first"], r["again"]
     for way, raw_key, raw_name in (("pause", "raw_write_gbps", "raw write"),
                                    ("resume", "raw_read_gbps", "raw read")):
@@ -202,7 +208,43 @@ def print_sleep(r: dict) -> None:
         print(f"  {way:6s} again {show(a, 'GB/s')}: "
               f"{faster(a['median'], raw, higher_is_better=True)} than the {raw_name}")
     print(f"  device memory freed while paused: {r['freed_bytes'] / GiB:.2f} GiB; "
+          f"store file bytes written {r['file_bytes_written']}, read {r['file_bytes_read']}; "
           f"data intact: {r['data_intact']}")
+    if "tms" in r:
+        _print_tms(r)
+
+
+def _print_tms(r: dict) -> None:
+    t = r["tms"]
+    if "skipped" in t:
+        print(f"  torch-memory-saver: skipped: {t['skipped']}")
+        return
+    if "failed" in t:
+        print(f"  torch-memory-saver: FAILED: {t['failed']}")
+        return
+    pause = [t["bytes"] / s / 1e9 for s in t["pause_s"]]
+    resume = [t["bytes"] / s / 1e9 for s in t["resume_s"]]
+    tp, tr = spread(pause[1:]), spread(resume[1:])
+    print(f"  torch-memory-saver {t['version']} (hook_mode torch, CPU backup pinned, own "
+          f"process, the same {t['bytes'] / GiB:.2f} GiB): first pause {pause[0]:.2f} GB/s, "
+          f"resume {resume[0]:.2f} GB/s; again pause {show(tp, 'GB/s')}, resume "
+          f"{show(tr, 'GB/s')}; data intact: {t['data_intact']}")
+    ours_p, ours_r = r["again"]["pause_gbps"]["median"], r["again"]["resume_gbps"]["median"]
+    first_p = r["first"]["pause_gbps"]
+    rp, rr = ours_p / tp["median"], ours_r / tr["median"]
+    print(f"  statepager vs torch-memory-saver (steady medians): pause {rp:.1f} x, "
+          f"resume {rr:.1f} x")
+    g = TARGETS
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    print(f"  targets: steady >= {g['steady_gbps']:.0f} GB/s each way: "
+          f"{verdict(min(ours_p, ours_r) >= g['steady_gbps'])} ({ours_p:.1f} / {ours_r:.1f}); "
+          f"first pause >= {g['first_pause_gbps']:.0f} GB/s: "
+          f"{verdict(first_p >= g['first_pause_gbps'])} ({first_p:.1f}); pause >= "
+          f"{g['pause_vs_tms']:.0f} x tms: {verdict(rp >= g['pause_vs_tms'])}; resume >= "
+          f"{g['resume_vs_tms']:.0f} x tms: {verdict(rr >= g['resume_vs_tms'])}")
 
 
 def bench_map(args) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import logging
 import sys
 import weakref
 from typing import Iterable, Sequence
@@ -18,6 +19,8 @@ from statepager.core.stream import StreamedOptimizer
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+log = logging.getLogger("statepager")
 
 
 class PageHandle:
@@ -204,10 +207,14 @@ class Pager:
         self.check_not_paused("page_in()")
         return PageHandle(self, self._core.page_in(list(tensors)))
 
-    def page_out_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
-        """Pages out after the work already queued on the current stream."""
+    def page_out_async(self, tensors: Iterable[torch.Tensor], reuse_after: int = 0) -> PageHandle:
+        """Pages out after the work already queued on the current stream. reuse_after > 0
+        says they will be paged in again once about that many more bytes have been named
+        in page_in calls: the host tier then keeps whatever is needed sooner (without it,
+        the least recently used tensors leave it first; allocator/pager.h)."""
         self.check_not_paused("page_out()")
-        return PageHandle(self, self._core.page_out(list(tensors), self._stream()))
+        reuse_after = args.integer("reuse_after", reuse_after)
+        return PageHandle(self, self._core.page_out(list(tensors), self._stream(), reuse_after))
 
     def read_ahead_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Reads 'file' tensors into free host-tier room (never making room), so that
@@ -399,7 +406,9 @@ class Pager:
     def load(self, path: str) -> bool:
         """Loads a checkpoint written by save() into the attached optimizers, after
         verifying format, layout and checksums; nothing changes if any check fails.
-        Returns False, with a logged notice, when `path` holds no statepager state."""
+        Returns False, with a logged notice, when `path` holds no statepager state. With a
+        host tier, the loaded state is then read into it as far as it has room, first
+        buckets first (the next step's page-ins are host copies)."""
         self.check_not_paused("load()")
         return self._load(path)
 
@@ -427,7 +436,26 @@ class Pager:
 
     def _load(self, path: str) -> bool:
         self._settle_save()
-        return checkpoint.load(self, self._core, path)
+        loaded = checkpoint.load(self, self._core, path)
+        if loaded:
+            self._fill_host_tier()
+        return loaded
+
+    def _fill_host_tier(self) -> None:
+        """Reads the attached optimizers' state from the store into the host tier's free
+        room, in the order their steps need it, until the room is used (a load leaves
+        it all in the store). A read that fails leaves its tensors in the store, where
+        their page-in reads them: the load stands."""
+        if not self._core.stats()["host_budget_bytes"]:
+            return
+        handles = [self.read_ahead_async(b.stored) for binding in self._bindings
+                   for b in binding.buckets]
+        for h in handles:
+            try:
+                h.wait()
+            except _C.Error as e:
+                log.warning("statepager: reading the loaded state into the host tier "
+                            "failed (%s); it is read from the store instead", e)
 
     def _settle_save(self) -> None:
         """Waits for the background save, if any, and raises its error if no wait() has

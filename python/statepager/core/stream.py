@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import logging
 import time
 import types
@@ -475,10 +476,11 @@ class StreamedOptimizer:
         for (f, _), exceptions in zip(pending, codecs.finish_exceptions([p for _, p in pending])):
             f.set_exceptions(exceptions)
 
-    def _release(self, b: Bucket, wait: bool = True, scratch: bool = True) -> list:
+    def _release(self, b: Bucket, wait: bool = True, scratch: bool = True,
+                 reuse_after: int = 0) -> list:
         """Pages the stored form out and (scratch=True) drops the scratch; returns the
-        handles."""
-        handles = [self.pager.page_out_async(b.stored + b.undo)]
+        handles. reuse_after: see Pager.page_out_async."""
+        handles = [self.pager.page_out_async(b.stored + b.undo, reuse_after)]
         if b.working and scratch:
             handles.append(self.pager.discard_async(b.working))
         if wait:
@@ -572,13 +574,30 @@ class StreamedOptimizer:
         self._group_steps_after = list(self._group_steps)
         self._counts = {}
         ahead = max(1, self.depth - 2)
+        incoming = [self._incoming(b) for b in buckets]
+        named_in = [_bytes(x) for x in incoming]
+        scratch = [m - _bytes(b.stored + b.undo) for m, b in zip(named_in, buckets)]
+        sched = _Schedule(named_in, scratch, ahead)
+        # With a host tier, the `depth` buckets past the page-ins in flight are read from
+        # the store into free host room (bounded by it: the pager never makes room for a
+        # read-ahead), so that their page-in is a copy from host memory that never waits
+        # for a file read it could have started earlier. Only that far: the room a
+        # read-ahead holds until its page-in is room the buckets stepped meanwhile
+        # cannot keep.
+        read_ahead = self.depth if before["host_budget_bytes"] else 0
         ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
         done_in, done_out, stepping = [], [], []
         counting = _Counting(pager)  # the last bucket's exceptions, read with the next's checks
+        aheads = {}  # per bucket read ahead, its handle
         trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
+
+        def page_in(j: int) -> None:
+            ins[j] = pager.page_in_async(incoming[j])
+            for k in range(max(j + 1, max(aheads, default=0) + 1), min(j + read_ahead + 1, n)):
+                aheads[k] = pager.read_ahead_async(buckets[k].stored + buckets[k].undo)
         try:
             for j in range(min(ahead + 1, n)):
-                ins[j] = pager.page_in_async(self._incoming(buckets[j]))
+                page_in(j)
             for i, b in enumerate(buckets):
                 t0 = time.monotonic()
                 h = ins.pop(i)
@@ -594,7 +613,8 @@ class StreamedOptimizer:
                 stats.wait_in_seconds += t1 - t0
                 stats.compute_seconds += t2 - t1
                 handles = counting.hold(b, pending)  # before anything else can fail
-                handles += self._release(b, wait=False, scratch=not pending)
+                handles += self._release(b, wait=False, scratch=not pending,
+                                         reuse_after=sched.reuse_after(i))
                 outs.append(handles)
                 done_out.append(handles[0])
                 j = i + ahead + 1
@@ -608,13 +628,16 @@ class StreamedOptimizer:
                             h.wait()
                         outs.popleft()
                     stats.wait_out_seconds += time.monotonic() - t0
-                    ins[j] = pager.page_in_async(self._incoming(buckets[j]))
+                    page_in(j)
             t0 = time.monotonic()
             counting.finish_now()
             counting.let_go()
             for handles in outs:
                 for h in handles:
                     h.wait()
+            # Done by now (their page-ins waited for them). One that failed left its tensors
+            # in the store, whose page-in then read them (or failed the step itself).
+            _settle(aheads.values())
         except BaseException as error:
             try:  # a stepped bucket's exceptions are its stored form's: never left unread
                 counting.finish_now()
@@ -624,7 +647,7 @@ class StreamedOptimizer:
             finally:
                 counting.let_go()
             _settle(list(ins.values()) + [h for handles in outs for h in handles]
-                    + counting.handles)
+                    + counting.handles + list(aheads.values()))
             raise
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
@@ -778,6 +801,31 @@ def _form_bytes(t: torch.Tensor, fmt: str) -> int:
     return n * t.element_size() + extra[fmt]
 
 
+class _Schedule:
+    """When each bucket of a step is needed again, in bytes named in page-ins (the clock
+    of Pager.page_out_async's reuse_after). The step names bucket k's incoming tensors
+    (named_in[k]: stored forms, undo copies, scratch) when it issues its page-in (the
+    first ahead + 1 at once, then one after each bucket stepped) and its scratch again
+    when it steps (named_at_step[k]: the decode's page-in); steps repeat the same order,
+    so bucket i, paged out after its step, is needed again one step's bytes after its
+    page-in was issued."""
+
+    def __init__(self, named_in: list, named_at_step: list, ahead: int):
+        n = len(named_in)
+        incoming = [0, *itertools.accumulate(named_in)]
+        scratch = [0, *itertools.accumulate(named_at_step)]
+        self._step = incoming[n] + scratch[n]
+        # The clock (from the step's start) when bucket k's page-in is issued: the first
+        # ahead + 1 at once, then each after bucket k - ahead - 1 stepped.
+        self._issued = [incoming[k] + scratch[max(0, k - ahead)] for k in range(n)]
+        # ... and once bucket i is paged out: page-ins issued through i + ahead, scratch
+        # named through i.
+        self._now = [incoming[min(i + ahead, n - 1) + 1] + scratch[i + 1] for i in range(n)]
+
+    def reuse_after(self, i: int) -> int:
+        return max(1, self._step + self._issued[i] - self._now[i])
+
+
 def _set_counter(group: dict, counter) -> None:
     """Sets a param group's own step counter ('step'), or removes it (_ABSENT)."""
     if counter is _ABSENT:
@@ -852,3 +900,7 @@ def _paged_add_param_group(binding: StreamedOptimizer, param_group: dict) -> Non
     except _C.UsageError:
         optimizer.param_groups.pop()
         raise
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,113 @@
+"""torch-memory-saver's pause/resume on the tensors bench sleep pauses, for `bench sleep
+--compare-tms`: the same sizes, dtypes and bytes (tensor_spec and fill), CPU backup
+enabled in pinned memory, its allocator hooked through torch (hook_mode "torch": a
+pluggable allocator).
+
+It runs in a process of its own (this file run as a script, importing torch and
+torch_memory_saver only): the hook is process-wide, and statepager's own allocator must
+not meet it. run() starts that process and returns its figures, or {"skipped": why} when
+the package or CUDA is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+PACKAGE = "torch_memory_saver"
+WHEEL = "torch_memory_saver==0.0.10"
+
+
+def tensor_spec(size: int, seed: int = 0) -> list[tuple[int, torch.dtype]]:
+    """(numel, dtype) of tensors of mixed sizes and dtypes adding up to about `size`
+    bytes: what bench sleep pauses."""
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.int64]
+    out, total, i = [], 0, 0
+    while total < size:
+        dt = dtypes[i % len(dtypes)]
+        item = torch.empty((), dtype=dt).element_size()
+        n = max(1, min(int(torch.randint(1 << 10, 96 << 20, (1,), generator=gen)),
+                       size - total) // item)
+        out.append((n, dt))
+        total += n * item
+        i += 1
+    return out
+
+
+def fill(tensors: list, device: torch.device) -> list[int]:
+    """Random bytes into the tensors (the same for the same spec and device); returns the
+    byte sums that check them after a round trip."""
+    g = torch.Generator(device=device).manual_seed(1)
+    for t in tensors:
+        t.view(torch.uint8).random_(generator=g)
+    return sums(tensors)
+
+
+def sums(tensors: list) -> list[int]:
+    return [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in tensors]
+
+
+def run(size: int, repeat: int, device: torch.device, timeout_s: int = 600) -> dict:
+    """torch-memory-saver's pause/resume of tensor_spec(size) in a child process:
+    {"pause_s": [...], "resume_s": [...], "bytes", "data_intact", "version"}, round 0
+    first; or {"skipped": why}."""
+    if device.type != "cuda":
+        return {"skipped": f"{PACKAGE} needs a CUDA device (this run is on {device})"}
+    if importlib.util.find_spec(PACKAGE) is None:
+        return {"skipped": f"{PACKAGE} is not installed (pip install {WHEEL}) for the "
+                           "side-by-side figure"}
+    argv = [sys.executable, os.path.abspath(__file__), "--size", str(size),
+            "--repeat", str(repeat), "--device", str(device)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                         env=dict(os.environ))
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"failed": f"{' '.join(argv)} exited {out.returncode}: "
+                          f"{(out.stderr or out.stdout).strip()[-800:]}"}
+    return json.loads(lines[-1])
+
+
+def _child(size: int, repeat: int, device: torch.device) -> dict:
+    from importlib.metadata import version
+
+    from torch_memory_saver import torch_memory_saver as tms
+
+    tms.hook_mode = "torch"
+    torch.cuda.set_device(device)
+    with tms.region(enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        ts = [torch.empty(n, dtype=dt, device=device) for n, dt in tensor_spec(size)]
+    want = fill(ts, device)
+    pause_s, resume_s = [], []
+    for _ in range(1 + repeat):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        tms.pause()
+        torch.cuda.synchronize(device)
+        pause_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        tms.resume()
+        torch.cuda.synchronize(device)
+        resume_s.append(time.perf_counter() - t0)
+    return {"pause_s": pause_s, "resume_s": resume_s,
+            "bytes": sum(t.numel() * t.element_size() for t in ts),
+            "data_intact": sums(ts) == want, "version": version(PACKAGE)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="tms.py")
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--repeat", type=int, required=True)
+    p.add_argument("--device", default="cuda")
+    a = p.parse_args()
+    print(json.dumps(_child(a.size, a.repeat, torch.device(a.device))))
+
+
+if __name__ == "__main__":
+    main()
