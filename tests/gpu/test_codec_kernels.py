@@ -309,8 +309,8 @@ def run_truncating(store_dir, kernels, depth, steps=4):
     C.use_kernels(kernels)
     ps = model()
     with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
-        opt = TruncatingAdamW(ps, pager=pager, lr=1e-2, bucket_size=1 * MiB, moments="q8",
-                              mains="residual", depth=depth)
+        opt = TruncatingAdamW(ps, pager=pager, lr=1e-2, bucket_size=256 << 10, moments="q8",
+                              mains="residual", depth=depth)  # 4 buckets
         for k in range(steps):
             for i, p in enumerate(ps):
                 g = torch.Generator().manual_seed(100 * k + i)
@@ -341,8 +341,8 @@ def test_streamed_step_syncs_once_per_bucket(store_dir):
     tensor."""
     ps = model()
     with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
-        opt = PagedAdamW(ps, pager=pager, lr=1e-2, bucket_size=1 * MiB, moments="q8",
-                         mains="residual")
+        opt = PagedAdamW(ps, pager=pager, lr=1e-2, bucket_size=256 << 10, moments="q8",
+                         mains="residual")  # 4 buckets
         for k in range(3):  # the first creates the state
             for p in ps:
                 p.grad = torch.randn_like(p)

@@ -431,6 +431,8 @@ class StreamedOptimizer:
         the fused step reads in their stored form. Paged in with the rest, the scratch
         costs the step no wait of its own (a page-in is a round trip through the I/O
         thread, its zero fill queued behind the next bucket's copies)."""
+        if not b.working:
+            return b.stored + b.undo
         fused = {id(f) for f in (self._fused.moment_forms(b) if self._fused else None) or ()}
         scratch = [f.working for f in b.forms if f.scratch and id(f) not in fused]
         return b.stored + b.undo + scratch

@@ -130,7 +130,7 @@ class PendingExceptions:
         assert param.dtype == torch.bfloat16 and residual_out.dtype == torch.int16
         assert main.numel() == param.numel() == residual_out.numel()
         assert main.is_contiguous() and param.is_contiguous() and residual_out.is_contiguous()
-        self._args = main, param, residual_out
+        self._main, self._param = main, param  # for a count past the room
         n, device = main.numel(), main.device
         self.capacity = 1024 + n // 2048  # RNE ties are ~1 in 2**17 elements
         self._idx = torch.empty(self.capacity, dtype=torch.int64, device=device)
@@ -145,8 +145,7 @@ class PendingExceptions:
         lists them again from main and param. residual_out is not written again: the
         kernel wrote it whole, with the reference's bits, and it may be paging out."""
         if count > self.capacity:
-            main, param, _ = self._args
-            return _exception_list(main, _residuals(main, param)[1])
+            return _exception_list(self._main, _residuals(self._main, self._param)[1])
         if count == 0:  # the usual case: no sort to launch, no buffer kept alive
             return self._idx.new_empty(0), self._bits.new_empty(0)
         idx, order = self._idx[:count].sort()
