@@ -152,7 +152,7 @@ class MegatronMember:
         # Every copy is made before Megatron's references change: a failure leaves them.
         fresh = {}
         for _, main in self.megatron.float16_params():
-            if not pager.owns(main) or pager.pieces(main) != _pieces(main):
+            if not pager.owns(main) or pager.pieces(main) != (_pieces(main) or [4 * main.numel()]):
                 fresh[id(main)] = self._paged_copy(main)
         moved = self.megatron.replace_mains(lambda main: fresh.get(id(main)))
         inner = self.megatron.inner
