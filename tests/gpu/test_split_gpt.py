@@ -125,7 +125,8 @@ def test_gpt_0_116b_in_chunks_under_256_mib(gpt, store_dir, grad_fp32, capsys):
             print(f"\nsplit GPT ({'fp32' if grad_fp32 else 'bf16'} grads): "
                   f"{type(binding.streams[0].optimizer).__name__}, {len(buckets)} buckets, "
                   f"{chunks} chunks, largest bucket {largest / MiB:.1f} MiB, window "
-                  f"{window / MiB:.0f} MiB, peak mapped {peak / MiB:.0f} MiB of {BUDGET / MiB:.0f}, "
+                  f"{window / MiB:.0f} MiB, peak mapped {peak / MiB:.0f} MiB of "
+                  f"{BUDGET / MiB:.0f}, "
                   f"losses {paged[0][0]:.3f} -> {paged[0][-1]:.3f}")
         assert chunks > 0, "the embedding steps in chunks"
         assert largest <= BUCKET

@@ -108,7 +108,8 @@ def test_stored_form_in_chunks_writes_the_whole_forms_bytes(store_dir, fmt, kind
             if chunked.scratch:
                 part.working.zero_()
             part.decode()
-            assert torch.equal(part.working.view(torch.int32), expected[start:stop].view(torch.int32))
+            assert torch.equal(part.working.view(torch.int32),
+                               expected[start:stop].view(torch.int32))
             pager.page_out(resident(part))
 
 

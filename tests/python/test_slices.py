@@ -38,7 +38,8 @@ def train(cls, kwargs, sliced, *, steps=4, shape=(3 * ALIGN // 512 + 7, 512),
     return p, opt
 
 
-@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("kwargs", VARIANTS,
+                         ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_sliced_step_is_the_whole_step(cls, kwargs):
     ref, ref_opt = train(cls, kwargs, sliced=False)

@@ -219,3 +219,40 @@ def test_bucket_hooks_without_chunk_hooks_keep_parameters_whole(store_dir):
         binding = pager.attach(opt, bucket_size=BUCKET, before_bucket=lambda params: None)
         assert not chunked(binding)
         assert max(b.planned for b in binding.buckets) > BUCKET
+
+
+def test_pause_resume_and_a_save_through_the_device(store_dir, tmp_path):
+    """pause()/resume() between steps of split parameters, and save(via="device") (whole
+    tensors through the device) loaded into a split optimizer: the run as if uninterrupted."""
+    def start(directory):
+        model = params(dtype=torch.bfloat16)
+        pager = Pager(directory, page_size=PAGE)
+        return model, pager, PagedAdamW(model, pager=pager, lr=1e-2, bucket_size=BUCKET,
+                                        moments="bf16")
+    model, pager, opt = start(store_dir)
+    ref, ref_pager, ref_opt = start(str(tmp_path / "ref"))
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            set_grads(m, step)
+            o.step()
+        if step == 0:
+            pager.pause()
+            assert pager.stats()["mapped_bytes"] == 0
+            pager.resume()
+        if step == 1:
+            pager.save(str(tmp_path / "ckpt"), via="device")
+            saved = [p.detach().clone() for p in model]
+    for p, r in zip(model, ref):
+        assert torch.equal(p, r)
+    again, pager2, opt2 = start(str(tmp_path / "again"))
+    assert chunked(opt2.binding)
+    with torch.no_grad():
+        for p, s in zip(again, saved):
+            p.copy_(s)
+    assert pager2.load(str(tmp_path / "ckpt"))
+    set_grads(again, 2)
+    opt2.step()
+    for p, r in zip(again, ref):
+        assert torch.equal(p, r)
+    for pg in (pager, ref_pager, pager2):
+        pg.close()

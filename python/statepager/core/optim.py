@@ -34,8 +34,10 @@ class PagedAdamW(torch.optim.AdamW):
         for group in groups:
             masters = []
             for p in group["params"]:
-                # p's memory layout, in pieces so that it can step in chunks
-                m = pager.empty_like(p, dtype=torch.float32, pieces=slices.pieces(p.numel(), 4))
+                # p's memory layout, in pieces where it may step in chunks
+                pieces = slices.pieces(p.numel(), 4) \
+                    if slices.may_step_in_chunks(p.numel(), bucket_size) else None
+                m = pager.empty_like(p, dtype=torch.float32, pieces=pieces)
                 m.requires_grad_(p.requires_grad)
                 self._model_of[id(m)] = p
                 masters.append(m)

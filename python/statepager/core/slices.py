@@ -55,6 +55,17 @@ def chunk_bounds(numel: int, max_elements: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
+# The most bytes per element a parameter's state takes in a bucket (an fp32 main and two
+# bf16 moments with their fp32 working tensors, a residual and an undo copy: 20).
+MOST_BYTES_PER_ELEMENT = 24
+
+
+def may_step_in_chunks(numel: int, bucket_size: int) -> bool:
+    """True when a parameter of numel elements may step in chunks with this bucket_size:
+    its masters are then made of pieces (pieces()); False when its state always fits."""
+    return numel > CHUNK_ALIGN and numel * MOST_BYTES_PER_ELEMENT > bucket_size
+
+
 def pieces(numel: int, element_size: int) -> list[int] | None:
     """Pager.empty's pieces for a tensor of `numel` elements of a parameter that steps in
     chunks: one per CHUNK_ALIGN elements, so that the elements of any chunk_bounds are

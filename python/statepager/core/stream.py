@@ -258,8 +258,11 @@ class StreamedOptimizer:
         buckets, where = [], {}
 
         def room(nbytes: int) -> Bucket:
+            """The last bucket, or a new one when nbytes more would pass bucket_size;
+            nbytes are counted in it."""
             cur = buckets[-1] if buckets else None
-            if cur is None or ((cur.params or cur.chunks) and cur.planned + nbytes > self.bucket_size):
+            if cur is None or ((cur.params or cur.chunks)
+                               and cur.planned + nbytes > self.bucket_size):
                 cur = Bucket(params=[], groups=[[] for _ in groups])
                 buckets.append(cur)
             cur.planned += nbytes
@@ -304,7 +307,8 @@ class StreamedOptimizer:
             return None
         if not slices.sliceable(self.optimizer) or self._deferred is None:
             return None
-        if (self.before_bucket and not self.before_chunk) or (self.after_bucket and not self.after_chunk):
+        if (self.before_bucket and not self.before_chunk) or \
+                (self.after_bucket and not self.after_chunk):
             return None
         if any(f.bounds is None and f.scratch for f in self._forms.get(id(p), {}).values()):
             return None  # stored whole already

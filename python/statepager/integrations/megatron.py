@@ -102,7 +102,7 @@ class MegatronMember:
         self.pager = pager
         self.optimizer = d  # the DistributedOptimizer
         self.megatron = Internals(d)
-        self._adopt_mains()
+        self._adopt_mains(options["bucket_size"])
         self.model_of: dict[int, torch.nn.Parameter] = {  # main -> model param
             id(main): model_param for model_param, main in self.megatron.float16_params()}
         self.bf16_grads = any(Internals.grad_dtype(p) != torch.float32
@@ -139,12 +139,12 @@ class MegatronMember:
 
     # -- setup -------------------------------------------------------------------------
 
-    def _adopt_mains(self) -> None:
+    def _adopt_mains(self, bucket_size: int) -> None:
         """Mains built outside Pager.scope() move into the pager, keeping their
-        attributes, as do mains of more than slices.CHUNK_ALIGN elements that scope()
-        made of one piece (so that they can step in chunks); Megatron's references to
-        each (its groups, the inner optimizer's param groups and state,
-        model_param.main_param) are repointed."""
+        attributes, as do mains that scope() made of one piece and that may step in
+        chunks with bucket_size (slices.may_step_in_chunks: they are made of pieces);
+        Megatron's references to each (its groups, the inner optimizer's param groups
+        and state, model_param.main_param) are repointed."""
         pager = self.pager
         # What scope() left resident goes out first: the budget may hold little more.
         pager.page_out([main for _, main in self.megatron.float16_params() if pager.owns(main)])
@@ -152,8 +152,10 @@ class MegatronMember:
         # Every copy is made before Megatron's references change: a failure leaves them.
         fresh = {}
         for _, main in self.megatron.float16_params():
-            if not pager.owns(main) or pager.pieces(main) != _pieces(main):
-                fresh[id(main)] = self._paged_copy(main)
+            pieces = slices.pieces(main.numel(), 4) \
+                if slices.may_step_in_chunks(main.numel(), bucket_size) else None
+            if not pager.owns(main) or pager.pieces(main) != (pieces or [4 * main.numel()]):
+                fresh[id(main)] = self._paged_copy(main, pieces)
         moved = self.megatron.replace_mains(lambda main: fresh.get(id(main)))
         inner = self.megatron.inner
         for group in inner.param_groups:
@@ -163,12 +165,12 @@ class MegatronMember:
                     if p in inner.state:
                         inner.state[moved[id(p)]] = inner.state.pop(p)
 
-    def _paged_copy(self, main: torch.Tensor) -> torch.Tensor:
+    def _paged_copy(self, main: torch.Tensor, pieces) -> torch.Tensor:
         """A pager tensor holding main's values and attributes, paged out; made of
-        pieces (slices.pieces), copied piece by piece. main may be a pager tensor of one
+        `pieces` (Pager.empty), copied piece by piece. main may be a pager tensor of one
         piece (scope() made it), at rest."""
         pager = self.pager
-        t = pager.empty_like(main, pieces=_pieces(main))
+        t = pager.empty_like(main, pieces=pieces)
         owned = pager.owns(main)
         if owned:
             self._page_in(main, main)
@@ -341,7 +343,3 @@ def _refusal(method: str, instead: str):
                             f"optimizer: {instead}.")
     return refuse
 
-
-def _pieces(main: torch.Tensor):
-    """The pieces of a paged main, so that it can step in chunks (slices.pieces)."""
-    return slices.pieces(main.numel(), 4)
