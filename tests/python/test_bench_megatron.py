@@ -14,7 +14,6 @@ import torch
 
 from statepager import _C, cli
 from statepager.bench import megatron as bench_megatron
-from statepager.bench.floor import source_root
 
 GiB = 1 << 30
 
@@ -297,7 +296,7 @@ def test_the_example_gpt_says_why_megatrons_offload_cannot_step_its_fp32_paramet
     parameter's shard as a view of it (a non-leaf tensor), which torch refuses: the
     example refuses the combination first, with the way out; bench megatron builds its GPT
     without that parameter (tests/gpu/test_cuda_bench_megatron.py runs offload)."""
-    path = os.path.join(source_root(), "examples", "megatron_gpt.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megatron_gpt.py")
     spec = importlib.util.spec_from_file_location("megatron_gpt_cpu_test", path)
     gpt = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gpt  # its dataclass needs it

@@ -437,9 +437,14 @@ class StreamedOptimizer:
         thread, its zero fill queued behind the next bucket's copies)."""
         if not b.working:
             return b.stored + b.undo
-        fused = {id(f) for f in (self._fused.moment_forms(b) if self._fused else None) or ()}
+        fused = {id(f) for f in self._fused_forms(b) or ()}
         scratch = [f.working for f in b.forms if f.scratch and id(f) not in fused]
         return b.stored + b.undo + scratch
+
+    def _fused_forms(self, b: Bucket):
+        """The moment forms the fused step reads in their stored form, or None where it
+        does not step the bucket (no fused step; buckets of chunks step by torch's)."""
+        return self._fused.moment_forms(b) if self._fused and not b.chunks else None
 
     def _decode(self, b: Bucket, check_params: bool = True, skip=(),
                 counting: "_Counting | None" = None) -> None:
@@ -482,13 +487,13 @@ class StreamedOptimizer:
         for (f, _), exceptions in zip(pending, codecs.finish_exceptions([p for _, p in pending])):
             f.set_exceptions(exceptions)
 
-    def _release(self, b: Bucket, wait: bool = True, scratch: bool = True,
-                 reuse_after: int = 0) -> list:
-        """Pages the stored form out and (scratch=True) drops the scratch; returns the
+    def _release(self, b: Bucket, wait: bool = True, keep=(), reuse_after: int = 0) -> list:
+        """Pages the stored form out and drops the scratch but `keep`; returns the
         handles. reuse_after: see Pager.page_out_async."""
         handles = [self.pager.page_out_async(b.stored + b.undo, reuse_after)]
-        if b.working and scratch:
-            handles.append(self.pager.discard_async(b.working))
+        drop = [t for t in b.working if all(t is not k for k in keep)]
+        if drop:
+            handles.append(self.pager.discard_async(drop))
         if wait:
             for h in handles:
                 h.wait()
@@ -619,7 +624,7 @@ class StreamedOptimizer:
                 stats.wait_in_seconds += t1 - t0
                 stats.compute_seconds += t2 - t1
                 handles = counting.hold(b, pending)  # before anything else can fail
-                handles += self._release(b, wait=False, scratch=not pending,
+                handles += self._release(b, wait=False, keep=counting.held,
                                          reuse_after=sched.reuse_after(i))
                 outs.append(handles)
                 done_out.append(handles[0])
@@ -689,7 +694,7 @@ class StreamedOptimizer:
         bucket's pending exceptions (StreamedOptimizer._encode)."""
         # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
         # stored form: they are not decoded unless it turns out not to apply.
-        fused = self._fused.moment_forms(bucket) if self._fused and not bucket.chunks else None
+        fused = self._fused_forms(bucket)
         self._decode(bucket, skip=fused or (), counting=counting)
         if atomic:
             atomic.save(bucket)
@@ -761,21 +766,23 @@ class _Counting:
     device, read with the next bucket's checks (StreamedOptimizer._decode): one device sync
     per bucket for both, and the device is not waited for while it encodes. Until they are
     read, that bucket's scratch stays mapped: a count past the kernel's room lists the
-    exceptions again from it (codecs.PendingExceptions.finish)."""
+    exceptions again from it (codecs.PendingExceptions.finish): the scratch of those masters
+    alone, the rest of the bucket's is dropped with its release."""
 
     def __init__(self, pager):
         self.pager = pager
         self.pending: list = []    # (StoredForm, codecs.PendingExceptions)
         self.handles: list = []    # the held bucket's page-out handles; its discard joins them
-        self._bucket: Bucket | None = None  # whose scratch is held
+        self.held: list = []       # the scratch kept until the counts are read
 
     def hold(self, bucket: Bucket, pending: list) -> list:
-        """The bucket just stepped, before its release, which keeps its scratch when
-        `pending`. Returns the list its page-out handles go into."""
-        assert not self.pending and self._bucket is None
+        """The bucket just stepped, before its release, which keeps `held`. Returns the
+        list its page-out handles go into."""
+        assert not self.pending and not self.held
         self.handles = []
         if pending:
-            self.pending, self._bucket = pending, bucket
+            self.pending = pending
+            self.held = [f.working for f, _ in pending]
         return self.handles
 
     def finish(self, counts: list) -> None:
@@ -791,9 +798,9 @@ class _Counting:
 
     def let_go(self) -> None:
         """Once finished: the held scratch is discarded (after the work queued on it)."""
-        if self._bucket is not None and not self.pending:
-            self.handles.append(self.pager.discard_async(self._bucket.working))
-            self._bucket = None
+        if self.held and not self.pending:
+            self.handles.append(self.pager.discard_async(self.held))
+            self.held = []
 
 
 _ABSENT = object()
