@@ -108,11 +108,6 @@ def run(gpt, setup, pager=None, **attach):
     return losses, params, flat_copies(optimizer, pager, binding), binding, peaks
 
 
-# Known failure on the H200 (2026-12-01): under Megatron the embedding's state is not
-# chunked (attach refuses hbm_budget 256 MiB: "the largest bucket (379 MiB ...)"; bench
-# megatron's 1.34 B GPT shows a 750 MiB bucket), while PagedAdamW and plain torch Adam
-# chunk (tests/python/test_split.py). strict: the mark must go when it passes.
-@pytest.mark.xfail(strict=True, reason="Megatron mains are not chunked yet (see above)")
 @pytest.mark.parametrize("grad_fp32", [False, True], ids=["bf16-grads", "fp32-grads"])
 def test_gpt_0_116b_in_chunks_under_256_mib(gpt, store_dir, grad_fp32, capsys):
     setup = gpt.Setup(layers=4, hidden=1024, heads=16, vocab=32000, steps=20,

@@ -260,3 +260,16 @@ def test_pause_resume_and_a_save_through_the_device(store_dir, tmp_path):
         assert torch.equal(p, r)
     for pg in (pager, ref_pager, pager2):
         pg.close()
+
+
+def test_chunks_also_once_dynamo_wrapped_the_optimizers_init_group(store_dir, monkeypatch):
+    """torch._dynamo wraps each optimizer class's _init_group in disable() once anything
+    compiles (Megatron's model does): AdamW's state is still created by the pager, and a
+    parameter larger than a bucket still steps in chunks."""
+    monkeypatch.setattr(torch.optim.AdamW, "_init_group",
+                        torch._dynamo.disable(torch.optim.Adam._init_group), raising=False)
+    ps = params()
+    with Pager(store_dir, page_size=PAGE) as pager:
+        opt = torch.optim.AdamW(ps, lr=1e-2)
+        binding = pager.attach(opt, bucket_size=BUCKET)
+        assert len(chunked(binding)) >= 4

@@ -8,6 +8,7 @@ memory layout, and only for parameters that have a gradient.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -83,8 +84,11 @@ class DeferredState:
 
     @staticmethod
     def for_optimizer(optimizer) -> "DeferredState | None":
+        # What the class's _init_group wraps: once anything compiles (Megatron's model
+        # does), torch._dynamo wraps each optimizer class's _init_group in disable().
         if isinstance(optimizer, torch.optim.Adam) and \
-                type(optimizer)._init_group is torch.optim.Adam._init_group:
+                inspect.unwrap(type(optimizer)._init_group) is \
+                inspect.unwrap(torch.optim.Adam._init_group):
             return DeferredState(optimizer)
         return None
 
