@@ -26,18 +26,7 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/statepager-gpu-out}
 SHM=${SHM:-/dev/shm/statepager-benchmeg}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G "python/statepager/_C*.so" >/dev/null; then
-  export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
-fi
-if [ ! -d /tmp/site/megatron ] && compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-fi
-[ -d /tmp/site/megatron ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
-if [ ! -x .deps/fio/usr/bin/fio ] && [ -f .deps/fio.tar.xz ]; then
-  tar -C .deps -xJf .deps/fio.tar.xz
-fi
+source scripts/gpu_env.sh
 
 part() {  # part NAME LIMIT_S COMMAND...: runs it under a time limit, says how long it took
   local name=$1 limit=$2 start=$SECONDS

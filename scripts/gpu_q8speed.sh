@@ -19,15 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/statepager-q8speed-out}
 SHM=${SHM:-/dev/shm/statepager-q8speed}
 mkdir -p "$OUT" "$SHM"
-export PYTHONUNBUFFERED=1
-if compgen -G "python/statepager/_C*.so" >/dev/null; then
-  export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
-fi
-if [ ! -d /tmp/site/megatron ] && compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-fi
-[ -d /tmp/site/megatron ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
+source scripts/gpu_env.sh
 
 part() {  # part NAME LIMIT_S LOG COMMAND...: runs it under a time limit into $OUT/LOG
   local name=$1 limit=$2 log=$OUT/$3 start=$SECONDS

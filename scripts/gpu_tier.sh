@@ -23,8 +23,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G "build/gpu/python/_C*.so" >/dev/null; then
   cp build/gpu/python/_C*.so python/statepager/
-  export PYTHONPATH=$PWD/python
 fi
+source scripts/gpu_env.sh  # fio for the half-budget floor
 if ! python3 -c "import torch_memory_saver" 2>/dev/null && compgen -G ".whl/torch_memory_saver-0.0.10*.whl" >/dev/null; then
   python3 -m pip install -q --no-deps .whl/torch_memory_saver-0.0.10*.whl 2>&1 | tail -2 || true
 fi
