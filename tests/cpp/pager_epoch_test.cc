@@ -15,6 +15,7 @@
 #include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
+#include "tests/cpp/child_process.h"
 #include "tests/cpp/temp_dir.h"
 
 namespace statepager {
@@ -98,28 +99,6 @@ size_t store_size(Pager& pager) {
   size_t bytes = 0;
   for (const std::string& path : pager.store_files()) bytes += file_size(path);
   return bytes;
-}
-
-// Runs `body` in a child process (it may set resource limits); true when it returned.
-bool in_child(const std::function<void()>& body) {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    int code = 0;
-    try {
-      body();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "child: %s\n", e.what());
-      code = 1;
-    }
-    _exit(code);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-void check(bool ok, const char* what) {
-  if (!ok) throw std::runtime_error(what);
 }
 
 TEST_P(EpochTest, CommitKeepsTheNewBytes) {

@@ -12,6 +12,7 @@
 #include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
+#include "child_process.h"
 #include "temp_dir.h"
 
 namespace statepager {
@@ -79,27 +80,6 @@ size_t count(Pager& pager, const std::vector<ExtentId>& ids, Residency state) {
   size_t n = 0;
   for (ExtentId id : ids) n += pager.residency(id) == state;
   return n;
-}
-
-bool in_child(const std::function<void()>& body) {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    int code = 0;
-    try {
-      body();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "child: %s\n", e.what());
-      code = 1;
-    }
-    _exit(code);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-void check(bool ok, const char* what) {
-  if (!ok) throw std::runtime_error(what);
 }
 
 TEST_F(HostTierTest, BudgetThatHoldsTheStateMovesNoFileBytes) {
