@@ -491,6 +491,26 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("shape"), py::arg("dtype"), py::arg("store") = "",
            py::arg("strides") = py::none(), py::arg("pieces") = py::none())
+      // Host memory the device's copies reach directly (Device::alloc_staging: pinned on
+      // CUDA), exactly `nbytes` rounded to 4 KiB: torch's pinned allocator would round each
+      // allocation up to a power of two. Freed with the tensor; the pager outlives it.
+      // Without the GIL: pinning pages takes time in proportion to their number.
+      .def("host_empty",
+           [](PyPager& self, size_t nbytes) {
+             if (nbytes == 0) throw UsageError("Pager.host_empty: nbytes must be positive");
+             std::shared_ptr<Pager> keep = self.pager;
+             void* p = keep->device().alloc_staging(nbytes);
+             auto deleter = [keep, nbytes](void* ptr) {
+               try {
+                 keep->device().free_staging(ptr, nbytes);
+               } catch (const std::exception& e) {  // deleters are noexcept: report it
+                 std::fprintf(stderr, "statepager: freeing host memory failed: %s\n", e.what());
+               }
+             };
+             return torch::from_blob(p, {static_cast<int64_t>(nbytes)}, deleter,
+                                     torch::TensorOptions().dtype(torch::kUInt8));
+           },
+           py::arg("nbytes"), release_gil())
       .def("move_to_store",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, const std::string& store) {
              self.pager->move_to_store(self.extents_of(tensors), self.pager->open_store(store));

@@ -233,9 +233,13 @@ def test_adamw_kernel_is_torch_foreach(fmt, n, offset, hyper):
 
 # ------------------------------------------------------------------ the streamed step
 
-def model(seed=0):
+SHAPES = [(512, 384), (1000,), (3, 5, 7), (257, 129), (4096 * 3 + 1,)]
+# Larger than the 1 MiB buckets: they step in chunks (of 262144 elements).
+BIG_SHAPES = [(3 * 262144 + 1000,), (77,), (640, 1024)]
+
+
+def model(seed=0, shapes=SHAPES):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(512, 384), (1000,), (3, 5, 7), (257, 129), (4096 * 3 + 1,)]
     return [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16))
             for s in shapes]
 
@@ -250,10 +254,12 @@ def fused_calls(monkeypatch):
     return calls
 
 
-def run(store_dir, moments, mains, kernels, steps=6, fused=True):
+def run(store_dir, moments, mains, kernels, steps=6, fused=True, shapes=SHAPES):
+    """Params and state_dict after `steps` steps, and the kernels one step launches where
+    the fused step runs (one per parameter, or per chunk of one)."""
     C.use_kernels(kernels)
     fused_adamw.use_fused(fused)
-    ps = model()
+    ps = model(shapes=shapes)
     with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
         opt = PagedAdamW(ps, pager=pager, lr=1e-2, weight_decay=0.1, bucket_size=1 * MiB,
                          moments=moments, mains=mains)
@@ -262,10 +268,11 @@ def run(store_dir, moments, mains, kernels, steps=6, fused=True):
                 g = torch.Generator().manual_seed(100 * k + i)
                 p.grad = torch.randn(p.shape, generator=g).to("cuda", torch.bfloat16)
                 if k == 2 and i == 0:
-                    p.grad[0, :5] = float("inf")  # a non-finite block in the moments
+                    p.grad.view(-1)[:5] = float("inf")  # a non-finite block in the moments
             opt.step()
         state = opt.state_dict()
-        return [p.detach().cpu() for p in ps], state
+        launches = sum(len(b.params) + len(b.chunks) for b in opt.binding.buckets)
+        return [p.detach().cpu() for p in ps], state, launches
 
 
 def flat_state(state):
@@ -277,14 +284,33 @@ def flat_state(state):
 @pytest.mark.parametrize("moments,mains", [("q8", "residual"), ("q8", "fp32"),
                                            ("bf16", "residual"), ("fp32", "residual")])
 def test_streamed_step_with_kernels_is_without(tmp_path, moments, mains, fused, fused_calls):
-    ref_params, ref_state = run(str(tmp_path / "ref"), moments, mains, kernels=False)
+    ref_params, ref_state, _ = run(str(tmp_path / "ref"), moments, mains, kernels=False)
     assert not fused_calls
     try:
-        params, state = run(str(tmp_path / "k"), moments, mains, kernels=True, fused=fused)
+        params, state, _ = run(str(tmp_path / "k"), moments, mains, kernels=True, fused=fused)
     finally:
         fused_adamw.use_fused(True)
-    # The first step creates the state (torch's own step); the 5 after it are fused.
-    assert fused_calls == ([moments] * 5 * len(params) if fused else [])
+    # Every step fused, the first too (the binding creates the state, zero, before it).
+    assert fused_calls == ([moments] * 6 * len(params) if fused else [])
+    same_run(params, state, ref_params, ref_state)
+
+
+@pytest.mark.parametrize("moments,mains", [("q8", "residual"), ("fp32", "fp32"),
+                                           ("bf16", "residual")])
+def test_fused_step_on_chunks_is_torch_on_chunks(tmp_path, moments, mains, fused_calls):
+    """Parameters larger than a bucket: one fused kernel per chunk, each from the count of
+    before the step, give the bits of torch's step on the same chunks."""
+    ref_params, ref_state, _ = run(str(tmp_path / "ref"), moments, mains, kernels=False,
+                                   shapes=BIG_SHAPES)
+    params, state, launches = run(str(tmp_path / "k"), moments, mains, kernels=True,
+                                  shapes=BIG_SHAPES)
+    assert launches > len(BIG_SHAPES)  # chunks
+    assert fused_calls == [moments] * 6 * launches
+    same_run(params, state, ref_params, ref_state)
+    assert [s["step"].item() for s in state["state"].values()] == [6.0] * len(BIG_SHAPES)
+
+
+def same_run(params, state, ref_params, ref_state):
     for a, b in zip(params, ref_params):
         assert torch.equal(bits(a), bits(b))
     got, want = flat_state(state), flat_state(ref_state)

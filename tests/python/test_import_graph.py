@@ -54,12 +54,12 @@ FOREIGN = {
         "_apply": "torch.nn.Module._apply, recognized on the stack (its code object)",
         "_getframe": "sys._getframe, to walk that stack",
     },
-    "statepager.core.atomic": {
-        "_foreach_copy_": "torch._foreach_copy_, the batched copy of undo copies",
-    },
     "statepager.bench.step": {
         "_fused_adamw_": "torch._fused_adamw_, the floor of the step bench",
         "_statepager_mmap": "keeps the mmap under a torch.frombuffer tensor alive",
+    },
+    "statepager.bench.tms": {
+        "_exit": "os._exit: the child skips teardown, which torch-memory-saver aborts",
     },
     "statepager.integrations.megatron_internals": {
         "_get_model_param_range_map": "Megatron: a param's range in its DDP bucket",

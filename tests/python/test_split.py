@@ -13,7 +13,9 @@ from statepager.core.slices import CHUNK_ALIGN
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 64 * KiB
 BUCKET = 4 * MiB
-SHAPE = (1100, 1024)  # 1.13 M elements: 4.3 MiB fp32, 5 chunks of at most 262144
+# 1.13 M elements: in 4 MiB buckets, its two fp32 moments (8 bytes per element) step in 3
+# chunks of at most 524288 elements, and with amsgrad's third (12 bytes) in 5 of 262144.
+SHAPE = (1100, 1024)
 
 
 def params(seed=0, dtype=torch.float32):
@@ -60,8 +62,9 @@ def test_split_parameter_steps_as_unpaged(store_dir, variant):
             ref_opt.step()
             opt.step()
             check_window(pager, binding)
-        assert len(chunked(binding)) == 5
-        assert binding.buckets[0].chunks[0].stop == CHUNK_ALIGN
+        amsgrad = opt.param_groups[0]["amsgrad"]
+        assert len(chunked(binding)) == (5 if amsgrad else 3)
+        assert binding.buckets[0].chunks[0].stop == (1 if amsgrad else 2) * CHUNK_ALIGN
         for p, r in zip(ps, ref):
             assert torch.equal(p, r)
         state = opt.state_dict()["state"]
@@ -118,7 +121,7 @@ def test_state_dict_round_trip(store_dir):
         opt2 = torch.optim.AdamW(ps2, lr=1e-2)
         binding2 = pager.attach(opt2, bucket_size=BUCKET)
         opt2.load_state_dict(copy.deepcopy(sd))  # torch keeps what it loads
-        assert len(chunked(binding2)) == 5
+        assert len(chunked(binding2)) == 3
         ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
         ref_opt = torch.optim.AdamW(ref, lr=1e-2)
         ref_opt.load_state_dict(copy.deepcopy(sd))
@@ -272,4 +275,4 @@ def test_chunks_also_once_dynamo_wrapped_the_optimizers_init_group(store_dir, mo
     with Pager(store_dir, page_size=PAGE) as pager:
         opt = torch.optim.AdamW(ps, lr=1e-2)
         binding = pager.attach(opt, bucket_size=BUCKET)
-        assert len(chunked(binding)) >= 4
+        assert len(chunked(binding)) == 3

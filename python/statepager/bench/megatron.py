@@ -340,7 +340,7 @@ def _scope_pool_bytes() -> int:
 
 def _bytes(binding, kind: str) -> int:
     """Bytes of the buckets' `kind` tensors ("stored": the state at rest; "undo": the
-    atomic steps' copies of what a step overwrites outside the pager)."""
+    atomic steps' host copies of what a step overwrites outside the pager)."""
     return sum(t.numel() * t.element_size() for s in binding.streams for b in s.buckets
                for t in getattr(b, kind))
 
@@ -354,15 +354,10 @@ def _moment_bytes(fmt: str, n: int) -> int:
 def host_budget_for(params, moments: str, mains: str) -> int:
     """Host tier bytes that hold the paged state of `params` (the trained ones; one rank,
     so each is one main) through atomic steps: the state twice (a step's old bytes stay
-    until it commits), the undo copies of residual mains' bf16 params, and 3% + 256 MiB
-    for the tier's 4 KiB rounding."""
-    state = undo = 0
-    for p in params:
-        if p.requires_grad:
-            n = p.numel()
-            state += (4 if mains == "fp32" else 2) * n + 2 * _moment_bytes(moments, n)
-            undo += 2 * n if mains == "residual" else 0
-    return int((2 * state + undo) * 1.03) + 256 * MiB
+    until it commits), and 3% + 256 MiB for the tier's 4 KiB rounding."""
+    state = sum((4 if mains == "fp32" else 2) * p.numel() + 2 * _moment_bytes(moments, p.numel())
+                for p in params if p.requires_grad)
+    return int(2 * state * 1.03) + 256 * MiB
 
 
 def _median(values: list) -> int:
@@ -576,15 +571,13 @@ def config_lines(c: dict) -> list[str]:
         reads = [a + b for a, b in zip(p["bytes_read"], p["bytes_from_host"])]
         one_pass = all(x == p["stored_bytes"] for x in reads)
         writes = [a + b for a, b in zip(p["bytes_written"], p["bytes_to_host"])]
-        undo = p["undo_bytes"]  # statepager.core.atomic
-        written = all(x == p["stored_bytes"] + undo for x in writes)
-        plus = f" + undo copies {undo / 1e9:.2f} GB" if undo else ""
-        line = (f"stored state {p['stored_bytes'] / 1e9:.2f} GB; per step read = stored: "
-                f"{one_pass}, written = stored{plus}: {written}")
-        if undo:
-            line += (" (atomic steps copy the bf16 params that residual mains are stored "
-                     "against; only a failed step reads them back)")
-        notes.append(line)
+        written = all(x == p["stored_bytes"] for x in writes)
+        notes.append(f"stored state {p['stored_bytes'] / 1e9:.2f} GB; per step read = stored: "
+                     f"{one_pass}, written = stored: {written}")
+        if p["undo_bytes"]:  # statepager.core.atomic
+            notes.append(f"atomic steps' undo copies: {p['undo_bytes'] / 1e9:.2f} GB of pinned "
+                         "host memory (the bf16 params residual mains are stored against, "
+                         "copied from the device each step; only a failed step reads them)")
         if p["host_budget"]:
             notes.append(f"host tier {p['host_budget'] / 1e9:.2f} GB pinned, "
                          f"{p['host_used'] / 1e9:.2f} GB in use after the steps; spilled to "

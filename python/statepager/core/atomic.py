@@ -10,15 +10,19 @@ it needs to put each back:
   resident state of parameters kept out of the pager) is copied at the start, param
   groups and grads are remembered, and so are the residual formats' exception lists;
   parameters the pager does not own, which the optimizer updates in place, are copied
-  into pager tensors (UndoCopies) right before their bucket steps, paged out with the
-  bucket and read back only when the step fails;
+  into host memory (UndoCopies) right before their bucket steps, read back only when the
+  step fails;
 - model parameters that the after_bucket hook writes from the masters (`model_param`):
   with fp32 masters they are rewritten from the restored masters, which costs the step
   nothing; residual masters are stored relative to them, so there they get undo copies.
 
 What it costs: the store needs room for a second copy of what a step writes (the old
-bytes stay until the commit; freed ranges are reused by the next step), and unowned
-parameters (and residual masters' model parameters) are written once more per step.
+bytes stay until the commit; freed ranges are reused by the next step); the undo copies
+take host memory, pinned for a CUDA pager (2 bytes per element of a residual master's
+bf16 parameter, the parameter's own size for unowned ones), and one device-to-host copy
+of them per step. They do not go through the pager: in its store they were written every
+step and never read (a third more bytes written than a q8 + residual step's state), and
+they would take room in the step's window of HBM.
 """
 from __future__ import annotations
 
@@ -26,18 +30,18 @@ from typing import Callable
 
 import torch
 
-from statepager.core import slices
 
 
 class UndoCopies:
-    """Per binding: one pager tensor for each tensor a step overwrites outside the pager,
-    created on first use and kept (ZERO, holding nothing) between steps.
+    """Per binding: one host tensor for each tensor a step overwrites outside the pager,
+    created on first use and kept between steps (Pager.host_like: pinned for a CUDA pager,
+    so that the copy before a bucket steps is queued on the device, not waited for).
 
     targets(params): the parameters the pager does not own, and for owned masters their
     model parameter when `mirror` is given (residual masters)."""
 
-    def __init__(self, pager, store: str, mirror: Callable | None = None):
-        self.pager, self.store, self.mirror = pager, store, mirror
+    def __init__(self, pager, mirror: Callable | None = None):
+        self.pager, self.mirror = pager, mirror
         self._copies: dict[int, torch.Tensor] = {}  # id(param) -> the copy of its target
 
     def _target(self, p):
@@ -54,21 +58,18 @@ class UndoCopies:
         return [t for t in whole if t is not None] + [c.of(t) for c, t in parts if t is not None]
 
     def copies(self, params, chunks=()) -> list:
-        """The pager tensors for targets(params, chunks), in the same order: a chunk's is
-        the part of its parameter's copy, which is made of pieces (slices.pieces)."""
-        out = [self._copy(p, t, False) for p in params
-               if (t := self._target(p)) is not None]
-        out += [c.of(self._copy(c.param, t, True)) for c in chunks
+        """The host tensors for targets(params, chunks), in the same order: a chunk's is
+        the part of its parameter's copy."""
+        out = [self._copy(p, t) for p in params if (t := self._target(p)) is not None]
+        out += [c.of(self._copy(c.param, t)) for c in chunks
                 if (t := self._target(c.param)) is not None]
         return out
 
-    def _copy(self, p, t: torch.Tensor, in_pieces: bool) -> torch.Tensor:
-        pieces = slices.pieces(t.numel(), t.element_size()) if in_pieces else None
+    def _copy(self, p, t: torch.Tensor) -> torch.Tensor:
         copy = self._copies.get(id(p))
         if copy is None or copy.shape != t.shape or copy.dtype != t.dtype or \
-                self.pager.pieces(copy) != (pieces or [t.numel() * t.element_size()]):
-            copy = self._copies[id(p)] = self.pager.empty_like(t, pieces=pieces)  # t's layout
-            self.pager.move_to_store([copy], self.store)
+                copy.stride() != t.stride():
+            copy = self._copies[id(p)] = self.pager.host_like(t)  # chunks are views of it
         return copy
 
 
@@ -86,7 +87,7 @@ class AtomicStep:
         # At rest, so that the epoch covers their bytes (a tensor left resident since the
         # last step is written now, as the step would have written it).
         pager.page_out([t for b in self.buckets for t in b.stored])
-        pager.discard_async([t for b in self.buckets for t in b.working + b.undo]).wait()
+        pager.discard_async([t for b in self.buckets for t in b.working]).wait()
         self._state = _copy_state(self.optimizer.state, pager)
         self._groups = [{k: v for k, v in g.items() if k != "params"}
                         for g in self.optimizer.param_groups]
@@ -97,11 +98,11 @@ class AtomicStep:
         self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
 
     def save(self, bucket) -> None:
-        """Before the bucket steps: copies what it will overwrite (its pages are in)."""
-        targets = self.undo.targets(bucket.params, bucket.chunks)
-        if targets:
-            with torch.no_grad():
-                torch._foreach_copy_(bucket.undo, targets)
+        """Before the bucket steps: copies what it will overwrite, queued on the current
+        stream before the step's own work (the copies are read only after a sync)."""
+        with torch.no_grad():
+            for copy, target in zip(bucket.undo, self.undo.targets(bucket.params, bucket.chunks)):
+                copy.copy_(target, non_blocking=True)
         self._saved.append(bucket)
 
     def writing(self, bucket) -> None:
@@ -110,17 +111,14 @@ class AtomicStep:
 
     def commit(self) -> None:
         self.epoch.commit()
-        self.pager.discard_async([t for b in self._saved for t in b.undo]).wait()
 
     def roll_back(self) -> None:
         """After a failure, once no bucket is in flight: everything as before the step."""
-        pager = self.pager
         self.epoch.abort()
         with torch.no_grad():
-            for b in [b for b in self._saved if b.undo]:  # one bucket's copies at a time
-                pager.page_in(b.undo)  # the bucket being stepped still has them resident
-                torch._foreach_copy_(self.undo.targets(b.params, b.chunks), b.undo)
-                pager.discard_async(b.undo).wait()
+            for b in self._saved:  # stream-ordered after the copies save() queued
+                for target, copy in zip(self.undo.targets(b.params, b.chunks), b.undo):
+                    target.copy_(copy)
             if self.rebuild_mirror is not None:
                 for b in self._written:
                     self._rebuild_mirrors(b)

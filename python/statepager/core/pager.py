@@ -161,6 +161,19 @@ class Pager:
         like = torch.empty_like(t, dtype=dtype, device="meta")
         return self.empty(like.shape, dtype=like.dtype, strides=like.stride(), pieces=pieces)
 
+    def host_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An ordinary CPU tensor shaped and laid out as torch.empty_like(t), uninitialized,
+        in host memory this pager's device copies to and from directly (pinned on CUDA, so
+        that copy_(non_blocking=True) is queued, not waited for) and of exactly its size:
+        torch's pinned allocator rounds each allocation up to a power of two. Its memory
+        is freed with it."""
+        like = torch.empty_like(t, device="meta")
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            return torch.empty_like(t, device="cpu")
+        flat = self._core.host_empty(nbytes).view(like.dtype)
+        return flat.as_strided(like.shape, like.stride())
+
     def pieces(self, t: torch.Tensor) -> list[int]:
         """The byte sizes of the pieces t's storage is made of (empty(pieces=...)); one
         for a tensor made without."""

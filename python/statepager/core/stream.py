@@ -74,12 +74,13 @@ class Bucket:
     params: list                                 # distinct parameters, in param_groups order
     groups: list = field(default_factory=list)   # per param group: its params in this bucket
     chunks: list = field(default_factory=list)   # Chunks of parameters that step in chunks
+    chunk_forms: list = field(default_factory=list)  # per chunk: its StoredForms by name
     stored: list = field(default_factory=list)   # paged tensors that persist (moved by I/O)
     working: list = field(default_factory=list)  # scratch fp32 tensors of narrow formats
     forms: list = field(default_factory=list)    # StoredForm of every paged tensor
-    undo: list = field(default_factory=list)     # copies of what a step overwrites outside
-                                                 # the pager (statepager.atomic)
-    nbytes: int = 0                              # bytes resident while the bucket steps
+    undo: list = field(default_factory=list)     # host copies of what a step overwrites
+                                                 # outside the pager (statepager.atomic)
+    nbytes: int = 0                              # bytes mapped while the bucket steps
     planned: int = 0                             # bytes planned for it (state to come included)
 
 
@@ -139,7 +140,7 @@ class StreamedOptimizer:
         for i, group in enumerate(optimizer.param_groups):
             self.check_group(group, i)
         self.atomic = atomic
-        self._undo = UndoCopies(pager, name, model_param if mains == "residual" else None)
+        self._undo = UndoCopies(pager, model_param if mains == "residual" else None)
         self._buckets = self._plan()
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
@@ -223,31 +224,35 @@ class StreamedOptimizer:
         return self.pager.empty_like(t, dtype=dtype, pieces=pieces)
 
     def _fill(self, b: Bucket) -> None:
+        b.chunk_forms = [{name: f.chunk(c.start, c.stop) for name, f in self.forms(c.param)}
+                         for c in b.chunks]
         b.forms = [f for p in b.params for _, f in self.forms(p)]
-        b.forms += [f.chunk(c.start, c.stop) for c in b.chunks for _, f in self.forms(c.param)]
+        b.forms += [f for named in b.chunk_forms for f in named.values()]
         b.stored = [t for f in b.forms for t in f.tensors]
         self.pager.move_to_store(b.stored, self.name)  # this binding's own store
         b.working = [f.working for f in b.forms if f.scratch]
         b.undo = self._undo.copies(b.params, b.chunks) if self.atomic else []
-        b.nbytes = sum(t.numel() * t.element_size() for t in b.stored + b.working + b.undo)
+        b.nbytes = _bytes(self._incoming(b))
 
     def _layout(self) -> list:
         """What a plan is made for: the parameters of each param group, by identity."""
         return [[id(p) for p in g["params"]] for g in self.optimizer.param_groups]
 
     def _planned_bytes(self, p, group: dict) -> int:
-        """Bytes p's paged tensors take while its bucket steps; for state yet to be
+        """Bytes p's paged tensors map while its bucket steps (moments the fused step
+        reads in their stored form without their fp32 scratch); for state yet to be
         created, an estimate (the optimizer's count of param-shaped tensors, else 2)."""
         if self._resident(p):
             return 0
-        nbytes = sum(_form_bytes(v, self.moments) for v in self.optimizer.state.get(p, {}).values()
+        scratch = not (self._fused and self._fused.may_step(group, p))
+        state = self.optimizer.state.get(p, {})
+        nbytes = sum(_form_bytes(v, self.moments, scratch) for v in state.values()
                      if self.pager.owns(v))
         if self.pager.owns(p):
             nbytes += _form_bytes(p, self.mains)
-        if not self.optimizer.state.get(p):
+        if not state:
             count = self._deferred.moments(group) if self._deferred else 2
-            per = p.numel() * p.element_size() * (1 if self.moments == "fp32" else 2)
-            nbytes += count * per
+            nbytes += count * _form_bytes(p, self.moments, scratch)
         return nbytes
 
     def _plan(self) -> list[Bucket]:
@@ -274,9 +279,6 @@ class StreamedOptimizer:
                 b = where.get(id(p))
                 if b is None:
                     nbytes = self._planned_bytes(p, group)
-                    if self.atomic:  # its undo copy (statepager.atomic)
-                        nbytes += sum(t.numel() * t.element_size()
-                                      for t in self._undo.targets([p]))
                     bounds = self._chunking(p, nbytes)
                     if bounds:
                         split[id(p)] = bounds
@@ -430,21 +432,21 @@ class StreamedOptimizer:
     # -- residency of one bucket ---------------------------------------------------
 
     def _incoming(self, b: Bucket) -> list:
-        """What a bucket's page-in brings in the step: its stored forms, its undo copies,
-        and the scratch its decode fills (zero-filled, nothing read): not that of moments
-        the fused step reads in their stored form. Paged in with the rest, the scratch
-        costs the step no wait of its own (a page-in is a round trip through the I/O
-        thread, its zero fill queued behind the next bucket's copies)."""
+        """What a bucket's page-in brings in the step: its stored forms and the scratch
+        its decode fills (zero-filled, nothing read): not that of moments the fused step
+        reads in their stored form. Paged in with the rest, the scratch costs the step no
+        wait of its own (a page-in is a round trip through the I/O thread, its zero fill
+        queued behind the next bucket's copies)."""
         if not b.working:
-            return b.stored + b.undo
+            return b.stored
         fused = {id(f) for f in self._fused_forms(b) or ()}
         scratch = [f.working for f in b.forms if f.scratch and id(f) not in fused]
-        return b.stored + b.undo + scratch
+        return b.stored + scratch
 
     def _fused_forms(self, b: Bucket):
         """The moment forms the fused step reads in their stored form, or None where it
-        does not step the bucket (no fused step; buckets of chunks step by torch's)."""
-        return self._fused.moment_forms(b) if self._fused and not b.chunks else None
+        does not step the bucket."""
+        return self._fused.moment_forms(b) if self._fused else None
 
     def _decode(self, b: Bucket, check_params: bool = True, skip=(),
                 counting: "_Counting | None" = None) -> None:
@@ -490,7 +492,7 @@ class StreamedOptimizer:
     def _release(self, b: Bucket, wait: bool = True, keep=(), reuse_after: int = 0) -> list:
         """Pages the stored form out and drops the scratch but `keep`; returns the
         handles. reuse_after: see Pager.page_out_async."""
-        handles = [self.pager.page_out_async(b.stored + b.undo, reuse_after)]
+        handles = [self.pager.page_out_async(b.stored, reuse_after)]
         drop = [t for t in b.working if all(t is not k for k in keep)]
         if drop:
             handles.append(self.pager.discard_async(drop))
@@ -587,7 +589,7 @@ class StreamedOptimizer:
         ahead = max(1, self.depth - 2)
         incoming = [self._incoming(b) for b in buckets]
         named_in = [_bytes(x) for x in incoming]
-        scratch = [m - _bytes(b.stored + b.undo) for m, b in zip(named_in, buckets)]
+        scratch = [m - _bytes(b.stored) for m, b in zip(named_in, buckets)]
         sched = _Schedule(named_in, scratch, ahead)
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
         # the store into free host room (bounded by it: the pager never makes room for a
@@ -605,7 +607,7 @@ class StreamedOptimizer:
         def page_in(j: int) -> None:
             ins[j] = pager.page_in_async(incoming[j])
             for k in range(max(j + 1, max(aheads, default=0) + 1), min(j + read_ahead + 1, n)):
-                aheads[k] = pager.read_ahead_async(buckets[k].stored + buckets[k].undo)
+                aheads[k] = pager.read_ahead_async(buckets[k].stored)
         try:
             for j in range(min(ahead + 1, n)):
                 page_in(j)
@@ -702,6 +704,12 @@ class StreamedOptimizer:
             self.before_bucket(bucket.params)
         for c in bucket.chunks if self.before_chunk else ():
             self.before_chunk(c.param, c.start, c.stop)
+        if self._create_deferred_state(bucket) or self._chunks_got_state(bucket):
+            self._fill(bucket)
+            fused = self._fused_forms(bucket)
+            # Their new state is zero: paged in zero-filled, nothing read (decoded, where
+            # the fused step does not read the moments as stored, by the same zero fill).
+            self.pager.page_in(bucket.stored + (bucket.working if fused is None else []))
         if fused is not None and self._fused.ready(bucket):
             self._fused.step(bucket)
         else:
@@ -718,17 +726,23 @@ class StreamedOptimizer:
             self.after_chunk(c.param, c.start, c.stop)
         return self._encode(bucket, skip=fused or ())
 
-    def _fill_again(self, bucket: Bucket) -> bool:
-        """Fills the bucket anew; True when that added tensors."""
-        known = len(bucket.forms)
-        self._fill(bucket)
-        return len(bucket.forms) != known
+    def counters_before(self, p) -> dict:
+        """p's scalar state (Adam's step count) as it was before this step, for a parameter
+        that steps in chunks: taken at its first chunk, so that each chunk steps from it
+        and the count advances once per step (slices.step_in_slices)."""
+        return self._counts.setdefault(id(p), slices.counters(self.optimizer.state.get(p) or {}))
+
+    def _chunks_got_state(self, bucket: Bucket) -> bool:
+        """True when a parameter of which the bucket holds a chunk got paged state that
+        the bucket does not hold yet (created at the bucket of its first chunk)."""
+        for c, named in zip(bucket.chunks, bucket.chunk_forms):
+            state = self.optimizer.state.get(c.param, {})
+            if any(k not in named and self.pager.owns(v) for k, v in state.items()):
+                return True
+        return False
 
     def _raw_step_bucket(self, bucket: Bucket) -> None:
         """The optimizer's own step on the bucket's parameters (their state decoded)."""
-        if self._create_deferred_state(bucket):
-            self._fill(bucket)
-            self.pager.page_in(bucket.stored + bucket.working)  # zero-filled, nothing read
         groups = self.optimizer.param_groups
         if bucket.params:
             saved = [g["params"] for g in groups]
@@ -743,9 +757,6 @@ class StreamedOptimizer:
             finally:
                 for g, params in zip(groups, saved):
                     g["params"] = params
-        if bucket.chunks and self._fill_again(bucket):
-            # State an earlier bucket created for a parameter whose chunk this one holds.
-            self.pager.page_in(bucket.stored + bucket.working)  # zero-filled, nothing read
         for c in bucket.chunks:
             state = self.optimizer.state.get(c.param)
             if c.param.grad is not None and not state:
@@ -753,9 +764,8 @@ class StreamedOptimizer:
                     f"{type(self.optimizer).__name__} created no state for a parameter that "
                     "steps in chunks before its step: attach an optimizer whose state "
                     "torch.optim.Adam creates (not overriding _init_group), or raise bucket_size")
-            before = self._counts.setdefault(id(c.param), slices.counters(state or {}))
             slices.step_in_slices(self.optimizer, self._raw_step, c.group, c.param,
-                                  [(c.start, c.stop)], before)
+                                  [(c.start, c.stop)], self.counters_before(c.param))
         if self._adopt(bucket):  # state the optimizer created lazily in this step
             self._fill(bucket)
             self.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
@@ -806,18 +816,19 @@ class _Counting:
 _ABSENT = object()
 
 
-def _form_bytes(t: torch.Tensor, fmt: str) -> int:
-    """Bytes the StoredForm of working tensor t takes resident: t, and its stored
-    tensors when they are not t itself."""
+def _form_bytes(t: torch.Tensor, fmt: str, scratch: bool = True) -> int:
+    """Bytes the StoredForm of working tensor t maps while it steps: its stored tensors,
+    and t itself when it is stored (fp32) or decoded into (scratch)."""
     n = t.numel()
-    extra = {"fp32": 0, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n), "residual": 2 * n}
-    return n * t.element_size() + extra[fmt]
+    stored = {"fp32": 0, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n), "residual": 2 * n}
+    working = n * t.element_size() if scratch or fmt == "fp32" else 0
+    return stored[fmt] + working
 
 
 class _Schedule:
     """When each bucket of a step is needed again, in bytes named in page-ins (the clock
     of Pager.page_out_async's reuse_after). The step names bucket k's incoming tensors
-    (named_in[k]: stored forms, undo copies, scratch) when it issues its page-in (the
+    (named_in[k]: stored forms and scratch) when it issues its page-in (the
     first ahead + 1 at once, then one after each bucket stepped) and its scratch again
     when it steps (named_at_step[k]: the decode's page-in); steps repeat the same order,
     so bucket i, paged out after its step, is needed again one step's bytes after its

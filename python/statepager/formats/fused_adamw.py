@@ -10,8 +10,10 @@ It applies to a bucket when the optimizer's step is torch.optim.Adam's (Adam, Ad
 PagedAdamW) and would run its foreach implementation (foreach=True, or foreach and fused
 left None, as by default), with decoupled weight decay (AdamW) or none, no amsgrad,
 maximize, capturable or differentiable, float hyperparameters; every parameter of the
-bucket has its state already (its first step is torch's own), and every grad is fp32
-with its parameter's memory layout. Otherwise the bucket steps as before. The codec
+bucket has its state (the binding creates it, zero, before a parameter's first step),
+and every grad is fp32 with its parameter's memory layout. Otherwise the bucket steps as
+before. A parameter that steps in chunks (statepager.core.slices) steps one kernel per
+chunk, each from the count of before the step, the count advancing once. The codec
 kernels' switch (codecs.use_kernels) turns it off too; STATEPAGER_FUSED_ADAMW=0 turns off
 just this.
 """
@@ -65,64 +67,75 @@ class FusedStep:
         self.binding = binding
         self.optimizer = binding.optimizer
 
+    def may_step(self, group: dict, p: torch.Tensor) -> bool:
+        """True when the fused step may run parameter p of param group `group` (once it
+        has its state): what the bucket's plan counts on (no fp32 scratch of the moments)."""
+        return _fused_on and _group_fusable(group) and p.dtype == torch.float32 \
+            and _kernels_for(p)
+
     def moment_forms(self, bucket) -> list | None:
-        """The stored forms of the bucket's moments when the fused step may run it (its
-        grads are checked later, by ready()): they need not be decoded. None otherwise."""
-        if not (_fused_on and self.optimizer.param_groups):
-            return None
-        if not all(_group_fusable(g) for g, params in zip(self.optimizer.param_groups,
-                                                          bucket.groups) if params):
-            return None
+        """The stored forms of the bucket's moments (its chunks' included) when the fused
+        step may run it (its grads are checked later, by ready()): they need not be
+        decoded. None otherwise."""
+        groups = self.optimizer.param_groups
+        members = [(groups[gi], p, dict(self.binding.forms(p)))
+                   for gi, params in enumerate(bucket.groups) for p in params]
+        members += [(groups[c.group], c.param, named)
+                    for c, named in zip(bucket.chunks, bucket.chunk_forms)]
         forms = []
-        for p in bucket.params:
-            if not (p.dtype == torch.float32 and _kernels_for(p)):
-                return None
+        for group, p, named in members:
             state = self.optimizer.state.get(p)
-            named = dict(self.binding.forms(p))
-            if not state or "exp_avg" not in named or "exp_avg_sq" not in named \
+            if not self.may_step(group, p) or not state or "exp_avg" not in named \
+                    or "exp_avg_sq" not in named \
                     or not isinstance(state.get("step"), torch.Tensor) or state["step"].is_cuda:
                 return None
             forms += [named["exp_avg"], named["exp_avg_sq"]]
-        return forms
+        return forms if members else None
 
     def ready(self, bucket) -> bool:
         """After before_bucket set the grads: True when every one is fp32, dense and laid
         out as its parameter, and no parameter is listed twice."""
-        seen = set()
-        for params in bucket.groups:
-            for p in params:
-                if id(p) in seen:
-                    return False
-                seen.add(id(p))
-                g = p.grad
-                if g is not None and (g.dtype != torch.float32 or g.layout != torch.strided
-                                      or g.device != p.device or g.stride() != p.stride()):
-                    return False
-        return True
+        params = [p for group in bucket.groups for p in group] + [c.param for c in bucket.chunks]
+        if len({id(p) for p in params}) != len(params):
+            return False
+        return all(p.grad is None or (
+            p.grad.dtype == torch.float32 and p.grad.layout == torch.strided
+            and p.grad.device == p.device and p.grad.stride() == p.stride()) for p in params)
 
     @torch.no_grad()
     def step(self, bucket) -> None:
-        """torch.optim.Adam.step on the bucket's parameters, one kernel per parameter."""
-        stream = _stream(bucket.params[0])
-        for group, params in zip(self.optimizer.param_groups, bucket.groups):
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            wd, eps = group["weight_decay"], group["eps"]
+        """torch.optim.Adam.step on the bucket's parameters, one kernel per parameter or
+        chunk of one."""
+        groups = self.optimizer.param_groups
+        for group, params in zip(groups, bucket.groups):
             for p in params:
-                if p.grad is None:
-                    continue
-                state = self.optimizer.state[p]
-                named = dict(self.binding.forms(p))
-                m, v = named["exp_avg"], named["exp_avg_sq"]
-                # _multi_tensor_adam's host arithmetic, expression for expression.
-                state["step"].add_(_ONE, alpha=1.0)
-                step = state["step"].item()
-                bias_correction1 = 1 - beta1 ** step
-                bias_correction2 = 1 - beta2 ** step
-                step_size = (lr / bias_correction1) * -1
-                _C.kernels.adamw_step(
-                    flat_view(p), flat_view(p.grad), _stored(m), _stored(v), m.fmt,
-                    1 - lr * wd if wd != 0 else None, 1 - beta1, beta2, 1 - beta2,
-                    bias_correction2 ** 0.5, eps, step_size, stream)
+                if p.grad is not None:
+                    count = self.optimizer.state[p]["step"]
+                    count.add_(_ONE, alpha=1.0)  # as _multi_tensor_adam adds to a CPU count
+                    _kernel(group, flat_view(p), flat_view(p.grad), dict(self.binding.forms(p)),
+                            count.item())
+        for c, named in zip(bucket.chunks, bucket.chunk_forms):
+            if c.param.grad is not None:
+                count = self.binding.counters_before(c.param)["step"].clone()
+                count.add_(_ONE, alpha=1.0)
+                _kernel(groups[c.group], c.of(c.param), c.of(c.param.grad), named, count.item())
+                self.optimizer.state[c.param]["step"].copy_(count)
+
+
+def _kernel(group: dict, param: torch.Tensor, grad: torch.Tensor, named: dict,
+            step: float) -> None:
+    """The kernel on flat views of a parameter (or chunk), its grad and its moments'
+    forms (`named`), at step count `step`: _multi_tensor_adam's host arithmetic,
+    expression for expression."""
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    wd, eps = group["weight_decay"], group["eps"]
+    m, v = named["exp_avg"], named["exp_avg_sq"]
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = (lr / bias_correction1) * -1
+    _C.kernels.adamw_step(
+        param, grad, _stored(m), _stored(v), m.fmt, 1 - lr * wd if wd != 0 else None,
+        1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5, eps, step_size, _stream(param))
 
 
 def _kernels_for(p: torch.Tensor) -> bool:
