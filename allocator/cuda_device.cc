@@ -13,6 +13,7 @@
 #include <dlfcn.h>
 
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace statepager {
@@ -186,20 +187,32 @@ class CudaDevice final : public Device {
     check(d_.cuMemUnmap(addr, bytes), "cuMemUnmap");
   }
 
+  // O_DIRECT reads land in staging, so it is 4 KiB-aligned. The driver hands out whole
+  // pages for large allocations but sub-allocates small ones: those are made 4 KiB
+  // larger and handed out from their first aligned address (unaligned_ maps it back).
   void* alloc_staging(size_t bytes) override {
     ScopedContext scope(d_, ctx_);
     void* p = nullptr;
     check(d_.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
-    // O_DIRECT reads land in staging; the driver hands out whole pages, but say so if not.
-    if (reinterpret_cast<uintptr_t>(p) % 4096 != 0) {
-      d_.cuMemFreeHost(p);
-      throw DeviceError(name() + ": cuMemHostAlloc returned memory not aligned to 4 KiB");
-    }
-    return p;
+    if (reinterpret_cast<uintptr_t>(p) % 4096 == 0) return p;
+    check(d_.cuMemFreeHost(p), "cuMemFreeHost");
+    check(d_.cuMemHostAlloc(&p, bytes + 4096, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+    const uintptr_t aligned = (reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096;
+    std::lock_guard<std::mutex> lock(mu_);
+    unaligned_[aligned] = p;
+    return reinterpret_cast<void*>(aligned);
   }
 
   void free_staging(void* ptr, size_t /*bytes*/) override {
     ScopedContext scope(d_, ctx_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = unaligned_.find(reinterpret_cast<uintptr_t>(ptr));
+      if (it != unaligned_.end()) {
+        ptr = it->second;
+        unaligned_.erase(it);
+      }
+    }
     check(d_.cuMemFreeHost(ptr), "cuMemFreeHost");
   }
 
@@ -331,6 +344,7 @@ class CudaDevice final : public Device {
   std::mutex mu_;
   std::vector<CUevent> events_;  // guarded by mu_
   std::vector<Fence> free_;      // guarded by mu_
+  std::unordered_map<uintptr_t, void*> unaligned_;  // staging handed out -> allocated; mu_
 };
 
 }  // namespace
