@@ -97,7 +97,7 @@ def build_model(setup: Setup):
 
 def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
           moments: str = "fp32", mains: str = "fp32", attach: bool = True,
-          optimizer_options: dict | None = None, model=None):
+          optimizer_options: dict | None = None, model=None, depth: int = 3):
     """(model, optimizer, scheduler, binding): build_model()'s GPT (or `model`, one it
     built), its DistributedOptimizer (built in pager.scope() and, unless attach=False,
     attached when a pager is given). optimizer_options: more OptimizerConfig fields (e.g.
@@ -125,8 +125,8 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
         with pager.scope():
             optimizer = get_megatron_optimizer(opt_config, [model])
         if attach:
-            binding = pager.attach(optimizer, bucket_size=bucket_size, moments=moments,
-                                   mains=mains)
+            binding = pager.attach(optimizer, bucket_size=bucket_size, depth=depth,
+                                   moments=moments, mains=mains)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=setup.lr, min_lr=setup.lr / 10, lr_warmup_steps=3,
         lr_decay_steps=max(setup.steps, 10), lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,

@@ -158,7 +158,7 @@ def floor(read, written, *, host_in=0, host_out=0, pcie_s, fio_s=None):
 
 
 MODEL = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 512,
-         "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20, "hbm_budget": None,
+         "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20, "depth": 3, "hbm_budget": None,
          "host_budget": None, "fio_jobs": 4, "grads": "fp32"}
 
 

@@ -111,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "it is not timed"), default=3)
     p.add_argument("--steps", type=at_least(1, "timed steps"), default=5)
     p.add_argument("--bucket", type=size, default=size("256M"), help="the pager's bucket_size")
+    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=3,
+                   help="the pager's depth (attach(depth=...))")
     p.add_argument("--hbm-budget", type=size, default=None, help="the pager's hbm_budget")
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' host_budget (default: what holds their "
@@ -180,7 +182,7 @@ def bench_megatron(args) -> dict:
     drawn = timeline_config(args)
     model = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
                                            "micro_batch", "warmup", "steps", "bucket",
-                                           "hbm_budget", "host_budget", "fio_jobs")}
+                                           "depth", "hbm_budget", "host_budget", "fio_jobs")}
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
     r = {"model": model, "dir": args.dir, "configs": []}
     live = not args.json
@@ -393,7 +395,7 @@ def run_config(spec: dict) -> dict:
                    host_budget=host_budget) if config["pager"] else None)
     try:
         model, optimizer, scheduler, binding = gpt.build(
-            setup, pager, model=model, bucket_size=spec["bucket"],
+            setup, pager, model=model, bucket_size=spec["bucket"], depth=spec["depth"],
             moments=config.get("moments", "fp32"), mains=config.get("mains", "fp32"),
             optimizer_options=config.get("optimizer_options"))
         opt_times = []
@@ -549,8 +551,9 @@ def header_lines(r: dict) -> list[str]:
     return [f"megatron bench: GPT, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} "
             f"heads, vocab {m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}, "
             f"{m['grads']} grads; {m['warmup']} warm-up + {m['steps']} timed steps; stores in "
-            f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB; each configuration in its own "
-            "process, printed as it ends (per step: medians; GB = 1e9 bytes, GiB = 2^30)",
+            f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB x depth {m['depth']}; each "
+            "configuration in its own process, printed as it ends (per step: medians; GB = "
+            "1e9 bytes, GiB = 2^30)",
             _row(name for name, _, _ in _COLUMNS)]
 
 

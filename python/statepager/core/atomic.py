@@ -11,7 +11,8 @@ it needs to put each back:
   groups and grads are remembered, and so are the residual formats' exception lists;
   parameters the pager does not own, which the optimizer updates in place, are copied
   into host memory (UndoCopies) right before their bucket steps, read back only when the
-  step fails;
+  step fails (on CUDA on a stream of their own, under the bucket's decode and step:
+  only what writes their targets waits for them);
 - model parameters that the after_bucket hook writes from the masters (`model_param`):
   with fp32 masters they are rewritten from the restored masters, which costs the step
   nothing; residual masters are stored relative to them, so there they get undo copies.
@@ -43,6 +44,37 @@ class UndoCopies:
     def __init__(self, pager, mirror: Callable | None = None):
         self.pager, self.mirror = pager, mirror
         self._copies: dict[int, torch.Tensor] = {}  # id(param) -> the copy of its target
+        self._stream = None  # CUDA: the stream the copies run on, made at first use
+
+    def take(self, copies: list, targets: list) -> None:
+        """Copies targets into copies: on CUDA queued on a stream of their own after the
+        work queued so far on the current one; join() before anything writes a target."""
+        if not targets or not targets[0].is_cuda:
+            for copy, target in zip(copies, targets):
+                copy.copy_(target)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(targets[0].device)
+        self._stream.wait_stream(torch.cuda.current_stream(targets[0].device))
+        with torch.cuda.stream(self._stream):
+            for copy, target in zip(copies, targets):
+                copy.copy_(target, non_blocking=True)
+
+    def join(self) -> None:
+        """The current stream's later work waits for the copies taken so far."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+
+    def settle(self) -> None:
+        """Waits for the copies taken so far (before the host reads them)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def written_by_the_step(self, params, chunks=()) -> bool:
+        """True when a target is a parameter the pager does not own: the optimizer's step
+        writes it (a mirror is written after the step, by after_bucket)."""
+        return any(not self.pager.owns(p) for p in params) or \
+            any(not self.pager.owns(c.param) for c in chunks)
 
     def _target(self, p):
         """What the step overwrites outside the pager for p, or None."""
@@ -98,15 +130,18 @@ class AtomicStep:
         self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
 
     def save(self, bucket) -> None:
-        """Before the bucket steps: copies what it will overwrite, queued on the current
-        stream before the step's own work (the copies are read only after a sync)."""
+        """Before the bucket steps: copies what it will overwrite (UndoCopies.take); the
+        step waits for them only where it writes a target itself."""
         with torch.no_grad():
-            for copy, target in zip(bucket.undo, self.undo.targets(bucket.params, bucket.chunks)):
-                copy.copy_(target, non_blocking=True)
+            self.undo.take(bucket.undo, self.undo.targets(bucket.params, bucket.chunks))
+        if self.undo.written_by_the_step(bucket.params, bucket.chunks):
+            self.undo.join()
         self._saved.append(bucket)
 
     def writing(self, bucket) -> None:
-        """Before after_bucket: it may write model parameters from this bucket's masters."""
+        """Before after_bucket: it may write model parameters from this bucket's masters,
+        once their copies are taken."""
+        self.undo.join()
         self._written.append(bucket)
 
     def commit(self) -> None:
@@ -115,8 +150,9 @@ class AtomicStep:
     def roll_back(self) -> None:
         """After a failure, once no bucket is in flight: everything as before the step."""
         self.epoch.abort()
+        self.undo.settle()
         with torch.no_grad():
-            for b in self._saved:  # stream-ordered after the copies save() queued
+            for b in self._saved:
                 for target, copy in zip(self.undo.targets(b.params, b.chunks), b.undo):
                     target.copy_(copy)
             if self.rebuild_mirror is not None:
