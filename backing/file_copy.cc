@@ -20,7 +20,8 @@ namespace {
 // measure) between the read that fills it, the crc32c and the write that empties it. An
 // 8 MiB buffer spilled it: every byte then crossed memory three times and the copy took
 // 2.7 x the CPU time of this one (perf, 1 GiB from an ext4 disk), slower than
-// copy_file_range. Sequential readahead (below) keeps the disk streaming regardless.
+// copy_file_range. The kernel's readahead keeps the disk busy meanwhile
+// (POSIX_FADV_SEQUENTIAL on the source measured no different).
 constexpr size_t kBufferBytes = size_t(512) << 10;
 constexpr uint64_t kMaxCall = uint64_t(1) << 30;  // bytes per copy_file_range call
 
@@ -77,10 +78,6 @@ uint64_t kernel_copy(const OpenFile& src, uint64_t src_offset, const OpenFile& d
 // `use(bytes, n, done)` (`done`: bytes of the range before this piece).
 template <class Use>
 void read_range(const OpenFile& src, uint64_t offset, uint64_t length, Use use) {
-  // Front to back: a larger readahead window (a hint; only this descriptor's, so the
-  // store's own reads are unaffected, and its failure changes nothing but speed).
-  ::posix_fadvise(src.fd(), static_cast<off_t>(offset), static_cast<off_t>(length),
-                  POSIX_FADV_SEQUENTIAL);
   const size_t cap = static_cast<size_t>(std::min<uint64_t>(length, kBufferBytes));
   std::unique_ptr<char[]> buf(new char[cap]);
   uint64_t done = 0;
