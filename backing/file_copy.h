@@ -16,7 +16,9 @@
 // the range in the same pass as it copies it. Bytes that move are checksummed in the
 // buffer between read and write, so copy_file_range (whose bytes never reach user memory)
 // is skipped for read_write; a reflink moves no bytes, so its range is read once
-// afterwards (unavoidable: nothing else has seen the bytes).
+// afterwards (unavoidable: nothing else has seen the bytes). The buffer is small enough
+// to stay in a core's L2 cache through read, crc32c and write: with it the checksummed
+// copy keeps up with copy_file_range plus a second read (docs/DESIGN-NOTES.md, #17).
 //
 // Ownership: OpenFile owns its descriptor. Thread-safety: calls keep no shared state;
 // copies into disjoint ranges of the same files may run on several threads at once.
@@ -24,6 +26,7 @@
 // ends inside the range is a CorruptStoreError (the file was cut short).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -32,6 +35,9 @@
 namespace statepager {
 
 enum class CopyMethod { kReflink, kCopyFileRange, kReadWrite };
+
+// Bytes read_write moves per read and write (the tests copy around its multiples).
+constexpr size_t kReadWriteBufferBytes = size_t(512) << 10;
 
 // "reflink", "copy_file_range" or "read_write".
 const char* copy_method_name(CopyMethod method);

@@ -57,6 +57,20 @@ TEST(Crc32c, EngineMatchesTableAndChains) {
   EXPECT_TRUE(engine == "sse4.2" || engine == "armv8-crc" || engine == "table") << engine;
 }
 
+// The instruction path sums blocks of 3 x 8 KiB as three chains and joins them: lengths
+// around the blocks' multiples, from every 8-byte alignment, chained from a nonzero crc.
+TEST(Crc32c, EngineMatchesTableAroundItsBlocks) {
+  const size_t block = 3 * 8192;
+  const std::vector<unsigned char> data = random_bytes(3 * block + 64, 6);
+  for (size_t length : {block - 1, block, block + 1, 2 * block - 8, 2 * block + 9, 3 * block}) {
+    for (size_t from : {size_t(0), size_t(3), size_t(8), size_t(61)}) {
+      EXPECT_EQ(crc32c(0x12345678, data.data() + from, length),
+                crc32c_table(0x12345678, data.data() + from, length))
+          << length << " from " << from;
+    }
+  }
+}
+
 TEST(Crc32c, ChunkCrcsSplitsAtChunkBoundaries) {
   const size_t chunk = 4096 + 7;
   const std::vector<unsigned char> data = random_bytes(5 * chunk + 123, 3);

@@ -1,5 +1,6 @@
 // copy_range / copy_file: every method copies exactly the range asked for; refused
-// methods fall through; a short source is reported as corrupt.
+// methods fall through; a short source is reported as corrupt; the checksummed copy is
+// exact around its buffer's boundaries and names the file of an I/O error.
 //
 // Reflink is exercised where the filesystem allows it: on $STATEPAGER_REFLINK_DIR (e.g. a
 // mounted XFS made with reflink=1, or btrfs), else on /tmp if it happens to support it.
@@ -8,6 +9,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "backing/crc32c.h"
 #include "backing/errors.h"
 #include "tests/cpp/temp_dir.h"
 
@@ -103,6 +108,81 @@ TEST(FileCopy, ShortSourceIsCorrupt) {
     } catch (const CorruptStoreError& e) {
       EXPECT_NE(std::string(e.what()).find(dir.file("src")), std::string::npos) << e.what();
     }
+  }
+}
+
+// The checksummed copy (read_write through kReadWriteBufferBytes) at lengths around the
+// buffer's multiples, from an unaligned offset, with chunks that straddle its pieces: the
+// destination holds exactly the source range and the crcs are the source's.
+TEST(FileCopy, ChecksummedCopyAroundBufferBoundaries) {
+  TempDir dir("/tmp");
+  const size_t b = kReadWriteBufferBytes, from = 4097, chunk = b / 3 + 1;
+  const std::vector<char> bytes = random_bytes(3 * b + 2 * 4096 + from, 8);
+  write_file(dir.file("src"), bytes);
+  for (size_t length : {size_t(1), b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 3 * b + 4097}) {
+    std::vector<uint32_t> want;
+    for (size_t at = 0; at < length; at += chunk) {
+      want.push_back(crc32c(0, bytes.data() + from + at, std::min(chunk, length - at)));
+    }
+    {
+      const OpenFile src(dir.file("src"), OpenFile::kRead);
+      const OpenFile dst(dir.file("dst"), OpenFile::kWrite);
+      ChunkCrcs crcs(chunk);
+      EXPECT_EQ(copy_range(src, from, dst, 123, length, CopyMethod::kReadWrite, &crcs),
+                CopyMethod::kReadWrite);
+      EXPECT_EQ(crcs.take(), want) << length;
+    }
+    const std::vector<char> got = read_file(dir.file("dst"));
+    ASSERT_GE(got.size(), 123 + length);
+    EXPECT_TRUE(std::equal(got.begin() + 123, got.begin() + 123 + length, bytes.begin() + from))
+        << length;
+    std::filesystem::remove(dir.file("dst"));
+  }
+}
+
+// A source cut short inside the second buffer's worth is corrupt, named; the bytes before
+// the cut were copied, none after it.
+TEST(FileCopy, ChecksummedCopyOfAShortSourceIsCorrupt) {
+  TempDir dir("/tmp");
+  const size_t b = kReadWriteBufferBytes;
+  write_file(dir.file("src"), random_bytes(b + 100, 9));
+  const OpenFile src(dir.file("src"), OpenFile::kRead), dst(dir.file("dst"), OpenFile::kWrite);
+  ChunkCrcs crcs(1 << 20);
+  try {
+    copy_range(src, 0, dst, 0, 2 * b, CopyMethod::kReadWrite, &crcs);
+    ADD_FAILURE() << "no error for a source that ends inside the range";
+  } catch (const CorruptStoreError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.file("src")), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(b + 100)), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(read_file(dir.file("dst")).size(), b + 100);
+}
+
+// Real errors of the copy's read and write name the file: a directory cannot be read
+// (EISDIR), /dev/full cannot be written (ENOSPC: NoSpaceError).
+TEST(FileCopy, ChecksummedCopyErrorsNameTheFile) {
+  TempDir dir("/tmp");
+  write_file(dir.file("src"), random_bytes(3 * kReadWriteBufferBytes, 10));
+  ChunkCrcs crcs(1 << 20);
+  {
+    const OpenFile src(dir.path(), OpenFile::kRead), dst(dir.file("dst"), OpenFile::kWrite);
+    try {
+      copy_range(src, 0, dst, 0, 4096, CopyMethod::kReadWrite, &crcs);
+      ADD_FAILURE() << "read a directory";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.path(), dir.path());
+      EXPECT_EQ(e.error_number(), EISDIR);
+    }
+  }
+  if (::access("/dev/full", W_OK) != 0) GTEST_SKIP() << "no writable /dev/full here";
+  const OpenFile src(dir.file("src"), OpenFile::kRead), dst("/dev/full", OpenFile::kWrite);
+  try {
+    copy_range(src, 0, dst, 0, 3 * kReadWriteBufferBytes, CopyMethod::kReadWrite, &crcs);
+    ADD_FAILURE() << "wrote to /dev/full";
+  } catch (const NoSpaceError& e) {
+    EXPECT_EQ(e.path(), "/dev/full");
+    EXPECT_EQ(e.offset(), 0u);
   }
 }
 
