@@ -32,7 +32,6 @@ from typing import Callable
 import torch
 
 
-
 class UndoCopies:
     """Per binding: one host tensor for each tensor a step overwrites outside the pager,
     created on first use and kept between steps (Pager.host_like: pinned for a CUDA pager,
@@ -99,8 +98,9 @@ class UndoCopies:
 
     def _copy(self, p, t: torch.Tensor) -> torch.Tensor:
         copy = self._copies.get(id(p))
-        if copy is None or copy.shape != t.shape or copy.dtype != t.dtype or \
-                copy.stride() != t.stride():
+        like = torch.empty_like(t, device="meta")  # the layout host_like gives
+        if copy is None or (copy.shape, copy.dtype, copy.stride()) != \
+                (like.shape, like.dtype, like.stride()):
             copy = self._copies[id(p)] = self.pager.host_like(t)  # chunks are views of it
         return copy
 
