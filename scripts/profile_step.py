@@ -54,7 +54,7 @@ PHASES = [(stream_mod.StreamedOptimizer, "_step_bucket"),
           (stream_mod.StreamedOptimizer, "_raw_step_bucket"), (fused_adamw.FusedStep, "step"),
           (fused_adamw.FusedStep, "moment_forms"), (stream_mod.AtomicStep, "save"),
           (stream_mod.AtomicStep, "__init__"), (stream_mod.AtomicStep, "commit"),
-          (stream_mod._Counting, "finish_now"), (stream_mod._Counting, "let_go")]
+          (stream_mod._Counting, "read"), (stream_mod._Counting, "hold")]
 LABEL = "sp::"
 
 

@@ -107,15 +107,42 @@ def test_scratch_comes_in_with_the_buckets_page_in(store_dir, moments, mains):
         assert 0 < opt.binding.last.peak_mapped_bytes <= opt.binding.window_bytes
 
 
-def test_residual_refuses_a_changed_model_param(store_dir):
+def stored_bytes(opt) -> list:
+    """Copies of every stored tensor of the optimizer's state (not decoded)."""
+    return [t.clone() for b in opt.binding.stored_in_buckets() for t in b.stored]
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_residual_refuses_a_changed_model_param(store_dir, atomic):
+    """A model param changed behind the optimizer's back fails the step, which changes
+    nothing: atomic, the checks are read once, after the last bucket, and the step rolled
+    back (a retry with the param put back steps as if nothing happened); not atomic, the
+    bucket is refused before it steps."""
+    ref = model()
+    with Pager(store_dir + "-ref", page_size=64 * KiB) as pager:
+        opt = PagedAdamW(ref.parameters(), pager=pager, lr=1e-3, mains="residual",
+                         bucket_size=32 * KiB)
+        train(ref, opt, 3)
     m = model()
     with Pager(store_dir, page_size=64 * KiB) as pager:
-        opt = PagedAdamW(m.parameters(), pager=pager, lr=1e-3, mains="residual")
+        opt = PagedAdamW(m.parameters(), pager=pager, lr=1e-3, mains="residual",
+                         bucket_size=32 * KiB)
+        opt.binding.atomic = atomic
         train(m, opt, 2)
+        assert len(opt.binding.buckets) >= 3
+        first = next(m.parameters())  # in the first bucket
+        kept = first.detach().clone()
         with torch.no_grad():
-            next(m.parameters()).add_(1.0)  # changed behind the optimizer's back
+            first.add_(1.0)
+        params, stored = [p.detach().clone() for p in m.parameters()], stored_bytes(opt)
         with pytest.raises(ValueError, match="no longer matches"):
-            train(m, opt, 1)
+            train(m, opt, 1, first=2)
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), params))
+        assert all(torch.equal(a, b) for a, b in zip(stored_bytes(opt), stored))
+        with torch.no_grad():
+            first.copy_(kept)
+        train(m, opt, 1, first=2)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
 
 
 def fit(m, opt, steps):

@@ -56,6 +56,13 @@ def bounds_of(n):
     return chunk_bounds(n, CHUNK_ALIGN)
 
 
+def encode(form) -> None:
+    """form.encode(), its residual exceptions (if any) finished."""
+    pending = form.encode()
+    if pending is not None:
+        form.set_exceptions(codecs.finish_exceptions([pending])[0])
+
+
 def resident(form):
     """The tensors a form needs resident (its working tensor once)."""
     return form.tensors + ([form.working] if form.scratch else [])
@@ -82,12 +89,12 @@ def test_stored_form_in_chunks_writes_the_whole_forms_bytes(store_dir, fmt, kind
         chunked = StoredForm(pager, pager.empty(n, pieces=pieces), fmt, kind, param, bounds)
         pager.page_in(resident(whole))
         whole.working.copy_(values)
-        whole.encode()
+        encode(whole)
         for start, stop in bounds:
             part = chunked.chunk(start, stop)
             pager.page_in(resident(part))
             part.working.copy_(values[start:stop])
-            part.encode()
+            encode(part)
             pager.page_out(resident(part))
             if fmt == "residual":  # the whole form's exceptions, in this chunk
                 idx, bits = whole.exceptions
@@ -118,3 +125,49 @@ def test_a_chunk_starts_on_a_q8_block():
     with pytest.raises(ValueError, match="multiple of 256"):
         form.chunk(100, 600)
     assert form.chunk(256, 1000).working.numel() == 744
+
+
+def test_chunks_of_two_plans_keep_one_exception_list(store_dir):
+    """A residual form's chunks read and set their ranges of its exception list (each
+    chunk its own, without a device sync in a step), and chunks of another plan, whose
+    ranges overlap theirs, and the whole form still see one list: the one a whole-list
+    reference holds."""
+    block, n = codecs.Q8_BLOCK, 16 * codecs.Q8_BLOCK + 7
+    g = torch.Generator().manual_seed(3)
+    truth = {}  # index -> main bits
+
+    def some(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New exceptions of [start, stop) (indices from start), recorded in truth."""
+        for k in [k for k in truth if start <= k < stop]:
+            del truth[k]
+        index = torch.randperm(stop - start, generator=g)[:5].sort().values
+        bits = torch.randint(-2**31, 2**31 - 1, (5,), generator=g, dtype=torch.int32)
+        truth.update({start + int(i): int(b) for i, b in zip(index, bits)})
+        return index, bits
+
+    def expected(start: int, stop: int) -> list:
+        return [(k - start, v) for k, v in sorted(truth.items()) if start <= k < stop]
+
+    def listed(exceptions) -> list:
+        return list(zip(exceptions[0].tolist(), exceptions[1].tolist()))
+
+    with Pager(store_dir, page_size=PAGE) as pager:
+        form = StoredForm(pager, pager.empty(n), "residual", "signed",
+                          torch.zeros(n, dtype=torch.bfloat16))
+        form.exceptions = some(0, n)
+        plan_a = [(0, 4 * block), (4 * block, 10 * block), (10 * block, n)]
+        plan_b = [(0, 7 * block), (7 * block, n)]
+        for start, stop in plan_a[1:]:
+            form.chunk(start, stop).exceptions = some(start, stop)
+        for start, stop in plan_a:
+            assert listed(form.chunk(start, stop).exceptions) == expected(start, stop)
+        start, stop = plan_b[1]
+        form.chunk(start, stop).exceptions = some(start, stop)  # overlaps two of plan a
+        for start, stop in plan_b:
+            assert listed(form.chunk(start, stop).exceptions) == expected(start, stop)
+        assert listed(form.exceptions) == expected(0, n)
+        form.chunk(*plan_a[0]).exceptions = some(*plan_a[0])
+        assert listed(form.exceptions) == expected(0, n)
+        form.exceptions = some(0, n)  # a whole encode or load: the chunks' go
+        for start, stop in plan_a:
+            assert listed(form.chunk(start, stop).exceptions) == expected(start, stop)

@@ -144,17 +144,20 @@ class StreamedOptimizer:
         self._buckets = self._plan()
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
-        window = self._window()
+        (bucket, held), window = self._window_parts(), self._window()
         budget = pager.stats()["budget_bytes"]  # None: no budget
         if budget is not None and window > budget:
+            residual = (f" + the residual masters' scratch of {_Counting.LAG} buckets, held "
+                        f"until their exceptions are counted ({held / MiB:.0f} MiB)"
+                        if held else "")
             raise _C.UsageError(
                 f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: depth "
-                f"{depth} x the largest bucket ({window // depth / MiB:.0f} MiB with its page "
-                f"rounding) = {window / MiB:.0f} MiB. Raise hbm_budget, or lower depth or "
-                "bucket_size (a parameter whose state is larger than bucket_size steps in "
-                "chunks of at most bucket_size, of 262144 elements at least; it is a bucket "
-                "of its own when its optimizer is not Adam's, when bucket hooks come without "
-                "chunk hooks, or when its pager tensor was made without "
+                f"{depth} x the largest bucket ({bucket / MiB:.0f} MiB with its page "
+                f"rounding){residual} = {window / MiB:.0f} MiB. Raise hbm_budget, or lower "
+                "depth or bucket_size (a parameter whose state is larger than bucket_size "
+                "steps in chunks of at most bucket_size, of 262144 elements at least; it is a "
+                "bucket of its own when its optimizer is not Adam's, when bucket hooks come "
+                "without chunk hooks, or when its pager tensor was made without "
                 "Pager.empty(pieces=...)).")
         pager.keep_at_least(window)
         self._adopt_existing_state()
@@ -354,9 +357,18 @@ class StreamedOptimizer:
         return self._window()
 
     def _window(self) -> int:
-        """Physical bytes the step's pipeline maps at most: depth x the largest bucket."""
+        """Physical bytes the step's pipeline maps at most (_window_parts)."""
+        bucket, held = self._window_parts()
+        return self.depth * bucket + held
+
+    def _window_parts(self) -> tuple[int, int]:
+        """The largest bucket with its page rounding, of which `depth` are in the pipeline,
+        and the residual masters' scratch of the last _Counting.LAG buckets stepped."""
+        page = self.pager.page_size
         largest = max((max(b.nbytes, b.planned) for b in self._buckets), default=0)
-        return self.depth * (largest + 2 * self.pager.page_size)
+        held = max((_bytes(f.working for f in b.forms if f.fmt == "residual")
+                    for b in self._buckets), default=0)
+        return largest + 2 * page, _Counting.LAG * (held + 2 * page) if held else 0
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -449,11 +461,11 @@ class StreamedOptimizer:
         return self._fused.moment_forms(b) if self._fused else None
 
     def _decode(self, b: Bucket, check_params: bool = True, skip=(),
-                counting: "_Counting | None" = None) -> None:
+                checks: "_Checks | None" = None) -> None:
         """Decodes the bucket's stored forms (but those in `skip`) into fp32 working
         tensors. Residual masters are checked against their model params (checksum and
-        rounding); the bucket is not stepped if any changed. One device sync reads the
-        checks and the exception counts of `counting`, which it finishes."""
+        rounding): now (a device sync), the bucket not stepped if any changed, or, given
+        `checks`, at the end of the step (an atomic step, rolled back if any changed)."""
         skip = {id(s) for s in skip}
         forms = [f for f in b.forms if id(f) not in skip]
         working = [f.working for f in forms if f.scratch]
@@ -461,24 +473,18 @@ class StreamedOptimizer:
             self.pager.page_in(working)  # zero-filled scratch; in already when _incoming
         changed = [f.param_changed() for f in forms] + [f.decode() for f in forms]
         changed = [c for c in changed if c is not None] if check_params else []
-        pending = counting.pending if counting else []
-        if not changed and not pending:
+        if not changed:
             return
-        flags = [torch.stack(changed).any().view(1).long()] if changed else []
-        values = torch.cat(flags + [p.count for _, p in pending]).tolist()  # the one sync
-        if pending:
-            counting.finish(values[len(flags):])
-        if flags and values[0]:
-            raise ValueError("a model parameter no longer matches the one its master weights "
-                             "were stored against (changed outside the optimizer?): with "
-                             "mains='residual' the masters cannot be rebuilt. Change model "
-                             "weights through the optimizer, or use mains='fp32'.")
+        flag = torch.stack(changed).any()
+        if checks is not None:
+            checks.add(flag)
+        elif flag.item():
+            _Checks.refuse()
 
     def _encode(self, b: Bucket, skip=()) -> list:
         """Encodes the bucket's stored forms (but those in `skip`). Returns the residual
-        masters' exceptions still being counted on the device, as (form, pending) pairs
-        (codecs.PendingExceptions; empty without the kernels): until they are finished,
-        the bucket's scratch must stay as it is."""
+        masters' exceptions, pending, as (form, codecs.PendingExceptions) pairs: until
+        they are finished, the bucket's scratch must stay as it is."""
         skip = {id(s) for s in skip}
         pending = [(f, f.encode()) for f in b.forms if id(f) not in skip]
         return [(f, p) for f, p in pending if p is not None]
@@ -600,7 +606,8 @@ class StreamedOptimizer:
         read_ahead = self.depth if before["host_budget_bytes"] else 0
         ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
         done_in, done_out, stepping = [], [], []
-        counting = _Counting(pager)  # the last bucket's exceptions, read with the next's checks
+        counting = _Counting(pager)  # the exceptions of the buckets stepped last
+        checks = _Checks() if atomic else None
         aheads = {}  # per bucket read ahead, its handle
         trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
 
@@ -617,48 +624,45 @@ class StreamedOptimizer:
                 h.wait()
                 done_in.append(h)
                 t1 = time.monotonic()
+                counting.read()  # bucket i - LAG's, before bucket i's work is queued
                 trace.start(f"step bucket {i}", "step")
-                pending = self._step_bucket(b, atomic, counting)
-                counting.let_go()  # the previous bucket's scratch: its counts are read
+                pending = self._step_bucket(b, atomic, checks)
                 trace.end()
                 t2 = time.monotonic()
                 stepping.append((t1, t2))
                 stats.wait_in_seconds += t1 - t0
                 stats.compute_seconds += t2 - t1
-                handles = counting.hold(b, pending)  # before anything else can fail
-                handles += self._release(b, wait=False, keep=counting.held,
-                                         reuse_after=sched.reuse_after(i))
+                held = counting.hold(pending)  # before anything else can fail
+                handles = self._release(b, wait=False, keep=held,
+                                        reuse_after=sched.reuse_after(i))
                 outs.append(handles)
                 done_out.append(handles[0])
                 j = i + ahead + 1
                 if j < n:
                     t0 = time.monotonic()
                     while len(outs) + len(ins) >= self.depth:
-                        if outs[0] is counting.handles:  # depth 2: the bucket just stepped
-                            counting.finish_now()
-                            counting.let_go()
-                        for h in outs[0]:
+                        for h in outs.popleft():
                             h.wait()
-                        outs.popleft()
+                    # Queued behind bucket i - 1's work, whose page-out was just waited for.
+                    counting.wait_let_go()
                     stats.wait_out_seconds += time.monotonic() - t0
                     page_in(j)
             t0 = time.monotonic()
-            counting.finish_now()
-            counting.let_go()
-            for handles in outs:
-                for h in handles:
-                    h.wait()
+            counting.read(keep=0)
+            if checks:
+                checks.verify()
+            for h in [h for handles in outs for h in handles]:
+                h.wait()
+            counting.wait_let_go()
             # Done by now (their page-ins waited for them). One that failed left its tensors
             # in the store, whose page-in then read them (or failed the step itself).
             _settle(aheads.values())
         except BaseException as error:
             try:  # a stepped bucket's exceptions are its stored form's: never left unread
-                counting.finish_now()
+                counting.read(keep=0)
             except BaseException as failed:
                 error.add_note(f"statepager: reading a stepped bucket's residual exceptions "
                                f"failed too ({failed!r}): its masters may not decode")
-            finally:
-                counting.let_go()
             _settle(list(ins.values()) + [h for handles in outs for h in handles]
                     + counting.handles + list(aheads.values()))
             raise
@@ -691,13 +695,13 @@ class StreamedOptimizer:
                      stats.compute_seconds, stats.peak_mapped_bytes / MiB)
 
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None,
-                     counting: "_Counting") -> list:
-        """Steps one bucket; finishes `counting` (with the bucket's checks). Returns the
-        bucket's pending exceptions (StreamedOptimizer._encode)."""
+                     checks: "_Checks | None") -> list:
+        """Steps one bucket, its residual masters' checks left to `checks` where given.
+        Returns the bucket's pending exceptions (StreamedOptimizer._encode)."""
         # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
         # stored form: they are not decoded unless it turns out not to apply.
         fused = self._fused_forms(bucket)
-        self._decode(bucket, skip=fused or (), counting=counting)
+        self._decode(bucket, skip=fused or (), checks=checks)
         if atomic:
             atomic.save(bucket)
         if self.before_bucket:
@@ -715,7 +719,8 @@ class StreamedOptimizer:
         else:
             if fused:
                 moments = {id(f) for f in fused}
-                self._decode(bucket, skip=[f for f in bucket.forms if id(f) not in moments])
+                self._decode(bucket, skip=[f for f in bucket.forms if id(f) not in moments],
+                             checks=checks)
             fused = None
             self._raw_step_bucket(bucket)
         if atomic:
@@ -772,45 +777,83 @@ class StreamedOptimizer:
 
 
 class _Counting:
-    """The residual exceptions of the last bucket stepped, still being counted on the
-    device, read with the next bucket's checks (StreamedOptimizer._decode): one device sync
-    per bucket for both, and the device is not waited for while it encodes. Until they are
-    read, that bucket's scratch stays mapped: a count past the kernel's room lists the
-    exceptions again from it (codecs.PendingExceptions.finish): the scratch of those masters
-    alone, the rest of the bucket's is dropped with its release."""
+    """The residual exceptions of the buckets stepped last, their counts still on the
+    device. Each bucket's counts are copied to host memory once its encode is queued, and
+    read LAG buckets later, waiting for that copy alone: the host queues bucket i while
+    the device still runs bucket i - 1, and never waits for the device as a whole (as a
+    read of the counts after bucket i's work was queued would: the device idle while the
+    host queues the next). Until its counts are read, a bucket's master scratch stays
+    mapped: a count past the kernel's room lists the exceptions again from it
+    (codecs.PendingExceptions.finish). The step's window has room for LAG buckets' of it
+    (StreamedOptimizer._window); the rest of a bucket's scratch goes with its release."""
+
+    LAG = 2
 
     def __init__(self, pager):
         self.pager = pager
-        self.pending: list = []    # (StoredForm, codecs.PendingExceptions)
-        self.handles: list = []    # the held bucket's page-out handles; its discard joins them
-        self.held: list = []       # the scratch kept until the counts are read
+        # Per bucket stepped, oldest first: its (StoredForm, PendingExceptions) pairs, their
+        # counts in host memory (once `ready`: a CUDA event, None on the host), the scratch
+        # held for them.
+        self._queue: collections.deque = collections.deque()
+        self.handles: list = []  # the discards of the scratch let go, not yet waited for
 
-    def hold(self, bucket: Bucket, pending: list) -> list:
-        """The bucket just stepped, before its release, which keeps `held`. Returns the
-        list its page-out handles go into."""
-        assert not self.pending and not self.held
-        self.handles = []
-        if pending:
-            self.pending = pending
-            self.held = [f.working for f, _ in pending]
-        return self.handles
+    def hold(self, pending: list) -> list:
+        """The bucket just stepped, before its release: returns the scratch to keep."""
+        if not pending:
+            return []
+        counts = torch.cat([p.count for _, p in pending])
+        ready = None
+        if counts.is_cuda:
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(counts.device))
+            counts = host
+        held = [f.working for f, _ in pending]
+        self._queue.append((pending, counts, ready, held))
+        return held
 
-    def finish(self, counts: list) -> None:
-        """Sets each form's exceptions, given the counts read (in `pending`'s order)."""
-        for (form, p), count in zip(self.pending, counts):
-            form.set_exceptions(p.finish(count))
-        self.pending = []
+    def read(self, keep: int = LAG - 1) -> None:
+        """Finishes all buckets but the last `keep` (each form gets its exceptions) and
+        lets their scratch go (discarded after the work queued on it)."""
+        while len(self._queue) > keep:
+            pending, counts, ready, held = self._queue[0]
+            if ready is not None:
+                ready.synchronize()
+            for (form, p), count in zip(pending, counts.tolist()):
+                form.set_exceptions(p.finish(count))
+            self._queue.popleft()
+            self.handles.append(self.pager.discard_async(held))
 
-    def finish_now(self) -> None:
-        """finish() with the counts read now (one device sync)."""
-        if self.pending:
-            self.finish(torch.cat([p.count for _, p in self.pending]).tolist())
+    def wait_let_go(self) -> None:
+        """Waits for the scratch let go so far to be unmapped (before a page-in that the
+        window counts on it for: the scratch of the last LAG buckets stepped is all it
+        holds)."""
+        while self.handles:
+            self.handles.pop(0).wait()
 
-    def let_go(self) -> None:
-        """Once finished: the held scratch is discarded (after the work queued on it)."""
-        if self.held and not self.pending:
-            self.handles.append(self.pager.discard_async(self.held))
-            self.held = []
+
+class _Checks:
+    """An atomic step's residual checks (StreamedOptimizer._decode), gathered on the
+    device and read once, when the last bucket stepped: a changed model param fails the
+    step, which is rolled back; the host never waits for the device to check a bucket."""
+
+    def __init__(self):
+        self._flags: list = []
+
+    def add(self, flag: torch.Tensor) -> None:
+        self._flags.append(flag)
+
+    def verify(self) -> None:
+        if self._flags and bool(torch.stack(self._flags).any()):
+            _Checks.refuse()
+
+    @staticmethod
+    def refuse() -> None:
+        raise ValueError("a model parameter no longer matches the one its master weights "
+                         "were stored against (changed outside the optimizer?): with "
+                         "mains='residual' the masters cannot be rebuilt. Change model "
+                         "weights through the optimizer, or use mains='fp32'.")
 
 
 _ABSENT = object()

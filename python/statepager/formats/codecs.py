@@ -86,13 +86,7 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
     a param that really is RNE(main), only the ties and non-finite values are exceptions.
     Exception slots in residual_out are written as 0.
     """
-    assert main.dtype == torch.float32 and param.dtype == torch.bfloat16
-    assert residual_out.dtype == torch.int16
-    assert main.numel() == param.numel() == residual_out.numel()
-    assert main.is_contiguous() and param.is_contiguous() and residual_out.is_contiguous()
-    if kernels_used(main):
-        return finish_exceptions([PendingExceptions(main, param, residual_out)])[0]
-    return _residual_encode_reference(main, param, residual_out)
+    return finish_exceptions([PendingExceptions(main, param, residual_out)])[0]
 
 
 def _residual_encode_reference(main, param, residual_out):
@@ -119,20 +113,29 @@ def _exception_list(main, exc) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PendingExceptions:
-    """residual_encode by the kernel (CUDA tensors, kernels on), its exception count still
-    on the device (`count`, a 1-element int64 tensor): finish_exceptions() reads the counts
-    of many at once, with one device sync (the reference syncs once per tensor), or the
-    caller reads `count` with other values and calls finish(). main and param must stay
-    as they are until then."""
+    """residual_encode, its exceptions not yet listed on the host: the encode is queued
+    at construction and `count` (a 1-element int64 tensor on main's device) holds how many
+    there are. finish_exceptions() reads the counts of many at once, with one device sync,
+    or the caller reads `count` when it likes (a copy to host memory it waits for) and
+    calls finish(). main and param must stay as they are until then.
+
+    With the kernels (CUDA tensors, kernels on) the count is still being counted on the
+    device; the reference (CPU, or kernels off) lists the exceptions at once, and finish()
+    returns them: both take the same way through the step (statepager.core.stream)."""
 
     def __init__(self, main: torch.Tensor, param: torch.Tensor, residual_out: torch.Tensor):
-        assert kernels_used(main) and main.dtype == torch.float32
-        assert param.dtype == torch.bfloat16 and residual_out.dtype == torch.int16
+        assert main.dtype == torch.float32 and param.dtype == torch.bfloat16
+        assert residual_out.dtype == torch.int16
         assert main.numel() == param.numel() == residual_out.numel()
         assert main.is_contiguous() and param.is_contiguous() and residual_out.is_contiguous()
         self._main, self._param = main, param  # for a count past the room
         n, device = main.numel(), main.device
-        self.capacity = 1024 + n // 2048  # RNE ties are ~1 in 2**17 elements
+        if not kernels_used(main):
+            self._idx, self._bits = _residual_encode_reference(main, param, residual_out)
+            self.capacity, self._listed = len(self._idx), True
+            self.count = torch.full((1,), self.capacity, dtype=torch.int64, device=device)
+            return
+        self.capacity, self._listed = 1024 + n // 2048, False  # RNE ties: ~1 in 2**17
         self._idx = torch.empty(self.capacity, dtype=torch.int64, device=device)
         self._bits = torch.empty(self.capacity, dtype=torch.int32, device=device)
         self.count = torch.zeros(1, dtype=torch.int64, device=device)
@@ -144,6 +147,8 @@ class PendingExceptions:
         More than the kernel had room for (a param far from RNE(main)): the reference
         lists them again from main and param. residual_out is not written again: the
         kernel wrote it whole, with the reference's bits, and it may be paging out."""
+        if self._listed:
+            return self._idx, self._bits
         if count > self.capacity:
             return _exception_list(self._main, _residuals(self._main, self._param)[1])
         if count == 0:  # the usual case: no sort to launch, no buffer kept alive

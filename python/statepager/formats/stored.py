@@ -40,6 +40,11 @@ class StoredForm:
         self._whole, self._range = None, None  # a chunk's: the whole form, (start, stop)
         self._exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
                             torch.empty(0, dtype=torch.int32, device=working.device))
+        # residual: (start, stop) -> a chunk's exceptions (indices from start), set by its
+        # encode or read once from _exceptions: they, not _exceptions, hold that range.
+        # Disjoint ranges. A chunk reads and sets its own without a device sync (a range
+        # of the whole list is a boolean mask), once per step in the step's loop.
+        self._chunk_exceptions = {}
         self._fingerprint = None  # residual: the model parameter's, when last encoded
         self._chunk_fingerprints = {}  # residual: (start, stop) -> a chunk's, when encoded
         n = working.numel()
@@ -93,22 +98,52 @@ class StoredForm:
     def exceptions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual format: (flat int64 indices, int32 main bits) of the elements the
         residual does not hold (codecs.residual_encode), sorted by index."""
-        if self._whole is None:
-            return self._exceptions
-        (start, stop), (index, bits) = self._range, self._whole.exceptions
-        inside = (index >= start) & (index < stop)
-        return index[inside] - start, bits[inside]
+        if self._whole is not None:
+            return self._whole._range_exceptions(*self._range)
+        if self._chunk_exceptions:
+            self._fold()
+        return self._exceptions
 
     @exceptions.setter
     def exceptions(self, exceptions: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if self._whole is None:
-            self._exceptions = exceptions
-            return
-        (start, stop), (index, bits) = self._range, self._whole.exceptions
-        before, after = index < start, index >= stop
-        self._whole.exceptions = (
-            torch.cat([index[before], exceptions[0] + start, index[after]]),
-            torch.cat([bits[before], exceptions[1], bits[after]]))
+        if self._whole is not None:
+            self._whole._set_range_exceptions(*self._range, exceptions)
+        else:
+            self._exceptions, self._chunk_exceptions = exceptions, {}
+
+    def _range_exceptions(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole form's exceptions in [start, stop), indices from start."""
+        known = self._chunk_exceptions.get((start, stop))
+        if known is None:
+            self._fold_overlapping(start, stop)
+            index, bits = self._exceptions
+            inside = (index >= start) & (index < stop)
+            known = self._chunk_exceptions[(start, stop)] = (index[inside] - start, bits[inside])
+        return known
+
+    def _set_range_exceptions(self, start: int, stop: int, exceptions) -> None:
+        if (start, stop) not in self._chunk_exceptions:
+            self._fold_overlapping(start, stop)
+        self._chunk_exceptions[(start, stop)] = exceptions
+
+    def _fold_overlapping(self, start: int, stop: int) -> None:
+        """Keeps the ranges disjoint: folds them all when one overlaps [start, stop)
+        (chunks of another plan; rare)."""
+        if any(a < stop and start < b for a, b in self._chunk_exceptions):
+            self._fold()
+
+    def _fold(self) -> None:
+        """The ranges' exceptions into the whole list, sorted."""
+        index, bits = self._exceptions
+        outside = torch.ones_like(index, dtype=torch.bool)
+        indices, values = [], []
+        for (start, stop), (i, b) in self._chunk_exceptions.items():
+            outside &= (index < start) | (index >= stop)
+            indices.append(i + start)
+            values.append(b)
+        index, bits = torch.cat([index[outside], *indices]), torch.cat([bits[outside], *values])
+        order = index.argsort()
+        self._exceptions, self._chunk_exceptions = (index[order], bits[order]), {}
 
     @property
     def fingerprint(self):
@@ -153,9 +188,10 @@ class StoredForm:
         return None
 
     def encode(self) -> codecs.PendingExceptions | None:
-        """Encodes the working tensor into the stored form. Residual format with the CUDA
-        kernels: returns the exceptions still being counted; the caller passes them,
-        finished (codecs.finish_exceptions, one sync for many), to set_exceptions()."""
+        """Encodes the working tensor into the stored form. Residual format: returns its
+        exceptions, pending (with the CUDA kernels, still being counted on the device);
+        the caller passes them, finished (codecs.finish_exceptions, one sync for many, or
+        PendingExceptions.finish), to set_exceptions(). None for the other formats."""
         w = flat_view(self.working)
         if self.fmt == "bf16":
             self.tensors[0].copy_(w)
@@ -163,10 +199,7 @@ class StoredForm:
             codecs.q8_encode(w, self.tensors[0], self.tensors[1], self.kind)
         elif self.fmt == "residual":
             self.fingerprint = codecs.param_checksum(self.model_param)
-            param = flat_view(self.model_param)
-            if codecs.kernels_used(w):
-                return codecs.PendingExceptions(w, param, self.tensors[0])
-            self.exceptions = codecs.residual_encode(w, param, self.tensors[0])
+            return codecs.PendingExceptions(w, flat_view(self.model_param), self.tensors[0])
         return None
 
     def set_exceptions(self, exceptions: tuple[torch.Tensor, torch.Tensor]) -> None:
