@@ -36,7 +36,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 import statepager
-from statepager.core import stream as stream_mod
+from statepager.core import late_reads, stream as stream_mod
 from statepager.formats import fused_adamw
 
 MiB = 1 << 20
@@ -54,7 +54,7 @@ PHASES = [(stream_mod.StreamedOptimizer, "_step_bucket"),
           (stream_mod.StreamedOptimizer, "_raw_step_bucket"), (fused_adamw.FusedStep, "step"),
           (fused_adamw.FusedStep, "moment_forms"), (stream_mod.AtomicStep, "save"),
           (stream_mod.AtomicStep, "__init__"), (stream_mod.AtomicStep, "commit"),
-          (stream_mod._Counting, "read"), (stream_mod._Counting, "hold")]
+          (late_reads.ExceptionCounts, "read"), (late_reads.ExceptionCounts, "hold")]
 LABEL = "sp::"
 
 

@@ -23,7 +23,8 @@ from statepager._C import (  # noqa: E402, F401
     cuda_available,
 )
 from statepager.core.pager import PageHandle, Pager  # noqa: E402, F401
-from statepager.core.stream import StepStats, StreamedOptimizer  # noqa: E402, F401
+from statepager.core.step_stats import StepStats  # noqa: E402, F401
+from statepager.core.stream import StreamedOptimizer  # noqa: E402, F401
 from statepager.core.optim import PagedAdamW  # noqa: E402, F401
 from statepager.checkpoint.save_load import CheckpointMismatchError  # noqa: E402, F401
 # Integrations register their adapters with Pager.attach (statepager.core.adapters).

@@ -26,6 +26,8 @@ import torch
 from statepager import _C
 from statepager.core import slices, state_dict, support
 from statepager.core.atomic import AtomicStep, UndoCopies
+from statepager.core.late_reads import ExceptionCounts, ParamChecks
+from statepager.core.step_stats import StepStats
 from statepager.core.slices import Chunk
 from statepager.formats.stored import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
 from statepager.formats import codecs
@@ -34,39 +36,6 @@ from statepager.formats.fused_adamw import FusedStep, applies_to
 log = logging.getLogger("statepager")
 
 MiB = 1 << 20
-
-
-@dataclass
-class StepStats:
-    """What one step did. Times are host wall-clock seconds."""
-
-    step: int = 0
-    buckets: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    seconds: float = 0.0
-    wait_in_seconds: float = 0.0    # stalled waiting for a bucket's page-in
-    compute_seconds: float = 0.0    # the optimizer's own step on the buckets
-    wait_out_seconds: float = 0.0   # stalled waiting for page-outs (window or final flush)
-    read_busy_seconds: float = 0.0  # some page-in was moving bytes
-    write_busy_seconds: float = 0.0 # some page-out was moving bytes
-    both_busy_seconds: float = 0.0  # reads and writes were moving at the same time
-    peak_mapped_bytes: int = 0
-    # Per bucket, in order: (bytes, read, step, write), each a (start, end) pair in
-    # time.monotonic() seconds: its page-in's I/O, the optimizer's step on it (host time;
-    # the device may still run it after), its page-out's I/O; (0, 0) when nothing moved.
-    # statepager.trace draws it.
-    timeline: list = field(default_factory=list)
-
-    @property
-    def overlap(self) -> float:
-        """Share of the shorter I/O direction that ran under the other one."""
-        shorter = min(self.read_busy_seconds, self.write_busy_seconds)
-        return self.both_busy_seconds / shorter if shorter > 0 else 0.0
-
-    @property
-    def gbps(self) -> float:
-        return (self.bytes_read + self.bytes_written) / self.seconds / 1e9 if self.seconds else 0.0
 
 
 @dataclass
@@ -147,8 +116,8 @@ class StreamedOptimizer:
         (bucket, held), window = self._window_parts(), self._window()
         budget = pager.stats()["budget_bytes"]  # None: no budget
         if budget is not None and window > budget:
-            residual = (f" + the residual masters' scratch of {_Counting.LAG} buckets, held "
-                        f"until their exceptions are counted ({held / MiB:.0f} MiB)"
+            residual = (f" + the residual masters' scratch of {ExceptionCounts.LAG} buckets, "
+                        f"held until their exceptions are counted ({held / MiB:.0f} MiB)"
                         if held else "")
             raise _C.UsageError(
                 f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: depth "
@@ -363,12 +332,12 @@ class StreamedOptimizer:
 
     def _window_parts(self) -> tuple[int, int]:
         """The largest bucket with its page rounding, of which `depth` are in the pipeline,
-        and the residual masters' scratch of the last _Counting.LAG buckets stepped."""
+        and the residual masters' scratch of the last ExceptionCounts.LAG buckets stepped."""
         page = self.pager.page_size
         largest = max((max(b.nbytes, b.planned) for b in self._buckets), default=0)
         held = max((_bytes(f.working for f in b.forms if f.fmt == "residual")
                     for b in self._buckets), default=0)
-        return largest + 2 * page, _Counting.LAG * (held + 2 * page) if held else 0
+        return largest + 2 * page, ExceptionCounts.LAG * (held + 2 * page) if held else 0
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -461,7 +430,7 @@ class StreamedOptimizer:
         return self._fused.moment_forms(b) if self._fused else None
 
     def _decode(self, b: Bucket, check_params: bool = True, skip=(),
-                checks: "_Checks | None" = None) -> None:
+                checks: ParamChecks | None = None) -> None:
         """Decodes the bucket's stored forms (but those in `skip`) into fp32 working
         tensors. Residual masters are checked against their model params (checksum and
         rounding): now (a device sync), the bucket not stepped if any changed, or, given
@@ -479,7 +448,7 @@ class StreamedOptimizer:
         if checks is not None:
             checks.add(flag)
         elif flag.item():
-            _Checks.refuse()
+            ParamChecks.refuse()
 
     def _encode(self, b: Bucket, skip=()) -> list:
         """Encodes the bucket's stored forms (but those in `skip`). Returns the residual
@@ -606,8 +575,8 @@ class StreamedOptimizer:
         read_ahead = self.depth if before["host_budget_bytes"] else 0
         ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
         done_in, done_out, stepping = [], [], []
-        counting = _Counting(pager)  # the exceptions of the buckets stepped last
-        checks = _Checks() if atomic else None
+        counting = ExceptionCounts(pager)  # the exceptions of the buckets stepped last
+        checks = ParamChecks() if atomic else None
         aheads = {}  # per bucket read ahead, its handle
         trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
 
@@ -676,26 +645,16 @@ class StreamedOptimizer:
         stats.bytes_read = after["bytes_read"] - before["bytes_read"]
         stats.bytes_written = after["bytes_written"] - before["bytes_written"]
         stats.peak_mapped_bytes = after["peak_mapped_bytes"]
-        reads, writes = _union([h.times for h in done_in]), _union([h.times for h in done_out])
-        stats.read_busy_seconds = sum(e - s for s, e in reads)
-        stats.write_busy_seconds = sum(e - s for s, e in writes)
-        stats.both_busy_seconds = _intersection(reads, writes)
+        stats.set_io_times([h.times for h in done_in], [h.times for h in done_out])
         stats.timeline = [(b.nbytes, i.times, s, o.times)
                           for b, i, s, o in zip(buckets, done_in, stepping, done_out)]
         self._steps += 1
         self.last = stats
         if self.log_steps:
-            log.info("statepager step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s "
-                     "(%.2f GB/s; reads busy %.3f s, writes busy %.3f s, both %.3f s = %.0f%% "
-                     "overlap; stalled on reads %.3f s, writes %.3f s; compute %.3f s; peak "
-                     "mapped %.1f MiB)", stats.step, n, stats.bytes_read / 1e6,
-                     stats.bytes_written / 1e6, stats.seconds, stats.gbps,
-                     stats.read_busy_seconds, stats.write_busy_seconds, stats.both_busy_seconds,
-                     100 * stats.overlap, stats.wait_in_seconds, stats.wait_out_seconds,
-                     stats.compute_seconds, stats.peak_mapped_bytes / MiB)
+            log.info("statepager %s", stats.summary())
 
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None,
-                     checks: "_Checks | None") -> list:
+                     checks: ParamChecks | None) -> list:
         """Steps one bucket, its residual masters' checks left to `checks` where given.
         Returns the bucket's pending exceptions (StreamedOptimizer._encode)."""
         # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
@@ -776,86 +735,6 @@ class StreamedOptimizer:
             self.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
 
 
-class _Counting:
-    """The residual exceptions of the buckets stepped last, their counts still on the
-    device. Each bucket's counts are copied to host memory once its encode is queued, and
-    read LAG buckets later, waiting for that copy alone: the host queues bucket i while
-    the device still runs bucket i - 1, and never waits for the device as a whole (as a
-    read of the counts after bucket i's work was queued would: the device idle while the
-    host queues the next). Until its counts are read, a bucket's master scratch stays
-    mapped: a count past the kernel's room lists the exceptions again from it
-    (codecs.PendingExceptions.finish). The step's window has room for LAG buckets' of it
-    (StreamedOptimizer._window); the rest of a bucket's scratch goes with its release."""
-
-    LAG = 2
-
-    def __init__(self, pager):
-        self.pager = pager
-        # Per bucket stepped, oldest first: its (StoredForm, PendingExceptions) pairs, their
-        # counts in host memory (once `ready`: a CUDA event, None on the host), the scratch
-        # held for them.
-        self._queue: collections.deque = collections.deque()
-        self.handles: list = []  # the discards of the scratch let go, not yet waited for
-
-    def hold(self, pending: list) -> list:
-        """The bucket just stepped, before its release: returns the scratch to keep."""
-        if not pending:
-            return []
-        counts = torch.cat([p.count for _, p in pending])
-        ready = None
-        if counts.is_cuda:
-            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            host.copy_(counts, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(counts.device))
-            counts = host
-        held = [f.working for f, _ in pending]
-        self._queue.append((pending, counts, ready, held))
-        return held
-
-    def read(self, keep: int = LAG - 1) -> None:
-        """Finishes all buckets but the last `keep` (each form gets its exceptions) and
-        lets their scratch go (discarded after the work queued on it)."""
-        while len(self._queue) > keep:
-            pending, counts, ready, held = self._queue[0]
-            if ready is not None:
-                ready.synchronize()
-            for (form, p), count in zip(pending, counts.tolist()):
-                form.set_exceptions(p.finish(count))
-            self._queue.popleft()
-            self.handles.append(self.pager.discard_async(held))
-
-    def wait_let_go(self) -> None:
-        """Waits for the scratch let go so far to be unmapped (before a page-in that the
-        window counts on it for: the scratch of the last LAG buckets stepped is all it
-        holds)."""
-        while self.handles:
-            self.handles.pop(0).wait()
-
-
-class _Checks:
-    """An atomic step's residual checks (StreamedOptimizer._decode), gathered on the
-    device and read once, when the last bucket stepped: a changed model param fails the
-    step, which is rolled back; the host never waits for the device to check a bucket."""
-
-    def __init__(self):
-        self._flags: list = []
-
-    def add(self, flag: torch.Tensor) -> None:
-        self._flags.append(flag)
-
-    def verify(self) -> None:
-        if self._flags and bool(torch.stack(self._flags).any()):
-            _Checks.refuse()
-
-    @staticmethod
-    def refuse() -> None:
-        raise ValueError("a model parameter no longer matches the one its master weights "
-                         "were stored against (changed outside the optimizer?): with "
-                         "mains='residual' the masters cannot be rebuilt. Change model "
-                         "weights through the optimizer, or use mains='fp32'.")
-
-
 _ABSENT = object()
 
 
@@ -909,29 +788,6 @@ def _settle(handles) -> None:
             h.wait()
         except Exception:
             pass
-
-
-def _union(intervals) -> list:
-    """Disjoint, sorted union of (start, end) intervals; empty ones (0, 0) dropped."""
-    out = []
-    for s, e in sorted(i for i in intervals if i[1] > i[0]):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def _intersection(a: list, b: list) -> float:
-    """Total length covered by both disjoint sorted interval lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def _raw_step_function(optimizer) -> Callable:

@@ -1,0 +1,94 @@
+"""What a streamed step (statepager.core.stream) reads back from the device late, so
+that the host never waits for the device as a whole within a step: the residual masters'
+exception counts (ExceptionCounts) and their model parameters' checks (ParamChecks).
+Both work on the host backend too (the values known at once), so CI runs the same way.
+Used by the stepping thread alone."""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+
+class ExceptionCounts:
+    """The residual exceptions of the buckets stepped last, their counts still on the
+    device. Each bucket's counts are copied to host memory once its encode is queued, and
+    read LAG buckets later, waiting for that copy alone: the host queues bucket i while
+    the device still runs bucket i - 1, and never waits for the device as a whole (as a
+    read of the counts after bucket i's work was queued would: the device idle while the
+    host queues the next). Until its counts are read, a bucket's master scratch stays
+    mapped: a count past the kernel's room lists the exceptions again from it
+    (codecs.PendingExceptions.finish). The step's window has room for LAG buckets' of it
+    (StreamedOptimizer.window_bytes); the rest of a bucket's scratch goes with its release."""
+
+    LAG = 2
+
+    def __init__(self, pager):
+        self.pager = pager
+        # Per bucket stepped, oldest first: its (StoredForm, PendingExceptions) pairs, their
+        # counts in host memory (once `ready`: a CUDA event, None on the host), the scratch
+        # held for them.
+        self._queue: collections.deque = collections.deque()
+        self.handles: list = []  # the discards of the scratch let go, not yet waited for
+
+    def hold(self, pending: list) -> list:
+        """The bucket just stepped, before its release: returns the scratch to keep."""
+        if not pending:
+            return []
+        counts = torch.cat([p.count for _, p in pending])
+        ready = None
+        if counts.is_cuda:
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(counts.device))
+            counts = host
+        held = [f.working for f, _ in pending]
+        self._queue.append((pending, counts, ready, held))
+        return held
+
+    def read(self, keep: int = LAG - 1) -> None:
+        """Finishes all buckets but the last `keep` (each form gets its exceptions) and
+        lets their scratch go (discarded after the work queued on it)."""
+        while len(self._queue) > keep:
+            pending, counts, ready, held = self._queue[0]
+            if ready is not None:
+                ready.synchronize()
+            for (form, p), count in zip(pending, counts.tolist()):
+                form.set_exceptions(p.finish(count))
+            self._queue.popleft()
+            self.handles.append(self.pager.discard_async(held))
+
+    def wait_let_go(self) -> None:
+        """Waits for the scratch let go so far to be unmapped (before a page-in that the
+        window counts on it for: the scratch of the last LAG buckets stepped is all it
+        holds)."""
+        while self.handles:
+            self.handles.pop(0).wait()
+
+
+class ParamChecks:
+    """An atomic step's residual checks (StoredForm.param_changed, and decode's rounding
+    check), gathered on the device and read once, after the last bucket: a changed model
+    param then fails the whole step, which is rolled back. The host never waits for the
+    device to check a bucket; a step that is not atomic reads each bucket's before it
+    steps (refuse())."""
+
+    def __init__(self):
+        self._flags: list = []  # 0-dim bool tensors: True where a bucket's param changed
+
+    def add(self, flag: torch.Tensor) -> None:
+        self._flags.append(flag)
+
+    def verify(self) -> None:
+        """Raises (refuse()) when any flag added is True: one device sync."""
+        if self._flags and bool(torch.stack(self._flags).any()):
+            ParamChecks.refuse()
+
+    @staticmethod
+    def refuse() -> None:
+        raise ValueError("a model parameter no longer matches the one its master weights "
+                         "were stored against (changed outside the optimizer?): with "
+                         "mains='residual' the masters cannot be rebuilt. Change model "
+                         "weights through the optimizer, or use mains='fp32'.")
+
