@@ -176,7 +176,7 @@ class StoredForm:
     def decode(self) -> torch.Tensor | None:
         """Decodes into the working tensor. Residual format: returns a device bool, True
         when the model parameter is no longer the bf16 rounding of the rebuilt master
-        (checked by the caller, once per bucket); otherwise None."""
+        (the caller reads it, at once or after more work is queued); otherwise None."""
         w = flat_view(self.working)
         if self.fmt == "bf16":
             w.copy_(self.tensors[0])
