@@ -2,7 +2,8 @@
 
 For each kind of failure (an exception in a bucket hook before or after the optimizer
 stepped the bucket, the optimizer's own error, the pager out of memory, a store that
-cannot be read, a store out of space) and each kind of binding (a torch optimizer over
+cannot be read, a store out of space; with residual masters, a model parameter changed
+behind the optimizer's back and a failure listing a bucket's exceptions) and each kind of binding (a torch optimizer over
 ordinary parameters, PagedAdamW with fp32 or residual masters, SGD creating its state in
 the failing step): every parameter, every stored state tensor (bytes and residency),
 every unpaged state value (step counters) and every param-group value is bit-identical
@@ -18,6 +19,7 @@ import torch
 
 import statepager
 from statepager import PagedAdamW, Pager
+from statepager.formats import codecs
 
 KiB, MiB = 1 << 10, 1 << 20
 BUDGET = {"cpu": 8 * MiB, "cuda": 64 * MiB}  # the pipeline's window fits, twice over
@@ -227,9 +229,46 @@ class NoSpace(Fault):
         os.remove(self.ballast)
 
 
+class ChangedParam(Fault):
+    """A model parameter changed behind the optimizer's back (residual masters): the
+    checks, read after the last bucket stepped, fail the step. Disarming puts it back."""
+    raises = ValueError
+
+    def arm(self):
+        self.p = next(self.model.parameters())
+        self.kept = self.p.detach().clone()
+        with torch.no_grad():
+            self.p.add_(1.0)
+
+    def disarm(self):
+        with torch.no_grad():
+            self.p.copy_(self.kept)
+
+
+class CountsUnread(Fault):
+    """Listing a bucket's residual exceptions, read two buckets after its step, fails
+    once (the third bucket's: while later buckets have stepped)."""
+    raises = RuntimeError
+
+    def arm(self):
+        self.finish, calls = codecs.PendingExceptions.finish, []
+
+        def failing(pending, count):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected failure listing exceptions")
+            return self.finish(pending, count)
+
+        codecs.PendingExceptions.finish = failing
+
+    def disarm(self):
+        codecs.PendingExceptions.finish = self.finish
+
+
 FAULTS = {"before-hook": BeforeHook, "after-hook": AfterHook, "optimizer": OptimizerError,
           "out-of-memory": OutOfMemory, "unreadable-store": UnreadableStore,
-          "no-space": NoSpace}
+          "no-space": NoSpace, "changed-param": ChangedParam, "counts-unread": CountsUnread}
+RESIDUAL_ONLY = ("changed-param", "counts-unread")
 
 
 @pytest.fixture
@@ -276,6 +315,8 @@ def check_fault(tmp_path, request, config, fault, device="cpu"):
     setup, warm = CONFIGS[config]
     if config == "sgd-first-step" and fault in ("optimizer", "unreadable-store"):
         pytest.skip("SGD takes sparse grads, and its first step reads nothing from the store")
+    if fault in RESIDUAL_ONLY and "residual" not in config:
+        pytest.skip("only residual masters have model-parameter checks and exception counts")
     if fault == "no-space":
         warm = min(warm, 1)
     root = request.getfixturevalue("small_tmpfs") if fault == "no-space" else str(tmp_path)
@@ -295,10 +336,12 @@ def test_failed_step_changes_nothing_and_retry_steps_once(tmp_path, request, con
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fault", ["after-hook", "out-of-memory", "no-space"])
+@pytest.mark.parametrize("fault", ["after-hook", "out-of-memory", "no-space", "changed-param",
+                                   "counts-unread"])
 @pytest.mark.parametrize("config", ["adamw", "paged-fp32", "paged-residual-q8"])
 def test_failed_step_on_the_gpu(tmp_path, request, config, fault):
-    """The same on CUDA memory: the abort waits for the device before it unmaps."""
+    """The same on CUDA memory: the abort waits for the device before it unmaps (and,
+    with residual masters, the checks and counts read late are those of the kernels)."""
     check_fault(tmp_path, request, config, fault, "cuda")
 
 
