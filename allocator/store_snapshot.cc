@@ -1,6 +1,11 @@
 #include "allocator/store_snapshot.h"
 
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "backing/errors.h"
 
@@ -10,15 +15,19 @@ StoreSnapshot::StoreSnapshot(Pager& pager, const std::vector<ExtentId>& ids) : p
   for (const std::string& path : pager.store_files()) store_.emplace_back(path, OpenFile::kRead);
   host_ = pager.host_memory();
   placements_ = pager_.hold(ids);
+  held_.assign(placements_.size(), 1);
 }
 
 StoreSnapshot::~StoreSnapshot() { release(); }
 
 void StoreSnapshot::release() {
-  for (; released_ < placements_.size(); released_++) {
-    const Placement& p = placements_[released_];
-    if (p.state != Residency::kZero) pager_.unhold(p.store_offset);
-  }
+  for (size_t i = 0; i < placements_.size(); i++) unhold(i);
+}
+
+void StoreSnapshot::unhold(size_t i) {
+  if (!held_[i]) return;
+  held_[i] = 0;
+  if (placements_[i].state != Residency::kZero) pager_.unhold(placements_[i].store_offset);
 }
 
 StoreSnapshot::Copied StoreSnapshot::copy_to(const std::vector<std::string>& files,
@@ -29,36 +38,70 @@ StoreSnapshot::Copied StoreSnapshot::copy_to(const std::vector<std::string>& fil
                      std::to_string(targets.size()) + " given for " +
                      std::to_string(placements_.size()));
   }
-  if (released_ > 0) throw UsageError("StoreSnapshot::copy_to: the snapshot was already copied");
+  if (copied_) throw UsageError("StoreSnapshot::copy_to: the snapshot was already copied");
+  copied_ = true;
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < placements_.size(); i++) {
+    if (placements_[i].state == Residency::kZero) continue;
+    if (targets[i].file >= files.size()) {
+      throw UsageError("StoreSnapshot::copy_to: target file " + std::to_string(targets[i].file) +
+                       " of " + std::to_string(files.size()));
+    }
+    todo.push_back(i);
+  }
   std::vector<OpenFile> out;
   for (const std::string& path : files) out.emplace_back(path, OpenFile::kWrite);
   Copied copied;
   copied.crcs.resize(chunk_bytes > 0 ? placements_.size() : 0);
-  for (; released_ < placements_.size(); released_++) {
-    const Placement& p = placements_[released_];
-    if (p.state == Residency::kZero) continue;
-    const Target& t = targets[released_];
-    if (t.file >= out.size()) {
-      throw UsageError("StoreSnapshot::copy_to: target file " + std::to_string(t.file) +
-                       " of " + std::to_string(out.size()));
+
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;  // guards error and copied.method
+  std::exception_ptr error;
+  auto work = [&] {
+    CopyMethod method = CopyMethod::kReflink;
+    try {
+      for (size_t k; !failed.load() && (k = next.fetch_add(1)) < todo.size();) {
+        method = copy_one(todo[k], out, targets[todo[k]], chunk_bytes, method, copied);
+      }
+    } catch (...) {
+      failed.store(true);
+      const std::lock_guard lock(mu);
+      if (!error) error = std::current_exception();
     }
-    std::optional<ChunkCrcs> crcs;
-    if (chunk_bytes > 0) crcs.emplace(chunk_bytes);
-    uint64_t at = t.offset;
-    if (p.host != nullptr) {  // HOST: from memory, checksummed on the way out
-      if (crcs) crcs->update(static_cast<const char*>(p.host), p.store_bytes);
-      write_range(out[t.file], at, p.host, p.store_bytes);
-    }
-    for (const UringFile::Span& s : p.spans) {
-      copied.method = copy_range(store_[s.file], s.offset, out[t.file], at, s.length,
-                                 copied.method, crcs ? &*crcs : nullptr);
-      at += s.length;
-    }
-    if (crcs) copied.crcs[released_] = crcs->take();
-    pager_.unhold(p.store_offset);
-  }
+    const std::lock_guard lock(mu);
+    copied.method = std::max(copied.method, method);  // the enum runs from best to last
+  };
+  std::vector<std::thread> helpers;
+  const size_t threads = std::min<size_t>(kCopyThreads, todo.size());
+  for (size_t t = 1; t < threads; t++) helpers.emplace_back(work);
+  work();
+  for (std::thread& t : helpers) t.join();
+  if (error) std::rethrow_exception(error);
   for (const OpenFile& f : out) f.sync();
   return copied;
+}
+
+CopyMethod StoreSnapshot::copy_one(size_t i, const std::vector<OpenFile>& out,
+                                   const Target& target, uint64_t chunk_bytes, CopyMethod first,
+                                   Copied& copied) {
+  const Placement& p = placements_[i];
+  std::optional<ChunkCrcs> crcs;
+  if (chunk_bytes > 0) crcs.emplace(chunk_bytes);
+  uint64_t at = target.offset;
+  CopyMethod method = first;
+  if (p.host != nullptr) {  // HOST: from memory, checksummed on the way out
+    if (crcs) crcs->update(static_cast<const char*>(p.host), p.store_bytes);
+    write_range(out[target.file], at, p.host, p.store_bytes);
+  }
+  for (const UringFile::Span& s : p.spans) {
+    method = copy_range(store_[s.file], s.offset, out[target.file], at, s.length, method,
+                        crcs ? &*crcs : nullptr);
+    at += s.length;
+  }
+  if (crcs) copied.crcs[i] = crcs->take();  // its own element: no other thread writes it
+  unhold(i);
+  return method;
 }
 
 }  // namespace statepager

@@ -248,6 +248,31 @@ TEST_P(EpochTest, PageOutsInAnEpochNeverWaitForASave) {
   for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 4));
 }
 
+// A copy that fails (here: half the extents go to /dev/full, ENOSPC) throws its error, and
+// once the snapshot is released no range is held: page-outs in place go on without
+// waiting, and the extents keep their bytes.
+TEST_P(EpochTest, FailedSaveCopyThrowsAndHoldsNothingAfterRelease) {
+  Pager pager(make_host_device(), options());
+  std::vector<ExtentId> ids = make_extents(pager, 8);
+  write_all(pager, ids, 1);
+  const std::string good = file("good");
+  {
+    StoreSnapshot snapshot(pager, ids);
+    std::vector<StoreSnapshot::Target> targets;
+    uint64_t at = 0;
+    for (const Placement& p : snapshot.placements()) {
+      targets.push_back({unsigned(targets.size() % 2), at});
+      at += p.store_bytes;
+    }
+    EXPECT_THROW(snapshot.copy_to({good, "/dev/full"}, targets, 1 << 20), NoSpaceError);
+    EXPECT_THROW(snapshot.copy_to({good, "/dev/full"}, targets), UsageError);  // once only
+    snapshot.release();
+  }
+  write_all(pager, ids, 2);  // in place, over the ranges the snapshot held
+  EXPECT_EQ(pager.stats().buckets_held, 0u);
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 2));
+}
+
 TEST_P(EpochTest, WhatAnEpochRefuses) {
   Pager pager(make_host_device(), options());
   std::vector<ExtentId> ids = make_extents(pager, 3);
