@@ -206,8 +206,11 @@ def _pager_checks(work: str, mount: dict | None, probe_bytes: int) -> tuple[list
     with open(src, "wb") as f:
         f.write(os.urandom(MiB))
     method = _C.copy_file(src, dst)
-    checks.append(Check("checkpoints", "ok", f"a checkpoint here copies the store by {method}"
-                        + (" (blocks shared: no bytes moved)" if method == "reflink" else ""),
+    saves = ("shares the store's blocks (reflink: no bytes moved; its crc32c checksums read "
+             "them once)" if method == "reflink" else
+             "copies the store through memory, crc32c-checksummed in the same pass (no "
+             f"reflink here; a plain file copy goes by {method})")
+    checks.append(Check("checkpoints", "ok", f"a checkpoint here {saves}",
                         figures={"copy_method": method}))
     read = _C.measure_raw_io(work, probe_bytes, block, depth, True, False)
     write = _C.measure_raw_io(work, probe_bytes, block, depth, False, True)
