@@ -1,8 +1,10 @@
 #include "allocator/store_restore.h"
 
 #include <algorithm>
+#include <mutex>
 
 #include "backing/errors.h"
+#include "backing/parallel.h"
 
 namespace statepager {
 
@@ -19,19 +21,27 @@ CopyMethod restore_extents(Pager& pager, const std::vector<ExtentId>& ids,
   }
   const std::vector<Placement> places = pager.begin_restore(ids, zero);
   CopyMethod method = CopyMethod::kReflink;
+  std::mutex mu;  // guards method: each copy tries first what the others came to
   try {
     // After begin_restore: stores are only ever added, so these cover every span.
     const std::vector<std::string> paths = pager.store_files();
     const OpenFile from(src, OpenFile::kRead);
     std::vector<OpenFile> store;
     for (const std::string& path : paths) store.emplace_back(path, OpenFile::kWrite);
-    for (size_t i = 0; i < ids.size(); i++) {
+    parallel_for(ids.size(), kCopyThreads, [&](size_t i) {
+      CopyMethod used;
+      {
+        const std::lock_guard lock(mu);
+        used = method;
+      }
       uint64_t at = src_offsets[i];
       for (const UringFile::Span& s : places[i].spans) {
-        method = copy_range(from, at, store[s.file], s.offset, s.length, method);
+        used = copy_range(from, at, store[s.file], s.offset, s.length, used);
         at += s.length;
       }
-    }
+      const std::lock_guard lock(mu);
+      method = std::max(method, used);  // the enum runs from best to last
+    });
   } catch (...) {
     pager.end_restore(ids, places, false);
     throw;

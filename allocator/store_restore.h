@@ -7,7 +7,8 @@
 // of the store (Pager::begin_restore) and the extents switch to them once every copy has
 // succeeded; on an error nothing changed. Nothing goes through the device.
 //
-// Thread-safety: that of the Pager; the copies run on the calling thread.
+// Thread-safety: that of the Pager; the copies run on the calling thread and up to
+// kCopyThreads - 1 more (backing/file_copy.h), which have ended when it returns.
 // Errors: UsageError for mismatched arguments or an extent given twice; those of
 // Pager::begin_restore() and of copy_range() (backing/file_copy.h), e.g. CorruptStoreError
 // for a short `src`, NoSpaceError.
@@ -22,7 +23,7 @@
 
 namespace statepager {
 
-// Returns the copy method used last.
+// Returns the last resort any extent's copy came to (kReadWrite where one fell back to it).
 CopyMethod restore_extents(Pager& pager, const std::vector<ExtentId>& ids,
                            const std::vector<bool>& zero, const std::string& src,
                            const std::vector<uint64_t>& src_offsets);

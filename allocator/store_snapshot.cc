@@ -1,13 +1,11 @@
 #include "allocator/store_snapshot.h"
 
 #include <algorithm>
-#include <atomic>
-#include <exception>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 #include "backing/errors.h"
+#include "backing/parallel.h"
 
 namespace statepager {
 
@@ -54,30 +52,19 @@ StoreSnapshot::Copied StoreSnapshot::copy_to(const std::vector<std::string>& fil
   Copied copied;
   copied.crcs.resize(chunk_bytes > 0 ? placements_.size() : 0);
 
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;  // guards error and copied.method
-  std::exception_ptr error;
-  auto work = [&] {
-    CopyMethod method = CopyMethod::kReflink;
-    try {
-      for (size_t k; !failed.load() && (k = next.fetch_add(1)) < todo.size();) {
-        method = copy_one(todo[k], out, targets[todo[k]], chunk_bytes, method, copied);
-      }
-    } catch (...) {
-      failed.store(true);
+  // Each copy tries first what the others came to (a filesystem that refuses reflink
+  // refuses it for every extent).
+  std::mutex mu;  // guards copied.method
+  parallel_for(todo.size(), kCopyThreads, [&](size_t k) {
+    CopyMethod first;
+    {
       const std::lock_guard lock(mu);
-      if (!error) error = std::current_exception();
+      first = copied.method;
     }
+    const CopyMethod used = copy_one(todo[k], out, targets[todo[k]], chunk_bytes, first, copied);
     const std::lock_guard lock(mu);
-    copied.method = std::max(copied.method, method);  // the enum runs from best to last
-  };
-  std::vector<std::thread> helpers;
-  const size_t threads = std::min<size_t>(kCopyThreads, todo.size());
-  for (size_t t = 1; t < threads; t++) helpers.emplace_back(work);
-  work();
-  for (std::thread& t : helpers) t.join();
-  if (error) std::rethrow_exception(error);
+    copied.method = std::max(copied.method, used);  // the enum runs from best to last
+  });
   for (const OpenFile& f : out) f.sync();
   return copied;
 }

@@ -4,8 +4,8 @@
 //
 // Construction holds the extents (Pager::hold): page-outs into their store ranges wait
 // until each range has been copied. copy_to() copies the FILE and HOST extents (these from
-// the host tier's memory) to ranges of destination files, several at once (kCopyThreads
-// threads take them in the order given: more reads in flight on a disk, and the checksums
+// the host tier's memory) to ranges of destination files, several at once (kCopyThreads,
+// backing/file_copy.h, threads take them in the order given: more reads in flight on a disk, and the checksums
 // and copies through memory on more than one core), releasing each hold as soon as its
 // range is copied, so a step that pages buckets out in the same order waits, if at all,
 // only for the buckets being copied. ZERO extents have no bytes and are not copied. The
@@ -61,14 +61,8 @@ class StoreSnapshot {
 
   void release();  // releases every hold still taken
 
-  // Extents copied at once by copy_to(). A copy through memory (read, crc32c, write) is
-  // bound by one core: a 1 GiB save to /dev/shm on a 2-core machine took 0.88 s with one,
-  // 0.49 s with two and 0.41 s with four (bench ckpt, medians of 4); on its virtio disk
-  // the three were within the disk's noise.
-  static constexpr unsigned kCopyThreads = 4;
-
  private:
-  // Copies placement i to its target; returns the method it came to, trying `first` first.
+  // Copies placement i to its target, trying `first` first; returns the method it came to.
   CopyMethod copy_one(size_t i, const std::vector<OpenFile>& out, const Target& target,
                       uint64_t chunk_bytes, CopyMethod first, Copied& copied);
   void unhold(size_t i);
