@@ -4,11 +4,11 @@
 //
 // Construction holds the extents (Pager::hold): page-outs into their store ranges wait
 // until each range has been copied. copy_to() copies the FILE and HOST extents (these from
-// the host tier's memory) to ranges of destination files, several at once (kCopyThreads,
-// backing/file_copy.h, threads take them in the order given: more reads in flight on a disk, and the checksums
-// and copies through memory on more than one core), releasing each hold as soon as its
-// range is copied, so a step that pages buckets out in the same order waits, if at all,
-// only for the buckets being copied. ZERO extents have no bytes and are not copied. The
+// the host tier's memory) to ranges of destination files, several at once (kCopyThreads
+// threads, backing/file_copy.h, take them in the order given: more reads in flight on a
+// disk, and the checksums and copies through memory on more than one core), releasing
+// each hold as soon as its range is copied, so a step that pages buckets out in the same
+// order waits, if at all, only for the buckets being copied. ZERO extents have no bytes and are not copied. The
 // destructor (or release()) releases the holds that are left, after a failure or when no
 // copy is made.
 //
