@@ -8,9 +8,9 @@
 // threads, backing/file_copy.h, take them in the order given: more reads in flight on a
 // disk, and the checksums and copies through memory on more than one core), releasing
 // each hold as soon as its range is copied, so a step that pages buckets out in the same
-// order waits, if at all, only for the buckets being copied. ZERO extents have no bytes and are not copied. The
-// destructor (or release()) releases the holds that are left, after a failure or when no
-// copy is made.
+// order waits, if at all, only for the buckets being copied. ZERO extents have no bytes
+// and are not copied. The destructor (or release()) releases the holds that are left,
+// after a failure or when no copy is made.
 //
 // Ownership: refers to the Pager, which must outlive it. Opens the store's files and keeps
 // the host tier's memory at construction, so a copy still reads them after the Pager has

@@ -47,13 +47,14 @@ class StepStats:
 
     def summary(self) -> str:
         """One line for the log (Pager.attach(log_steps=True))."""
-        return (f"step {self.step}: {self.buckets} buckets, read {self.bytes_read / 1e6:.1f} MB, "
-                f"wrote {self.bytes_written / 1e6:.1f} MB in {self.seconds:.3f} s "
+        return (f"step {self.step}: {self.buckets} buckets, read {self.bytes_read / 1e6:.1f} "
+                f"MB, wrote {self.bytes_written / 1e6:.1f} MB in {self.seconds:.3f} s "
                 f"({self.gbps:.2f} GB/s; reads busy {self.read_busy_seconds:.3f} s, writes busy "
                 f"{self.write_busy_seconds:.3f} s, both {self.both_busy_seconds:.3f} s = "
-                f"{100 * self.overlap:.0f}% overlap; stalled on reads {self.wait_in_seconds:.3f} s, "
-                f"writes {self.wait_out_seconds:.3f} s; compute {self.compute_seconds:.3f} s; "
-                f"peak mapped {self.peak_mapped_bytes / (1 << 20):.1f} MiB)")
+                f"{100 * self.overlap:.0f}% overlap; stalled on reads "
+                f"{self.wait_in_seconds:.3f} s, writes {self.wait_out_seconds:.3f} s; compute "
+                f"{self.compute_seconds:.3f} s; peak mapped "
+                f"{self.peak_mapped_bytes / (1 << 20):.1f} MiB)")
 
 
 def _union(intervals) -> list:
