@@ -40,18 +40,22 @@ cd_tmp_pytest() { (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$@")
 run tier_pytest.log cd_tmp_pytest "$ROOT/tests/gpu/test_cuda_host_tier.py" \
   "$ROOT/tests/python/test_host_tier.py"
 
-# 2.5e8 params: 3 GB of state each way; the step's fresh copies need as much again. First
-# as in the last run (256 MiB x depth 3: 81%), then with a deeper pipeline and smaller
-# buckets (one more page-in queued on the copy engine while a page-out waits; a shorter
-# first page-in and last page-out, the only copies not overlapped).
+# 2.5e8 params: 3 GB of state each way; the step's fresh copies need as much again. Pages
+# as large as the buckets: a page mapped while a page-out copies costs the step about 1 ms
+# (docs/DESIGN-NOTES.md; 256 MiB pages: 87 % on 2026-12-01, 32 MiB pages: 78-81 %). Then
+# a deeper pipeline with smaller buckets (one more page-in queued on the copy engine while
+# a page-out waits; a shorter first page-in and last page-out, the only copies not
+# overlapped).
 run tier_bench_step.log python3 -m statepager bench step --device cuda --dir /dev/shm \
-  --params 2.5e8 --bucket 256M --host-budget 7G --steps 5 --no-baseline --no-in-place
+  --params 2.5e8 --bucket 256M --page-size 256M --host-budget 7G --steps 5 --no-baseline \
+  --no-in-place
 run tier_bench_step_d4.log python3 -m statepager bench step --device cuda --dir /dev/shm \
-  --params 2.5e8 --bucket 128M --depth 4 --host-budget 7G --steps 5 --no-baseline --no-in-place
+  --params 2.5e8 --bucket 128M --page-size 128M --depth 4 --host-budget 7G --steps 5 \
+  --no-baseline --no-in-place
 
 # Half the state: 1.5 GB of host tier for 3 GB (with the in-place run: bit-exact check).
 run tier_bench_step_half.log python3 -m statepager bench step --device cuda --dir /dev/shm \
-  --params 2.5e8 --bucket 256M --host-budget 1500M --steps 5 --no-baseline
+  --params 2.5e8 --bucket 256M --page-size 256M --host-budget 1500M --steps 5 --no-baseline
 
 # 8 GiB of mixed tensors; the host tier holds them with their 4 KiB rounding.
 run tier_sleep.log python3 -m statepager bench sleep --device cuda --dir /dev/shm --size 8G \

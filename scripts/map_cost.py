@@ -1,20 +1,30 @@
 """What mapping a bucket costs: cuMemMap + cuMemSetAccess and cuMemUnmap per physical page,
-for a 192 MiB bucket made of pages of PAGE_MIB (ctypes on libcuda, no statepager).
+for a 192 MiB bucket made of pages of PAGE_MIB (ctypes on libcuda, no statepager), first
+with the device idle and while other work runs on a side stream (a device-to-host copy of
+COPY_MIB, a host-to-device copy, kernels), then per-page against one cuMemSetAccess.
 
-    python3 scripts/map_cost.py 2     # MiB per page; try 2 8 32 64
+    python3 scripts/map_cost.py 2     # MiB per page; try 2 8 32 64 192
+    COPY_MIB=200 python3 scripts/map_cost.py 32
 
 On the H200 (2026-12-01) each call costs about the same whatever the page's size (map
 25-45 us, unmap 15-23 us), so 2 MiB pages cost a 192 MiB bucket 4-7 ms of map and unmap,
 32 MiB pages (the Pager's default) 0.26 ms; one cuMemSetAccess over the whole run instead
 of one per page saves little (5.2-5.3 against 5.3-6.7 ms at 2 MiB).
+While a device-to-host copy runs (and only then: not a host-to-device copy, not kernels),
+cuMemSetAccess costs about 1 ms per physical page (0.4 ms at 2 MiB): the 192 MiB bucket's
+access took 6.25 ms in 32 MiB pages, 0.99 ms in one 192 MiB page, 40 ms in 2 MiB pages
+(idle: 0.35, 0.10, 2.4 ms). A streamed step pages in while page-outs copy to the host, so
+a bucket costs about 1 ms per page it maps; see docs/DESIGN-NOTES.md, "Page size".
 """
 import ctypes
+import os
 import sys
 import time
 
 import torch
 
 BUCKET = 192 << 20
+COPY = int(os.environ.get("COPY_MIB", "2048")) << 20  # the copy in flight in "busy" runs
 DEVICE, READ_WRITE, PINNED = 1, 3, 1  # CU_MEM_LOCATION_TYPE_DEVICE, ..._PROT_READWRITE, ...
 
 
@@ -59,6 +69,48 @@ def main(page_mib: int) -> None:
         check(cu.cuMemSetAccess(ctypes.c_ulonglong(addr), ctypes.c_size_t(nbytes),
                                 ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
 
+    def busy(kind: str):
+        """Starts a copy of COPY bytes on a side stream (kind 'd2h', 'h2d' or a kernel,
+        'kernel'), returns the event that marks its end."""
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            if kind == "d2h":
+                host_buf.copy_(dev_buf, non_blocking=True)
+            elif kind == "h2d":
+                dev_buf.copy_(host_buf, non_blocking=True)
+            else:
+                for _ in range(40):
+                    dev_buf.view(torch.float32).mul_(1.0000001)
+        done = torch.cuda.Event(enable_timing=False)
+        done.record(side)
+        return done
+
+    dev_buf = torch.empty(COPY, dtype=torch.uint8, device="cuda")
+    host_buf = torch.empty(COPY, dtype=torch.uint8, pin_memory=True)
+    for work in ("idle", "d2h", "h2d", "kernel", "idle"):
+        torch.cuda.synchronize()
+        t_busy = time.perf_counter()
+        done = None if work == "idle" else busy(work)
+        t0 = time.perf_counter()
+        for i, h in enumerate(handles):
+            addr = base.value + i * page
+            check(cu.cuMemMap(ctypes.c_ulonglong(addr), ctypes.c_size_t(page), ctypes.c_size_t(0),
+                              h, ctypes.c_ulonglong(0)), "cuMemMap")
+        tm = time.perf_counter()
+        set_access(base.value, BUCKET)
+        t1 = time.perf_counter()
+        for i in range(count):
+            check(cu.cuMemUnmap(ctypes.c_ulonglong(base.value + i * page), ctypes.c_size_t(page)),
+                  "cuMemUnmap")
+        t2 = time.perf_counter()
+        pending = done is not None and not done.query()
+        if done is not None:
+            done.synchronize()
+        t3 = time.perf_counter()
+        print(f"{page_mib} MiB pages, device {work:6}: map {(tm - t0) * 1e3:7.2f} + access "
+              f"{(t1 - tm) * 1e3:7.2f} ms, unmap "
+              f"{(t2 - t1) * 1e3:7.2f} ms for the bucket; the work took {(t3 - t_busy) * 1e3:7.2f}"
+              f" ms, {'still running' if pending else 'done'} after the unmap")
     for one_access in (False, True, False, True):
         t0 = time.perf_counter()
         for i, h in enumerate(handles):

@@ -40,6 +40,16 @@ def test_the_defaults_are_the_1_34_b_gpt_with_the_issues_configurations(tmp_path
     assert a.timeline == "host-q8" and a.trace == str(tmp_path / "t.json")
 
 
+def test_pages_are_as_large_as_a_bucket_unless_given(tmp_path):
+    """A page mapped while a page-out copies costs the step about 1 ms (DESIGN-NOTES): the
+    bench streams with bucket-sized pages, in whole 2 MiB, up to the Pager's 1 GiB."""
+    assert parse(tmp_path).page_size is None
+    assert parse(tmp_path, "--page-size", "32M").page_size == 32 << 20
+    assert bench_megatron.page_for(256 << 20) == 256 << 20
+    assert bench_megatron.page_for((100 << 20) + 1) == 102 << 20
+    assert bench_megatron.page_for(4 * GiB) == GiB
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--configs", "fp16"], "configurations are unpaged, offload, fp32, bf16, q8, host-fp32, "
                             "host-q8"),
@@ -158,8 +168,9 @@ def floor(read, written, *, host_in=0, host_out=0, pcie_s, fio_s=None):
 
 
 MODEL = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 512,
-         "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20, "depth": 3, "hbm_budget": None,
-         "host_budget": None, "fio_jobs": 4, "grads": "fp32"}
+         "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20, "depth": 3,
+         "page_size": 32 << 20, "hbm_budget": None, "host_budget": None, "fio_jobs": 4,
+         "grads": "fp32"}
 
 
 def canned_run():

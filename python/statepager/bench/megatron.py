@@ -113,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket", type=size, default=size("256M"), help="the pager's bucket_size")
     p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=3,
                    help="the pager's depth (attach(depth=...))")
+    p.add_argument("--page-size", type=size, default=None,
+                   help="the pager's page_size (default: the bucket size; smaller pages map "
+                        "less memory but cost the step about 1 ms per page mapped while a "
+                        "page-out copies: docs/DESIGN-NOTES.md)")
     p.add_argument("--hbm-budget", type=size, default=None, help="the pager's hbm_budget")
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' host_budget (default: what holds their "
@@ -130,6 +134,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=plot_file, metavar="FILE.png",
                    help="draw that step's timeline (needs matplotlib: statepager[plot])")
     p.add_argument("--json", action="store_true")
+
+
+def page_for(bucket: int) -> int:
+    """The page size the bench streams with by default: the bucket size, in whole CUDA
+    pages (2 MiB), at most the Pager's largest (1 GiB)."""
+    granularity = 2 * MiB
+    return min(1 << 30, -(-bucket // granularity) * granularity)
 
 
 def require_megatron() -> None:
@@ -182,8 +193,10 @@ def bench_megatron(args) -> dict:
     drawn = timeline_config(args)
     model = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
                                            "micro_batch", "warmup", "steps", "bucket",
-                                           "depth", "hbm_budget", "host_budget", "fio_jobs")}
+                                           "depth", "page_size", "hbm_budget", "host_budget",
+                                           "fio_jobs")}
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
+    model["page_size"] = args.page_size or page_for(args.bucket)
     r = {"model": model, "dir": args.dir, "configs": []}
     live = not args.json
     if live:
@@ -391,8 +404,9 @@ def run_config(spec: dict) -> dict:
     if config.get("host"):
         host_budget = spec.get("host_budget") or host_budget_for(
             model.parameters(), config["moments"], config["mains"])
-    pager = (Pager(spec["store"], "cuda", hbm_budget=spec["hbm_budget"],
-                   host_budget=host_budget) if config["pager"] else None)
+    pager = (Pager(spec["store"], "cuda", page_size=spec["page_size"],
+                   hbm_budget=spec["hbm_budget"], host_budget=host_budget)
+             if config["pager"] else None)
     try:
         model, optimizer, scheduler, binding = gpt.build(
             setup, pager, model=model, bucket_size=spec["bucket"], depth=spec["depth"],
@@ -551,9 +565,9 @@ def header_lines(r: dict) -> list[str]:
     return [f"megatron bench: GPT, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} "
             f"heads, vocab {m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}, "
             f"{m['grads']} grads; {m['warmup']} warm-up + {m['steps']} timed steps; stores in "
-            f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB x depth {m['depth']}; each "
-            "configuration in its own process, printed as it ends (per step: medians; GB = "
-            "1e9 bytes, GiB = 2^30)",
+            f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB x depth {m['depth']}, pages of "
+            f"{m['page_size'] // MiB} MiB; each configuration in its own process, printed as "
+            "it ends (per step: medians; GB = 1e9 bytes, GiB = 2^30)",
             _row(name for name, _, _ in _COLUMNS)]
 
 
