@@ -238,11 +238,15 @@ __global__ void checksum_rows_kernel(const uint16_t* __restrict__ param, int64_t
 }
 
 __global__ void checksum_total_kernel(const int64_t* __restrict__ rows, int64_t n_rows,
-                                      int64_t* __restrict__ out) {
+                                      int64_t* __restrict__ out, const int64_t* expected,
+                                      uint8_t* bad) {
   long long sum = 0;
   for (int64_t i = threadIdx.x; i < n_rows; i += blockDim.x) sum += rows[i];
   sum = block_sum(sum);
-  if (threadIdx.x == 0) *out = sum % kPrime;
+  if (threadIdx.x == 0) {
+    *out = sum % kPrime;
+    if (expected != nullptr && sum % kPrime != *expected) *bad = 1;
+  }
 }
 
 }  // namespace
@@ -316,7 +320,7 @@ void residual_rebuild(const uint16_t* param, const int16_t* residual, float* mai
 }
 
 void param_checksum(const uint16_t* param, int64_t n, int64_t* rows, int64_t* out,
-                    int device, void* stream) {
+                    int device, void* stream, const int64_t* expected, uint8_t* bad) {
   cudaStream_t s = prepare(device, stream, "param_checksum");
   const int64_t n_rows = ceil_div(n, kChecksumRow);
   static_assert(kChecksumRow == kThreads * 16, "one CTA per checksum row, 16 per thread");
@@ -328,7 +332,7 @@ void param_checksum(const uint16_t* param, int64_t n, int64_t* rows, int64_t* ou
     }
     check(cudaGetLastError(), "param_checksum");
   }
-  checksum_total_kernel<<<1, 1024, 0, s>>>(rows, n_rows, out);  // writes 0 when n == 0
+  checksum_total_kernel<<<1, 1024, 0, s>>>(rows, n_rows, out, expected, bad);  // 0 when n == 0
   check(cudaGetLastError(), "param_checksum (total)");
 }
 

@@ -51,8 +51,11 @@ void residual_rebuild(const uint16_t* param, const int16_t* residual, float* mai
                       uint8_t* bad, int device, void* stream);
 
 // param_checksum of bf16 bits: *out = the value codecs.param_checksum returns. `rows` is
-// scratch of ceil(n / 4096) int64.
+// scratch of ceil(n / 4096) int64. Given `expected` (device memory), also sets *bad = 1
+// (never clears it) when the checksum differs from *expected: a parameter changed since
+// its checksum was taken, told without the host reading either.
 void param_checksum(const uint16_t* param, int64_t n, int64_t* rows, int64_t* out,
-                    int device, void* stream);
+                    int device, void* stream, const int64_t* expected = nullptr,
+                    uint8_t* bad = nullptr);
 
 }  // namespace statepager::kernels

@@ -99,34 +99,6 @@ int check_residual(const torch::Tensor& main, const torch::Tensor& param,
   return dev;
 }
 
-void residual_encode(const torch::Tensor& main, const torch::Tensor& param,
-                     const torch::Tensor& residual, const torch::Tensor& exc_idx,
-                     const torch::Tensor& exc_bits, const torch::Tensor& count, uintptr_t stream) {
-  const int dev = check_residual(main, param, residual, exc_idx, exc_bits);
-  check(count, "count", torch::kInt64, dev);
-  need(count.numel() == 1, "count must be one element");
-  const int64_t n = main.numel();
-  launch([&] {
-    kernels::residual_encode(main.data_ptr<float>(), bf16_bits(param), residual.data_ptr<int16_t>(),
-                             n, exc_idx.data_ptr<int64_t>(), exc_bits.data_ptr<int32_t>(),
-                             exc_idx.numel(), count.data_ptr<int64_t>(), dev, as_stream(stream));
-  });
-}
-
-void residual_rebuild(const torch::Tensor& param, const torch::Tensor& residual,
-                      const torch::Tensor& main, const torch::Tensor& exc_idx,
-                      const torch::Tensor& exc_bits, const torch::Tensor& bad, uintptr_t stream) {
-  const int dev = check_residual(main, param, residual, exc_idx, exc_bits);
-  check(bad, "bad", torch::kUInt8, dev);
-  need(bad.numel() == 1, "bad must be one element");
-  const int64_t n = main.numel();
-  launch([&] {
-    kernels::residual_rebuild(bf16_bits(param), residual.data_ptr<int16_t>(), main.data_ptr<float>(),
-                              n, exc_idx.data_ptr<int64_t>(), exc_bits.data_ptr<int32_t>(),
-                              exc_idx.numel(), bad.data_ptr<uint8_t>(), dev, as_stream(stream));
-  });
-}
-
 void param_checksum(const torch::Tensor& param, const torch::Tensor& rows, const torch::Tensor& out,
                     uintptr_t stream) {
   const int dev = check(param, "param", torch::kBFloat16);
@@ -139,6 +111,113 @@ void param_checksum(const torch::Tensor& param, const torch::Tensor& rows, const
   launch([&] {
     kernels::param_checksum(bf16_bits(param), n, rows.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
                             dev, as_stream(stream));
+  });
+}
+
+// The rows scratch param_checksum needs for n params; need()s `rows` holds that many.
+void check_rows(const torch::Tensor& rows, int64_t n, int dev) {
+  check(rows, "rows", torch::kInt64, dev);
+  need(rows.numel() >= (n + kernels::kChecksumRow - 1) / kernels::kChecksumRow,
+       "rows must have one element per 4096 params of the largest param");
+}
+
+// The residual masters of one bucket, k of them (lists of equal length k): what
+// residual_rebuild and a comparison of param_checksum with the fingerprint do per master,
+// in one call, so that a bucket of many small parameters costs the host no Python per
+// master. fingerprints[i] (a 1-element int64, or None: not checked) is the checksum the
+// residual was encoded against; `bad` is set when any differs or any master does not
+// round to its param. `rows` is scratch (check_rows), `sums` k int64 of scratch.
+void residual_rebuild_many(const std::vector<torch::Tensor>& params,
+                           const std::vector<torch::Tensor>& residuals,
+                           const std::vector<torch::Tensor>& mains,
+                           const std::vector<torch::Tensor>& exc_idx,
+                           const std::vector<torch::Tensor>& exc_bits,
+                           const std::vector<std::optional<torch::Tensor>>& fingerprints,
+                           const torch::Tensor& rows, const torch::Tensor& sums,
+                           const torch::Tensor& bad, uintptr_t stream) {
+  const size_t k = mains.size();
+  need(params.size() == k && residuals.size() == k && exc_idx.size() == k &&
+           exc_bits.size() == k && fingerprints.size() == k,
+       "params, residuals, mains, exc_idx, exc_bits and fingerprints differ in length");
+  if (k == 0) return;
+  const int dev = check(bad, "bad", torch::kUInt8);
+  need(bad.numel() == 1, "bad must be one element");
+  check(sums, "sums", torch::kInt64, dev);
+  need(sums.numel() == static_cast<int64_t>(k), "sums must have one element per master");
+  for (size_t i = 0; i < k; i++) {
+    need(check_residual(mains[i], params[i], residuals[i], exc_idx[i], exc_bits[i]) == dev,
+         "the masters of one call must be on one device");
+    const int64_t n = mains[i].numel();
+    if (fingerprints[i]) {
+      check(*fingerprints[i], "fingerprint", torch::kInt64, dev);
+      need(fingerprints[i]->numel() == 1, "a fingerprint must be one element");
+      check_rows(rows, n, dev);
+    }
+  }
+  py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
+  launch([&] {
+    for (size_t i = 0; i < k; i++) {
+      const int64_t n = mains[i].numel();
+      if (fingerprints[i]) {
+        kernels::param_checksum(bf16_bits(params[i]), n, rows.data_ptr<int64_t>(),
+                                sums.data_ptr<int64_t>() + i, dev, as_stream(stream),
+                                fingerprints[i]->data_ptr<int64_t>(), bad.data_ptr<uint8_t>());
+      }
+      kernels::residual_rebuild(bf16_bits(params[i]), residuals[i].data_ptr<int16_t>(),
+                                mains[i].data_ptr<float>(), n, exc_idx[i].data_ptr<int64_t>(),
+                                exc_bits[i].data_ptr<int32_t>(), exc_idx[i].numel(),
+                                bad.data_ptr<uint8_t>(), dev, as_stream(stream));
+    }
+  });
+}
+
+// The residual masters of one bucket encoded in one call: per master i, its param's
+// checksum into fingerprints[i] (given fingerprints) and residual_encode with room for
+// capacities[i] exceptions, at the next offset of exc_idx/exc_bits (one buffer each for
+// all, at least the capacities' sum), counted into counts[i] (zero on entry).
+void residual_encode_many(const std::vector<torch::Tensor>& mains,
+                          const std::vector<torch::Tensor>& params,
+                          const std::vector<torch::Tensor>& residuals,
+                          const std::vector<int64_t>& capacities, const torch::Tensor& exc_idx,
+                          const torch::Tensor& exc_bits, const torch::Tensor& counts,
+                          const std::optional<torch::Tensor>& fingerprints,
+                          const torch::Tensor& rows, uintptr_t stream) {
+  const size_t k = mains.size();
+  need(params.size() == k && residuals.size() == k && capacities.size() == k,
+       "mains, params, residuals and capacities differ in length");
+  if (k == 0) return;
+  const int dev = check_residual(mains[0], params[0], residuals[0], exc_idx, exc_bits);
+  check(counts, "counts", torch::kInt64, dev);
+  need(counts.numel() == static_cast<int64_t>(k), "counts must have one element per master");
+  if (fingerprints) {
+    check(*fingerprints, "fingerprints", torch::kInt64, dev);
+    need(fingerprints->numel() == counts.numel(), "fingerprints must have one element per master");
+  }
+  int64_t room = 0;
+  for (size_t i = 0; i < k; i++) {
+    need(check_residual(mains[i], params[i], residuals[i], exc_idx, exc_bits) == dev,
+         "the masters of one call must be on one device");
+    need(capacities[i] >= 0, "capacities must not be negative");
+    if (fingerprints) check_rows(rows, mains[i].numel(), dev);
+    room += capacities[i];
+  }
+  need(exc_idx.numel() >= room, "exc_idx and exc_bits must hold the capacities' sum");
+  py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
+  launch([&] {
+    int64_t at = 0;
+    for (size_t i = 0; i < k; i++) {
+      const int64_t n = mains[i].numel();
+      if (fingerprints) {
+        kernels::param_checksum(bf16_bits(params[i]), n, rows.data_ptr<int64_t>(),
+                                fingerprints->data_ptr<int64_t>() + i, dev, as_stream(stream));
+      }
+      kernels::residual_encode(mains[i].data_ptr<float>(), bf16_bits(params[i]),
+                               residuals[i].data_ptr<int16_t>(), n,
+                               exc_idx.data_ptr<int64_t>() + at, exc_bits.data_ptr<int32_t>() + at,
+                               capacities[i], counts.data_ptr<int64_t>() + i, dev,
+                               as_stream(stream));
+      at += capacities[i];
+    }
   });
 }
 
@@ -199,14 +278,15 @@ void bind_kernels(py::module_& m) {
         py::arg("nonneg"), py::arg("stream"));
   k.def("q8_decode", &q8_decode, py::arg("codes"), py::arg("scales"), py::arg("x"),
         py::arg("nonneg"), py::arg("stream"));
-  k.def("residual_encode", &residual_encode, py::arg("main"), py::arg("param"),
-        py::arg("residual"), py::arg("exc_idx"), py::arg("exc_bits"), py::arg("count"),
-        py::arg("stream"));
-  k.def("residual_rebuild", &residual_rebuild, py::arg("param"), py::arg("residual"),
-        py::arg("main"), py::arg("exc_idx"), py::arg("exc_bits"), py::arg("bad"),
-        py::arg("stream"));
   k.def("param_checksum", &param_checksum, py::arg("param"), py::arg("rows"), py::arg("out"),
         py::arg("stream"));
+  k.def("residual_rebuild_many", &residual_rebuild_many, py::arg("params"),
+        py::arg("residuals"), py::arg("mains"), py::arg("exc_idx"), py::arg("exc_bits"),
+        py::arg("fingerprints"), py::arg("rows"), py::arg("sums"), py::arg("bad"),
+        py::arg("stream"));
+  k.def("residual_encode_many", &residual_encode_many, py::arg("mains"), py::arg("params"),
+        py::arg("residuals"), py::arg("capacities"), py::arg("exc_idx"), py::arg("exc_bits"),
+        py::arg("counts"), py::arg("fingerprints"), py::arg("rows"), py::arg("stream"));
   k.def("adamw_step", &adamw_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("format"), py::arg("decay"), py::arg("lerp_weight"),
         py::arg("beta2"), py::arg("one_minus_beta2"), py::arg("bias_correction2_sqrt"),

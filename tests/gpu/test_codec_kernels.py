@@ -156,6 +156,46 @@ def test_residual_kernels_are_the_reference(n, offset, changed):
         assert torch.equal(bits(out_d), bits(out))
 
 
+def test_a_bucket_of_masters_in_one_call_is_the_reference():
+    """encode_residuals/decode_residuals' one call for many masters (sizes from 0 up,
+    misaligned ones, one whose exceptions overflow the kernel's room) gives each master
+    the reference's residual, exceptions and fingerprint, rebuilds every master exactly,
+    and tells a changed param (any one element of any one) as the reference does."""
+    sizes = [0, 1, 257, 4096 * 3 + 17, (1 << 20) + 3, 5000]
+    masters_ = [masters(n, seed=i) for i, n in enumerate(sizes)]
+    params = [params_for(m, i, 0.3 if i == 5 else 0.0) for i, m in enumerate(masters_)]
+    refs = [C.residual_encode(m, p, torch.empty(len(m), dtype=torch.int16))
+            for m, p in zip(masters_, params)]
+    md = [misaligned(m, i % 2) for i, m in enumerate(masters_)]
+    pd = [misaligned(p, i % 2) for i, p in enumerate(params)]
+    rd = [misaligned(torch.ones(n, dtype=torch.int16), i % 2) for i, n in enumerate(sizes)]
+    pending = C.PendingExceptions(md, pd, rd, fingerprints=True)
+    got = C.finish_exceptions([pending])
+    assert [int(c) for c in pending.count.cpu()][5] > pending.capacities[5]  # overflowed
+    for i, (m, p) in enumerate(zip(masters_, params)):
+        r = torch.empty(len(m), dtype=torch.int16)
+        C.residual_encode(m, p, r)
+        assert torch.equal(rd[i].cpu(), r), i
+        assert torch.equal(got[i][0].cpu(), refs[i][0]), i
+        assert torch.equal(got[i][1].cpu(), refs[i][1]), i
+        assert int(pending.fingerprints[i]) == int(C.param_checksum(p)), i
+    outs = [misaligned(torch.zeros(n), i % 2) for i, n in enumerate(sizes)]
+    changed = C.rebuild_residuals(pd, rd, got, outs, pending.fingerprints)
+    assert not bool(changed)
+    for m, out in zip(masters_, outs):
+        assert torch.equal(bits(out), bits(m))
+    for i in (1, 4):  # a change the rounding check alone misses too
+        p2 = [p.clone() for p in pd]
+        p2[i].view(torch.int16)[-1] ^= 1
+        assert bool(C.rebuild_residuals(p2, rd, got, outs, pending.fingerprints)), i
+        # Without fingerprints, the rounding check alone: the kernels' verdict is the
+        # reference's.
+        ref = C.rebuild_residuals([x.cpu() for x in p2], [x.cpu() for x in rd],
+                                  [(a.cpu(), b.cpu()) for a, b in got],
+                                  [torch.empty(n) for n in sizes], [None] * len(sizes))
+        assert bool(C.rebuild_residuals(p2, rd, got, outs, [None] * len(sizes))) == bool(ref)
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 4096 * 5 + 77, (1 << 20) + 3])
 def test_checksum_kernel_is_the_reference(n, offset):

@@ -25,9 +25,9 @@ class ExceptionCounts:
 
     def __init__(self, pager):
         self.pager = pager
-        # Per bucket stepped, oldest first: its (StoredForm, PendingExceptions) pairs, their
-        # counts in host memory (once `ready`: a CUDA event, None on the host), the scratch
-        # held for them.
+        # Per bucket stepped, oldest first: its (StoredForms, PendingExceptions) pairs
+        # (StreamedOptimizer._encode), their counts in host memory (once `ready`: a CUDA
+        # event, None on the host), the scratch held for them.
         self._queue: collections.deque = collections.deque()
         self.handles: list = []  # the discards of the scratch let go, not yet waited for
 
@@ -43,7 +43,7 @@ class ExceptionCounts:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(counts.device))
             counts = host
-        held = [f.working for f, _ in pending]
+        held = [f.working for forms, _ in pending for f in forms]
         self._queue.append((pending, counts, ready, held))
         return held
 
@@ -54,8 +54,11 @@ class ExceptionCounts:
             pending, counts, ready, held = self._queue[0]
             if ready is not None:
                 ready.synchronize()
-            for (form, p), count in zip(pending, counts.tolist()):
-                form.set_exceptions(p.finish(count))
+            values, at = counts.tolist(), 0
+            for forms, p in pending:
+                for form, exceptions in zip(forms, p.finish(values[at:at + len(forms)])):
+                    form.set_exceptions(exceptions)
+                at += len(forms)
             self._queue.popleft()
             self.handles.append(self.pager.discard_async(held))
 
@@ -68,8 +71,8 @@ class ExceptionCounts:
 
 
 class ParamChecks:
-    """An atomic step's residual checks (StoredForm.param_changed, and decode's rounding
-    check), gathered on the device and read once, after the last bucket: a changed model
+    """An atomic step's residual checks (stored.decode_residuals: a model param changed),
+    gathered on the device and read once, after the last bucket: a changed model
     param then fails the whole step, which is rolled back. The host never waits for the
     device to check a bucket; a step that is not atomic reads each bucket's before it
     steps (refuse())."""

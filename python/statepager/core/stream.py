@@ -29,7 +29,8 @@ from statepager.core.atomic import AtomicStep, UndoCopies
 from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.step_stats import StepStats
 from statepager.core.slices import Chunk
-from statepager.formats.stored import MAIN_FORMATS, MOMENT_FORMATS, StoredForm
+from statepager.formats.stored import (MAIN_FORMATS, MOMENT_FORMATS, StoredForm,
+                                       decode_residuals, encode_residuals)
 from statepager.formats import codecs
 from statepager.formats.fused_adamw import FusedStep, applies_to
 
@@ -440,29 +441,35 @@ class StreamedOptimizer:
         working = [f.working for f in forms if f.scratch]
         if working:
             self.pager.page_in(working)  # zero-filled scratch; in already when _incoming
-        changed = [f.param_changed() for f in forms] + [f.decode() for f in forms]
-        changed = [c for c in changed if c is not None] if check_params else []
-        if not changed:
+        for f in forms:
+            if f.fmt != "residual":
+                f.decode()
+        changed = decode_residuals([f for f in forms if f.fmt == "residual"])
+        if changed is None or not check_params:
             return
-        flag = torch.stack(changed).any()
         if checks is not None:
-            checks.add(flag)
-        elif flag.item():
+            checks.add(changed)
+        elif changed.item():
             ParamChecks.refuse()
 
     def _encode(self, b: Bucket, skip=()) -> list:
         """Encodes the bucket's stored forms (but those in `skip`). Returns the residual
-        masters' exceptions, pending, as (form, codecs.PendingExceptions) pairs: until
-        they are finished, the bucket's scratch must stay as it is."""
+        masters' exceptions, pending, as [(forms, codecs.PendingExceptions)] (empty
+        without residual masters): until they are finished, the bucket's scratch must
+        stay as it is."""
         skip = {id(s) for s in skip}
-        pending = [(f, f.encode()) for f in b.forms if id(f) not in skip]
-        return [(f, p) for f, p in pending if p is not None]
+        forms = [f for f in b.forms if id(f) not in skip]
+        for f in forms:
+            if f.fmt != "residual":
+                f.encode()
+        residual = [f for f in forms if f.fmt == "residual"]
+        return [(residual, encode_residuals(residual))] if residual else []
 
     def _encode_now(self, b: Bucket) -> None:
         """_encode, its exception counts read at once (one device sync for the bucket)."""
-        pending = self._encode(b)
-        for (f, _), exceptions in zip(pending, codecs.finish_exceptions([p for _, p in pending])):
-            f.set_exceptions(exceptions)
+        for forms, pending in self._encode(b):
+            for f, exceptions in zip(forms, codecs.finish_exceptions([pending])):
+                f.set_exceptions(exceptions)
 
     def _release(self, b: Bucket, wait: bool = True, keep=(), reuse_after: int = 0) -> list:
         """Pages the stored form out and drops the scratch but `keep`; returns the

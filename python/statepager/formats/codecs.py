@@ -18,6 +18,7 @@ taken in flat order).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -86,7 +87,7 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
     a param that really is RNE(main), only the ties and non-finite values are exceptions.
     Exception slots in residual_out are written as 0.
     """
-    return finish_exceptions([PendingExceptions(main, param, residual_out)])[0]
+    return finish_exceptions([PendingExceptions([main], [param], [residual_out])])[0]
 
 
 def _residual_encode_reference(main, param, residual_out):
@@ -113,54 +114,94 @@ def _exception_list(main, exc) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PendingExceptions:
-    """residual_encode, its exceptions not yet listed on the host: the encode is queued
-    at construction and `count` (a 1-element int64 tensor on main's device) holds how many
-    there are. finish_exceptions() reads the counts of many at once, with one device sync,
-    or the caller reads `count` when it likes (a copy to host memory it waits for) and
-    calls finish(). main and param must stay as they are until then.
+    """residual_encode of many masters (a bucket's), their exceptions not yet listed on
+    the host: the encodes are queued at construction and `count` (an int64 tensor on the
+    mains' device, one element per master) holds how many each has. finish_exceptions()
+    reads the counts of many at once, with one device sync, or the caller reads `count`
+    when it likes (a copy to host memory it waits for) and calls finish(). The mains and
+    params must stay as they are until then. Given fingerprints=True, `fingerprints` are
+    the params' checksums (param_checksum, 0-dim tensors) taken with the encode; else None.
 
-    With the kernels (CUDA tensors, kernels on) the count is still being counted on the
-    device; the reference (CPU, or kernels off) lists the exceptions at once, and finish()
-    returns them: both take the same way through the step (statepager.core.stream)."""
+    With the kernels (CUDA tensors, kernels on) the encodes are one call and the counts
+    are still being counted on the device; the reference (CPU, or kernels off) lists the
+    exceptions at once, and finish() returns them: both take the same way through the
+    step (statepager.core.stream)."""
 
-    def __init__(self, main: torch.Tensor, param: torch.Tensor, residual_out: torch.Tensor):
-        assert main.dtype == torch.float32 and param.dtype == torch.bfloat16
-        assert residual_out.dtype == torch.int16
-        assert main.numel() == param.numel() == residual_out.numel()
-        assert main.is_contiguous() and param.is_contiguous() and residual_out.is_contiguous()
-        self._main, self._param = main, param  # for a count past the room
-        n, device = main.numel(), main.device
-        if not kernels_used(main):
-            self._idx, self._bits = _residual_encode_reference(main, param, residual_out)
-            self.capacity, self._listed = len(self._idx), True
-            self.count = torch.full((1,), self.capacity, dtype=torch.int64, device=device)
+    def __init__(self, mains: list, params: list, residual_outs: list,
+                 fingerprints: bool = False):
+        for main, param, out in zip(mains, params, residual_outs, strict=True):
+            assert main.dtype == torch.float32 and param.dtype == torch.bfloat16
+            assert out.dtype == torch.int16
+            assert main.numel() == param.numel() == out.numel()
+            assert main.is_contiguous() and param.is_contiguous() and out.is_contiguous()
+        self._mains, self._params = mains, params  # for a count past the room
+        device = mains[0].device if mains else torch.device("cpu")
+        if not mains or not kernels_used(mains[0]):
+            self._listed = [_residual_encode_reference(m, p, r)
+                            for m, p, r in zip(mains, params, residual_outs)]
+            self.fingerprints = [param_checksum(p) for p in params] if fingerprints else None
+            self.count = torch.tensor([len(i) for i, _ in self._listed], dtype=torch.int64,
+                                      device=device)
             return
-        self.capacity, self._listed = 1024 + n // 2048, False  # RNE ties: ~1 in 2**17
-        self._idx = torch.empty(self.capacity, dtype=torch.int64, device=device)
-        self._bits = torch.empty(self.capacity, dtype=torch.int32, device=device)
-        self.count = torch.zeros(1, dtype=torch.int64, device=device)
-        _C.kernels.residual_encode(main.view(-1), param.view(-1), residual_out.view(-1),
-                                   self._idx, self._bits, self.count, _stream(main))
+        self._listed = None
+        self.capacities = [1024 + m.numel() // 2048 for m in mains]  # RNE ties: ~1 in 2**17
+        room = sum(self.capacities)
+        self._idx = torch.empty(room, dtype=torch.int64, device=device)
+        self._bits = torch.empty(room, dtype=torch.int32, device=device)
+        self.count = torch.zeros(len(mains), dtype=torch.int64, device=device)
+        sums = torch.empty(len(mains), dtype=torch.int64, device=device) if fingerprints else None
+        _C.kernels.residual_encode_many(
+            mains, params, residual_outs, self.capacities, self._idx, self._bits, self.count,
+            sums, _checksum_rows(mains), _stream(mains[0]))
+        self.fingerprints = list(sums.unbind()) if fingerprints else None
 
-    def finish(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exceptions, sorted by index as the reference's, given the count's value.
-        More than the kernel had room for (a param far from RNE(main)): the reference
-        lists them again from main and param. residual_out is not written again: the
-        kernel wrote it whole, with the reference's bits, and it may be paging out."""
-        if self._listed:
-            return self._idx, self._bits
-        if count > self.capacity:
-            return _exception_list(self._main, _residuals(self._main, self._param)[1])
-        if count == 0:  # the usual case: no sort to launch, no buffer kept alive
-            return self._idx.new_empty(0), self._bits.new_empty(0)
-        idx, order = self._idx[:count].sort()
-        return idx, self._bits[:count][order]
+    def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each master's exceptions, sorted by index as the reference's, given the counts'
+        values. More than the kernel had room for (a param far from RNE(main)): the
+        reference lists them again from main and param. residual_out is not written
+        again: the kernel wrote it whole, with the reference's bits, and it may be paging
+        out."""
+        if self._listed is not None:
+            return self._listed
+        out, at = [], 0
+        for main, param, room, count in zip(self._mains, self._params, self.capacities,
+                                            counts, strict=True):
+            if count > room:
+                out.append(_exception_list(main, _residuals(main, param)[1]))
+            elif count == 0:  # the usual case: no sort to launch, no buffer kept alive
+                out.append(_no_exceptions(main.device))
+            else:
+                idx, order = self._idx[at:at + count].sort()
+                out.append((idx, self._bits[at:at + count][order]))
+            at += room
+        return out
+
+
+@functools.cache
+def _no_exceptions(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The empty exception list of `device`, shared (exception lists are never written)."""
+    return (torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, dtype=torch.int32, device=device))
+
+
+def _checksum_rows(tensors: list) -> torch.Tensor:
+    """param_checksum's scratch for the largest of `tensors` (reused for each: the
+    kernels run one after another on one stream)."""
+    largest = max(t.numel() for t in tensors)
+    return torch.empty(max(1, -(-largest // _CHECKSUM_ROW)), dtype=torch.int64,
+                       device=tensors[0].device)
 
 
 def finish_exceptions(pending: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The exceptions of each PendingExceptions, in order; one device sync for all."""
+    """The exceptions of each master of each PendingExceptions, in order; one device sync
+    for all."""
     counts = torch.cat([p.count for p in pending]).tolist() if pending else []
-    return [p.finish(k) for p, k in zip(pending, counts)]
+    out, at = [], 0
+    for p in pending:
+        k = len(p.count)
+        out += p.finish(counts[at:at + k])
+        at += k
+    return out
 
 
 def param_checksum(param: torch.Tensor) -> torch.Tensor:
@@ -198,17 +239,34 @@ def residual_rebuild(param: torch.Tensor, residual: torch.Tensor,
     """residual_decode without its checks and without a device sync: rebuilds the master
     into `main_out` and returns a 0-dim device bool, True when some element outside the
     exceptions is inconsistent with `param` (see _inconsistent): the param changed."""
-    assert main_out.dtype == torch.float32 and param.dtype == torch.bfloat16
-    assert residual.dtype == torch.int16
-    assert main_out.numel() == param.numel() == residual.numel()
-    assert main_out.is_contiguous() and param.is_contiguous() and residual.is_contiguous()
+    return rebuild_residuals([param], [residual], [exceptions], [main_out], [None])
+
+
+def rebuild_residuals(params: list, residuals: list, exceptions: list, mains_out: list,
+                      fingerprints: list) -> torch.Tensor:
+    """residual_rebuild of many masters (a bucket's), each param also checked against its
+    fingerprint (its param_checksum when the residual was encoded; None: not checked): a
+    0-dim device bool, True when some param changed. With the kernels, one call for all."""
+    for param, residual, main in zip(params, residuals, mains_out, strict=True):
+        assert main.dtype == torch.float32 and param.dtype == torch.bfloat16
+        assert residual.dtype == torch.int16
+        assert main.numel() == param.numel() == residual.numel()
+        assert main.is_contiguous() and param.is_contiguous() and residual.is_contiguous()
+    if not kernels_used(mains_out[0]):
+        flags = [_rebuild_reference(*x) for x in zip(params, residuals, exceptions, mains_out)]
+        flags += [param_checksum(p) != f for p, f in zip(params, fingerprints) if f is not None]
+        return torch.stack(flags).any()
+    device = mains_out[0].device
+    bad = torch.zeros(1, dtype=torch.uint8, device=device)
+    _C.kernels.residual_rebuild_many(
+        params, residuals, mains_out, [i.to(device) for i, _ in exceptions],
+        [b.to(device) for _, b in exceptions], fingerprints, _checksum_rows(params),
+        torch.empty(len(params), dtype=torch.int64, device=device), bad, _stream(mains_out[0]))
+    return bad.view(()).bool()
+
+
+def _rebuild_reference(param, residual, exceptions, main_out) -> torch.Tensor:
     idx, exc_bits = exceptions
-    if kernels_used(main_out):
-        bad = torch.zeros(1, dtype=torch.uint8, device=main_out.device)
-        _C.kernels.residual_rebuild(param.view(-1), residual.view(-1), main_out.view(-1),
-                                    idx.to(main_out.device), exc_bits.to(main_out.device), bad,
-                                    _stream(main_out))
-        return bad.view(()).bool()
     out = main_out.view(torch.int32).view(-1)
     torch.add(_bf16_bits_hi(param), residual.view(-1), out=out)
     bad = _inconsistent(main_out.view(-1), param.view(-1), residual.view(-1))

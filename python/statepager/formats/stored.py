@@ -175,41 +175,59 @@ class StoredForm:
 
     def decode(self) -> torch.Tensor | None:
         """Decodes into the working tensor. Residual format: returns a device bool, True
-        when the model parameter is no longer the bf16 rounding of the rebuilt master
-        (the caller reads it, at once or after more work is queued); otherwise None."""
+        when the model parameter changed (see decode_residuals; the caller reads it, at
+        once or after more work is queued); otherwise None."""
         w = flat_view(self.working)
         if self.fmt == "bf16":
             w.copy_(self.tensors[0])
         elif self.fmt == "q8":
             codecs.q8_decode(self.tensors[0], self.tensors[1], w, self.kind)
         elif self.fmt == "residual":
-            return codecs.residual_rebuild(flat_view(self.model_param), self.tensors[0],
-                                           self.exceptions, w)
+            return decode_residuals([self])
         return None
 
     def encode(self) -> codecs.PendingExceptions | None:
         """Encodes the working tensor into the stored form. Residual format: returns its
-        exceptions, pending (with the CUDA kernels, still being counted on the device);
-        the caller passes them, finished (codecs.finish_exceptions, one sync for many, or
-        PendingExceptions.finish), to set_exceptions(). None for the other formats."""
+        exceptions, pending (see encode_residuals); the caller passes them, finished
+        (codecs.finish_exceptions), to set_exceptions(). None for the other formats."""
         w = flat_view(self.working)
         if self.fmt == "bf16":
             self.tensors[0].copy_(w)
         elif self.fmt == "q8":
             codecs.q8_encode(w, self.tensors[0], self.tensors[1], self.kind)
         elif self.fmt == "residual":
-            self.fingerprint = codecs.param_checksum(self.model_param)
-            return codecs.PendingExceptions(w, flat_view(self.model_param), self.tensors[0])
+            return encode_residuals([self])
         return None
 
     def set_exceptions(self, exceptions: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The exceptions of the residual encode() returned pending."""
         self.exceptions = exceptions
 
-    def param_changed(self) -> torch.Tensor | None:
-        """Residual format: a device bool, True when the model parameter differs from the
-        one the residual was encoded against (changed behind the optimizer's back); the
-        residual would then rebuild wrong masters. None when there is nothing to compare."""
-        if self.fmt != "residual" or self.fingerprint is None:
-            return None
-        return codecs.param_checksum(self.model_param) != self.fingerprint
+
+def decode_residuals(forms: list) -> torch.Tensor | None:
+    """Decodes residual forms (a bucket's) into their working tensors: a device bool, True
+    when some model parameter changed: it differs from the one its residual was encoded
+    against (its checksum, where known), or is not the bf16 rounding of the rebuilt
+    master. Changed behind the optimizer's back, the residual would rebuild wrong masters.
+    None when there are no forms. One kernel call for all of them on CUDA."""
+    if not forms:
+        return None
+    return codecs.rebuild_residuals(
+        [flat_view(f.model_param) for f in forms], [f.tensors[0] for f in forms],
+        [f.exceptions for f in forms], [flat_view(f.working) for f in forms],
+        [f.fingerprint for f in forms])
+
+
+def encode_residuals(forms: list) -> codecs.PendingExceptions | None:
+    """Encodes residual forms (a bucket's) from their working tensors: their exceptions,
+    pending, one count per form in order; each form's fingerprint is its model
+    parameter's checksum now. Until the exceptions are finished, the working tensors and
+    model parameters must stay as they are. None when there are no forms."""
+    if not forms:
+        return None
+    pending = codecs.PendingExceptions([flat_view(f.working) for f in forms],
+                                       [flat_view(f.model_param) for f in forms],
+                                       [f.tensors[0] for f in forms], fingerprints=True)
+    for f, fingerprint in zip(forms, pending.fingerprints):
+        f.fingerprint = fingerprint
+    return pending
