@@ -69,6 +69,19 @@ def main(page_mib: int) -> None:
         check(cu.cuMemSetAccess(ctypes.c_ulonglong(addr), ctypes.c_size_t(nbytes),
                                 ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
 
+    def map_pages(access_per_page: bool) -> None:
+        for i, h in enumerate(handles):
+            addr = base.value + i * page
+            check(cu.cuMemMap(ctypes.c_ulonglong(addr), ctypes.c_size_t(page), ctypes.c_size_t(0),
+                              h, ctypes.c_ulonglong(0)), "cuMemMap")
+            if access_per_page:
+                set_access(addr, page)
+
+    def unmap_pages() -> None:
+        for i in range(count):
+            check(cu.cuMemUnmap(ctypes.c_ulonglong(base.value + i * page), ctypes.c_size_t(page)),
+                  "cuMemUnmap")
+
     def busy(kind: str):
         """Starts a copy of COPY bytes on a side stream (kind 'd2h', 'h2d' or a kernel,
         'kernel'), returns the event that marks its end."""
@@ -92,16 +105,11 @@ def main(page_mib: int) -> None:
         t_busy = time.perf_counter()
         done = None if work == "idle" else busy(work)
         t0 = time.perf_counter()
-        for i, h in enumerate(handles):
-            addr = base.value + i * page
-            check(cu.cuMemMap(ctypes.c_ulonglong(addr), ctypes.c_size_t(page), ctypes.c_size_t(0),
-                              h, ctypes.c_ulonglong(0)), "cuMemMap")
+        map_pages(access_per_page=False)
         tm = time.perf_counter()
         set_access(base.value, BUCKET)
         t1 = time.perf_counter()
-        for i in range(count):
-            check(cu.cuMemUnmap(ctypes.c_ulonglong(base.value + i * page), ctypes.c_size_t(page)),
-                  "cuMemUnmap")
+        unmap_pages()
         t2 = time.perf_counter()
         pending = done is not None and not done.query()
         if done is not None:
@@ -113,18 +121,11 @@ def main(page_mib: int) -> None:
               f" ms, {'still running' if pending else 'done'} after the unmap")
     for one_access in (False, True, False, True):
         t0 = time.perf_counter()
-        for i, h in enumerate(handles):
-            addr = base.value + i * page
-            check(cu.cuMemMap(ctypes.c_ulonglong(addr), ctypes.c_size_t(page), ctypes.c_size_t(0),
-                              h, ctypes.c_ulonglong(0)), "cuMemMap")
-            if not one_access:
-                set_access(addr, page)
+        map_pages(access_per_page=not one_access)
         if one_access:
             set_access(base.value, BUCKET)
         t1 = time.perf_counter()
-        for i in range(count):
-            check(cu.cuMemUnmap(ctypes.c_ulonglong(base.value + i * page), ctypes.c_size_t(page)),
-                  "cuMemUnmap")
+        unmap_pages()
         t2 = time.perf_counter()
         how = "one cuMemSetAccess per bucket" if one_access else "cuMemSetAccess per page  "
         print(f"{page_mib} MiB pages, {how}: map {(t1 - t0) * 1e6 / count:6.1f} us/page, unmap "
