@@ -1,7 +1,6 @@
 #include "allocator/store_restore.h"
 
 #include <algorithm>
-#include <mutex>
 
 #include "backing/errors.h"
 #include "backing/parallel.h"
@@ -20,8 +19,7 @@ CopyMethod restore_extents(Pager& pager, const std::vector<ExtentId>& ids,
     throw UsageError("restore: an extent is given twice");
   }
   const std::vector<Placement> places = pager.begin_restore(ids, zero);
-  CopyMethod method = CopyMethod::kReflink;
-  std::mutex mu;  // guards method: each copy tries first what the others came to
+  SharedCopyMethod method;
   try {
     // After begin_restore: stores are only ever added, so these cover every span.
     const std::vector<std::string> paths = pager.store_files();
@@ -29,25 +27,20 @@ CopyMethod restore_extents(Pager& pager, const std::vector<ExtentId>& ids,
     std::vector<OpenFile> store;
     for (const std::string& path : paths) store.emplace_back(path, OpenFile::kWrite);
     parallel_for(ids.size(), kCopyThreads, [&](size_t i) {
-      CopyMethod used;
-      {
-        const std::lock_guard lock(mu);
-        used = method;
-      }
+      CopyMethod used = method.first();
       uint64_t at = src_offsets[i];
       for (const UringFile::Span& s : places[i].spans) {
         used = copy_range(from, at, store[s.file], s.offset, s.length, used);
         at += s.length;
       }
-      const std::lock_guard lock(mu);
-      method = std::max(method, used);  // the enum runs from best to last
+      method.came_to(used);
     });
   } catch (...) {
     pager.end_restore(ids, places, false);
     throw;
   }
   pager.end_restore(ids, places, true);
-  return method;
+  return method.first();
 }
 
 }  // namespace statepager

@@ -1,7 +1,5 @@
 #include "allocator/store_snapshot.h"
 
-#include <algorithm>
-#include <mutex>
 #include <optional>
 
 #include "backing/errors.h"
@@ -52,19 +50,11 @@ StoreSnapshot::Copied StoreSnapshot::copy_to(const std::vector<std::string>& fil
   Copied copied;
   copied.crcs.resize(chunk_bytes > 0 ? placements_.size() : 0);
 
-  // Each copy tries first what the others came to (a filesystem that refuses reflink
-  // refuses it for every extent).
-  std::mutex mu;  // guards copied.method
+  SharedCopyMethod method;
   parallel_for(todo.size(), kCopyThreads, [&](size_t k) {
-    CopyMethod first;
-    {
-      const std::lock_guard lock(mu);
-      first = copied.method;
-    }
-    const CopyMethod used = copy_one(todo[k], out, targets[todo[k]], chunk_bytes, first, copied);
-    const std::lock_guard lock(mu);
-    copied.method = std::max(copied.method, used);  // the enum runs from best to last
+    method.came_to(copy_one(todo[k], out, targets[todo[k]], chunk_bytes, method.first(), copied));
   });
+  copied.method = method.first();
   for (const OpenFile& f : out) f.sync();
   return copied;
 }

@@ -26,8 +26,10 @@
 // ends inside the range is a CorruptStoreError (the file was cut short).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "backing/crc32c.h"
@@ -45,6 +47,25 @@ constexpr size_t kReadWriteBufferBytes = size_t(512) << 10;
 // 0.41 s with four (bench ckpt, medians of 4); on its virtio disk the three were within
 // the disk's noise.
 constexpr unsigned kCopyThreads = 4;
+
+// The method the threads of one parallel copy share: each extent's copy starts with what
+// the others came to (a filesystem that refuses reflink refuses it for every extent), and
+// the copy as a whole reports the last resort any came to. Thread-safe.
+class SharedCopyMethod {
+ public:
+  CopyMethod first() const {
+    const std::lock_guard lock(mu_);
+    return method_;
+  }
+  void came_to(CopyMethod used) {  // the enum runs from best to last resort
+    const std::lock_guard lock(mu_);
+    method_ = std::max(method_, used);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  CopyMethod method_ = CopyMethod::kReflink;  // guarded by mu_
+};
 
 // "reflink", "copy_file_range" or "read_write".
 const char* copy_method_name(CopyMethod method);
