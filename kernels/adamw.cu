@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/codecs.h"
+#include "kernels/launch.cuh"
 #include "kernels/q8.cuh"
 
 namespace statepager::kernels {
@@ -153,19 +154,13 @@ void adamw_step(float* param, const float* grad, Moment exp_avg, Moment exp_avg_
                 MomentFormat format, int64_t n, const AdamWScalars& scalars, int device,
                 void* stream) {
   if (n == 0) return;
-  cudaError_t err = cudaSetDevice(device);
-  if (err == cudaSuccess) {
-    auto* s = static_cast<cudaStream_t>(stream);
-    switch (format) {
-      case MomentFormat::kFp32: launch<MomentFormat::kFp32>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
-      case MomentFormat::kBf16: launch<MomentFormat::kBf16>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
-      case MomentFormat::kQ8: launch<MomentFormat::kQ8>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
-    }
-    err = cudaGetLastError();
+  cudaStream_t s = prepare(device, stream, "adamw_step");
+  switch (format) {
+    case MomentFormat::kFp32: launch<MomentFormat::kFp32>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
+    case MomentFormat::kBf16: launch<MomentFormat::kBf16>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
+    case MomentFormat::kQ8: launch<MomentFormat::kQ8>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
   }
-  if (err != cudaSuccess) {
-    throw KernelError(std::string("statepager kernel adamw_step failed: ") + cudaGetErrorString(err));
-  }
+  check(cudaGetLastError(), "adamw_step");
 }
 
 }  // namespace statepager::kernels

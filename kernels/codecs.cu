@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/launch.cuh"
 #include "kernels/q8.cuh"
 
 #include <string>
@@ -14,20 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kPrime = 2147483647;  // codecs.param_checksum's modulus, 2**31 - 1
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw KernelError(std::string("statepager kernel ") + what + " failed: " +
-                      cudaGetErrorString(err));
-  }
-}
-
-// Selects the device for this runtime (statically linked: its current device is not
-// torch's), returns the stream.
-cudaStream_t prepare(int device, void* stream, const char* what) {
-  check(cudaSetDevice(device), what);
-  return static_cast<cudaStream_t>(stream);
-}
 
 bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
 
