@@ -11,8 +11,8 @@ import sys
 import torch
 
 from statepager import _C
-from statepager.cli_args import (at_least, count, device, device_name, directory, io_block,
-                                 output_file, plot_file, size)
+from statepager.cli_args import (FIO_JOBS, at_least, count, device, device_name, directory,
+                                 io_block, job_counts, output_file, plot_file, size)
 
 
 def _bench(bench, name: str, help: str, *, dir: bool = True, default_device: str | None = None):
@@ -88,8 +88,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
     step.add_argument("--unowned", action="store_true",
                       help="params as ordinary tensors: the pager holds the moments (and, in "
                            "atomic steps, the params' undo copies)")
-    step.add_argument("--fio-jobs", type=at_least(1, "fio jobs each way"), default=4,
-                      help="fio jobs each way for the floor; each gets io-depth / jobs "
+    step.add_argument("--fio-jobs", type=job_counts, default=FIO_JOBS,
+                      help="fio jobs each way for the floor, comma-separated: the fastest "
+                           "count sets it (default 4,8,16); each job gets io-depth / jobs "
                            "requests in flight")
     step.add_argument("--trace", type=output_file, metavar="FILE.json",
                       help="write the last paged step's buckets as a Chrome trace (open in "

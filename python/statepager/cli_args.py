@@ -33,6 +33,23 @@ def io_block(text: str) -> int:
     return n
 
 
+# fio job counts each way the floors try by default (statepager.bench.floor says why).
+FIO_JOBS = (4, 8, 16)
+
+
+def job_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated fio job counts, each at least 1: e.g. 4,8,16."""
+    counts = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {part!r} is not a job count: give whole numbers of at least 1, "
+                "comma-separated, e.g. 4,8,16")
+        counts.append(int(part))
+    return tuple(counts)
+
+
 def at_least(minimum: int, what: str):
     """An integer type of at least `minimum`; `what` says why, in the message."""
     def parse(text: str) -> int:

@@ -2,6 +2,7 @@
 with its own libraries, fio's read/write/both figures on a real directory, the floor as
 the larger of PCIe and fio (PCIe skipped on the CPU, with a note), and `bench step`
 printing the step as a multiple of it."""
+import argparse
 import os
 import stat
 
@@ -78,9 +79,38 @@ def test_fio_floor_reads_writes_and_does_both_at_once(tmp_path):
 
 
 @needs_fio
+def test_the_fio_floor_is_the_fastest_of_the_job_counts_tried(tmp_path, monkeypatch):
+    """A floor measured with too few jobs is one the pager beats: each count runs, the
+    fastest sets the floor, and the report names them all."""
+    mib = 1 << 20
+    real, calls = bench_floor.fio_floor, []
+
+    def timed(*a, jobs, **k):
+        calls.append(jobs)
+        return dict(real(*a, jobs=jobs, **k), seconds={1: 3.0, 2: 1.0, 4: 2.0}[jobs])
+    monkeypatch.setattr(bench_floor, "fio_floor", timed)
+    r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 4 * mib, 4 * mib,
+                            block=mib, depth=4, direct=False, jobs=(1, 2, 4))
+    assert calls == [1, 2, 4]
+    assert r["fio"]["jobs"] == 2 and r["seconds"] == 1.0
+    assert r["fio"]["tried"] == [(1, 3.0), (2, 1.0), (4, 2.0)]
+    text = "\n".join(bench_floor.describe(r))
+    assert "fio, the fastest of 1 jobs 3.000 s, 2 jobs 1.000 s, 4 jobs 2.000 s:" in text
+    assert "fio (fio" in text and "2 jobs each way x 2 x 1024 KiB" in text
+
+
+def test_job_counts_are_comma_separated_whole_numbers():
+    from statepager.cli_args import job_counts
+    assert job_counts("4, 8,16") == (4, 8, 16) and job_counts("2") == (2,)
+    for bad in ("0", "4,x", "", "4,,8", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a job count"):
+            job_counts(bad)
+
+
+@needs_fio
 def test_on_the_cpu_the_floor_is_fio_alone_with_a_note(tmp_path):
     r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 8 << 20, 8 << 20,
-                            block=1 << 20, depth=4, direct=False, jobs=2)
+                            block=1 << 20, depth=4, direct=False, jobs=(2,))
     assert r["pcie"] is None and "the device is the CPU" in r["pcie_note"]
     assert r["bound_by"] == "fio" and r["seconds"] == r["fio"]["seconds"]
     text = "\n".join(bench_floor.describe(r))

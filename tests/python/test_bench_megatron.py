@@ -29,14 +29,14 @@ def test_the_defaults_are_the_1_34_b_gpt_with_the_issues_configurations(tmp_path
         (24, 2048, 16, 32000, 512, 4)
     assert not a.bf16_grads and (a.warmup, a.steps) == (3, 5)
     assert a.configs == ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
-    assert a.host_budget is None and a.fio_jobs == 4
+    assert a.host_budget is None and a.fio_jobs == (4, 8, 16)
     assert a.timeline is a.trace is a.plot is None
     a = parse(tmp_path, "--configs", "q8, unpaged,bf16", "--steps", "2", "--layers", "2",
               "--bucket", "64M", "--hbm-budget", "4G", "--host-budget", "40G", "--fio-jobs",
-              "8", "--timeline", "host-q8", "--trace", str(tmp_path / "t.json"), "--json")
+              "8,2", "--timeline", "host-q8", "--trace", str(tmp_path / "t.json"), "--json")
     assert a.configs == ["q8", "unpaged", "bf16"] and a.steps == 2 and a.layers == 2
     assert a.bucket == 64 << 20 and a.hbm_budget == 4 * GiB and a.json
-    assert a.host_budget == 40 * GiB and a.fio_jobs == 8
+    assert a.host_budget == 40 * GiB and a.fio_jobs == (8, 2)
     assert a.timeline == "host-q8" and a.trace == str(tmp_path / "t.json")
 
 
@@ -60,7 +60,7 @@ def test_pages_are_as_large_as_a_bucket_unless_given(tmp_path):
     (["--micro-batch", "x"], "'x' is not a whole number"),
     (["--timeline", "offload"], "the timeline is a paged configuration's: one of fp32, bf16, "
                                 "q8, host-fp32, host-q8"),
-    (["--fio-jobs", "0"], "fio jobs each way (at least 1)"),
+    (["--fio-jobs", "4,0"], "'4,0': '0' is not a job count"),
     (["--host-budget", "0"], "the size must be more than 0"),
 ])
 def test_bad_options_are_refused_with_a_message(capsys, tmp_path, argv, message):
@@ -169,7 +169,7 @@ def floor(read, written, *, host_in=0, host_out=0, pcie_s, fio_s=None):
 
 MODEL = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 512,
          "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20, "depth": 3,
-         "page_size": 32 << 20, "hbm_budget": None, "host_budget": None, "fio_jobs": 4,
+         "page_size": 32 << 20, "hbm_budget": None, "host_budget": None, "fio_jobs": (4, 8, 16),
          "grads": "fp32"}
 
 
@@ -284,7 +284,7 @@ def test_each_configuration_is_printed_as_soon_as_it_ends(tmp_path, capsys, monk
     def worker(spec, work, timeout):
         seen.append(capsys.readouterr().out)  # printed before this configuration starts
         assert timeout == 99 and spec["store"] == os.path.join(work, spec["config"])
-        assert spec["fio_jobs"] == 4 and spec["host_budget"] is None
+        assert spec["fio_jobs"] == (4, 8, 16) and spec["host_budget"] is None
         assert ("trace" in spec) == (spec["config"] == "q8")
         return results[spec["config"]]
 

@@ -40,7 +40,8 @@ from statepager import _C
 from statepager.bench import floor as bench_floor
 from statepager.bench.common import bench_directory
 from statepager.bench.report import faster, multiple, show, spread
-from statepager.cli_args import at_least, directory, output_file, plot_file, size
+from statepager.cli_args import (FIO_JOBS, at_least, directory, job_counts, output_file,
+                                 plot_file, size)
 from statepager.progress import Progress
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -121,8 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' host_budget (default: what holds their "
                         "state through atomic steps, from the model's parameters)")
-    p.add_argument("--fio-jobs", type=at_least(1, "fio jobs each way"), default=4,
-                   help="fio jobs each way for the floor")
+    p.add_argument("--fio-jobs", type=job_counts, default=FIO_JOBS,
+                   help="fio jobs each way for the floor, comma-separated: the fastest count "
+                        "sets it (default 4,8,16)")
     p.add_argument("--timeout", type=at_least(1, "seconds"), default=900,
                    help="seconds each configuration may take (its floor included)")
     p.add_argument("--timeline", type=paged_config, default=None,
@@ -489,7 +491,7 @@ def run_config(spec: dict) -> dict:
     return result
 
 
-def floor_of(p: dict, directory: str, jobs: int) -> dict:
+def floor_of(p: dict, directory: str, jobs: tuple[int, ...]) -> dict:
     """The floor (statepager.bench.floor) of the median step's bytes: those of the store
     through fio in `directory` with the pager's I/O shape, and all of them (host tier's
     too) through PCIe."""
