@@ -3,6 +3,7 @@
 // current torch stream; launch failures become DeviceError.
 #include "python/kernel_bindings.h"
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -221,49 +222,113 @@ void residual_encode_many(const std::vector<torch::Tensor>& mains,
   });
 }
 
-// One moment's stored tensors: [fp32] / [bf16] / [q8 codes (uint8), q8 scales (fp32)].
+// `t` holds n elements laid out as `param` (same strides, dense): the fused step walks
+// every tensor of a parameter in memory order, element i of each the same element.
+void check_like(const torch::Tensor& t, const torch::Tensor& param, const std::string& name) {
+  need(t.numel() == param.numel(), name + " must have as many elements as its param");
+  need(t.is_non_overlapping_and_dense() &&
+           (t.strides() == param.strides() || (t.is_contiguous() && param.is_contiguous())),
+       name + " must be dense and laid out as its param (its strides)");
+}
+
+// One moment's stored tensors: [fp32, laid out as param] / [bf16, contiguous] / [q8 codes
+// (uint8 or int8), q8 scales (fp32)], both contiguous.
 kernels::Moment moment(const std::vector<torch::Tensor>& t, const std::string& format,
-                       const char* name, int dev, int64_t n) {
-  const std::string what = std::string(name) + " (" + format + ")";
+                       const std::string& name, int dev, const torch::Tensor& param) {
+  const std::string what = name + " (" + format + ")";
+  const int64_t n = param.numel();
   if (format == "fp32" || format == "bf16") {
     need(t.size() == 1, what + " must be one tensor");
-    check(t[0], name, format == "fp32" ? torch::kFloat32 : torch::kBFloat16, dev);
-    need(t[0].numel() == n, what + " must have as many elements as param");
+    need(t[0].is_cuda() && t[0].get_device() == dev, what + " must be on its param's device");
+    need(t[0].scalar_type() == (format == "fp32" ? torch::kFloat32 : torch::kBFloat16),
+         what + " has dtype " + c10::toString(t[0].scalar_type()));
+    if (format == "fp32") {
+      check_like(t[0], param, what);
+    } else {
+      need(t[0].is_contiguous() && t[0].numel() == n,
+           what + " must be contiguous, with as many elements as its param");
+    }
     return {t[0].data_ptr(), nullptr};
   }
   need(format == "q8", "unknown moment format '" + format + "': use fp32, bf16 or q8");
   need(t.size() == 2, what + " must be two tensors, codes and scales");
-  check(t[0], name, torch::kUInt8, dev);
-  check(t[1], name, torch::kFloat32, dev);
+  need(t[0].scalar_type() == torch::kUInt8 || t[0].scalar_type() == torch::kChar,
+       what + ": codes must be uint8 or int8");
+  need(t[0].is_cuda() && t[0].get_device() == dev && t[0].is_contiguous(),
+       what + ": codes must be contiguous, on its param's device");
+  check(t[1], (name + " scales").c_str(), torch::kFloat32, dev);
   need(t[0].numel() == n && t[1].numel() == (n + kernels::kQ8Block - 1) / kernels::kQ8Block,
        what + ": codes must have as many elements as param, scales one per 256");
   return {t[0].data_ptr(), t[1].data_ptr<float>()};
 }
 
-void adamw_step(const torch::Tensor& param, const torch::Tensor& grad,
-                const std::vector<torch::Tensor>& exp_avg,
-                const std::vector<torch::Tensor>& exp_avg_sq, const std::string& format,
-                std::optional<double> decay, double lerp_weight, double beta2,
-                double one_minus_beta2, double bias_correction2_sqrt, double eps,
-                double step_size, uintptr_t stream) {
-  const int dev = check(param, "param", torch::kFloat32);
-  check(grad, "grad", torch::kFloat32, dev);
-  const int64_t n = param.numel();
-  need(grad.numel() == n, "grad must have as many elements as param");
-  const kernels::MomentFormat f = format == "fp32" ? kernels::MomentFormat::kFp32
-                                  : format == "bf16" ? kernels::MomentFormat::kBf16
-                                                     : kernels::MomentFormat::kQ8;
-  const kernels::Moment m = moment(exp_avg, format, "exp_avg", dev, n);
-  const kernels::Moment v = moment(exp_avg_sq, format, "exp_avg_sq", dev, n);
-  // Rounded to fp32 as torch rounds a Python number for a float tensor's op.
-  const kernels::AdamWScalars s{decay.has_value(), static_cast<float>(decay.value_or(1.0)),
-                                static_cast<float>(lerp_weight), static_cast<float>(beta2),
-                                static_cast<float>(one_minus_beta2),
-                                static_cast<float>(bias_correction2_sqrt),
-                                static_cast<float>(eps), static_cast<float>(step_size)};
+// The kernel's scalars for hyperparameters (lr, beta1, beta2, eps, weight_decay) at step
+// count `step`: torch 2.11's _multi_tensor_adam host arithmetic, expression for
+// expression, in doubles (pow: the libm function Python's ** calls), then rounded to fp32
+// as torch rounds a Python number for a float tensor's op.
+kernels::AdamWScalars adamw_scalars(const std::vector<double>& h, double step) {
+  const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];
+  const double bias_correction1 = 1 - std::pow(beta1, step);
+  const double bias_correction2 = 1 - std::pow(beta2, step);
+  const double step_size = (lr / bias_correction1) * -1;
+  const double decay = 1 - lr * wd;
+  return {wd != 0, static_cast<float>(wd != 0 ? decay : 1.0), static_cast<float>(1 - beta1),
+          static_cast<float>(beta2), static_cast<float>(1 - beta2),
+          static_cast<float>(std::pow(bias_correction2, 0.5)), static_cast<float>(eps),
+          static_cast<float>(step_size)};
+}
+
+// One AdamW step (kernels/adamw.h) per entry i: params[i] (fp32, dense), grads[i] (laid
+// out as it), its moments in formats[i], hypers[i] = (lr, beta1, beta2, eps,
+// weight_decay), steps[i] = its step count after this step. Every entry is checked before
+// the first launch.
+void adamw_step_many(const std::vector<torch::Tensor>& params,
+                     const std::vector<torch::Tensor>& grads,
+                     const std::vector<std::vector<torch::Tensor>>& exp_avgs,
+                     const std::vector<std::vector<torch::Tensor>>& exp_avg_sqs,
+                     const std::vector<std::string>& formats,
+                     const std::vector<std::vector<double>>& hypers,
+                     const std::vector<double>& steps, uintptr_t stream) {
+  const size_t k = params.size();
+  need(grads.size() == k && exp_avgs.size() == k && exp_avg_sqs.size() == k &&
+           formats.size() == k && hypers.size() == k && steps.size() == k,
+       "params, grads, exp_avgs, exp_avg_sqs, formats, hypers and steps differ in length");
+  struct Launch {
+    float* param;
+    const float* grad;
+    kernels::Moment m, v;
+    kernels::MomentFormat format;
+    int64_t n;
+    kernels::AdamWScalars scalars;
+    int dev;
+  };
+  std::vector<Launch> launches;
+  launches.reserve(k);
+  for (size_t i = 0; i < k; i++) {
+    const torch::Tensor& p = params[i];
+    need(p.is_cuda() && p.scalar_type() == torch::kFloat32 && p.is_non_overlapping_and_dense(),
+         "params must be dense fp32 CUDA tensors");
+    const int dev = p.get_device();
+    need(grads[i].is_cuda() && grads[i].get_device() == dev &&
+             grads[i].scalar_type() == torch::kFloat32,
+         "grads must be fp32, on their param's device");
+    check_like(grads[i], p, "grad");
+    need(hypers[i].size() == 5, "hypers must be (lr, beta1, beta2, eps, weight_decay)");
+    const std::string& f = formats[i];
+    const kernels::MomentFormat format = f == "fp32"   ? kernels::MomentFormat::kFp32
+                                         : f == "bf16" ? kernels::MomentFormat::kBf16
+                                                       : kernels::MomentFormat::kQ8;
+    launches.push_back({p.data_ptr<float>(), grads[i].data_ptr<float>(),
+                        moment(exp_avgs[i], f, "exp_avg", dev, p),
+                        moment(exp_avg_sqs[i], f, "exp_avg_sq", dev, p), format, p.numel(),
+                        adamw_scalars(hypers[i], steps[i]), dev});
+  }
+  py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
   launch([&] {
-    kernels::adamw_step(param.data_ptr<float>(), grad.data_ptr<float>(), m, v, f, n, s, dev,
-                        as_stream(stream));
+    for (const Launch& l : launches) {
+      kernels::adamw_step(l.param, l.grad, l.m, l.v, l.format, l.n, l.scalars, l.dev,
+                          as_stream(stream));
+    }
   });
 }
 
@@ -287,10 +352,9 @@ void bind_kernels(py::module_& m) {
   k.def("residual_encode_many", &residual_encode_many, py::arg("mains"), py::arg("params"),
         py::arg("residuals"), py::arg("capacities"), py::arg("exc_idx"), py::arg("exc_bits"),
         py::arg("counts"), py::arg("fingerprints"), py::arg("rows"), py::arg("stream"));
-  k.def("adamw_step", &adamw_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("format"), py::arg("decay"), py::arg("lerp_weight"),
-        py::arg("beta2"), py::arg("one_minus_beta2"), py::arg("bias_correction2_sqrt"),
-        py::arg("eps"), py::arg("step_size"), py::arg("stream"));
+  k.def("adamw_step_many", &adamw_step_many, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("formats"), py::arg("hypers"),
+        py::arg("steps"), py::arg("stream"));
 #else
   m.attr("KERNELS_BUILT") = false;
 #endif

@@ -99,8 +99,8 @@ def adamw_operations(n: int):
             mw_, vw_ = mw, vw
 
         def fused(mt=mt, vt=vt, fmt=fmt):
-            statepager._C.kernels.adamw_step(p, grad, mt, vt, fmt, 1 - 1e-5, 0.1, 0.999, 1e-3,
-                                             0.5, 1e-8, -1e-3, stream)
+            statepager._C.kernels.adamw_step_many([p], [grad], [mt], [vt], [fmt],
+                                                  [[1e-3, 0.9, 0.999, 1e-8, 0.01]], [2.0], stream)
 
         def unfused(decode=decode, encode=encode, mw_=mw_, vw_=vw_):
             decode()

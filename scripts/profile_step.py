@@ -135,8 +135,8 @@ def run_config(name: str, args) -> dict:
                     times.append(time.perf_counter() - t0)
                     stats.append(binding.last)
             # Which buckets the fused step took, in the profiled step.
-            fused_adamw.FusedStep.step = lambda self, b: (counts.update(["fused"]),
-                                                          fused_step(self, b))[1]
+            fused_adamw.FusedStep.step = lambda self, b, f: (counts.update(["fused"]),
+                                                             fused_step(self, b, f))[1]
             binding._raw_step_bucket = lambda b: (counts.update(["unfused"]), raw_step(b))[1]
             sync()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])

@@ -262,10 +262,9 @@ def test_adamw_kernel_is_torch_foreach(fmt, n, offset, hyper):
     pd, gd = misaligned(p, offset), misaligned(g, offset)
     m_d = [misaligned(t, offset) if i == 0 else t for i, t in enumerate(m_t)]
     v_d = [misaligned(t, offset) if i == 0 else t for i, t in enumerate(v_t)]
-    bc2 = 1 - beta2 ** step
-    statepager._C.kernels.adamw_step(
-        pd, gd, m_d, v_d, fmt, 1 - lr * wd if wd != 0 else None, 1 - beta1, beta2, 1 - beta2,
-        bc2 ** 0.5, eps, (lr / (1 - beta1 ** step)) * -1, torch.cuda.current_stream().cuda_stream)
+    statepager._C.kernels.adamw_step_many(
+        [pd], [gd], [m_d], [v_d], [fmt], [[lr, beta1, beta2, eps, wd]], [step],
+        torch.cuda.current_stream().cuda_stream)
     assert torch.equal(bits(pd), bits(ref_p))
     for got, want in zip(m_d + v_d, want_m + want_v):
         assert torch.equal(bits(got), bits(want))
@@ -287,9 +286,9 @@ def model(seed=0, shapes=SHAPES):
 @pytest.fixture
 def fused_calls(monkeypatch):
     """How many fused AdamW kernels ran (a list that grows by one per launch)."""
-    calls, launch = [], statepager._C.kernels.adamw_step
-    monkeypatch.setattr(statepager._C.kernels, "adamw_step",
-                        lambda *a, **k: (calls.append(a[4] if len(a) > 4 else k["format"]),
+    calls, launch = [], statepager._C.kernels.adamw_step_many
+    monkeypatch.setattr(statepager._C.kernels, "adamw_step_many",
+                        lambda *a, **k: (calls.extend(a[4] if len(a) > 4 else k["formats"]),
                                          launch(*a, **k)))
     return calls
 

@@ -10,6 +10,7 @@ import torch
 
 import statepager
 from statepager import PagedAdamW, Pager
+from statepager.core.flat import flat_view
 from statepager.formats import codecs as C, fused_adamw
 
 KiB = 1 << 10
@@ -33,23 +34,27 @@ def encode(x, tensors, fmt, kind):
 
 
 def stand_in(calls):
-    """adamw_step as torch's foreach ops between a decode and an encode."""
-    def adamw_step(p, g, mt, vt, fmt, decay, lerp_weight, beta2, one_minus_beta2,
-                   bias_correction2_sqrt, eps, step_size, stream):
-        calls.append(fmt)
-        m, v = decoded(mt, fmt, "signed"), decoded(vt, fmt, "nonneg")
-        if decay is not None:
-            torch._foreach_mul_([p], decay)
-        torch._foreach_lerp_([m], [g], lerp_weight)
-        torch._foreach_mul_([v], beta2)
-        torch._foreach_addcmul_([v], [g], [g], one_minus_beta2)
-        d = torch._foreach_sqrt([v])
-        torch._foreach_div_(d, [bias_correction2_sqrt])
-        torch._foreach_add_(d, eps)
-        torch._foreach_addcdiv_([p], [m], d, [step_size])
-        encode(m, mt, fmt, "signed")
-        encode(v, vt, fmt, "nonneg")
-    return adamw_step
+    """adamw_step_many as torch's foreach ops between a decode and an encode, with the
+    scalars _multi_tensor_adam computes on the host (what the binding computes in C++)."""
+    def adamw_step_many(params, grads, exp_avgs, exp_avg_sqs, formats, hypers, steps, stream):
+        for p, g, mt, vt, fmt, (lr, beta1, beta2, eps, wd), step in zip(
+                params, grads, exp_avgs, exp_avg_sqs, formats, hypers, steps):
+            calls.append(fmt)
+            p, g = flat_view(p), flat_view(g)
+            mt, vt = [flat_view(t) for t in mt], [flat_view(t) for t in vt]
+            m, v = decoded(mt, fmt, "signed"), decoded(vt, fmt, "nonneg")
+            if wd != 0:
+                torch._foreach_mul_([p], 1 - lr * wd)
+            torch._foreach_lerp_([m], [g], 1 - beta1)
+            torch._foreach_mul_([v], beta2)
+            torch._foreach_addcmul_([v], [g], [g], 1 - beta2)
+            d = torch._foreach_sqrt([v])
+            torch._foreach_div_(d, [(1 - beta2 ** step) ** 0.5])
+            torch._foreach_add_(d, eps)
+            torch._foreach_addcdiv_([p], [m], d, [(lr / (1 - beta1 ** step)) * -1])
+            encode(m, mt, fmt, "signed")
+            encode(v, vt, fmt, "nonneg")
+    return adamw_step_many
 
 
 @pytest.fixture
@@ -61,7 +66,8 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(fused_adamw, "_stream", lambda p: 0)
     if getattr(statepager._C, "kernels", None) is None:  # built without nvcc
         monkeypatch.setattr(statepager._C, "kernels", types.SimpleNamespace(), raising=False)
-    monkeypatch.setattr(statepager._C.kernels, "adamw_step", stand_in(calls), raising=False)
+    monkeypatch.setattr(statepager._C.kernels, "adamw_step_many", stand_in(calls),
+                        raising=False)
     real = C.q8_decode
     monkeypatch.setattr(C, "q8_decode", lambda *a, **k: (decodes.append(1), real(*a, **k)))
     return calls, decodes

@@ -58,6 +58,9 @@ FOREIGN = {
         "_fused_adamw_": "torch._fused_adamw_, the floor of the step bench",
         "_statepager_mmap": "keeps the mmap under a torch.frombuffer tensor alive",
     },
+    "statepager.formats.fused_adamw": {
+        "_foreach_add_": "torch._foreach_add_, as _multi_tensor_adam advances the step counts",
+    },
     "statepager.bench.tms": {
         "_exit": "os._exit: the child skips teardown, which torch-memory-saver aborts",
     },

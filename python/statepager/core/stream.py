@@ -681,7 +681,7 @@ class StreamedOptimizer:
             # the fused step does not read the moments as stored, by the same zero fill).
             self.pager.page_in(bucket.stored + (bucket.working if fused is None else []))
         if fused is not None and self._fused.ready(bucket):
-            self._fused.step(bucket)
+            self._fused.step(bucket, fused)
         else:
             if fused:
                 moments = {id(f) for f in fused}
