@@ -377,6 +377,38 @@ def test_a_step_never_waits_for_a_background_save(store_dir, tmp_path):
         assert pager.stats()["buckets_held"] == 0
 
 
+def test_undo_copies_are_taken_a_bucket_ahead_once_each(store_dir, monkeypatch):
+    """Residual masters' undo copies (of their bf16 params) are taken before the bucket
+    ahead of theirs steps, so that its after_bucket does not wait for them; once per step
+    each, and a failed step still puts every parameter back."""
+    model, pager, opt, binding = paged(store_dir, mains="residual", moments="q8")
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        n = len(binding.buckets)
+        assert n >= 3
+        index = {id(b.undo): i for i, b in enumerate(binding.buckets)}
+        order = {id(b): i for i, b in enumerate(binding.buckets)}
+        events, take, step_bucket = [], binding._undo.take, binding._step_bucket
+        monkeypatch.setattr(binding._undo, "take", lambda copies, targets: (
+            events.append(("take", index[id(copies)])), take(copies, targets))[1])
+        monkeypatch.setattr(binding, "_step_bucket", lambda b, *a: (
+            events.append(("step", order[id(b)])), step_bucket(b, *a))[1])
+        set_grads(model, 1)
+        opt.step()
+        taken = [i for kind, i in events if kind == "take"]
+        assert sorted(taken) == list(range(n))
+        for i in range(1, n):
+            assert events.index(("take", i)) < events.index(("step", i - 1)), events
+        before = [bits(p) for p in model.parameters()]
+        fault = AfterHook(model, pager, opt, binding, None)
+        fault.arm()
+        set_grads(model, 2)
+        with pytest.raises(RuntimeError):
+            opt.step()
+        assert same(before, [bits(p) for p in model.parameters()])
+
+
 def test_atomic_false_steps_in_place(store_dir):
     """atomic=False: no second copy in the store, and a failed step is left partly done
     (the trade-off the option documents)."""

@@ -10,9 +10,9 @@ it needs to put each back:
   resident state of parameters kept out of the pager) is copied at the start, param
   groups and grads are remembered, and so are the residual formats' exception lists;
   parameters the pager does not own, which the optimizer updates in place, are copied
-  into host memory (UndoCopies) right before their bucket steps, read back only when the
-  step fails (on CUDA on a stream of their own, under the bucket's decode and step:
-  only what writes their targets waits for them);
+  into host memory (UndoCopies) while the bucket before theirs steps, read back only when
+  the step fails (on CUDA on a stream of their own: only what writes their targets waits
+  for them, by then long done);
 - model parameters that the after_bucket hook writes from the masters (`model_param`):
   with fp32 masters they are rewritten from the restored masters, which costs the step
   nothing; residual masters are stored relative to them, so there they get undo copies.
@@ -45,24 +45,26 @@ class UndoCopies:
         self._copies: dict[int, torch.Tensor] = {}  # id(param) -> the copy of its target
         self._stream = None  # CUDA: the stream the copies run on, made at first use
 
-    def take(self, copies: list, targets: list) -> None:
+    def take(self, copies: list, targets: list):
         """Copies targets into copies: on CUDA queued on a stream of their own after the
-        work queued so far on the current one; join() before anything writes a target."""
+        work queued so far on the current one, and returns the event that marks their
+        end: join() it before anything writes a target. On the CPU done now (None)."""
         if not targets or not targets[0].is_cuda:
             for copy, target in zip(copies, targets):
                 copy.copy_(target)
-            return
+            return None
         if self._stream is None:
             self._stream = torch.cuda.Stream(targets[0].device)
         self._stream.wait_stream(torch.cuda.current_stream(targets[0].device))
         with torch.cuda.stream(self._stream):
             for copy, target in zip(copies, targets):
                 copy.copy_(target, non_blocking=True)
+            return torch.cuda.current_stream().record_event()
 
-    def join(self) -> None:
-        """The current stream's later work waits for the copies taken so far."""
-        if self._stream is not None:
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+    def join(self, taken) -> None:
+        """The current stream's later work waits for the copies take() returned `taken` for."""
+        if taken is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(taken)
 
     def settle(self) -> None:
         """Waits for the copies taken so far (before the host reads them)."""
@@ -125,23 +127,34 @@ class AtomicStep:
                         for g in self.optimizer.param_groups]
         self._grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
         self._forms = [(f, f.exceptions, f.fingerprint) for b in self.buckets for f in b.forms]
-        self._saved = []    # buckets whose undo copies are taken
+        self._taken = {}    # id(bucket) -> the event of its undo copies (UndoCopies.take)
+        self._saved = []    # buckets that stepped, their undo copies taken
         self._written = []  # buckets whose model parameters after_bucket may have written
         self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
 
-    def save(self, bucket) -> None:
-        """Before the bucket steps: copies what it will overwrite (UndoCopies.take); the
-        step waits for them only where it writes a target itself."""
+    def take_ahead(self, bucket) -> None:
+        """Takes a later bucket's undo copies now, before the buckets stepping ahead of it
+        are queued: nothing writes what it overwrites before its own step (each bucket
+        writes its own parameters and chunks only), and by then the copies are done
+        instead of holding up its after_bucket (a step of q8 moments and residual mains
+        copies 2 bytes per parameter, sharing device-to-host bandwidth with page-outs)."""
         with torch.no_grad():
-            self.undo.take(bucket.undo, self.undo.targets(bucket.params, bucket.chunks))
+            self._taken[id(bucket)] = self.undo.take(
+                bucket.undo, self.undo.targets(bucket.params, bucket.chunks))
+
+    def save(self, bucket) -> None:
+        """Before the bucket steps: copies what it will overwrite (UndoCopies.take), unless
+        take_ahead() did; the step waits for them only where it writes a target itself."""
+        if id(bucket) not in self._taken:
+            self.take_ahead(bucket)
         if self.undo.written_by_the_step(bucket.params, bucket.chunks):
-            self.undo.join()
+            self.undo.join(self._taken[id(bucket)])
         self._saved.append(bucket)
 
     def writing(self, bucket) -> None:
         """Before after_bucket: it may write model parameters from this bucket's masters,
         once their copies are taken."""
-        self.undo.join()
+        self.undo.join(self._taken[id(bucket)])
         self._written.append(bucket)
 
     def commit(self) -> None:

@@ -601,6 +601,8 @@ class StreamedOptimizer:
                 done_in.append(h)
                 t1 = time.monotonic()
                 counting.read()  # bucket i - LAG's, before bucket i's work is queued
+                if atomic and i + 1 < n:
+                    atomic.take_ahead(buckets[i + 1])
                 trace.start(f"step bucket {i}", "step")
                 pending = self._step_bucket(b, atomic, checks)
                 trace.end()
