@@ -205,7 +205,7 @@ class StreamedOptimizer:
         self.pager.move_to_store(b.stored, self.name)  # this binding's own store
         b.working = [f.working for f in b.forms if f.scratch]
         b.undo = self._undo.copies(b.params, b.chunks) if self.atomic else []
-        b.nbytes = _bytes(self._incoming(b))
+        b.nbytes = _bytes(self._incoming(b, self._fused_forms(b)))
 
     def _layout(self) -> list:
         """What a plan is made for: the parameters of each param group, by identity."""
@@ -413,15 +413,15 @@ class StreamedOptimizer:
 
     # -- residency of one bucket ---------------------------------------------------
 
-    def _incoming(self, b: Bucket) -> list:
+    def _incoming(self, b: Bucket, fused: list | None) -> list:
         """What a bucket's page-in brings in the step: its stored forms and the scratch
         its decode fills (zero-filled, nothing read): not that of moments the fused step
-        reads in their stored form. Paged in with the rest, the scratch costs the step no
-        wait of its own (a page-in is a round trip through the I/O thread, its zero fill
-        queued behind the next bucket's copies)."""
+        reads in their stored form (`fused`: _fused_forms(b)). Paged in with
+        the rest, the scratch costs the step no wait of its own (a page-in is a round trip
+        through the I/O thread, its zero fill queued behind the next bucket's copies)."""
         if not b.working:
             return b.stored
-        fused = {id(f) for f in self._fused_forms(b) or ()}
+        fused = {id(f) for f in fused or ()}
         scratch = [f.working for f in b.forms if f.scratch and id(f) not in fused]
         return b.stored + scratch
 
@@ -569,7 +569,10 @@ class StreamedOptimizer:
         self._group_steps_after = list(self._group_steps)
         self._counts = {}
         ahead = max(1, self.depth - 2)
-        incoming = [self._incoming(b) for b in buckets]
+        # Which moments the fused step reads as stored, per bucket: what its page-in
+        # brings and how it steps (a bucket that creates state finds out again).
+        fused = [self._fused_forms(b) for b in buckets]
+        incoming = [self._incoming(b, f) for b, f in zip(buckets, fused)]
         named_in = [_bytes(x) for x in incoming]
         scratch = [m - _bytes(b.stored) for m, b in zip(named_in, buckets)]
         sched = _Schedule(named_in, scratch, ahead)
@@ -604,7 +607,7 @@ class StreamedOptimizer:
                 if atomic and i + 1 < n:
                     atomic.take_ahead(buckets[i + 1])
                 trace.start(f"step bucket {i}", "step")
-                pending = self._step_bucket(b, atomic, checks)
+                pending = self._step_bucket(b, atomic, checks, fused[i])
                 trace.end()
                 t2 = time.monotonic()
                 stepping.append((t1, t2))
@@ -663,12 +666,12 @@ class StreamedOptimizer:
             log.info("statepager %s", stats.summary())
 
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None,
-                     checks: ParamChecks | None) -> list:
-        """Steps one bucket, its residual masters' checks left to `checks` where given.
-        Returns the bucket's pending exceptions (StreamedOptimizer._encode)."""
+                     checks: ParamChecks | None, fused: list | None) -> list:
+        """Steps one bucket, its residual masters' checks left to `checks` where given;
+        `fused` is _fused_forms(bucket). Returns the bucket's pending exceptions
+        (StreamedOptimizer._encode)."""
         # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
         # stored form: they are not decoded unless it turns out not to apply.
-        fused = self._fused_forms(bucket)
         self._decode(bucket, skip=fused or (), checks=checks)
         if atomic:
             atomic.save(bucket)
