@@ -1,4 +1,4 @@
-// Launch helpers shared by the kernels' host functions (codecs.cu, adamw.cu, copy.cu).
+// Launch helpers shared by the kernels' host functions (codecs.cu, adamw.cu).
 #pragma once
 
 #include <cuda_runtime.h>

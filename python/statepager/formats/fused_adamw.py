@@ -6,8 +6,9 @@ scratch for the moments, no decode and encode passes, none of the ~10 foreach op
 torch's step. One call per bucket launches them all (_C.kernels.adamw_step_many, which
 also does the host arithmetic of the step's scalars): a call per parameter from Python
 took 14-17 ms in the 1.34 B GPT's last bucket, the one of many small parameters (on the
-H200, bench megatron q8), 0.4 ms in the others. The arithmetic is torch's multi-tensor AdamW's, op for op, so the bits are
-those of the unfused path (tests/gpu/test_codec_kernels.py holds it to them).
+H200, bench megatron q8), 0.4 ms in the others. The arithmetic is torch's multi-tensor
+AdamW's, op for op, so the bits are those of the unfused path
+(tests/gpu/test_codec_kernels.py holds it to them).
 
 It applies to a bucket when the optimizer's step is torch.optim.Adam's (Adam, AdamW,
 PagedAdamW) and would run its foreach implementation (foreach=True, or foreach and fused
