@@ -13,6 +13,7 @@
 #include "allocator/arena.h"
 #include "backing/errors.h"
 #include "backing/uring_file.h"
+#include "wrapped_device.h"
 
 namespace statepager {
 namespace {
@@ -424,38 +425,32 @@ TEST(Pager, ExtentLargerThanTheArenaIsRefused) {
 }
 
 // The host device, failing on demand like a CUDA context after an illegal address.
-class FailingDevice final : public Device {
+class FailingDevice final : public WrappedDevice {
  public:
   explicit FailingDevice(const bool& fail) : fail_(fail) {}
-  std::string name() const override { return host_->name(); }
-  size_t granularity() const override { return host_->granularity(); }
-  uintptr_t reserve(size_t b) override { return host_->reserve(b); }
-  void unreserve(uintptr_t a, size_t b) override { check(); host_->unreserve(a, b); }
-  PhysicalPage create_page(size_t b) override { return host_->create_page(b); }
-  void release_page(PhysicalPage p, size_t b) override { check(); host_->release_page(p, b); }
-  void map(uintptr_t a, size_t b, PhysicalPage p) override { host_->map(a, b, p); }
-  void unmap(uintptr_t a, size_t b) override { check(); host_->unmap(a, b); }
-  void* alloc_staging(size_t b) override { return host_->alloc_staging(b); }
-  void free_staging(void* p, size_t b) override { check(); host_->free_staging(p, b); }
-  void copy_to_host(void* d, uintptr_t s, size_t b) override { host_->copy_to_host(d, s, b); }
-  void copy_to_device(uintptr_t d, const void* s, size_t b) override {
-    host_->copy_to_device(d, s, b);
+  void unreserve(uintptr_t a, size_t b) override {
+    check();
+    WrappedDevice::unreserve(a, b);
   }
-  void fill_zero(uintptr_t d, size_t b) override { host_->fill_zero(d, b); }
-  void wait_for_stream(CopyQueue q, uintptr_t s) override { host_->wait_for_stream(q, s); }
-  Fence record(CopyQueue q) override { return host_->record(q); }
-  bool is_done(Fence f) override { return host_->is_done(f); }
-  void wait(Fence f) override { host_->wait(f); }
-  void release_fence(Fence f) override { host_->release_fence(f); }
+  void release_page(PhysicalPage p, size_t b) override {
+    check();
+    WrappedDevice::release_page(p, b);
+  }
+  void unmap(uintptr_t a, size_t b) override {
+    check();
+    WrappedDevice::unmap(a, b);
+  }
+  void free_staging(void* p, size_t b) override {
+    check();
+    WrappedDevice::free_staging(p, b);
+  }
   void synchronize() override { check(); }
-  size_t free_memory() override { return host_->free_memory(); }
 
  private:
   void check() const {
     if (fail_) throw DeviceError("injected: the device failed");
   }
   const bool& fail_;
-  std::unique_ptr<Device> host_ = make_host_device();
 };
 
 // close() on a failing device still deletes the store and rethrows the device's error;

@@ -1,0 +1,41 @@
+// WrappedDevice: the host device with every call passed on, for tests that make some
+// calls fail, block or count by overriding them (and calling WrappedDevice's to go on).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "allocator/device.h"
+
+namespace statepager {
+
+class WrappedDevice : public Device {
+ public:
+  std::string name() const override { return host_->name(); }
+  size_t granularity() const override { return host_->granularity(); }
+  uintptr_t reserve(size_t b) override { return host_->reserve(b); }
+  void unreserve(uintptr_t a, size_t b) override { host_->unreserve(a, b); }
+  PhysicalPage create_page(size_t b) override { return host_->create_page(b); }
+  void release_page(PhysicalPage p, size_t b) override { host_->release_page(p, b); }
+  void map(uintptr_t a, size_t b, PhysicalPage p) override { host_->map(a, b, p); }
+  void unmap(uintptr_t a, size_t b) override { host_->unmap(a, b); }
+  void* alloc_staging(size_t b) override { return host_->alloc_staging(b); }
+  void free_staging(void* p, size_t b) override { host_->free_staging(p, b); }
+  void copy_to_host(void* d, uintptr_t s, size_t b) override { host_->copy_to_host(d, s, b); }
+  void copy_to_device(uintptr_t d, const void* s, size_t b) override {
+    host_->copy_to_device(d, s, b);
+  }
+  void fill_zero(uintptr_t d, size_t b) override { host_->fill_zero(d, b); }
+  void wait_for_stream(CopyQueue q, uintptr_t s) override { host_->wait_for_stream(q, s); }
+  Fence record(CopyQueue q) override { return host_->record(q); }
+  bool is_done(Fence f) override { return host_->is_done(f); }
+  void wait(Fence f) override { host_->wait(f); }
+  void release_fence(Fence f) override { host_->release_fence(f); }
+  void synchronize() override { host_->synchronize(); }
+  size_t free_memory() override { return host_->free_memory(); }
+
+ private:
+  std::unique_ptr<Device> host_ = make_host_device();
+};
+
+}  // namespace statepager
