@@ -223,7 +223,7 @@ uintptr_t Pager::create_segment(size_t bytes) {
   std::unique_lock lock(mu_);
   Extent& e = extent_locked(id);
   try {
-    pool_.ref(e.addr, e.bytes, true);
+    while (!pool_.ref(e.addr, e.bytes, true)) done_cv_.wait(lock);  // a submit maps one
   } catch (...) {
     lock.unlock();
     release(id);
@@ -422,18 +422,61 @@ Ticket Pager::discard(const std::vector<ExtentId>& bucket, uintptr_t stream) {
   return submit(bucket, true, stream, true);
 }
 
-// Maps the pages under [addr, addr + bytes). At the budget, waits for page-outs in flight
-// to return pages; with none in flight the budget is simply too small.
-void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes) {
+// References on the pages of every extent of `ids` (Pool::ref_begin), all or none: what
+// is not mapped yet is appended to *pending. It waits for pages another submit is mapping
+// (map_unlocked() notifies), and for room while page-outs that will free some are in
+// flight (with none in flight the budget is simply too small: OutOfMemoryError), holding
+// none meanwhile, so that two submits never wait for each other.
+void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock,
+                             const std::vector<ExtentId>& ids, Pool::PendingMaps* pending) {
   while (true) {
+    size_t taken = 0;
     try {
-      pool_.ref(addr, bytes);
-      return;
+      while (taken < ids.size()) {
+        const Extent& e = extent_locked(ids[taken]);
+        if (!pool_.ref_begin(e.addr, e.bytes, pending)) break;
+        taken++;
+      }
+      if (taken == ids.size()) return;
     } catch (const OutOfMemoryError&) {
-      if (outs_in_flight_ == 0) throw;
-      done_cv_.wait(lock);
+      if (outs_in_flight_ == 0) {
+        unref_pages_locked(ids, taken);
+        pending->clear();
+        throw;
+      }
     }
+    unref_pages_locked(ids, taken);
+    pending->clear();
+    done_cv_.wait(lock);
   }
+}
+
+void Pager::unref_pages_locked(const std::vector<ExtentId>& ids, size_t count) {
+  for (size_t i = 0; i < count; i++) {
+    const Extent& e = extent_locked(ids[i]);
+    pool_.unref(e.addr, e.bytes);
+  }
+}
+
+// Maps what ref_pages_locked() took, without the lock: cuMemSetAccess takes about 1 ms a
+// page while a device-to-host copy runs (docs/DESIGN-NOTES.md, "Mapping costs"), and
+// the I/O thread needs the lock between its rounds. The pages are this submit's alone
+// meanwhile (Pool: others wait for them), its extents PAGING_IN and in no queued job.
+void Pager::map_unlocked(std::unique_lock<std::mutex>& lock, const Pool::PendingMaps& pending) {
+  if (pending.empty()) return;
+  maps_in_flight_++;
+  lock.unlock();
+  std::exception_ptr error;
+  try {
+    pool_.map_pending(pending);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  lock.lock();
+  if (!error) pool_.finish_mapping(pending);
+  maps_in_flight_--;
+  done_cv_.notify_all();
+  if (error) std::rethrow_exception(error);
 }
 
 Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream,
@@ -491,18 +534,21 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
     e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
   }
   if (!out) {
-    size_t mapped = 0;
+    bool referenced = false;
+    Pool::PendingMaps pending;
     try {
-      for (; mapped < job->extents.size(); mapped++) {
-        const Extent& e = extent_locked(job->extents[mapped]);
-        ref_pages_locked(lock, e.addr, e.bytes);
-      }
+      ref_pages_locked(lock, job->extents, &pending);
+      referenced = true;
+      map_unlocked(lock, pending);
     } catch (...) {
+      if (referenced) unref_pages_locked(job->extents, job->extents.size());
+      std::vector<ExtentId> released;  // by release() while the pages were mapped
       for (size_t i = 0; i < job->extents.size(); i++) {
         Extent& e = extent_locked(job->extents[i]);
-        if (i < mapped) pool_.unref(e.addr, e.bytes);
         e.state = job->before[i];
+        if (e.dead && !e.tier_moving) released.push_back(job->extents[i]);
       }
+      for (ExtentId id : released) free_extent_locked(id);
       done_cv_.notify_all();
       throw;
     }
@@ -1030,7 +1076,7 @@ void Pager::close() {
   std::unique_lock lock(mu_);
   if (closed_) return;
   closed_ = true;
-  done_cv_.wait(lock, [&] { return queue_.empty(); });
+  done_cv_.wait(lock, [&] { return queue_.empty() && maps_in_flight_ == 0; });
   stopping_ = true;
   work_cv_.notify_all();
   lock.unlock();

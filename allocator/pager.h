@@ -303,7 +303,10 @@ class Pager {
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
   void complete(Job& job);
-  void ref_pages_locked(std::unique_lock<std::mutex>& lock, uintptr_t addr, size_t bytes);
+  void ref_pages_locked(std::unique_lock<std::mutex>& lock, const std::vector<ExtentId>& ids,
+                        Pool::PendingMaps* pending);
+  void unref_pages_locked(const std::vector<ExtentId>& ids, size_t count);
+  void map_unlocked(std::unique_lock<std::mutex>& lock, const Pool::PendingMaps& pending);
   unsigned add_store_locked(const std::string& name);
   void check_store_locked(unsigned store) const;
   void free_range_locked(uint64_t store_offset, size_t punch_bytes = 0);
@@ -337,6 +340,7 @@ class Pager {
   ExtentId next_id_ = 1;               // mu_
   std::deque<Ticket> queue_;           // mu_: buckets not finished, in submission order
   size_t outs_in_flight_ = 0;          // mu_: page-out buckets queued or running
+  size_t maps_in_flight_ = 0;          // mu_: submits mapping pages without the lock
   std::map<uint64_t, uint64_t> held_;  // mu_: held store ranges, start -> end, disjoint
   std::map<uint64_t, size_t> freed_held_;  // mu_: held ranges freed meanwhile -> bytes to punch
   std::unordered_map<uint64_t, std::vector<ExtentId>> epochs_;  // mu_: open epochs' extents

@@ -47,7 +47,7 @@ Pool::Pool(Device& device, PoolOptions options)
 Pool::~Pool() {
   try {
     for (auto& [index, entry] : table_) {
-      device_.unmap(arena_.base() + index * page_bytes_, page_bytes_);
+      if (entry.mapping == nullptr) device_.unmap(address(index), page_bytes_);
       pages_.release(entry.page);
     }
     table_.clear();
@@ -69,31 +69,68 @@ size_t Pool::end_page(uintptr_t addr, size_t bytes) const {
   return (addr - arena_.base() + bytes + page_bytes_ - 1) / page_bytes_;
 }
 
-void Pool::ref(uintptr_t addr, size_t bytes, bool past_budget) {
-  const size_t first = first_page(addr), end = end_page(addr, bytes);
+bool Pool::ref(uintptr_t addr, size_t bytes, bool past_budget) {
+  PendingMaps pending;
+  if (!ref_begin(addr, bytes, &pending, past_budget)) return false;
+  try {
+    map_pending(pending);
+  } catch (...) {
+    unref(addr, bytes);
+    throw;
+  }
+  finish_mapping(pending);
+  return true;
+}
+
+bool Pool::ref_begin(uintptr_t addr, size_t bytes, PendingMaps* pending, bool past_budget) {
+  const size_t first = first_page(addr), end = end_page(addr, bytes), had = pending->size();
+  for (size_t i = first; i < end; i++) {
+    auto it = table_.find(i);
+    if (it != table_.end() && it->second.mapping != nullptr && it->second.mapping != pending) {
+      return false;
+    }
+  }
   for (size_t i = first; i < end; i++) {
     auto it = table_.find(i);
     if (it != table_.end()) {
       it->second.refs++;
       continue;
     }
-    std::optional<PhysicalPage> page;
-    try {
-      page = pages_.acquire(past_budget);
-      if (!page) {
-        throw OutOfMemoryError("the pager's page budget (" +
-                               std::to_string(pages_.budget_bytes() >> 20) +
-                               " MiB) is used up: page out other tensors first, or raise "
-                               "the budget");
-      }
-      device_.map(arena_.base() + i * page_bytes_, page_bytes_, *page);
-    } catch (...) {
-      if (page) pages_.release(*page);
-      for (size_t j = first; j < i; j++) drop(j);
-      throw;
+    std::optional<PhysicalPage> page = pages_.acquire(past_budget);
+    if (!page) {
+      for (size_t j = first; j < i; j++) drop(j);  // the pages this call made were not mapped
+      pending->resize(had);
+      throw OutOfMemoryError("the pager's page budget (" +
+                             std::to_string(pages_.budget_bytes() >> 20) +
+                             " MiB) is used up: page out other tensors first, or raise "
+                             "the budget");
     }
-    table_[i] = Entry{*page, 1};
+    table_[i] = Entry{*page, 1, pending};
+    pending->push_back(PendingMap{i, address(i), *page});
   }
+  return true;
+}
+
+void Pool::map_pending(const PendingMaps& pending) {
+  size_t mapped = 0;
+  try {
+    for (; mapped < pending.size(); mapped++) {
+      device_.map(pending[mapped].addr, page_bytes_, pending[mapped].page);
+    }
+  } catch (...) {
+    while (mapped > 0) {
+      --mapped;
+      try {
+        device_.unmap(pending[mapped].addr, page_bytes_);
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+}
+
+void Pool::finish_mapping(const PendingMaps& pending) {
+  for (const PendingMap& p : pending) table_.at(p.index).mapping = nullptr;
 }
 
 void Pool::unref(uintptr_t addr, size_t bytes) {
@@ -105,7 +142,7 @@ void Pool::drop(size_t index) {
   auto it = table_.find(index);
   if (it == table_.end()) throw UsageError("Pool::unref: page is not mapped");
   if (--it->second.refs > 0) return;
-  device_.unmap(arena_.base() + index * page_bytes_, page_bytes_);
+  if (it->second.mapping == nullptr) device_.unmap(address(index), page_bytes_);
   pages_.release(it->second.page);
   table_.erase(it);
 }
@@ -113,7 +150,8 @@ void Pool::drop(size_t index) {
 bool Pool::is_mapped(uintptr_t addr, size_t bytes) const {
   const size_t first = first_page(addr), end = end_page(addr, bytes);
   for (size_t i = first; i < end; i++) {
-    if (!table_.count(i)) return false;
+    auto it = table_.find(i);
+    if (it == table_.end() || it->second.mapping != nullptr) return false;
   }
   return true;
 }

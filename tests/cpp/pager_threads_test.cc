@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "allocator/pager.h"
 #include "backing/errors.h"
 #include "temp_dir.h"
+#include "wrapped_device.h"
 
 namespace statepager {
 namespace {
@@ -163,6 +166,105 @@ TEST(PagerThreads, RequestsAreCountedOnceAndOnlyForBucketsThatMoved) {
   EXPECT_EQ(after.read_requests, s.read_requests);
   EXPECT_EQ(after.bytes_read, s.bytes_read);
   EXPECT_EQ(after.buckets_in, s.buckets_in);
+}
+
+// The host device whose map() waits, once armed, until let go: a page-in mapping for as
+// long as cuMemSetAccess may take while a device-to-host copy runs.
+class SlowMapDevice final : public WrappedDevice {
+ public:
+  void map(uintptr_t a, size_t b, PhysicalPage p) override {
+    {
+      std::unique_lock lock(mu_);
+      if (armed_) {
+        mapping_ = true;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return !armed_; });
+      }
+    }
+    WrappedDevice::map(a, b, p);
+  }
+  void arm() {
+    std::lock_guard lock(mu_);
+    armed_ = true;
+  }
+  void wait_until_mapping() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return mapping_; });
+  }
+  void let_go() {
+    std::lock_guard lock(mu_);
+    armed_ = false;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false, mapping_ = false;
+};
+
+// While one thread's page-in maps its pages, the Pager's lock is free: another thread
+// submits a page-out and the I/O thread completes it (both need the lock).
+TEST(PagerThreads, APageInMappingHoldsUpNoOtherBucket) {
+  TempDir dir;
+  auto owned = std::make_unique<SlowMapDevice>();
+  SlowMapDevice& device = *owned;
+  Pager pager(std::move(owned), options(dir));
+  const ExtentId out = pager.create(5 * kBlock), in = pager.create(12 * kBlock);  // new pages
+  pager.wait(pager.page_in({out}));
+  fill(pager, out, 0x5a);
+  device.arm();
+  std::thread mapping([&] { pager.wait(pager.page_in({in})); });
+  device.wait_until_mapping();
+  std::atomic<bool> written{false};
+  std::thread writer([&] {
+    pager.wait(pager.page_out({out}));
+    written = true;
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!written && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const bool done_while_mapping = written;
+  device.let_go();
+  mapping.join();
+  writer.join();
+  EXPECT_TRUE(done_while_mapping) << "the page-out waited for another bucket's mapping";
+  EXPECT_EQ(pager.residency(in), Residency::kResident);
+  EXPECT_EQ(pager.residency(out), Residency::kFile);
+  pager.wait(pager.page_in({out}));
+  EXPECT_TRUE(holds(pager, out, 0x5a));
+  EXPECT_EQ(pager.stats().mapped_bytes, pager.stats().peak_mapped_bytes);
+}
+
+// A page-in that meets a page another page-in is mapping waits holding none of its own:
+// two page-ins never wait for each other's pages.
+TEST(PagerThreads, APageInWaitingForAnothersMappingHoldsNothing) {
+  TempDir dir;
+  auto owned = std::make_unique<SlowMapDevice>();
+  SlowMapDevice& device = *owned;
+  Pager pager(std::move(owned), options(dir));
+  const size_t page = options(dir).pool.page_bytes;
+  const ExtentId own = pager.create(2 * page);                 // pages of its own
+  const ExtentId mapping = pager.create(2 * page + page / 2);  // its last page is shared
+  const ExtentId shared = pager.create(page / 4);              // with this one
+  device.arm();
+  std::thread first([&] { pager.wait(pager.page_in({mapping})); });
+  device.wait_until_mapping();
+  const size_t held = pager.stats().mapped_bytes;  // the first page-in's pages
+  EXPECT_EQ(held, 3 * page);
+  std::thread second([&] { pager.wait(pager.page_in({own, shared})); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // it meets the shared page
+  EXPECT_EQ(pager.stats().mapped_bytes, held) << "the waiting page-in held its own pages";
+  EXPECT_EQ(pager.residency(own), Residency::kPagingIn);
+  device.let_go();
+  first.join();
+  second.join();
+  for (ExtentId id : {mapping, shared, own}) {
+    EXPECT_EQ(pager.residency(id), Residency::kResident);
+  }
+  fill(pager, shared, 7);
+  EXPECT_TRUE(holds(pager, shared, 7));
 }
 
 }  // namespace
