@@ -223,7 +223,10 @@ uintptr_t Pager::create_segment(size_t bytes) {
   std::unique_lock lock(mu_);
   Extent& e = extent_locked(id);
   try {
-    while (!pool_.ref(e.addr, e.bytes, true)) done_cv_.wait(lock);  // a submit maps one
+    while (!pool_.ref(e.addr, e.bytes, true)) {  // a page of it is being mapped: wait
+      done_cv_.wait(lock);
+      check_open_locked();
+    }
   } catch (...) {
     lock.unlock();
     release(id);
@@ -444,10 +447,15 @@ void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock,
         pending->clear();
         throw;
       }
+    } catch (...) {  // a device error: nothing kept
+      unref_pages_locked(ids, taken);
+      pending->clear();
+      throw;
     }
     unref_pages_locked(ids, taken);
     pending->clear();
     done_cv_.wait(lock);
+    check_open_locked();  // close() does not wait for a submit that waits here
   }
 }
 
@@ -542,6 +550,7 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       map_unlocked(lock, pending);
     } catch (...) {
       if (referenced) unref_pages_locked(job->extents, job->extents.size());
+      if (closed_) throw;  // closed while it waited: close() lets every extent go
       std::vector<ExtentId> released;  // by release() while the pages were mapped
       for (size_t i = 0; i < job->extents.size(); i++) {
         Extent& e = extent_locked(job->extents[i]);

@@ -110,7 +110,8 @@ constexpr unsigned kMaxIoDepth = 1024;
 constexpr size_t kMaxIoBlockBytes = size_t(256) << 20;
 
 struct PagerStats {
-  size_t mapped_bytes = 0;        // physical bytes mapped into the arena now
+  size_t mapped_bytes = 0;        // physical bytes mapped into the arena now (or being
+                                  // mapped by a page-in)
   size_t peak_mapped_bytes = 0;   // high-water mark of mapped_bytes (reset_peak)
   size_t cached_bytes = 0;        // unmapped physical pages kept for reuse
   size_t budget_bytes = 0;        // PoolOptions::budget_bytes (a huge value: no budget)

@@ -96,14 +96,19 @@ bool Pool::ref_begin(uintptr_t addr, size_t bytes, PendingMaps* pending, bool pa
       it->second.refs++;
       continue;
     }
-    std::optional<PhysicalPage> page = pages_.acquire(past_budget);
-    if (!page) {
+    std::optional<PhysicalPage> page;
+    try {
+      page = pages_.acquire(past_budget);  // may throw too: the device out of memory
+      if (!page) {
+        throw OutOfMemoryError("the pager's page budget (" +
+                               std::to_string(pages_.budget_bytes() >> 20) +
+                               " MiB) is used up: page out other tensors first, or raise "
+                               "the budget");
+      }
+    } catch (...) {
       for (size_t j = first; j < i; j++) drop(j);  // the pages this call made were not mapped
       pending->resize(had);
-      throw OutOfMemoryError("the pager's page budget (" +
-                             std::to_string(pages_.budget_bytes() >> 20) +
-                             " MiB) is used up: page out other tensors first, or raise "
-                             "the budget");
+      throw;
     }
     table_[i] = Entry{*page, 1, pending};
     pending->push_back(PendingMap{i, address(i), *page});

@@ -73,12 +73,13 @@ class Pool {
   // the pages that were not. false: a page is being mapped by another caller (see the
   // class comment), nothing taken. past_budget: map even beyond the page budget (see
   // PagePool::acquire).
-  bool ref(uintptr_t addr, size_t bytes, bool past_budget = false);
+  [[nodiscard]] bool ref(uintptr_t addr, size_t bytes, bool past_budget = false);
   void unref(uintptr_t addr, size_t bytes);
 
   // ref() without the mapping: the pages to map are appended to *pending (one caller's
   // ranges may share pages: those already in it just get a reference). false as ref().
-  bool ref_begin(uintptr_t addr, size_t bytes, PendingMaps* pending, bool past_budget = false);
+  [[nodiscard]] bool ref_begin(uintptr_t addr, size_t bytes, PendingMaps* pending,
+                               bool past_budget = false);
   // Maps the pending pages (device calls only: no lock needed). On failure unmaps what it
   // mapped and rethrows.
   void map_pending(const PendingMaps& pending);
@@ -92,7 +93,7 @@ class Pool {
   PagePool& pages() { return pages_; }
   size_t page_bytes() const { return page_bytes_; }
   size_t arena_bytes() const { return arena_.size(); }
-  size_t mapped_bytes() const { return table_.size() * page_bytes_; }
+  size_t mapped_bytes() const { return table_.size() * page_bytes_; }  // or being mapped
 
  private:
   struct Entry {

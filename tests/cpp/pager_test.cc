@@ -453,6 +453,43 @@ class FailingDevice final : public WrappedDevice {
   const bool& fail_;
 };
 
+// The host device out of memory (cuMemCreate failing) once `room` more pages are made.
+class NoMemoryDevice final : public WrappedDevice {
+ public:
+  PhysicalPage create_page(size_t b) override {
+    if (room == 0) throw OutOfMemoryError("injected: the device is out of memory");
+    room--;
+    return WrappedDevice::create_page(b);
+  }
+  size_t room = ~size_t(0);
+};
+
+// A page-in or segment the device has no memory for leaves everything as before: the
+// next one maps its pages and holds its bytes.
+TEST(Pager, DeviceOutOfMemoryLeavesNothingHalfMapped) {
+  auto owned = std::make_unique<NoMemoryDevice>();
+  NoMemoryDevice& device = *owned;
+  Pager pager(std::move(owned), small_options("no-memory"));
+  const ExtentId id = pager.create(300000);  // several pages: the second one fails
+  device.room = 1;
+  EXPECT_THROW(pager.page_in({id}), OutOfMemoryError);
+  device.room = 1;
+  EXPECT_THROW(pager.create_segment(300000), OutOfMemoryError);
+  EXPECT_EQ(pager.residency(id), Residency::kZero);
+  EXPECT_EQ(pager.stats().mapped_bytes, 0u);
+  device.room = ~size_t(0);
+  pager.wait(pager.page_in({id}));
+  std::memset(reinterpret_cast<void*>(pager.address(id)), 9, pager.size(id));
+  pager.wait(pager.page_out({id}));
+  pager.wait(pager.page_in({id}));
+  const auto* bytes = reinterpret_cast<const uint8_t*>(pager.address(id));
+  EXPECT_EQ(bytes[0], 9);
+  EXPECT_EQ(bytes[pager.size(id) - 1], 9);
+  const uintptr_t segment = pager.create_segment(300000);
+  std::memset(reinterpret_cast<void*>(segment), 1, 300000);  // mapped
+  pager.release_at(segment);
+}
+
 // close() on a failing device still deletes the store and rethrows the device's error;
 // destroying the Pager (and its Pool, still holding a segment) then throws nothing.
 TEST(Pager, CloseOnAFailingDeviceDeletesTheStoreAndDestructionNeverThrows) {

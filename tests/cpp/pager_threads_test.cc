@@ -267,5 +267,35 @@ TEST(PagerThreads, APageInWaitingForAnothersMappingHoldsNothing) {
   EXPECT_TRUE(holds(pager, shared, 7));
 }
 
+// close() while a page-in waits for another's mapping: the waiting page-in is refused
+// (the Pager is closed), it does not map and queue work nobody will run.
+TEST(PagerThreads, APageInWaitingWhenThePagerClosesIsRefused) {
+  TempDir dir;
+  auto owned = std::make_unique<SlowMapDevice>();
+  SlowMapDevice& device = *owned;
+  Pager pager(std::move(owned), options(dir));
+  const size_t page = options(dir).pool.page_bytes;
+  const ExtentId mapping = pager.create(page + page / 2);
+  const ExtentId shared = pager.create(page / 4);  // in the first one's last page
+  device.arm();
+  std::thread first([&] { pager.wait(pager.page_in({mapping})); });
+  device.wait_until_mapping();
+  std::string refused;
+  std::thread second([&] {
+    try {
+      pager.wait(pager.page_in({shared}));
+    } catch (const UsageError& e) {
+      refused = e.what();
+    }
+  });
+  std::thread closing([&] { pager.close(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // both wait by now
+  device.let_go();
+  first.join();
+  second.join();
+  closing.join();
+  EXPECT_NE(refused.find("closed"), std::string::npos) << "a page-in went on: " << refused;
+}
+
 }  // namespace
 }  // namespace statepager

@@ -19,6 +19,10 @@ constexpr size_t kPage = 64 << 10;
 // or mapping one twice, is a test failure; map() throws for the `fail_at`-th map.
 class MapCheckingDevice final : public WrappedDevice {
  public:
+  PhysicalPage create_page(size_t b) override {
+    if (fail_create) throw OutOfMemoryError("injected: the device is out of memory");
+    return WrappedDevice::create_page(b);
+  }
   void map(uintptr_t a, size_t b, PhysicalPage p) override {
     if (++maps_ == fail_at) throw DeviceError("injected: map failed");
     EXPECT_TRUE(mapped.insert(a).second) << "mapped twice";
@@ -30,6 +34,7 @@ class MapCheckingDevice final : public WrappedDevice {
   }
   std::set<uintptr_t> mapped;
   int fail_at = 0;
+  bool fail_create = false;
 
  private:
   int maps_ = 0;
@@ -88,13 +93,38 @@ TEST(Pool, AFailedMappingIsUndoneByUnrefWithoutUnmappingWhatWasNeverMapped) {
   EXPECT_EQ(device.mapped.size(), 1u);
   EXPECT_TRUE(pool.is_mapped(a, kPage));
   EXPECT_EQ(pool.pages().in_use_bytes(), kPage);
-  // ref() undoes itself the same way.
-  device.fail_at = 4;
-  EXPECT_THROW(pool.ref(a + kPage, 2 * kPage), DeviceError);
+  // ref() undoes itself the same way, its first page mapped and unmapped again.
+  device.fail_at = 5;
+  EXPECT_THROW((void)pool.ref(a + kPage, 2 * kPage), DeviceError);
   EXPECT_EQ(pool.mapped_bytes(), kPage);
   EXPECT_EQ(pool.pages().in_use_bytes(), kPage);
   pool.unref(a, kPage);
   EXPECT_TRUE(device.mapped.empty());
+}
+
+// The device out of memory while a page is created: nothing taken, nothing left marked
+// as being mapped, and the next reference maps as usual.
+TEST(Pool, ADeviceOutOfMemoryTakesNothing) {
+  MapCheckingDevice device;
+  Pool pool(device, options(16));
+  const uintptr_t a = pool.allocate(3 * kPage, kPage);
+  ASSERT_TRUE(pool.ref(a, kPage));
+  Pool::PendingMaps mine;
+  device.fail_create = true;
+  EXPECT_THROW((void)pool.ref_begin(a, 3 * kPage, &mine), OutOfMemoryError);
+  EXPECT_THROW((void)pool.ref(a + kPage, kPage), OutOfMemoryError);
+  EXPECT_TRUE(mine.empty());
+  EXPECT_EQ(pool.mapped_bytes(), kPage);
+  device.fail_create = false;
+  Pool::PendingMaps other;  // another caller: no page is left as if being mapped
+  ASSERT_TRUE(pool.ref_begin(a, 3 * kPage, &other));
+  pool.map_pending(other);
+  pool.finish_mapping(other);
+  EXPECT_TRUE(pool.is_mapped(a, 3 * kPage));
+  pool.unref(a, 3 * kPage);
+  pool.unref(a, kPage);
+  EXPECT_TRUE(device.mapped.empty());
+  EXPECT_EQ(pool.pages().in_use_bytes(), 0u);
 }
 
 TEST(Pool, OutOfBudgetTakesNothing) {
@@ -103,7 +133,7 @@ TEST(Pool, OutOfBudgetTakesNothing) {
   const uintptr_t a = pool.allocate(5 * kPage, kPage);
   Pool::PendingMaps mine;
   ASSERT_TRUE(pool.ref_begin(a, kPage, &mine));
-  EXPECT_THROW(pool.ref_begin(a, 5 * kPage, &mine), OutOfMemoryError);
+  EXPECT_THROW((void)pool.ref_begin(a, 5 * kPage, &mine), OutOfMemoryError);
   EXPECT_EQ(mine.size(), 1u);  // as before the call
   EXPECT_EQ(pool.pages().in_use_bytes(), kPage);
   pool.map_pending(mine);
