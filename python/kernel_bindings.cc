@@ -270,6 +270,8 @@ kernels::AdamWScalars adamw_scalars(const std::vector<double>& h, double step) {
   const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2 = 1 - std::pow(beta2, step);
+  need(bias_correction1 != 0, "betas[0] = " + std::to_string(beta1) + " makes 1 - beta1 ** step "
+                              "zero (torch's step divides by it): use betas[0] < 1");
   const double step_size = (lr / bias_correction1) * -1;
   const double decay = 1 - lr * wd;
   return {wd != 0, static_cast<float>(wd != 0 ? decay : 1.0), static_cast<float>(1 - beta1),
@@ -309,6 +311,7 @@ void adamw_step_many(const std::vector<torch::Tensor>& params,
     need(p.is_cuda() && p.scalar_type() == torch::kFloat32 && p.is_non_overlapping_and_dense(),
          "params must be dense fp32 CUDA tensors");
     const int dev = p.get_device();
+    need(dev == params[0].get_device(), "params of one call must be on one device (its stream's)");
     need(grads[i].is_cuda() && grads[i].get_device() == dev &&
              grads[i].scalar_type() == torch::kFloat32,
          "grads must be fp32, on their param's device");

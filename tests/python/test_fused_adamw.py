@@ -139,3 +139,22 @@ def test_fused_step_off_where_it_does_not_apply(tmp_path, fused_on_cpu):
                 p.grad = torch.ones_like(p)
             opt.step()
     assert not calls
+
+
+def test_a_refused_call_leaves_the_step_counts(tmp_path, fused_on_cpu, monkeypatch):
+    """The kernels' binding refuses a bucket (UsageError, before any launch): the step
+    counts stay as they were, even in a step that is not atomic."""
+    m = model().float()
+    with Pager(str(tmp_path), device="cpu", page_size=64 * KiB) as pager:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+        pager.attach(opt, bucket_size=64 * KiB, moments="q8", atomic=False)
+        m(torch.randn(8, 40)).sum().backward()
+        opt.step()
+        counts = [float(opt.state[p]["step"]) for p in m.parameters()]
+
+        def refuse(*a, **k):
+            raise statepager.UsageError("statepager kernels: refused")
+        monkeypatch.setattr(statepager._C.kernels, "adamw_step_many", refuse)
+        with pytest.raises(statepager.UsageError, match="refused"):
+            opt.step()
+        assert [float(opt.state[p]["step"]) for p in m.parameters()] == counts == [1.0] * 4

@@ -59,7 +59,8 @@ FOREIGN = {
         "_statepager_mmap": "keeps the mmap under a torch.frombuffer tensor alive",
     },
     "statepager.formats.fused_adamw": {
-        "_foreach_add_": "torch._foreach_add_, as _multi_tensor_adam advances the step counts",
+        "_foreach_add": "torch._foreach_add, the step counts as _multi_tensor_adam advances them",
+        "_foreach_copy_": "torch._foreach_copy_, those counts stored once the kernels are queued",
     },
     "statepager.bench.tms": {
         "_exit": "os._exit: the child skips teardown, which torch-memory-saver aborts",

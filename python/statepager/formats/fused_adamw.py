@@ -116,22 +116,21 @@ class FusedStep:
         moments = list(zip(forms[0::2], forms[1::2]))  # the whole params', then the chunks'
         calls = [(hypers[gi], p, p.grad, m, v)
                  for (gi, p), (m, v) in zip(whole, moments) if p.grad is not None]
+        # The counts after the step (as _multi_tensor_adam adds to CPU counts), stored
+        # once the kernels are queued: a refused call leaves them as they were.
         counts = [self.optimizer.state[p]["step"] for _, p, _, _, _ in calls]
-        if counts:  # as _multi_tensor_adam adds to CPU counts
-            torch._foreach_add_(counts, _ONE, alpha=1.0)
-        steps = [c.item() for c in counts]
+        after = torch._foreach_add(counts, _ONE, alpha=1.0) if counts else []
         for c, (m, v) in zip(bucket.chunks, moments[len(whole):]):
             if c.param.grad is not None:
-                count = self.binding.counters_before(c.param)["step"].clone()
-                count.add_(_ONE, alpha=1.0)
-                self.optimizer.state[c.param]["step"].copy_(count)
+                counts.append(self.optimizer.state[c.param]["step"])
+                after.append(self.binding.counters_before(c.param)["step"].add(_ONE, alpha=1.0))
                 calls.append((hypers[c.group], c.of(c.param), c.of(c.param.grad), m, v))
-                steps.append(count.item())
         if calls:
             hyper, params, grads, ms, vs = zip(*calls)
             _C.kernels.adamw_step_many(
                 list(params), list(grads), [_stored(m) for m in ms], [_stored(v) for v in vs],
-                [m.fmt for m in ms], list(hyper), steps, _stream(params[0]))
+                [m.fmt for m in ms], list(hyper), [a.item() for a in after], _stream(params[0]))
+            torch._foreach_copy_(counts, after)
 
 
 def _kernels_for(p: torch.Tensor) -> bool:
