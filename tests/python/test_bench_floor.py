@@ -97,6 +97,22 @@ def test_the_fio_floor_is_the_fastest_of_the_job_counts_tried(tmp_path, monkeypa
     text = "\n".join(bench_floor.describe(r))
     assert "fio, the fastest of 1 jobs 3.000 s, 2 jobs 1.000 s, 4 jobs 2.000 s:" in text
     assert "fio (fio" in text and "2 jobs each way x 2 x 1024 KiB" in text
+    # No more jobs than the pager's requests in flight; a count fio fails at is left out.
+    calls.clear()
+    r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 4 * mib, 4 * mib,
+                            block=mib, depth=2, direct=False, jobs=(1, 2, 4))
+    assert calls == [1, 2] and r["fio"]["jobs"] == 2
+    real_timed = bench_floor.fio_floor
+
+    def failing(*a, jobs, **k):
+        if jobs == 2:
+            raise OSError("fio failed (injected)")
+        return real_timed(*a, jobs=jobs, **k)
+    monkeypatch.setattr(bench_floor, "fio_floor", failing)
+    calls.clear()
+    r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 4 * mib, 4 * mib,
+                            block=mib, depth=4, direct=False, jobs=(1, 2, 4))
+    assert calls == [1, 4] and r["fio"]["tried"] == [(1, 3.0), (4, 2.0)]
 
 
 def test_job_counts_are_comma_separated_whole_numbers():

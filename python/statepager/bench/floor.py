@@ -210,10 +210,20 @@ def pcie_floor(device: torch.device, read_bytes: int, write_bytes: int, *, round
 
 def fio_best(fio: Fio, directory: str, read_bytes: int, write_bytes: int, *, block: int,
              depth: int, jobs: tuple[int, ...], direct: bool) -> dict:
-    """fio_floor at each job count of `jobs`: the fastest one's result, with "tried":
-    [(jobs, seconds)] for every count, in the order run."""
-    runs = [fio_floor(fio, directory, read_bytes, write_bytes, block=block, depth=depth,
-                      jobs=n, direct=direct) for n in jobs]
+    """fio_floor at each job count of `jobs` up to `depth` (more jobs would keep more
+    requests in flight than the pager may; `depth` jobs when none is that small): the
+    fastest one's result, with "tried": [(jobs, seconds)] for every count that ran, in
+    the order run. A count fio fails at is left out; OSError when every one fails."""
+    counts = [n for n in jobs if n <= depth] or [depth]
+    runs, failures = [], []
+    for n in counts:
+        try:
+            runs.append(fio_floor(fio, directory, read_bytes, write_bytes, block=block,
+                                  depth=depth, jobs=n, direct=direct))
+        except OSError as e:
+            failures.append(e)
+    if not runs:
+        raise failures[0]
     best = min(runs, key=lambda r: r["seconds"])
     return dict(best, tried=[(r["jobs"], r["seconds"]) for r in runs])
 
