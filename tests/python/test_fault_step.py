@@ -398,6 +398,7 @@ def test_undo_copies_are_taken_a_bucket_ahead_once_each(store_dir, monkeypatch):
         opt.step()
         taken = [i for kind, i in events if kind == "take"]
         assert sorted(taken) == list(range(n))
+        assert events[:2] == [("take", 0), ("take", 1)]  # the first bucket's own first
         for i in range(1, n):
             assert events.index(("take", i)) < events.index(("step", i - 1)), events
         before = [bits(p) for p in model.parameters()]
