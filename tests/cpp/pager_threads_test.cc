@@ -203,13 +203,21 @@ class SlowMapDevice final : public WrappedDevice {
   bool armed_ = false, mapping_ = false;
 };
 
+// A Pager on a SlowMapDevice, in a store of its own.
+struct SlowMapPager {
+  TempDir dir;
+  std::unique_ptr<SlowMapDevice> owned = std::make_unique<SlowMapDevice>();  // to the Pager
+  SlowMapDevice& device = *owned;
+  Pager pager{std::move(owned), options(dir)};
+  size_t page = options(dir).pool.page_bytes;
+};
+
 // While one thread's page-in maps its pages, the Pager's lock is free: another thread
 // submits a page-out and the I/O thread completes it (both need the lock).
 TEST(PagerThreads, APageInMappingHoldsUpNoOtherBucket) {
-  TempDir dir;
-  auto owned = std::make_unique<SlowMapDevice>();
-  SlowMapDevice& device = *owned;
-  Pager pager(std::move(owned), options(dir));
+  SlowMapPager slow;
+  SlowMapDevice& device = slow.device;
+  Pager& pager = slow.pager;
   const ExtentId out = pager.create(5 * kBlock), in = pager.create(12 * kBlock);  // new pages
   pager.wait(pager.page_in({out}));
   fill(pager, out, 0x5a);
@@ -240,11 +248,10 @@ TEST(PagerThreads, APageInMappingHoldsUpNoOtherBucket) {
 // A page-in that meets a page another page-in is mapping waits holding none of its own:
 // two page-ins never wait for each other's pages.
 TEST(PagerThreads, APageInWaitingForAnothersMappingHoldsNothing) {
-  TempDir dir;
-  auto owned = std::make_unique<SlowMapDevice>();
-  SlowMapDevice& device = *owned;
-  Pager pager(std::move(owned), options(dir));
-  const size_t page = options(dir).pool.page_bytes;
+  SlowMapPager slow;
+  SlowMapDevice& device = slow.device;
+  Pager& pager = slow.pager;
+  const size_t page = slow.page;
   const ExtentId own = pager.create(2 * page);                 // pages of its own
   const ExtentId mapping = pager.create(2 * page + page / 2);  // its last page is shared
   const ExtentId shared = pager.create(page / 4);              // with this one
@@ -270,11 +277,10 @@ TEST(PagerThreads, APageInWaitingForAnothersMappingHoldsNothing) {
 // close() while a page-in waits for another's mapping: the waiting page-in is refused
 // (the Pager is closed), it does not map and queue work nobody will run.
 TEST(PagerThreads, APageInWaitingWhenThePagerClosesIsRefused) {
-  TempDir dir;
-  auto owned = std::make_unique<SlowMapDevice>();
-  SlowMapDevice& device = *owned;
-  Pager pager(std::move(owned), options(dir));
-  const size_t page = options(dir).pool.page_bytes;
+  SlowMapPager slow;
+  SlowMapDevice& device = slow.device;
+  Pager& pager = slow.pager;
+  const size_t page = slow.page;
   const ExtentId mapping = pager.create(page + page / 2);
   const ExtentId shared = pager.create(page / 4);  // in the first one's last page
   device.arm();

@@ -604,9 +604,10 @@ class StreamedOptimizer:
                 done_in.append(h)
                 t1 = time.monotonic()
                 counting.read()  # bucket i - LAG's, before bucket i's work is queued
-                if atomic:  # undo copies a bucket ahead, the first bucket's own first
-                    for k in ([0] if i == 0 else []) + ([i + 1] if i + 1 < n else []):
-                        atomic.take_ahead(buckets[k])
+                if atomic and i == 0:  # undo copies a bucket ahead, the first's own first
+                    atomic.take_ahead(b)
+                if atomic and i + 1 < n:
+                    atomic.take_ahead(buckets[i + 1])
                 trace.start(f"step bucket {i}", "step")
                 pending = self._step_bucket(b, atomic, checks, fused[i])
                 trace.end()
