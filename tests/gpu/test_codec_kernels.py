@@ -293,14 +293,15 @@ def fused_calls(monkeypatch):
     return calls
 
 
-def run(store_dir, moments, mains, kernels, steps=6, fused=True, shapes=SHAPES):
-    """Params and state_dict after `steps` steps, and the kernels one step launches where
-    the fused step runs (one per parameter, or per chunk of one)."""
+def run(store_dir, moments, mains, kernels, steps=6, fused=True, shapes=SHAPES,
+        bucket_size=1 * MiB):
+    """Params and state_dict after `steps` steps, and per bucket (whole parameters, chunks):
+    where the fused step runs, a kernel for each."""
     C.use_kernels(kernels)
     fused_adamw.use_fused(fused)
     ps = model(shapes=shapes)
     with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
-        opt = PagedAdamW(ps, pager=pager, lr=1e-2, weight_decay=0.1, bucket_size=1 * MiB,
+        opt = PagedAdamW(ps, pager=pager, lr=1e-2, weight_decay=0.1, bucket_size=bucket_size,
                          moments=moments, mains=mains)
         for k in range(steps):
             for i, p in enumerate(ps):
@@ -310,8 +311,8 @@ def run(store_dir, moments, mains, kernels, steps=6, fused=True, shapes=SHAPES):
                     p.grad.view(-1)[:5] = float("inf")  # a non-finite block in the moments
             opt.step()
         state = opt.state_dict()
-        launches = sum(len(b.params) + len(b.chunks) for b in opt.binding.buckets)
-        return [p.detach().cpu() for p in ps], state, launches
+        buckets = [(len(b.params), len(b.chunks)) for b in opt.binding.buckets]
+        return [p.detach().cpu() for p in ps], state, buckets
 
 
 def flat_state(state):
@@ -341,12 +342,33 @@ def test_fused_step_on_chunks_is_torch_on_chunks(tmp_path, moments, mains, fused
     before the step, give the bits of torch's step on the same chunks."""
     ref_params, ref_state, _ = run(str(tmp_path / "ref"), moments, mains, kernels=False,
                                    shapes=BIG_SHAPES)
-    params, state, launches = run(str(tmp_path / "k"), moments, mains, kernels=True,
-                                  shapes=BIG_SHAPES)
+    params, state, buckets = run(str(tmp_path / "k"), moments, mains, kernels=True,
+                                 shapes=BIG_SHAPES)
+    launches = sum(w + c for w, c in buckets)
     assert launches > len(BIG_SHAPES)  # chunks
     assert fused_calls == [moments] * 6 * launches
     same_run(params, state, ref_params, ref_state)
     assert [s["step"].item() for s in state["state"].values()] == [6.0] * len(BIG_SHAPES)
+
+
+# With 4 MiB buckets the first parameter's last chunk shares its bucket with the others,
+# whatever the formats' bytes per element.
+MIXED_SHAPES = [(5 * 262144 + 131072,), (77,), (300, 7)]
+
+
+@pytest.mark.parametrize("moments,mains", [("q8", "residual"), ("fp32", "fp32")])
+def test_fused_step_on_a_bucket_of_chunks_and_whole_params(tmp_path, moments, mains,
+                                                           fused_calls):
+    """One fused call steps a bucket holding whole parameters and a chunk of another
+    (Megatron's buckets do), with torch's bits and counts."""
+    ref_params, ref_state, _ = run(str(tmp_path / "ref"), moments, mains, kernels=False,
+                                   shapes=MIXED_SHAPES, bucket_size=4 * MiB)
+    params, state, buckets = run(str(tmp_path / "k"), moments, mains, kernels=True,
+                                 shapes=MIXED_SHAPES, bucket_size=4 * MiB)
+    assert any(w and c for w, c in buckets), buckets
+    assert fused_calls == [moments] * 6 * sum(w + c for w, c in buckets)
+    same_run(params, state, ref_params, ref_state)
+    assert [s["step"].item() for s in state["state"].values()] == [6.0] * len(MIXED_SHAPES)
 
 
 def same_run(params, state, ref_params, ref_state):

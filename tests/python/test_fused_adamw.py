@@ -126,6 +126,43 @@ def test_fused_run_is_the_unfused_run(tmp_path, moments, mains, fused_on_cpu):
     same(unfused, fused)
 
 
+# With 4 MiB buckets the first parameter steps in chunks (of 262144 elements), its last
+# ones in the bucket of the two small parameters.
+MIXED_SHAPES = [(5 * 262144 + 131072,), (77,), (300, 7)]
+
+
+def train_shapes(moments, mains, store_dir, steps=3):
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in MIXED_SHAPES]
+    with Pager(store_dir, device="cpu", page_size=64 * KiB) as pager:
+        opt = PagedAdamW(ps, pager=pager, lr=1e-2, weight_decay=0.1, bucket_size=4096 * KiB,
+                         moments=moments, mains=mains)
+        for i in range(steps):
+            for j, p in enumerate(ps):
+                p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            opt.step()
+        buckets = [(len(b.params), len(b.chunks)) for b in opt.binding.buckets]
+        sd = opt.state_dict()
+    return ([p.detach().clone() for p in ps], sd), buckets
+
+
+@pytest.mark.parametrize("moments,mains", [("q8", "residual"), ("fp32", "fp32")])
+def test_a_bucket_of_chunks_and_whole_parameters_steps_fused(tmp_path, moments, mains,
+                                                             fused_on_cpu):
+    """Megatron's buckets hold whole parameters beside chunks of a larger one (q8 here:
+    two chunks of it): one fused call steps the bucket, bit for bit the unfused step."""
+    calls, _ = fused_on_cpu
+    fused_adamw.use_fused(False)
+    try:
+        unfused, _ = train_shapes(moments, mains, str(tmp_path / "a"))
+    finally:
+        fused_adamw.use_fused(True)
+    fused, buckets = train_shapes(moments, mains, str(tmp_path / "b"))
+    assert any(whole and chunks for whole, chunks in buckets), buckets
+    assert calls == [moments] * 3 * sum(whole + chunks for whole, chunks in buckets)
+    same(unfused, fused)
+
+
 def test_fused_step_off_where_it_does_not_apply(tmp_path, fused_on_cpu):
     calls, _ = fused_on_cpu
     train("q8", "fp32", str(tmp_path / "a"), amsgrad=True)

@@ -97,10 +97,14 @@ class FusedStep:
 
     def ready(self, bucket) -> bool:
         """After before_bucket set the grads: True when every one is fp32, dense and laid
-        out as its parameter, and no parameter is listed twice."""
-        params = [p for group in bucket.groups for p in group] + [c.param for c in bucket.chunks]
-        if len({id(p) for p in params}) != len(params):
+        out as its parameter, and no parameter is listed twice (torch would step it twice;
+        several chunks of one parameter are its parts, each stepped once)."""
+        whole = [p for group in bucket.groups for p in group]
+        chunked = {id(c.param): c.param for c in bucket.chunks}
+        ids = {id(p) for p in whole}
+        if len(ids) != len(whole) or not ids.isdisjoint(chunked):
             return False
+        params = whole + list(chunked.values())
         return all(p.grad is None or (
             p.grad.dtype == torch.float32 and p.grad.layout == torch.strided
             and p.grad.device == p.device and p.grad.stride() == p.stride()) for p in params)
@@ -119,7 +123,7 @@ class FusedStep:
         # The counts after the step (as _multi_tensor_adam adds to CPU counts), stored
         # once the kernels are queued: a refused call leaves them as they were.
         counts = [self.optimizer.state[p]["step"] for _, p, _, _, _ in calls]
-        after = torch._foreach_add(counts, _ONE, alpha=1.0) if counts else []
+        after = list(torch._foreach_add(counts, _ONE, alpha=1.0)) if counts else []  # a tuple
         for c, (m, v) in zip(bucket.chunks, moments[len(whole):]):
             if c.param.grad is not None:
                 counts.append(self.optimizer.state[c.param]["step"])
