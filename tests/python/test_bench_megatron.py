@@ -123,7 +123,7 @@ def test_the_sampler_keeps_the_largest_value_seen():
     assert s.peak >= 21 and s.samples >= 20
 
 
-def canned(config, *, peak, step=0.5, pager=None, floor=None, error=None):
+def canned(config, *, peak, step=0.5, pager=None, floor=None, error=None, cpu=None):
     if error:
         return {"config": config, "error": error, "log_tail": ["Traceback", "OutOfMemory"],
                 "seconds": 12.0}
@@ -137,6 +137,7 @@ def canned(config, *, peak, step=0.5, pager=None, floor=None, error=None):
         "torch": {"max_allocated": 5 * GiB, "max_reserved": 6 * GiB, "reserved": 6 * GiB,
                   "scope_pool": GiB // 4},
         "pager": pager, "floor": floor, "timeline_files": [], "seconds": 31.0,
+        "cpu_cores": cpu, "cpus": 16,
     }
 
 
@@ -178,7 +179,9 @@ def canned_run():
         canned("unpaged", peak=33 * GiB, step=0.12),
         canned("offload", peak=22 * GiB, step=0.42),
         canned("fp32", peak=10 * GiB, step=1.0, pager=paged(16 * 10**9),
-               floor=floor(16 * 10**9, 16 * 10**9, pcie_s=0.32, fio_s=0.5)),
+               floor=floor(16 * 10**9, 16 * 10**9, pcie_s=0.32, fio_s=0.5),
+               cpu={"io_uring workers": 11.94, "pager I/O thread": 0.41,
+                    "other threads": 1.23}),
         canned("q8", peak=10 * GiB, step=0.7, pager=paged(5 * 10**9, undo=2 * 10**9),
                floor=floor(5 * 10**9, 7 * 10**9, pcie_s=0.12, fio_s=0.2)),
         canned("host-fp32", peak=11 * GiB, step=0.35, pager=paged(16 * 10**9, host=True),
@@ -243,6 +246,8 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             "GiB; loss 10.5000 -> 9.2500") in out
     assert ("driver peak - torch max allocated = 4.00 GiB: CUDA context 0.50 + torch cache "
             "1.00 + page pool 2.00 + other 0.50") in out
+    assert ("CPU over the timed steps, in cores busy: io_uring workers 11.9, pager I/O thread "
+            "0.4, other threads 1.2 (of 16)") in out
     # Each paged configuration against the floor of its own bytes, with the floor's parts.
     assert "step 2.00 x the floor, opt.step 1.40 x the floor; the floor of its" in out
     assert "floor: 16.00 GB read and 16.00 GB written, measured in this run" in out

@@ -15,7 +15,8 @@ moments): the step time (a whole training iteration) and optimizer.step()'s shar
 pager's bytes read and written per step (store files and host tier), and device memory
 at the steps' peak as the driver sees it (NVML, sampled by a thread every millisecond;
 cudaMemGetInfo when NVML is missing) beside torch's own counters and the page pool's,
-and what of the peak is none of them. A paged configuration's process then measures the
+and what of the peak is none of them, and the process's CPU time in cores busy
+(statepager.bench.cpu_use: io_uring's workers, the pager's I/O thread, the rest). A paged configuration's process then measures the
 floor of its bytes (statepager.bench.floor: PCIe both ways with pinned buffers, fio on
 --dir; the larger), and its step is printed as a multiple of it. The summary compares
 each with Megatron's offload and checks issue 13's and 14's targets.
@@ -39,6 +40,7 @@ import torch
 from statepager import _C
 from statepager.bench import floor as bench_floor
 from statepager.bench.common import bench_directory
+from statepager.bench.cpu_use import CpuUse
 from statepager.bench.report import faster, multiple, show, spread
 from statepager.cli_args import (FIO_JOBS, at_least, directory, job_counts, output_file,
                                  plot_file, size)
@@ -428,7 +430,7 @@ def run_config(spec: dict) -> dict:
         steps, moved, pool, compute = [], [], [], []
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes")
-        with PeakSampler(driver.used) as sampler:
+        with PeakSampler(driver.used) as sampler, CpuUse() as cpu:
             for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
                 before = pager.stats() if pager else None
                 torch.cuda.synchronize()
@@ -455,6 +457,7 @@ def run_config(spec: dict) -> dict:
                       "reserved": torch.cuda.memory_reserved(),
                       "scope_pool": _scope_pool_bytes()},
             "pager": None, "floor": None, "timeline_files": [],
+            "cpu_cores": cpu.cores(), "cpus": os.cpu_count(),
         }
         if pager is not None:
             stats = pager.stats()
@@ -605,6 +608,10 @@ def config_lines(c: dict) -> list[str]:
                      f"peak mapped {p['peak_mapped'] / GiB:.2f} GiB of a window of "
                      f"{p['window'] / GiB:.2f} GiB; pager compute (codecs + optimizer math) "
                      f"{show(p['compute_s'], 's', 3)}")
+    if c.get("cpu_cores"):
+        notes.append("CPU over the timed steps, in cores busy: " + ", ".join(
+            f"{kind} {cores:.1f}" for kind, cores in c["cpu_cores"].items())
+            + f" (of {c['cpus']})")
     b = breakdown(c)
     if b:
         notes.append(f"driver peak - torch max allocated = {_gib(b['above_torch_peak'])} GiB: "
