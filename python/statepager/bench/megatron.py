@@ -16,10 +16,11 @@ pager's bytes read and written per step (store files and host tier), and device 
 at the steps' peak as the driver sees it (NVML, sampled by a thread every millisecond;
 cudaMemGetInfo when NVML is missing) beside torch's own counters and the page pool's,
 and what of the peak is none of them, and the process's CPU time in cores busy
-(statepager.bench.cpu_use: io_uring's workers, the pager's I/O thread, the rest). A paged configuration's process then measures the
-floor of its bytes (statepager.bench.floor: PCIe both ways with pinned buffers, fio on
---dir; the larger), and its step is printed as a multiple of it. The summary compares
-each with Megatron's offload and checks issue 13's and 14's targets.
+(statepager.bench.cpu_use: io_uring's workers, the pager's I/O thread, the rest). A
+paged configuration's process then measures the floor of its bytes
+(statepager.bench.floor: PCIe both ways with pinned buffers, fio on --dir; the larger),
+and its step is printed as a multiple of it. The summary compares each with Megatron's
+offload and checks issue 13's and 14's targets.
 """
 from __future__ import annotations
 
