@@ -29,7 +29,8 @@ namespace {
   X(cuEventSynchronize) X(cuMemGetAllocationGranularity) X(cuMemAddressReserve)            \
   X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap)             \
   X(cuMemSetAccess) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuMemcpyDtoHAsync)                \
-  X(cuMemcpyHtoDAsync) X(cuMemsetD8Async) X(cuMemGetInfo)
+  X(cuMemcpyHtoDAsync) X(cuMemsetD8Async) X(cuMemGetInfo) X(cuMemHostRegister)             \
+  X(cuMemHostUnregister)
 
 // The ABI of CUDA 12.0: every driver since accepts it (a version above the driver's is
 // refused), and none of the functions above has changed signature since, so the types
@@ -214,6 +215,16 @@ class CudaDevice final : public Device {
       }
     }
     check(d_.cuMemFreeHost(ptr), "cuMemFreeHost");
+  }
+
+  bool register_host(void* ptr, size_t bytes) override {
+    ScopedContext scope(d_, ctx_);
+    return d_.cuMemHostRegister(ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+  }
+
+  void unregister_host(void* ptr) override {
+    ScopedContext scope(d_, ctx_);
+    check(d_.cuMemHostUnregister(ptr), "cuMemHostUnregister");
   }
 
   void copy_to_host(void* dst, uintptr_t src, size_t bytes) override {

@@ -6,8 +6,9 @@
 // map() puts one physical page at an address; touching an unmapped address is fatal
 // (SIGSEGV on the host, an illegal-address error that kills the CUDA context on the GPU).
 //
-// Copies between device memory and staging (pinned host memory from alloc_staging) run on
-// two queues, one per direction, in submission order. record() returns a fence that
+// Copies between device memory and staging (pinned host memory from alloc_staging, or host
+// memory registered with register_host) run on two queues, one per direction, in
+// submission order. record() returns a fence that
 // is_done() reports once every copy queued before it on that queue has finished.
 //
 // Thread-safety: every method may be called from any thread; implementations serialize
@@ -50,6 +51,13 @@ class Device {
   // Staging memory: pinned host memory, aligned to 4 KiB, usable by the copy queues.
   virtual void* alloc_staging(size_t bytes) = 0;
   virtual void free_staging(void* ptr, size_t bytes) = 0;
+
+  // Registered host memory: `bytes` at `ptr` (4 KiB-aligned; a file's shared mapping
+  // too) become reachable by the copy queues like staging, until unregister_host(ptr)
+  // (cuMemHostRegister on CUDA, which pins the pages; the host backend reaches any
+  // memory). Returns false, registering nothing, where the device refuses the range.
+  virtual bool register_host(void* ptr, size_t bytes) = 0;
+  virtual void unregister_host(void* ptr) = 0;
 
   // Copies and fills, queued in order on their queue.
   virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes) = 0;         // kToHost

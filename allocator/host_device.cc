@@ -76,6 +76,9 @@ class HostDevice final : public Device {
 
   void free_staging(void* ptr, size_t) override { std::free(ptr); }
 
+  bool register_host(void*, size_t) override { return true; }
+  void unregister_host(void*) override {}
+
   void copy_to_host(void* dst, uintptr_t src, size_t bytes) override {
     std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
   }

@@ -7,7 +7,7 @@
 // Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes, except
 // what phase two (Pager::place_deferred_locked, on the I/O thread under the lock, with none
 // of the job's work in flight) adds. The I/O thread's alone: host_copies_issued .. fence,
-// requests, error and the times (error and the times are read by others once done is
+// requests, mapped_bytes, error and the times (error and the times are read by others once done is
 // set). Under the Pager's lock: done.
 #pragma once
 
@@ -80,6 +80,8 @@ struct Job {
   bool held = false;                   // a page-out found waiting for a held range
   std::optional<Fence> fence;          // device work to finish before completing
   uint64_t requests = 0;               // file requests completed (added to the counters once)
+  uint64_t mapped_bytes = 0;           // of bytes_moved, by device copies to or from mapped
+                                       // store files (allocator/ram_map.h)
   bool done = false;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion

@@ -116,7 +116,7 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
   add_store_locked("");  // the default store: file 0 of file_
   store_tier_ = std::make_unique<StoreTier>(*device_, *file_, options_.io_depth,
-                                            options_.io_block_bytes);
+                                            options_.io_block_bytes, options_.map_ram);
   if (options_.host_budget_bytes > 0) {
     try {
       host_tier_ = std::make_shared<HostTier>(*device_, options_.host_budget_bytes);
@@ -362,7 +362,7 @@ void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
     if (host_tier_) host_tier_->free(store_offset);  // none once closed
     return;
   }
-  if (punch_bytes > 0 && file_) file_->punch(store_offset, punch_bytes);
+  if (punch_bytes > 0 && store_tier_) store_tier_->punch(store_offset, punch_bytes);
   stores_[store_index(store_offset)]->space.free(store_offset);
 }
 
@@ -813,6 +813,7 @@ PagerStats Pager::stats() const {
     if (e->state == Residency::kHost) s.host_bytes += e->bytes;
   }
   s.host_used_bytes = host_tier_ ? host_tier_->used_bytes() : 0;
+  s.store_mapped_bytes = store_tier_ ? store_tier_->mapped_bytes() : 0;
   return s;
 }
 
@@ -1244,6 +1245,7 @@ void Pager::complete(Job& job) {
       counters_.bytes_to_host += job.host_bytes;
       counters_.bytes_written += file_bytes;
       counters_.write_requests += job.requests;
+      counters_.mapped_io_bytes += job.mapped_bytes;
       counters_.buckets_out++;
     } else if (job.tier_move) {
       counters_.read_aheads += job.extents.size();
@@ -1254,6 +1256,7 @@ void Pager::complete(Job& job) {
       counters_.bytes_from_host += job.host_bytes;
       counters_.bytes_read += file_bytes;
       counters_.read_requests += job.requests;
+      counters_.mapped_io_bytes += job.mapped_bytes;
       counters_.buckets_in++;
       for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
     }

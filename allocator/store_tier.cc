@@ -20,8 +20,10 @@ unsigned store_index(uint64_t store_offset) {
 
 }  // namespace
 
-StoreTier::StoreTier(Device& device, UringFile& file, unsigned depth, size_t block_bytes)
+StoreTier::StoreTier(Device& device, UringFile& file, unsigned depth, size_t block_bytes,
+                     bool map_ram)
     : device_(device), file_(file), block_bytes_(block_bytes) {
+  if (map_ram) ram_ = std::make_unique<RamMap>(device_, file_);
   staging_ = static_cast<char*>(device_.alloc_staging(size_t(depth) * block_bytes_));
   for (unsigned i = 0; i < depth; i++) {
     StagingSlot slot;
@@ -37,6 +39,7 @@ StoreTier::StoreTier(Device& device, UringFile& file, unsigned depth, size_t blo
 }
 
 StoreTier::~StoreTier() {
+  ram_.reset();  // unregistered before the device's other memory goes
   try {
     device_.free_staging(staging_, slots_.size() * block_bytes_);
   } catch (...) {
@@ -88,7 +91,20 @@ void StoreTier::start(Job& job) {
   if (job.out) {
     for (uint64_t end : job.file_ends) file_.allocate(end);
   }
+  if (ram_) {
+    for (uint64_t end : job.file_ends) ram_->grow(store_index(end - 1));
+  }
 }
+
+void StoreTier::punch(uint64_t offset, uint64_t length) {
+  if (ram_) {
+    ram_->punch(offset, length);
+  } else {
+    file_.punch(offset, length);
+  }
+}
+
+uint64_t StoreTier::mapped_bytes() const { return ram_ ? ram_->mapped_bytes() : 0; }
 
 bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
   bool copies_pending = false;
@@ -117,7 +133,10 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     device_.release_fence(*slot.copy);
     slot.copy.reset();
     progressed = true;
-    if (slot.job->out && !slot.job->error) {
+    if (slot.mapped) {  // the chunk's bytes are where they go
+      slot.mapped = false;
+      finish_slot(slot, 0, 0);
+    } else if (slot.job->out && !slot.job->error) {
       file_.submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
                                       slot.chunk->store_offset, 0});
     } else {
@@ -152,6 +171,7 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
 void StoreTier::start_chunk(StagingSlot& slot) {
   const Chunk& chunk = *slot.chunk;
   try {
+    if (chunk.buf == nullptr && ram_ && start_mapped(slot)) return;
     if (chunk.buf != nullptr) {
       file_.submit(UringFile::Request{slot.index, slot.job->out, chunk.buf, chunk.file_bytes,
                                       chunk.store_offset, -1});
@@ -172,6 +192,46 @@ void StoreTier::start_chunk(StagingSlot& slot) {
     slot.job->error = std::current_exception();
     finish_slot(slot, 0, 0);
   }
+}
+
+// A chunk whose whole store range is mapped (RamMap): each piece is copied straight
+// between device memory and the files' pages, and a page-out zeroes the bytes between and
+// after them (a store range holds zeros past its extent's bytes; the staging path writes
+// them). Returns false, having done nothing, where any of the range is not mapped.
+bool StoreTier::start_mapped(StagingSlot& slot) {
+  const Chunk& chunk = *slot.chunk;
+  std::vector<RamMap::Piece> mem;
+  if (!ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) return false;
+  const bool out = slot.job->out;
+  // Calls f(host, at, n) for the chunk's bytes [at, at + n) piece by piece of `mem`.
+  size_t m = 0, m_start = 0;  // mem[m] holds the chunk's bytes from m_start on
+  auto each = [&](size_t at, size_t n, auto&& f) {
+    if (n == 0) return;
+    while (m_start + mem[m].bytes <= at) m_start += mem[m++].bytes;
+    for (size_t done = 0; done < n;) {
+      if (m_start + mem[m].bytes <= at + done) m_start += mem[m++].bytes;
+      const size_t k = std::min(n - done, m_start + mem[m].bytes - (at + done));
+      f(mem[m].host + (at + done - m_start), done, k);
+      done += k;
+    }
+  };
+  size_t at = 0;
+  for (const StagingCopy& p : chunk.pieces) {
+    if (out) each(at, p.buf_offset - at, [](char* h, size_t, size_t k) { std::memset(h, 0, k); });
+    each(p.buf_offset, p.bytes, [&](char* h, size_t done, size_t k) {
+      if (out) {
+        device_.copy_to_host(h, p.addr + done, k);
+      } else {
+        device_.copy_to_device(p.addr + done, h, k);
+      }
+    });
+    at = p.buf_offset + p.bytes;
+    slot.job->mapped_bytes += p.bytes;
+  }
+  if (out) each(at, chunk.file_bytes - at, [](char* h, size_t, size_t k) { std::memset(h, 0, k); });
+  slot.copy = device_.record(out ? CopyQueue::kToHost : CopyQueue::kToDevice);
+  slot.mapped = true;
+  return true;
 }
 
 void StoreTier::finish_slot(StagingSlot& slot, int error, uint64_t offset) {

@@ -1,34 +1,41 @@
 // StoreTier: the store files as a tier — moves buckets' bytes between device memory and
-// the store files through pinned staging slots (device copy <-> io_uring request).
+// the store files through pinned staging slots (device copy <-> io_uring request), or,
+// with map_ram, straight between device memory and the files' pages where the files lie
+// in RAM and are mapped (allocator/ram_map.h: a device copy, no request).
 //
 // plan() cuts a bucket's store ranges into requests of at most block_bytes; extents that
 // are neighbours in the file share a request. pump() runs one round of the pipeline over
 // the jobs given (oldest first): it hands free slots to their next chunks, passes finished
 // device copies on to the file and finished reads on to device copies, and records each
-// chunk's outcome in its job (chunks_in_flight, requests, error).
+// chunk's outcome in its job (chunks_in_flight, requests, mapped_bytes, error).
 //
 // Ownership: borrows the Device and the UringFile (both must outlive it); owns the staging
-// memory (depth x block_bytes from Device::alloc_staging), freed by the destructor.
+// memory (depth x block_bytes from Device::alloc_staging) and the RamMap, freed by the
+// destructor.
 // Thread-safety: none; the Pager's I/O thread alone calls start(), pump() and idle(),
-// plan() runs under the Pager's lock (it only reads the block size).
+// plan() runs under the Pager's lock (it only reads the block size); punch() and
+// mapped_bytes() may be called from any thread.
 // Errors: failures of a chunk (device or file) become its job's error; the first one
 // sticks. The constructor throws what alloc_staging throws.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "allocator/device.h"
 #include "allocator/job.h"
+#include "allocator/ram_map.h"
 #include "backing/uring_file.h"
 
 namespace statepager {
 
 class StoreTier {
  public:
-  StoreTier(Device& device, UringFile& file, unsigned depth, size_t block_bytes);
+  StoreTier(Device& device, UringFile& file, unsigned depth, size_t block_bytes,
+            bool map_ram = false);
   ~StoreTier();
   StoreTier(const StoreTier&) = delete;
   StoreTier& operator=(const StoreTier&) = delete;
@@ -46,12 +53,17 @@ class StoreTier {
   // Appends to job.chunks and job.file_ends and adds to job.bytes_moved.
   void plan(Job& job, std::vector<Move> moves) const;
 
-  // First step of a started job: a page-out makes sure its stores are allocated that far.
+  // First step of a started job: a page-out makes sure its stores are allocated that far;
+  // with map_ram, the stores it touches are mapped that far.
   void start(Job& job);
   // One round of the pipeline (see the class comment); `progressed` says whether the
   // caller's round moved anything already. Waits for the file only when nothing moved,
   // briefly while device copies are pending. Returns whether anything moved.
   bool pump(const std::vector<Job*>& jobs, bool progressed);
+
+  // Gives the blocks of a store range back (UringFile::punch), unless RamMap keeps them.
+  void punch(uint64_t offset, uint64_t length);
+  uint64_t mapped_bytes() const;  // of the store files, now (0 without map_ram)
 
  private:
   struct StagingSlot {
@@ -60,8 +72,10 @@ class StoreTier {
     Job* job = nullptr;
     const Chunk* chunk = nullptr;
     std::optional<Fence> copy;  // set while a device copy for this slot is queued
+    bool mapped = false;        // that copy is the chunk's whole move (start_mapped)
   };
   void start_chunk(StagingSlot& slot);
+  bool start_mapped(StagingSlot& slot);
   void finish_slot(StagingSlot& slot, int error, uint64_t offset);
 
   Device& device_;
@@ -69,6 +83,7 @@ class StoreTier {
   size_t block_bytes_;
   char* staging_ = nullptr;
   std::vector<StagingSlot> slots_;
+  std::unique_ptr<RamMap> ram_;  // with map_ram
 };
 
 }  // namespace statepager

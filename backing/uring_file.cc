@@ -565,6 +565,20 @@ std::vector<std::string> UringFile::physical_paths() const {
   return paths;
 }
 
+UringFile::Physical UringFile::physical_of(unsigned file) const {
+  if (file >= file_count()) throw UsageError("UringFile: no file " + std::to_string(file));
+  const Impl::File& f = *impl_->files[file];
+  return Physical{f.first_physical, static_cast<unsigned>(f.stripes()), f.ram};
+}
+
+int UringFile::physical_fd(unsigned index) const {
+  for (unsigned r = 0; r < file_count(); ++r) {
+    const Impl::File& f = *impl_->files[r];
+    if (index < f.first_physical + f.stripes()) return f.fds.at(index - f.first_physical);
+  }
+  throw UsageError("UringFile: no physical file " + std::to_string(index));
+}
+
 void UringFile::sync() {
   for (unsigned r = 0; r < file_count(); ++r) {
     const Impl::File& f = *impl_->files[r];

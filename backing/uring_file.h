@@ -30,8 +30,9 @@
 // outlive the requests that use them. A Location's directory descriptor is borrowed for
 // the call that opens it only.
 // Thread-safety: none, except add_file(), file_count(), file_path(), spans(),
-// physical_paths() and punch(), which may be called from any thread (add_file() from one
-// at a time) while another submits and reaps (the Pager's I/O thread).
+// physical_paths(), physical_of(), physical_fd() and punch(), which may be called from any
+// thread (add_file() from one at a time) while another submits and reaps (the Pager's I/O
+// thread).
 // Errors: construction throws UsageError for a queue_depth out of range; construction and
 // allocate() throw IoError subclasses (backing/errors.h) naming the file, construction
 // IoUringUnavailableError where io_uring is blocked or missing; per-request failures come
@@ -137,6 +138,17 @@ class UringFile {
   // The physical files of every logical file, in file order: each path and, when
   // striped, its siblings.
   std::vector<std::string> physical_paths() const;
+  // The physical files of logical file `file`: indices [first, first + count) of
+  // physical_paths(), and whether they lie in RAM (tmpfs, ramfs: buffered and striped).
+  struct Physical {
+    unsigned first = 0;
+    unsigned count = 0;
+    bool ram = false;
+  };
+  Physical physical_of(unsigned file) const;
+  // The open descriptor of physical file `index` (physical_paths() order), for mapping
+  // it (allocator/ram_map.h); owned by the ring, open while it lives.
+  int physical_fd(unsigned index) const;
   void sync();             // fdatasync of every physical file
   // Gives the blocks under logical [offset, offset + length) back to the filesystem
   // (FALLOC_FL_PUNCH_HOLE; the size stays): they read as zeros until written again.

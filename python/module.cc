@@ -431,7 +431,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& directory, const std::string& device,
                        size_t page_bytes, size_t budget_bytes, size_t keep_bytes,
                        size_t arena_bytes, unsigned io_depth, size_t io_block_bytes,
-                       bool try_direct, size_t host_budget_bytes) {
+                       bool try_direct, size_t host_budget_bytes, bool map_ram) {
              PagerOptions o;
              o.directory = directory;
              o.pool.page_bytes = page_bytes;
@@ -442,6 +442,7 @@ PYBIND11_MODULE(_C, m) {
              o.io_block_bytes = io_block_bytes;
              o.try_direct = try_direct;
              o.host_budget_bytes = host_budget_bytes;
+             o.map_ram = map_ram;
              auto pager = std::make_shared<Pager>(make_device(device), std::move(o));
              register_pager(pager);
              return PyPager{std::move(pager), torch::Device(device)};
@@ -449,7 +450,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("directory"), py::arg("device"), py::arg("page_bytes"),
            py::arg("budget_bytes"), py::arg("keep_bytes"), py::arg("arena_bytes"),
            py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"),
-           py::arg("host_budget_bytes") = 0)
+           py::arg("host_budget_bytes") = 0, py::arg("map_ram") = false)
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
               const std::string& store, std::optional<std::vector<int64_t>> strides,
@@ -598,6 +599,8 @@ PYBIND11_MODULE(_C, m) {
              d["read_aheads"] = s.read_aheads;
              d["read_ahead_bytes"] = s.read_ahead_bytes;
              d["direct_io"] = s.direct_io;
+             d["mapped_io_bytes"] = s.mapped_io_bytes;
+             d["store_mapped_bytes"] = s.store_mapped_bytes;
              d["io_depth"] = s.io_depth;
              d["io_block_bytes"] = s.io_block_bytes;
              return d;

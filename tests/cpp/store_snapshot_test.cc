@@ -1,5 +1,5 @@
 // The store seen from outside: Pager::hold/unhold, StoreSnapshot and Pager::restore, on a
-// disk store and on a striped RAM store.
+// disk store, a striped RAM store and that store mapped (tests/cpp/store_media.h).
 #include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 
@@ -16,6 +16,7 @@
 
 #include "backing/crc32c.h"
 #include "backing/errors.h"
+#include "tests/cpp/store_media.h"
 
 namespace statepager {
 namespace {
@@ -24,12 +25,13 @@ constexpr size_t kPage = 4096;
 
 size_t align_up(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 
-class StoreSnapshotTest : public ::testing::TestWithParam<const char*> {
+class StoreSnapshotTest : public ::testing::TestWithParam<StoreMedium> {
  protected:
   PagerOptions options() const {
     PagerOptions o;
-    o.directory = std::string(GetParam()) + "/statepager-snapshot-test-" + test_name() + "-" +
-                  std::to_string(getpid());
+    o.directory = std::string(GetParam().root) + "/statepager-snapshot-test-" + test_name() +
+                  "-" + std::to_string(getpid());
+    o.map_ram = GetParam().map_ram;
     o.pool.page_bytes = 64 << 10;
     o.pool.arena_bytes = size_t(1) << 32;
     o.io_depth = 8;
@@ -237,11 +239,8 @@ TEST_P(StoreSnapshotTest, RestoreIntoAMovingExtent) {
       << "a failed restore lost the bytes of an extent that was moving";
 }
 
-INSTANTIATE_TEST_SUITE_P(DiskAndStripedRam, StoreSnapshotTest,
-                         ::testing::Values("/tmp", "/dev/shm"),
-                         [](const auto& info) {
-                           return std::string(info.param) == "/tmp" ? "Disk" : "Ram";
-                         });
+INSTANTIATE_TEST_SUITE_P(Media, StoreSnapshotTest, ::testing::ValuesIn(kStoreMedia),
+                         medium_name);
 
 }  // namespace
 }  // namespace statepager

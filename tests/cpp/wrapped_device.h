@@ -21,6 +21,8 @@ class WrappedDevice : public Device {
   void unmap(uintptr_t a, size_t b) override { host_->unmap(a, b); }
   void* alloc_staging(size_t b) override { return host_->alloc_staging(b); }
   void free_staging(void* p, size_t b) override { host_->free_staging(p, b); }
+  bool register_host(void* p, size_t b) override { return host_->register_host(p, b); }
+  void unregister_host(void* p) override { host_->unregister_host(p); }
   void copy_to_host(void* d, uintptr_t s, size_t b) override { host_->copy_to_host(d, s, b); }
   void copy_to_device(uintptr_t d, const void* s, size_t b) override {
     host_->copy_to_device(d, s, b);

@@ -182,7 +182,8 @@ def canned_run():
                floor=floor(16 * 10**9, 16 * 10**9, pcie_s=0.32, fio_s=0.5),
                cpu={"io_uring workers": 11.94, "pager I/O thread": 0.41,
                     "other threads": 1.23}),
-        canned("q8", peak=10 * GiB, step=0.7, pager=paged(5 * 10**9, undo=2 * 10**9),
+        canned("q8", peak=10 * GiB, step=0.7,
+               pager=dict(paged(5 * 10**9, undo=2 * 10**9), mapped_io_bytes=[10**10] * 5),
                floor=floor(5 * 10**9, 7 * 10**9, pcie_s=0.12, fio_s=0.2)),
         canned("host-fp32", peak=11 * GiB, step=0.35, pager=paged(16 * 10**9, host=True),
                floor=floor(0, 0, host_in=16 * 10**9, host_out=16 * 10**9, pcie_s=0.32)),
@@ -238,6 +239,9 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert ("stored state 5.00 GB; per step read = stored: True, written = stored: True\n"
             in out)
     assert "atomic steps' undo copies: 2.00 GB of pinned host memory" in out
+    assert ("through the mapped store files (map_ram): 10.00 GB of the bytes read and written "
+            "per step") in out
+    assert out.count("mapped store files") == 1  # the others moved none that way
     assert ("host tier 40.00 GB pinned, 32.00 GB in use after the steps; spilled to the store "
             "over the timed steps: 0.00 GB") in out
     assert ("70 buckets, largest 750 MiB; pool peak mapped 1.50 GiB of a window of 2.50 "
@@ -324,3 +328,11 @@ def test_the_example_gpt_says_why_megatrons_offload_cannot_step_its_fp32_paramet
             gpt.build(gpt.Setup(), optimizer_options=bench_megatron.OFFLOAD)
     finally:
         del sys.modules[spec.name]
+
+
+def test_the_header_says_when_the_store_files_are_mapped():
+    plain = bench_megatron.header_lines({"model": MODEL, "dir": "/dev/shm/sp"})[0]
+    mapped = bench_megatron.header_lines({"model": dict(MODEL, map_ram=True),
+                                          "dir": "/dev/shm/sp"})[0]
+    assert "map_ram" not in plain
+    assert "; store files in RAM mapped for the device's copies (map_ram);" in mapped

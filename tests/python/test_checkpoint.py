@@ -104,12 +104,12 @@ def test_background_save_is_the_state_of_its_moment(tmp_path):
     assert not equal(at_save["state"], torch.load(tmp_path / "after.pt")["state"])
 
 
-def adamw_pair(store, fmt="fp32", mains="fp32"):
+def adamw_pair(store, fmt="fp32", mains="fp32", map_ram=False):
     """A PagedAdamW ("opt0") and a plain AdamW over fp32 params ("expert"), one pager."""
     torch.manual_seed(0)
     dense = torch.nn.Linear(40, 300).bfloat16()
     expert = torch.nn.Linear(300, 30)
-    pager = statepager.Pager(store, page_size=64 * 1024)
+    pager = statepager.Pager(store, page_size=64 * 1024, map_ram=map_ram)
     opt = statepager.PagedAdamW(dense.parameters(), pager=pager, lr=1e-3, moments=fmt,
                                 mains=mains, bucket_size=16 * 1024)
     opt2 = torch.optim.AdamW(expert.parameters(), lr=2e-3)
@@ -140,14 +140,16 @@ def pair_state(pager, *opts):
     return out
 
 
-@pytest.mark.parametrize("where", ["disk", "ram"])
+@pytest.mark.parametrize("where", ["disk", "ram", "mapped-ram"])
 @pytest.mark.parametrize("fmt", ["fp32", "q8"])
 def test_store_copy_is_byte_identical_to_the_device_path(tmp_path, where, fmt):
-    """Checkpoints copied from the store (striped over files on a RAM filesystem) and
-    streamed through the device are the same bytes, before any step (no moments yet, as
-    in torch; residual masters ZERO, recorded and not copied) and after some."""
+    """Checkpoints copied from the store (striped over files on a RAM filesystem, and
+    those mapped for the device's copies) and streamed through the device are the same
+    bytes, before any step (no moments yet, as in torch; residual masters ZERO, recorded
+    and not copied) and after some."""
     base = str(tmp_path) if where == "disk" else f"/dev/shm/statepager-test-{os.getpid()}"
-    dense, expert, pager, opt, opt2 = adamw_pair(f"{base}/store", fmt, mains="residual")
+    dense, expert, pager, opt, opt2 = adamw_pair(f"{base}/store", fmt, mains="residual",
+                                                 map_ram=where == "mapped-ram")
     try:
         for k, n_steps in enumerate((0, 3)):
             pair_steps(dense, expert, opt, opt2, 0, n_steps)
@@ -165,7 +167,7 @@ def test_store_copy_is_byte_identical_to_the_device_path(tmp_path, where, fmt):
                     if "/copied" in os.path.realpath(f"/proc/self/fd/{fd}")]
     finally:
         pager.close()
-        if where == "ram":
+        if where != "disk":
             shutil.rmtree(base, ignore_errors=True)
 
 

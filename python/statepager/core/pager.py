@@ -91,6 +91,13 @@ class Pager:
         page-in from it is a copy-engine copy, no file I/O. An atomic step keeps the
         bytes before the step until it commits, so holding the state through steps takes
         twice its size.
+    map_ram: where the store's files lie in RAM (tmpfs, ramfs), map them for the device's
+        own copies: page-ins and page-outs then move no byte through the CPU (io_uring
+        has the kernel copy them, on the CPU's cores) and bytes already mapped read and
+        write at copy-engine speed. The files' pages are pinned while mapped; a store's
+        growth maps, populates and registers its new bytes on the I/O thread; freed
+        ranges keep their memory. Off by default until measured on GPUs; stats() counts
+        the bytes moved this way (mapped_io_bytes).
     Arguments outside these ranges are refused with a UsageError naming them.
     """
 
@@ -107,6 +114,7 @@ class Pager:
         io_block: int | None = None,
         direct_io: bool = True,
         host_budget: int = 0,
+        map_ram: bool = False,
     ):
         guard.install()  # repr/pickle/copy of its tensors cannot crash (statepager.guard)
         # Types and signs here; the core checks the ranges (it knows the device).
@@ -124,7 +132,7 @@ class Pager:
         budget = hbm_budget if hbm_budget is not None else (1 << 64) - 1
         self._core = _C.Pager(
             directory, str(self.device), page_size, budget, keep, arena_size,
-            io_depth or 0, io_block or 0, bool(direct_io), host_budget,
+            io_depth or 0, io_block or 0, bool(direct_io), host_budget, bool(map_ram),
         )
         _track(self)
         self._unbounded = hbm_budget is None

@@ -1,0 +1,207 @@
+// RamMap (store files in RAM mapped for the device's copies) on its own, and a Pager with
+// map_ram: what goes through the mapping is in the files, punches never take a mapped
+// page from a file, a file cut short is told, and where the device refuses the mapping
+// the store goes through io_uring as before.
+#include "allocator/ram_map.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "allocator/pager.h"
+#include "backing/errors.h"
+#include "tests/cpp/temp_dir.h"
+#include "tests/cpp/wrapped_device.h"
+
+namespace statepager {
+namespace {
+
+constexpr size_t kMiB = size_t(1) << 20;
+
+std::vector<char> random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<char> out(n);
+  for (char& c : out) c = char(gen());
+  return out;
+}
+
+// Logical store bytes [offset, offset + n) through the mapping (write: copy `bytes` in).
+bool through_map(const RamMap& map, uint64_t offset, char* bytes, size_t n, bool write) {
+  std::vector<RamMap::Piece> pieces;
+  if (!map.resolve(offset, n, &pieces)) return false;
+  size_t at = 0;
+  for (const RamMap::Piece& p : pieces) {
+    write ? std::memcpy(p.host, bytes + at, p.bytes) : std::memcpy(bytes + at, p.host, p.bytes);
+    at += p.bytes;
+  }
+  return at == n;
+}
+
+// Logical store bytes [offset, offset + n) read from the files (pread of each span).
+std::vector<char> from_files(const UringFile& file, uint64_t offset, size_t n) {
+  std::vector<char> out(n);
+  size_t at = 0;
+  const std::vector<std::string> paths = file.physical_paths();
+  for (const UringFile::Span& s : file.spans(offset, n)) {
+    const int fd = ::open(paths[s.file].c_str(), O_RDONLY);
+    EXPECT_EQ(::pread(fd, out.data() + at, s.length, static_cast<off_t>(s.offset)),
+              static_cast<ssize_t>(s.length));
+    ::close(fd);
+    at += s.length;
+  }
+  return out;
+}
+
+class RamMapTest : public ::testing::Test {
+ protected:
+  RamMapTest() : file_(dir_.file("state.bin"), UringFile::Options{}) {}
+  TempDir dir_{"/dev/shm"};
+  UringFile file_;
+  WrappedDevice device_;
+};
+
+TEST_F(RamMapTest, WhatGoesThroughTheMappingIsInTheFiles) {
+  ASSERT_TRUE(file_.physical_of(0).ram);
+  const size_t n = 3 * kMiB + 5000;  // across stripe units, not a page multiple
+  file_.allocate(n);
+  RamMap map(device_, file_);
+  EXPECT_EQ(map.mapped_bytes(), 0u);
+  map.grow(0);
+  // Every physical file up to its end, in whole pages: 3 full units, 5000 bytes of a fourth.
+  EXPECT_EQ(map.mapped_bytes(), 3 * kMiB + 4096);
+  std::vector<char> bytes = random_bytes(3 * kMiB + 4096, 1);
+  ASSERT_TRUE(through_map(map, 0, bytes.data(), bytes.size(), true));
+  EXPECT_EQ(from_files(file_, 0, bytes.size()), bytes);
+  // A range past what is mapped (the last page's rest) is not resolved, nor changed.
+  std::vector<RamMap::Piece> pieces;
+  EXPECT_FALSE(map.resolve(3 * kMiB, 8192, &pieces));
+  EXPECT_TRUE(pieces.empty());
+  // The file grows: the next grow() maps the rest.
+  file_.allocate(5 * kMiB);
+  map.grow(0);
+  EXPECT_EQ(map.mapped_bytes(), 5 * kMiB);
+  EXPECT_TRUE(map.resolve(3 * kMiB, 8192, &pieces));
+}
+
+// After grow(0) of a file holding 1 MiB: nothing mapped, nothing resolved.
+void expect_nothing_mapped(Device& device, UringFile& file) {
+  file.allocate(kMiB);
+  RamMap map(device, file);
+  map.grow(0);
+  std::vector<RamMap::Piece> pieces;
+  EXPECT_EQ(map.mapped_bytes(), 0u);
+  EXPECT_FALSE(map.resolve(0, 4096, &pieces));
+}
+
+TEST_F(RamMapTest, AFileOnDiskIsNeverMapped) {
+  TempDir disk("/tmp");
+  UringFile file(disk.file("state.bin"), UringFile::Options{});
+  expect_nothing_mapped(device_, file);
+}
+
+TEST_F(RamMapTest, PunchesNeverTakeAMappedPageFromItsFile) {
+  file_.allocate(2 * kMiB);
+  std::vector<char> bytes = random_bytes(2 * kMiB, 2);
+  {
+    RamMap unmapped(device_, file_);  // no grow(): punching goes through
+    const int fd = ::open(file_.physical_paths()[0].c_str(), O_WRONLY);
+    ASSERT_EQ(::pwrite(fd, bytes.data(), 4096, 0), 4096);
+    ::close(fd);
+    unmapped.punch(0, 4096);
+    EXPECT_EQ(from_files(file_, 0, 4096), std::vector<char>(4096, 0));
+  }
+  RamMap map(device_, file_);
+  map.grow(0);
+  ASSERT_TRUE(through_map(map, 0, bytes.data(), bytes.size(), true));
+  map.punch(0, 2 * kMiB);
+  EXPECT_EQ(from_files(file_, 0, bytes.size()), bytes);
+}
+
+TEST_F(RamMapTest, AFileCutShortOutsideIsTold) {
+  file_.allocate(2 * kMiB);
+  RamMap map(device_, file_);
+  map.grow(0);
+  ASSERT_EQ(::truncate(file_.physical_paths()[1].c_str(), 4096), 0);
+  EXPECT_THROW(map.grow(0), CorruptStoreError);
+}
+
+struct RefusingDevice : WrappedDevice {
+  bool register_host(void*, size_t) override { return false; }
+};
+
+TEST_F(RamMapTest, WhereTheDeviceRefusesNothingIsMapped) {
+  RefusingDevice refusing;
+  expect_nothing_mapped(refusing, file_);
+}
+
+PagerOptions mapped_options(const TempDir& dir) {
+  PagerOptions o;
+  o.directory = dir.file("store");
+  o.pool.page_bytes = 64 << 10;
+  o.pool.arena_bytes = size_t(1) << 32;
+  o.io_depth = 8;
+  o.io_block_bytes = 128 << 10;
+  o.map_ram = true;
+  return o;
+}
+
+// Extents of mixed sizes, filled, paged out, paged in: their bytes back, and how many of
+// the bytes went through the mapping.
+uint64_t round_trip(Pager& pager) {
+  std::vector<ExtentId> ids;
+  std::vector<std::vector<char>> want;
+  for (int i = 0; i < 7; i++) {
+    ids.push_back(pager.create(size_t(250000) * (i % 3 + 1) + 77 * i));
+    pager.wait(pager.page_in({ids.back()}));
+    want.push_back(random_bytes(pager.size(ids.back()), 10 + i));
+    std::memcpy(reinterpret_cast<void*>(pager.address(ids.back())), want.back().data(),
+                want.back().size());
+  }
+  pager.wait(pager.page_out(ids));
+  pager.wait(pager.page_in(ids));
+  for (size_t i = 0; i < ids.size(); i++) {
+    EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(pager.address(ids[i])), want[i].data(),
+                          want[i].size()),
+              0);
+  }
+  const PagerStats s = pager.stats();
+  EXPECT_EQ(s.bytes_read, s.bytes_written);
+  return s.mapped_io_bytes;
+}
+
+TEST(PagerMappedRam, EveryByteGoesThroughTheMapping) {
+  TempDir dir("/dev/shm");
+  Pager pager(std::make_unique<WrappedDevice>(), mapped_options(dir));
+  const uint64_t mapped = round_trip(pager);
+  EXPECT_EQ(mapped, pager.stats().bytes_read + pager.stats().bytes_written);
+  EXPECT_GT(pager.stats().store_mapped_bytes, 0u);
+  EXPECT_EQ(pager.stats().read_requests + pager.stats().write_requests, 0u);
+}
+
+TEST(PagerMappedRam, WhereTheDeviceRefusesIoUringCarriesOn) {
+  TempDir dir("/dev/shm");
+  Pager pager(std::make_unique<RefusingDevice>(), mapped_options(dir));
+  EXPECT_EQ(round_trip(pager), 0u);
+  EXPECT_EQ(pager.stats().store_mapped_bytes, 0u);
+  EXPECT_GT(pager.stats().read_requests, 0u);
+}
+
+TEST(PagerMappedRam, AStoreCutShortFailsThePageInAndChangesNothing) {
+  TempDir dir("/dev/shm");
+  Pager pager(make_host_device(), mapped_options(dir));
+  const ExtentId id = pager.create(3 * kMiB);
+  pager.wait(pager.page_in({id}));
+  std::memset(reinterpret_cast<void*>(pager.address(id)), 7, 3 * kMiB);
+  pager.wait(pager.page_out({id}));
+  ASSERT_EQ(::truncate((pager.file_path() + ".2").c_str(), 0), 0);
+  EXPECT_THROW(pager.wait(pager.page_in({id})), CorruptStoreError);
+  EXPECT_EQ(pager.residency(id), Residency::kFile);
+  EXPECT_EQ(pager.stats().mapped_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace statepager

@@ -1,0 +1,103 @@
+"""Pager(map_ram=True): a store in RAM mapped for the device's copies (allocator/ram_map.h),
+on the host backend: the steps, checkpoints and pause/resume of a store through io_uring,
+bit for bit, with every byte of the store moved through the mapping."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import statepager
+
+KiB = 1 << 10
+
+
+@pytest.fixture
+def shm_base():
+    base = f"/dev/shm/statepager-map-ram-{os.getpid()}"
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def train(store, map_ram, steps=4, first=0, state=None):
+    """A bf16 model's PagedAdamW (q8 moments, residual mains) stepped `steps` times; returns
+    the pager (open), the optimizer and the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.GELU(),
+                                torch.nn.Linear(300, 6)).bfloat16()
+    if state is not None:
+        model.load_state_dict(state)
+    pager = statepager.Pager(store, page_size=64 * KiB, map_ram=map_ram)
+    opt = statepager.PagedAdamW(model.parameters(), pager=pager, lr=1e-2, weight_decay=0.1,
+                                bucket_size=64 * KiB, moments="q8", mains="residual")
+    step(model, opt, first, steps)
+    return pager, opt, model
+
+
+def step(model, opt, first, count):
+    for i in range(first, first + count):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 40, generator=g).bfloat16(), torch.randn(8, 6, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+        opt.step()
+
+
+def same(a, b):
+    (pa, oa, ma), (pb, ob, mb) = a, b
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+               for x, y in zip(ma.parameters(), mb.parameters()))
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k, v in sa[i].items():
+            assert torch.equal(v, sb[i][k]), (i, k)
+
+
+def test_steps_through_the_mapping_are_the_steps_through_io_uring(shm_base):
+    plain, mapped = train(f"{shm_base}/a", False), train(f"{shm_base}/b", True)
+    try:
+        same(plain, mapped)
+        s, m = plain[0].stats(), mapped[0].stats()
+        assert s["mapped_io_bytes"] == 0 and s["store_mapped_bytes"] == 0
+        assert m["bytes_read"] == s["bytes_read"] and m["bytes_written"] == s["bytes_written"]
+        assert m["mapped_io_bytes"] == m["bytes_read"] + m["bytes_written"] > 0
+        assert m["read_requests"] + m["write_requests"] == 0
+        assert m["store_mapped_bytes"] > 0
+    finally:
+        plain[0].close()
+        mapped[0].close()
+
+
+def test_a_checkpoint_of_a_mapped_store_resumes_exactly(shm_base, tmp_path):
+    pager, opt, model = train(f"{shm_base}/a", True, steps=3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    pager.save_to(str(tmp_path / "iter3"))
+    step(model, opt, 3, 2)
+    resumed = train(f"{shm_base}/b", True, steps=0, state=weights)
+    try:
+        assert resumed[0].load_from(str(tmp_path / "iter3"))
+        step(resumed[2], resumed[1], 3, 2)
+        same((pager, opt, model), resumed)
+        assert resumed[0].stats()["mapped_io_bytes"] > 0
+    finally:
+        pager.close()
+        resumed[0].close()
+
+
+def test_pause_and_resume_through_the_mapping(shm_base):
+    pager = statepager.Pager(f"{shm_base}/a", map_ram=True)
+    try:
+        ts = [pager.empty(n) for n in (1000, 300_000, 2_000_000)]
+        pager.page_in(ts)
+        for i, t in enumerate(ts):
+            t.copy_(torch.arange(t.numel(), dtype=torch.float32) * (i + 1))
+        pager.pause()
+        assert not any(pager.is_resident(t) for t in ts)
+        pager.resume()
+        for i, t in enumerate(ts):
+            assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32) * (i + 1))
+        s = pager.stats()
+        assert s["mapped_io_bytes"] == s["bytes_read"] + s["bytes_written"] > 0
+    finally:
+        pager.close()
