@@ -172,3 +172,14 @@ def test_bench_step_prints_the_step_as_a_multiple_of_the_floor(capsys, tmp_path)
     out = capsys.readouterr().out
     assert "x the floor" in out and "fio (" in out and "no PCIe floor" in out, out
     assert "raw io_uring" not in out
+
+
+@needs_fio
+def test_bench_step_on_a_mapped_ram_store_says_what_went_through_the_mapping(capsys,
+                                                                             shm_dir):
+    os.makedirs(shm_dir)
+    assert cli.main(["bench", "step", "--device", "cpu", "--dir", shm_dir, "--params", "3e6",
+                     "--steps", "2", "--bucket", "8M", "--no-baseline", "--no-in-place",
+                     "--fio-jobs", "2", "--map-ram"]) == 0
+    out = capsys.readouterr().out
+    assert "through the mapped store files (map_ram): " in out and "x the floor" in out, out

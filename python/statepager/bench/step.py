@@ -88,7 +88,8 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
     store = os.path.join(work, "store")
     bucket = args.bucket
     with Pager(store, device=device, page_size=args.page_size, io_depth=args.io_depth,
-               io_block=args.io_block, host_budget=args.host_budget) as pager:
+               io_block=args.io_block, host_budget=args.host_budget,
+               map_ram=args.map_ram) as pager:
         params = (_unowned_params if args.unowned else _params)(pager, n, device)
         grads = _grads(params, device)
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
@@ -138,6 +139,7 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
             "peak_mapped_bytes": last.peak_mapped_bytes,
             "bound_bytes": args.depth * (max(b.nbytes for b in binding.buckets) + 2 * args.page_size),
             "direct_io": pager.stats()["direct_io"],
+            "mapped_io_bytes": pager.stats()["mapped_io_bytes"],  # all steps, fill included
             "io_depth": pager.stats()["io_depth"],
             "io_block": pager.stats()["io_block_bytes"],
             "store_bytes": _store_bytes(os.path.join(store, binding.name)),
@@ -295,6 +297,9 @@ def print_step(r: dict) -> None:
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "
           f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s "
           "(reads the mains only)")
+    if p.get("mapped_io_bytes"):
+        print(f"    through the mapped store files (map_ram): {p['mapped_io_bytes'] / 1e9:.1f} "
+              "GB in all, the fill and every step")
     print(f"    last step: reads busy {p['read_busy_s']:.3f} s, writes busy "
           f"{p['write_busy_s']:.3f} s, overlap {100 * p['overlap']:.0f}%; stalled on reads "
           f"{p['wait_in_s']:.3f} s, for writes {p['wait_out_s']:.3f} s, compute "
