@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,12 +14,6 @@
 #endif
 
 namespace statepager {
-
-namespace {
-
-constexpr uint64_t kPage = 4096;
-
-}  // namespace
 
 RamMap::RamMap(Device& device, UringFile& file) : device_(device), file_(file) {}
 
@@ -47,14 +42,16 @@ RamMap::Physical& RamMap::physical_locked(unsigned index) {
 void RamMap::grow(unsigned file) {
   const UringFile::Physical files = file_.physical_of(file);
   if (!files.ram) return;
-  std::lock_guard lock(mu_);
-  for (unsigned k = files.first; k < files.first + files.count; ++k) grow_locked(physical_locked(k));
+  for (unsigned k = files.first; k < files.first + files.count; ++k) grow_one(k);
 }
 
 // Maps [end, the file's size rounded down to a page) in one mapping: populated first, so
 // that a full filesystem fails here (ENOSPC as an error, not a SIGBUS on first touch),
-// then registered.
-void RamMap::grow_locked(Physical& p) {
+// then registered; mu_ is let go meanwhile (seconds for gigabytes).
+void RamMap::grow_one(unsigned index) {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::unique_lock lock(mu_);
+  Physical& p = physical_locked(index);
   struct stat st;
   if (::fstat(p.fd, &st) != 0) throw_io_error(errno, "fstat", p.path, 0);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
@@ -64,22 +61,29 @@ void RamMap::grow_locked(Physical& p) {
                             " statepager wrote: it was cut short outside statepager, and "
                             "the state it held is lost");
   }
-  const uint64_t to = size / kPage * kPage;
-  if (p.stopped || to <= p.end) return;
-  const size_t bytes = to - p.end;
-  void* host = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, p.fd,
-                      static_cast<off_t>(p.end));
-  if (host == MAP_FAILED) {
-    p.stopped = true;
-    return;
-  }
-  if (::madvise(host, bytes, MADV_POPULATE_WRITE) != 0 || !device_.register_host(host, bytes)) {
+  const uint64_t from = p.end, to = size / page * page;
+  if (p.stopped || to <= from) return;
+  const int fd = p.fd;
+  p.growing = true;
+  lock.unlock();
+  const size_t bytes = to - from;
+  void* host = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                      static_cast<off_t>(from));
+  bool ok = host != MAP_FAILED;
+  if (ok && (::madvise(host, bytes, MADV_POPULATE_WRITE) != 0 ||
+             !device_.register_host(host, bytes))) {
     ::munmap(host, bytes);
-    p.stopped = true;
+    ok = false;
+  }
+  lock.lock();
+  Physical& q = physical_[index];  // physical_ may have grown meanwhile (punch() does not)
+  q.growing = false;
+  if (!ok) {
+    q.stopped = true;
     return;
   }
-  p.maps.push_back(Mapping{p.end, bytes, static_cast<char*>(host)});
-  p.end = to;
+  q.maps.push_back(Mapping{from, bytes, static_cast<char*>(host)});
+  q.end = to;
 }
 
 bool RamMap::resolve(uint64_t offset, size_t bytes, std::vector<Piece>* out) const {
@@ -106,7 +110,7 @@ void RamMap::punch(uint64_t offset, uint64_t length) {
   const UringFile::Physical files = file_.physical_of(file);
   std::lock_guard lock(mu_);
   for (unsigned k = files.first; k < files.first + files.count; ++k) {
-    if (k < physical_.size() && !physical_[k].maps.empty()) return;
+    if (k < physical_.size() && (physical_[k].growing || !physical_[k].maps.empty())) return;
   }
   file_.punch(offset, length);
 }

@@ -21,10 +21,15 @@
 //   physical file is mapped no further: resolve() answers false for its unmapped bytes
 //   and the caller goes through io_uring, which reports a full filesystem cleanly.
 //
+// A file cut short between grow()'s check and a copy is not told (the device then writes
+// pages the file no longer holds, and the CPU's zeroing of padding faults): only a change
+// made outside statepager, while it runs, can do that.
+//
 // Ownership: borrows the Device and the UringFile, which must outlive it; owns its
 // mappings, unregistered and unmapped by the destructor.
-// Thread-safety: all methods may be called from any thread; mu_ serializes them (grow()
-// and resolve() come from the Pager's I/O thread, punch() from others).
+// Thread-safety: grow() and resolve() from one thread (the Pager's I/O thread), punch()
+// and mapped_bytes() from any; mu_ guards the mappings' bookkeeping, not the slow part of
+// a growth (mmap, populate, register), during which punch() treats the file as mapped.
 // Errors: grow() throws CorruptStoreError (above), IoError when fstat fails.
 #pragma once
 
@@ -77,9 +82,10 @@ class RamMap {
     std::vector<Mapping> maps;  // contiguous from offset 0, in order
     uint64_t end = 0;           // bytes mapped: [0, end)
     bool stopped = false;       // a mapping failed: no more
+    bool growing = false;       // grow() is mapping more of it (without mu_)
   };
   Physical& physical_locked(unsigned index);
-  void grow_locked(Physical& p);
+  void grow_one(unsigned index);
 
   Device& device_;
   UringFile& file_;
