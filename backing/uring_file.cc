@@ -511,19 +511,20 @@ void UringFile::allocate(uint64_t end) {
   for (unsigned k = 0; k < f.stripes(); ++k) {
     const uint64_t from = f.local_end(k, f.allocated), to = f.local_end(k, end);
     if (to <= from) continue;
-    int ret = -1;
-    // In RAM, fallocate would zero every page in this one thread before the writes copy
-    // over it; writes allocate their own pages, and ENOSPC still fails the write cleanly.
-    if (!f.ram) {
-      do {
-        ret = ::fallocate(f.fds[k], 0, static_cast<off_t>(from), static_cast<off_t>(to - from));
-      } while (ret != 0 && errno == EINTR);
-      if (ret == 0) continue;
-    }
-    const int err = f.ram ? EOPNOTSUPP : errno;
+    // In RAM, fallocate of the whole range would zero every page in this one thread before
+    // the writes copy over it (writes allocate their own pages): there the last page alone
+    // sets the size. fallocate never shrinks a file, as a check-then-ftruncate could when a
+    // restore writes past `to` from its own threads meanwhile.
+    const uint64_t start = f.ram ? to - std::min<uint64_t>(to - from, kAlignment) : from;
+    int ret;
+    do {
+      ret = ::fallocate(f.fds[k], 0, static_cast<off_t>(start), static_cast<off_t>(to - start));
+    } while (ret != 0 && errno == EINTR);
+    if (ret == 0) continue;
+    const int err = errno;
     const std::string name = stripe_path(f.path, k);
     if (err != EOPNOTSUPP && err != ENOSYS) throw_io_error(err, "fallocate", name, to);
-    // No preallocation (RAM, some network and FUSE filesystems): at least set the size.
+    // No preallocation (ramfs, some network and FUSE filesystems): at least set the size.
     if (to > f.file_size(k) && ::ftruncate(f.fds[k], static_cast<off_t>(to)) != 0) {
       throw_io_error(errno, "ftruncate", name, to);
     }

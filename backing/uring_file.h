@@ -125,9 +125,10 @@ class UringFile {
   // none is ready (0: poll, negative: wait until one finishes). Returns how many.
   size_t reap(std::vector<Completion>* out, int64_t timeout_us);
 
-  // Makes sure the file holding logical byte end - 1 is allocated up to there: fallocate,
-  // or ftruncate where the filesystem does not support it (or is RAM). Throws NoSpaceError
-  // when the space is not there.
+  // Makes sure the file holding logical byte end - 1 is allocated up to there: fallocate
+  // (in RAM of the last page only: it sets the size), or ftruncate where the filesystem
+  // does not support it (there a write past `end` by another thread meanwhile could be cut
+  // off). Throws NoSpaceError when the space is not there.
   void allocate(uint64_t end);
 
   uint64_t size(unsigned file = 0) const;  // current size of one logical file

@@ -530,7 +530,9 @@ INSTANTIATE_TEST_SUITE_P(DiskAndRam, UringFileFiles, ::testing::Values("/tmp", "
 
 // In RAM allocate() sizes the files without allocating (zeroing) their pages: the writes
 // do that, on many workers.
-TEST(UringFile, RamAllocateOnlySetsTheSize) {
+// In RAM allocate() sets the size with the last page alone (fallocate, which never shrinks
+// a file, unlike a check-then-ftruncate racing a restore's writes), and never shrinks.
+TEST(UringFile, RamAllocateTakesTheLastPageOnly) {
   TempDir dir("/dev/shm");
   UringFile f(dir.file("data"), UringFile::Options{});
   f.allocate(64 * kStripeUnit);
@@ -538,8 +540,17 @@ TEST(UringFile, RamAllocateOnlySetsTheSize) {
   for (unsigned k = 0; k < kRamStripes; ++k) {
     struct stat st;
     ASSERT_EQ(::stat(stripe_path(dir.file("data"), k).c_str(), &st), 0);
-    EXPECT_EQ(st.st_blocks, 0) << "stripe " << k << " was preallocated";
+    EXPECT_EQ(uint64_t(st.st_size), 8 * kStripeUnit);
+    EXPECT_LE(uint64_t(st.st_blocks) * 512, kPage) << "stripe " << k << " was preallocated";
   }
+  // A stripe written past the size (a restore's copy) keeps its length when allocate()
+  // extends the others.
+  const std::string stripe0 = stripe_path(dir.file("data"), 0);
+  ASSERT_EQ(::truncate(stripe0.c_str(), 20 * kStripeUnit), 0);
+  f.allocate(72 * kStripeUnit);
+  struct stat st;
+  ASSERT_EQ(::stat(stripe0.c_str(), &st), 0);
+  EXPECT_EQ(uint64_t(st.st_size), 20 * kStripeUnit);
 }
 
 TEST(UringFile, AllocateReservesSpace) {
