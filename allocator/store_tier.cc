@@ -161,6 +161,7 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
         continue;
       } catch (...) {
         slot.job->error = std::current_exception();
+        if (hold_for_copies(slot, CopyQueue::kToDevice)) continue;
       }
     }
     finish_slot(slot, c.error, c.offset);
@@ -190,7 +191,23 @@ void StoreTier::start_chunk(StagingSlot& slot) {
     }
   } catch (...) {
     slot.job->error = std::current_exception();
-    finish_slot(slot, 0, 0);
+    if (!hold_for_copies(slot, slot.job->out ? CopyQueue::kToHost : CopyQueue::kToDevice)) {
+      finish_slot(slot, 0, 0);
+    }
+  }
+}
+
+// After a chunk failed partway: copies it queued before the failure may still run into
+// its job's memory (device pages a failed page-in lets go, mapped store pages), so the
+// slot is let go once they are done, by a fence (pump() then finishes it). False where
+// no fence can be recorded either (a failed device: close() synchronizes).
+bool StoreTier::hold_for_copies(StagingSlot& slot, CopyQueue queue) {
+  try {
+    slot.copy = device_.record(queue);
+    slot.mapped = false;
+    return true;
+  } catch (...) {
+    return false;
   }
 }
 

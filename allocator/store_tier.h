@@ -76,6 +76,7 @@ class StoreTier {
   };
   void start_chunk(StagingSlot& slot);
   bool start_mapped(StagingSlot& slot);
+  bool hold_for_copies(StagingSlot& slot, CopyQueue queue);
   void finish_slot(StagingSlot& slot, int error, uint64_t offset);
 
   Device& device_;

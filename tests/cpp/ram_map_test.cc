@@ -203,5 +203,63 @@ TEST(PagerMappedRam, AStoreCutShortFailsThePageInAndChangesNothing) {
   EXPECT_EQ(pager.stats().mapped_bytes, 0u);
 }
 
+// The third device-to-host copy fails (then none): a page-out of a chunk of several
+// extents fails partway through its copies. Counts the fences recorded after it.
+struct FailingCopyDevice : WrappedDevice {
+  int copies = 0;
+  bool failed = false;
+  int fences_after = 0;
+  void copy_to_host(void* d, uintptr_t s, size_t b) override {
+    if (++copies == 3) {
+      failed = true;
+      throw DeviceError("copy refused");
+    }
+    WrappedDevice::copy_to_host(d, s, b);
+  }
+  Fence record(CopyQueue q) override {
+    fences_after += failed;
+    return WrappedDevice::record(q);
+  }
+};
+
+// On the mapped store and through staging: the bucket fails, its extents keep their bytes
+// and state, and the failed chunk's slot waits for a fence (copies queued before the
+// failure may still be running on a GPU) before the next bucket may use it.
+TEST(PagerMappedRam, ACopyFailingPartwayFailsTheBucketAndChangesNothing) {
+  for (bool map_ram : {true, false}) {
+    TempDir dir("/dev/shm");
+    PagerOptions o = mapped_options(dir);
+    o.map_ram = map_ram;
+    o.io_block_bytes = 1 << 20;  // the small extents share a chunk
+    auto owned = std::make_unique<FailingCopyDevice>();
+    FailingCopyDevice& device = *owned;
+    Pager pager(std::move(owned), o);
+    std::vector<ExtentId> ids;
+    std::vector<std::vector<char>> want;
+    for (int i = 0; i < 4; i++) {
+      ids.push_back(pager.create(50000 + 4096 * i));
+      pager.wait(pager.page_in({ids.back()}));
+      want.push_back(random_bytes(pager.size(ids.back()), 30 + i));
+      std::memcpy(reinterpret_cast<void*>(pager.address(ids.back())), want.back().data(),
+                  want.back().size());
+    }
+    EXPECT_THROW(pager.wait(pager.page_out(ids)), DeviceError);
+    EXPECT_GE(device.fences_after, 1) << "map_ram " << map_ram;
+    for (size_t i = 0; i < ids.size(); i++) {
+      EXPECT_EQ(pager.residency(ids[i]), Residency::kResident);
+      EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(pager.address(ids[i])), want[i].data(),
+                            want[i].size()),
+                0);
+    }
+    pager.wait(pager.page_out(ids));  // the device copies again: the retry succeeds
+    pager.wait(pager.page_in(ids));
+    for (size_t i = 0; i < ids.size(); i++) {
+      EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(pager.address(ids[i])), want[i].data(),
+                            want[i].size()),
+                0);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace statepager
