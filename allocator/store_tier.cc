@@ -220,7 +220,8 @@ bool StoreTier::start_mapped(StagingSlot& slot) {
   std::vector<RamMap::Piece> mem;
   if (!ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) return false;
   const bool out = slot.job->out;
-  // Calls f(host, at, n) for the chunk's bytes [at, at + n) piece by piece of `mem`.
+  // Calls f(host, done, k) over the chunk's bytes [at, at + n), k at a time (as `mem`
+  // cuts them), `done` of them before.
   size_t m = 0, m_start = 0;  // mem[m] holds the chunk's bytes from m_start on
   auto each = [&](size_t at, size_t n, auto&& f) {
     if (n == 0) return;
@@ -232,9 +233,10 @@ bool StoreTier::start_mapped(StagingSlot& slot) {
       done += k;
     }
   };
+  auto zero = [](char* h, size_t, size_t k) { std::memset(h, 0, k); };
   size_t at = 0;
   for (const StagingCopy& p : chunk.pieces) {
-    if (out) each(at, p.buf_offset - at, [](char* h, size_t, size_t k) { std::memset(h, 0, k); });
+    if (out) each(at, p.buf_offset - at, zero);
     each(p.buf_offset, p.bytes, [&](char* h, size_t done, size_t k) {
       if (out) {
         device_.copy_to_host(h, p.addr + done, k);
@@ -245,7 +247,7 @@ bool StoreTier::start_mapped(StagingSlot& slot) {
     at = p.buf_offset + p.bytes;
     slot.job->mapped_bytes += p.bytes;
   }
-  if (out) each(at, chunk.file_bytes - at, [](char* h, size_t, size_t k) { std::memset(h, 0, k); });
+  if (out) each(at, chunk.file_bytes - at, zero);
   slot.copy = device_.record(out ? CopyQueue::kToHost : CopyQueue::kToDevice);
   slot.mapped = true;
   return true;
