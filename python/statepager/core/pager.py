@@ -492,8 +492,9 @@ class Pager:
         mapped, cached and read/written, requests, buckets, the I/O shape, the host tier
         (host_budget_bytes, host_used_bytes, host_bytes of tensors there now,
         bytes_to_host, bytes_from_host, spills and spilled_bytes written back to the store
-        to make room, read_aheads and read_ahead_bytes); budget_bytes is the hbm_budget, None when
-        unbounded."""
+        to make room, read_aheads and read_ahead_bytes), the mapped store in RAM
+        (map_ram: mapped_io_bytes of the bytes read and written, store_mapped_bytes);
+        budget_bytes is the hbm_budget, None when unbounded."""
         s = self._core.stats()
         if self._unbounded:
             s["budget_bytes"] = None  # the core's "no budget" is its largest size
