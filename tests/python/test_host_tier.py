@@ -63,6 +63,22 @@ def test_steps_are_bit_exact_at_any_budget(store_dir, reference, share):
             assert 0 < s["host_used_bytes"] <= s["host_budget_bytes"]
 
 
+def test_half_in_the_host_tier_on_a_mapped_ram_store(shm_dir, reference):
+    """The host tier's spills and read-aheads (io_uring, with host memory) and the device's
+    page-outs and page-ins through the mapped store files (map_ram) share one store in
+    RAM: the steps stay bit-exact."""
+    state = moments_bytes(build(None)[0])
+    with Pager(shm_dir, page_size=64 * KiB, host_budget=state // 2, map_ram=True) as p:
+        model, opt = build(p)
+        train(model, opt, 0, 4)
+        assert all(torch.equal(a, b) for a, b in zip(params(model), reference))
+        s = p.stats()
+        # Both paths ran: io_uring between the files and host memory (read-aheads here; in
+        # the step's order nothing spills), the device's copies through the mapping.
+        assert s["read_ahead_bytes"] + s["spilled_bytes"] > 0 and s["mapped_io_bytes"] > 0
+        assert s["bytes_to_host"] > 0
+
+
 def test_residency_and_round_trip(store_dir):
     with Pager(store_dir, page_size=64 * KiB, host_budget=1 * MiB) as p:
         t = p.empty(1000)
