@@ -1,6 +1,7 @@
 """Shared pytest fixtures, and the `gpu` marker: GPU tests skip (with the reason) on
 machines without a CUDA device. `pytest -m gpu tests` runs just the GPU suite."""
 import os
+import subprocess
 import uuid
 
 import pytest
@@ -43,6 +44,29 @@ def shm_dir():
     d = f"/dev/shm/statepager-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield d
     os.system(f"rm -rf {d}")
+
+
+@pytest.fixture
+def sized_tmpfs(tmp_path):
+    """mount(mib, why) -> the path of a fresh tmpfs of `mib` MiB, to fill up (ENOSPC); the
+    test is skipped, saying `why` needs it, where mounting is not permitted (needs root,
+    as on CI). Unmounted after the test."""
+    mounted = []
+
+    def mount(mib: int, why: str) -> str:
+        mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "statepager-test",
+                            str(mnt)], capture_output=True, text=True)
+        if r.returncode != 0:
+            cause = r.stderr.strip() or "mount failed"
+            pytest.skip(f"cannot mount a size-limited tmpfs here ({cause}): {why} needs root")
+        mounted.append(str(mnt))
+        return str(mnt)
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", mnt], check=False)
 
 
 @pytest.fixture

@@ -432,22 +432,6 @@ def test_malformed_residual_exception_lists_are_refused(tmp_path, change, match)
 
 # -- a load that fails while copying ------------------------------------------------
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 16 MiB tmpfs (needs root, as on CI); skipped where mounting is not permitted."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "statepager-test", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here ({r.stderr.strip()}): the "
-                    "ENOSPC-midway load needs root")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def fill(directory: str, leave: int) -> str:
     """A file filling `directory`'s filesystem up to `leave` free bytes."""
     st = os.statvfs(directory)
@@ -460,10 +444,11 @@ def fill(directory: str, leave: int) -> str:
     return path
 
 
-def test_a_load_failing_midway_on_enospc_leaves_the_live_state(tmp_path, saved, small_tmpfs):
+def test_a_load_failing_midway_on_enospc_leaves_the_live_state(tmp_path, saved, sized_tmpfs):
     """The user's report: a load failing on ENOSPC left 4 of 16 moments replaced. The store
     is on a small tmpfs, filled until only half of the bytes the load restores fit; the
     fresh optimizer's moments are ZERO, so their store ranges are holes to be filled."""
+    small_tmpfs = sized_tmpfs(16, "the ENOSPC-midway load")
     model, pager, opt, sched = ckpt_run.model_and_opt(os.path.join(small_tmpfs, "store"))
     try:
         before, on_disk = live(model, opt, pager), files(saved)

@@ -11,8 +11,6 @@ to before the step, and the retry, once the fault is gone, gives bit-identical r
 to a run that never failed."""
 import os
 import shutil
-import subprocess
-import uuid
 
 import pytest
 import torch
@@ -271,21 +269,6 @@ FAULTS = {"before-hook": BeforeHook, "after-hook": AfterHook, "optimizer": Optim
 RESIDUAL_ONLY = ("changed-param", "counts-unread")
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 4 MiB tmpfs, mounted for the test (needs root; skipped where mounting is not
-    permitted)."""
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill up ({r.stderr.strip() or 'mount failed'}):"
-                    " the out-of-space case needs root")
-    yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def run(setup, device, store, warm, fault=None, tmp=None):
     """Steps `warm` times, then once with `fault` armed (it must fail and change
     nothing), then once more: returns (state before the failing step, after the retry)."""
@@ -319,7 +302,8 @@ def check_fault(tmp_path, request, config, fault, device="cpu"):
         pytest.skip("only residual masters have model-parameter checks and exception counts")
     if fault == "no-space":
         warm = min(warm, 1)
-    root = request.getfixturevalue("small_tmpfs") if fault == "no-space" else str(tmp_path)
+    root = (request.getfixturevalue("sized_tmpfs")(4, "the out-of-space case")
+            if fault == "no-space" else str(tmp_path))
     clean_before, clean_after = run(setup, device, os.path.join(str(tmp_path), "clean"), warm)
     before, after = run(setup, device, os.path.join(root, "store"), warm, FAULTS[fault],
                         tmp_path)

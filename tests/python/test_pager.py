@@ -191,22 +191,15 @@ def test_full_disk_keeps_data_resident(store_dir):
     assert "state.bin" in r.stdout and "ulimit" in r.stdout and r.stdout.endswith("ok\n")
 
 
-def test_small_tmpfs_full_keeps_data_resident(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
-    try:
-        with Pager(str(mnt / "store"), page_size=64 * KiB) as p:
-            t = p.empty(1 << 20)  # 4 MiB does not fit in 1 MiB
-            p.page_in(t)
-            t.fill_(7)
-            with pytest.raises(statepager.NoSpaceError, match="full"):
-                p.page_out(t)
-            assert p.is_resident(t) and bool((t == 7).all())
-    finally:
-        subprocess.run(["umount", str(mnt)])
+def test_small_tmpfs_full_keeps_data_resident(sized_tmpfs):
+    mnt = sized_tmpfs(1, "filling a tmpfs")
+    with Pager(os.path.join(mnt, "store"), page_size=64 * KiB) as p:
+        t = p.empty(1 << 20)  # 4 MiB does not fit in 1 MiB
+        p.page_in(t)
+        t.fill_(7)
+        with pytest.raises(statepager.NoSpaceError, match="full"):
+            p.page_out(t)
+        assert p.is_resident(t) and bool((t == 7).all())
 
 
 def test_truncated_store_file_refused_at_page_in(store_dir):
