@@ -101,3 +101,26 @@ def test_pause_and_resume_through_the_mapping(shm_base):
         assert s["mapped_io_bytes"] == s["bytes_read"] + s["bytes_written"] > 0
     finally:
         pager.close()
+
+
+def test_a_full_tmpfs_fails_the_page_out_and_changes_nothing(sized_tmpfs):
+    """ENOSPC on a mapped store: populating the new bytes fails, so they are not mapped,
+    and the write through io_uring reports the full filesystem; the tensors stay resident
+    with their bytes, the counters as they were, and what fit stays readable."""
+    mnt = sized_tmpfs(4, "filling a mapped store")
+    with statepager.Pager(os.path.join(mnt, "store"), page_size=64 * KiB, map_ram=True) as p:
+        small, big = p.empty(256 * KiB), p.empty(1 << 20)  # 1 MiB fits; 4 MiB more does not
+        p.page_in([small, big])
+        small.fill_(3)
+        big.fill_(7)
+        p.page_out(small)
+        before = p.stats()
+        assert before["mapped_io_bytes"] == 1 << 20
+        with pytest.raises(statepager.NoSpaceError):
+            p.page_out(big)
+        after = p.stats()
+        assert p.is_resident(big) and bool((big == 7).all())
+        assert {k: after[k] for k in ("bytes_written", "mapped_io_bytes", "buckets_out")} == \
+            {k: before[k] for k in ("bytes_written", "mapped_io_bytes", "buckets_out")}
+        p.page_in(small)
+        assert bool((small == 3).all())
