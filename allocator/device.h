@@ -28,6 +28,14 @@ using Fence = uint64_t;
 
 enum class CopyQueue { kToHost = 0, kToDevice = 1 };
 
+// One copy between device memory at `addr` and host memory at `host` (staging or
+// registered); its queue gives the direction.
+struct HostCopy {
+  uintptr_t addr;
+  char* host;
+  size_t bytes;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -63,6 +71,20 @@ class Device {
   virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes) = 0;         // kToHost
   virtual void copy_to_device(uintptr_t dst, const void* src, size_t bytes) = 0; // kToDevice
   virtual void fill_zero(uintptr_t dst, size_t bytes) = 0;                       // kToDevice
+  // `n` copies on `queue` (kToHost: device -> host) in one call where the device can: a
+  // copy queued alone costs the caller's thread about 9 us at 1 MiB on the H200, one in a
+  // batch (cuMemcpyBatchAsync) 0.6 us. Copies in a batch may run in any order among
+  // themselves, so their destinations must not overlap; the batch as a whole keeps its
+  // place on the queue. A failure may leave some of them queued. By default, one by one.
+  virtual void copy_batch(CopyQueue queue, const HostCopy* copies, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+      if (queue == CopyQueue::kToHost) {
+        copy_to_host(copies[i].host, copies[i].addr, copies[i].bytes);
+      } else {
+        copy_to_device(copies[i].addr, copies[i].host, copies[i].bytes);
+      }
+    }
+  }
 
   // Makes later work on `queue` wait for all work queued so far on the caller's stream
   // `stream` (a cudaStream_t as an integer; 0 = the legacy default stream). No-op on host.

@@ -45,13 +45,6 @@ struct Chunk {
   char* buf = nullptr;  // host-tier memory read or written directly (no pieces, no staging)
 };
 
-// One device <-> host-tier copy (allocator/host_tier.h).
-struct HostCopy {
-  uintptr_t addr;  // device address
-  char* host;      // host-tier memory
-  size_t bytes;
-};
-
 struct Job {
   bool out = false;
   bool tier_move = false;              // a read-ahead: store -> host tier, no device
@@ -60,7 +53,7 @@ struct Job {
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<Residency> after;        // page-out: their states once done (file or host)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
-  std::vector<HostCopy> host_copies;   // device <-> host tier, on the copy engines
+  std::vector<HostCopy> host_copies;   // device <-> host tier (allocator/host_tier.h)
   // A page-out short of host room: `spills` (HOST extents, Pager::choose_spills_locked)
   // are written back first, then `deferred` (extents of this bucket) take the room they leave
   // (Pager::place_deferred_locked, phase two).

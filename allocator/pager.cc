@@ -1245,7 +1245,7 @@ void Pager::complete(Job& job) {
       counters_.bytes_to_host += job.host_bytes;
       counters_.bytes_written += file_bytes;
       counters_.write_requests += job.requests;
-      counters_.mapped_io_bytes += job.mapped_bytes;
+      counters_.mapped_written_bytes += job.mapped_bytes;
       counters_.buckets_out++;
     } else if (job.tier_move) {
       counters_.read_aheads += job.extents.size();
@@ -1256,7 +1256,7 @@ void Pager::complete(Job& job) {
       counters_.bytes_from_host += job.host_bytes;
       counters_.bytes_read += file_bytes;
       counters_.read_requests += job.requests;
-      counters_.mapped_io_bytes += job.mapped_bytes;
+      counters_.mapped_read_bytes += job.mapped_bytes;
       counters_.buckets_in++;
       for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
     }

@@ -101,8 +101,8 @@ struct PagerOptions {
   bool try_direct = true;                   // O_DIRECT where the filesystem allows it
   size_t host_budget_bytes = 0;             // the host tier's pinned memory, allocated at
                                             // construction: 0 (none) to kMaxHostBudget
-  bool map_ram = false;                     // store files in RAM mapped for the device's
-                                            // copies (allocator/ram_map.h)
+  bool map_ram = true;                      // store files in RAM mapped for the device's
+                                            // copies (allocator/ram_map.h); false: io_uring
 };
 // The user address space of x86-64: more could never be allocated.
 constexpr size_t kMaxHostBudget = size_t(1) << 47;
@@ -138,8 +138,8 @@ struct PagerStats {
   uint64_t read_aheads = 0;       // FILE extents read ahead into the host tier
   uint64_t read_ahead_bytes = 0;
   bool direct_io = false;
-  uint64_t mapped_io_bytes = 0;   // of bytes_read and bytes_written: device copies to or
-                                  // from store files mapped in RAM (PagerOptions::map_ram)
+  uint64_t mapped_read_bytes = 0;     // of bytes_read, and of bytes_written: device copies
+  uint64_t mapped_written_bytes = 0;  // from or to store files mapped in RAM (map_ram)
   uint64_t store_mapped_bytes = 0;  // store file bytes mapped for the device now
   unsigned io_depth = 0;          // the I/O shape in use (PagerOptions, resolved)
   size_t io_block_bytes = 0;

@@ -108,6 +108,9 @@ uint64_t StoreTier::mapped_bytes() const { return ram_ ? ram_->mapped_bytes() : 
 
 bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
   bool copies_pending = false;
+  if (ram_) {
+    for (Job* job : jobs) progressed |= start_mapped(*job);
+  }
   for (StagingSlot& slot : slots_) {
     if (slot.job) continue;
     for (Job* job : jobs) {
@@ -120,23 +123,20 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
       break;
     }
   }
+  for (auto it = mapped_.begin(); it != mapped_.end();) {
+    if (!copied(it->copy, *it->job, &copies_pending)) {
+      ++it;
+      continue;
+    }
+    it->job->chunks_in_flight -= it->chunks;  // their bytes are where they go
+    it = mapped_.erase(it);
+    progressed = true;
+  }
   for (StagingSlot& slot : slots_) {
     if (!slot.copy) continue;
-    try {
-      if (!device_.is_done(*slot.copy)) {
-        copies_pending = true;
-        continue;
-      }
-    } catch (...) {
-      slot.job->error = std::current_exception();
-    }
-    device_.release_fence(*slot.copy);
-    slot.copy.reset();
+    if (!copied(slot.copy, *slot.job, &copies_pending)) continue;
     progressed = true;
-    if (slot.mapped) {  // the chunk's bytes are where they go
-      slot.mapped = false;
-      finish_slot(slot, 0, 0);
-    } else if (slot.job->out && !slot.job->error) {
+    if (slot.job->out && !slot.job->error) {
       file_.submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
                                       slot.chunk->store_offset, 0});
     } else {
@@ -172,7 +172,6 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
 void StoreTier::start_chunk(StagingSlot& slot) {
   const Chunk& chunk = *slot.chunk;
   try {
-    if (chunk.buf == nullptr && ram_ && start_mapped(slot)) return;
     if (chunk.buf != nullptr) {
       file_.submit(UringFile::Request{slot.index, slot.job->out, chunk.buf, chunk.file_bytes,
                                       chunk.store_offset, -1});
@@ -204,22 +203,76 @@ void StoreTier::start_chunk(StagingSlot& slot) {
 bool StoreTier::hold_for_copies(StagingSlot& slot, CopyQueue queue) {
   try {
     slot.copy = device_.record(queue);
-    slot.mapped = false;
     return true;
   } catch (...) {
     return false;
   }
 }
 
-// A chunk whose whole store range is mapped (RamMap): each piece is copied straight
-// between device memory and the files' pages, and a page-out zeroes the bytes between and
-// after them (a store range holds zeros past its extent's bytes; the staging path writes
-// them). Returns false, having done nothing, where any of the range is not mapped.
-bool StoreTier::start_mapped(StagingSlot& slot) {
-  const Chunk& chunk = *slot.chunk;
+// Whether the device copy `copy` is done (then released and reset); a failed device
+// becomes `job`'s error and counts as done. Sets *pending while it is not.
+bool StoreTier::copied(std::optional<Fence>& copy, Job& job, bool* pending) {
+  try {
+    if (!device_.is_done(*copy)) {
+      *pending = true;
+      return false;
+    }
+  } catch (...) {
+    job.error = std::current_exception();
+  }
+  device_.release_fence(*copy);
+  copy.reset();
+  return true;
+}
+
+// Queues the device copies of `job`'s next chunks whose store ranges are mapped (RamMap),
+// up to the first that is not (a staging slot takes that one), in one batch under one
+// fence: a mapped chunk needs no staging, so it does not wait for a slot, and the copy
+// engines see a bucket's copies at once rather than a slot's worth at a time. Returns
+// whether it queued any. If the batch fails, its chunks are counted queued, the job
+// failed, and the fence holds them like the rest (some copies may still run into the
+// job's memory).
+bool StoreTier::start_mapped(Job& job) {
+  if (!job.started || job.error) return false;
+  std::vector<HostCopy> copies;
   std::vector<RamMap::Piece> mem;
-  if (!ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) return false;
-  const bool out = slot.job->out;
+  size_t queued = 0;
+  for (; job.next_chunk < job.chunks.size(); job.next_chunk++, queued++) {
+    const Chunk& chunk = job.chunks[job.next_chunk];
+    mem.clear();
+    if (chunk.buf != nullptr || !ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) {
+      break;
+    }
+    add_mapped_copies(job.out, chunk, mem, &copies);
+    for (const StagingCopy& p : chunk.pieces) job.mapped_bytes += p.bytes;
+  }
+  if (queued == 0) return false;
+  job.chunks_in_flight += queued;
+  const CopyQueue queue = job.out ? CopyQueue::kToHost : CopyQueue::kToDevice;
+  try {
+    device_.copy_batch(queue, copies.data(), copies.size());
+  } catch (...) {
+    job.error = std::current_exception();
+  }
+  std::optional<Fence> copy;
+  try {
+    copy = device_.record(queue);
+  } catch (...) {
+    if (!job.error) job.error = std::current_exception();
+    job.chunks_in_flight -= queued;  // no fence to wait for (close() synchronizes)
+    return true;
+  }
+  mapped_.push_back(MappedCopies{&job, queued, std::move(copy)});
+  return true;
+}
+
+// Appends one mapped chunk's copies to *copies: each piece straight between device memory
+// and the files' pages `mem` (the chunk's store range, in order). A page-out also zeroes
+// the bytes between and after them (a store range holds zeros past its extent's bytes, as
+// the staging path writes them).
+void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
+                                  const std::vector<RamMap::Piece>& mem,
+                                  std::vector<HostCopy>* copies) {
   // Calls f(host, done, k) over the chunk's bytes [at, at + n), k at a time (as `mem`
   // cuts them), `done` of them before.
   size_t m = 0, m_start = 0;  // mem[m] holds the chunk's bytes from m_start on
@@ -237,20 +290,11 @@ bool StoreTier::start_mapped(StagingSlot& slot) {
   size_t at = 0;
   for (const StagingCopy& p : chunk.pieces) {
     if (out) each(at, p.buf_offset - at, zero);
-    each(p.buf_offset, p.bytes, [&](char* h, size_t done, size_t k) {
-      if (out) {
-        device_.copy_to_host(h, p.addr + done, k);
-      } else {
-        device_.copy_to_device(p.addr + done, h, k);
-      }
-    });
+    each(p.buf_offset, p.bytes,
+         [&](char* h, size_t done, size_t k) { copies->push_back(HostCopy{p.addr + done, h, k}); });
     at = p.buf_offset + p.bytes;
-    slot.job->mapped_bytes += p.bytes;
   }
   if (out) each(at, chunk.file_bytes - at, zero);
-  slot.copy = device_.record(out ? CopyQueue::kToHost : CopyQueue::kToDevice);
-  slot.mapped = true;
-  return true;
 }
 
 void StoreTier::finish_slot(StagingSlot& slot, int error, uint64_t offset) {

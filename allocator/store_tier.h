@@ -5,14 +5,16 @@
 //
 // plan() cuts a bucket's store ranges into requests of at most block_bytes; extents that
 // are neighbours in the file share a request. pump() runs one round of the pipeline over
-// the jobs given (oldest first): it hands free slots to their next chunks, passes finished
-// device copies on to the file and finished reads on to device copies, and records each
-// chunk's outcome in its job (chunks_in_flight, requests, mapped_bytes, error).
+// the jobs given (oldest first): it queues the copies of chunks whose store range is
+// mapped at once (no slot: the copy engines, not the staging, bound them), hands free
+// slots to the other chunks, passes finished device copies on to the file and finished
+// reads on to device copies, and records each chunk's outcome in its job
+// (chunks_in_flight, requests, mapped_bytes, error).
 //
 // Ownership: borrows the Device and the UringFile (both must outlive it); owns the staging
 // memory (depth x block_bytes from Device::alloc_staging) and the RamMap, freed by the
 // destructor.
-// Thread-safety: none; the Pager's I/O thread alone calls start(), pump() and idle(),
+// Thread-safety: none; the Pager's I/O thread alone calls start() and pump(),
 // plan() runs under the Pager's lock (it only reads the block size); punch() and
 // mapped_bytes() may be called from any thread.
 // Errors: failures of a chunk (device or file) become its job's error; the first one
@@ -72,10 +74,19 @@ class StoreTier {
     Job* job = nullptr;
     const Chunk* chunk = nullptr;
     std::optional<Fence> copy;  // set while a device copy for this slot is queued
-    bool mapped = false;        // that copy is the chunk's whole move (start_mapped)
+  };
+  // Chunks of one job copied straight to or from mapped store files, under one fence.
+  struct MappedCopies {
+    Job* job;
+    size_t chunks;
+    std::optional<Fence> copy;
   };
   void start_chunk(StagingSlot& slot);
-  bool start_mapped(StagingSlot& slot);
+  bool start_mapped(Job& job);
+  static void add_mapped_copies(bool out, const Chunk& chunk,
+                                const std::vector<RamMap::Piece>& mem,
+                                std::vector<HostCopy>* copies);
+  bool copied(std::optional<Fence>& copy, Job& job, bool* pending);
   bool hold_for_copies(StagingSlot& slot, CopyQueue queue);
   void finish_slot(StagingSlot& slot, int error, uint64_t offset);
 
@@ -84,7 +95,8 @@ class StoreTier {
   size_t block_bytes_;
   char* staging_ = nullptr;
   std::vector<StagingSlot> slots_;
-  std::unique_ptr<RamMap> ram_;  // with map_ram
+  std::unique_ptr<RamMap> ram_;      // with map_ram
+  std::vector<MappedCopies> mapped_;  // queued, oldest first
 };
 
 }  // namespace statepager

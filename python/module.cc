@@ -450,7 +450,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("directory"), py::arg("device"), py::arg("page_bytes"),
            py::arg("budget_bytes"), py::arg("keep_bytes"), py::arg("arena_bytes"),
            py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"),
-           py::arg("host_budget_bytes") = 0, py::arg("map_ram") = false)
+           py::arg("host_budget_bytes") = 0, py::arg("map_ram") = true)
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
               const std::string& store, std::optional<std::vector<int64_t>> strides,
@@ -599,7 +599,8 @@ PYBIND11_MODULE(_C, m) {
              d["read_aheads"] = s.read_aheads;
              d["read_ahead_bytes"] = s.read_ahead_bytes;
              d["direct_io"] = s.direct_io;
-             d["mapped_io_bytes"] = s.mapped_io_bytes;
+             d["mapped_read_bytes"] = s.mapped_read_bytes;
+             d["mapped_written_bytes"] = s.mapped_written_bytes;
              d["store_mapped_bytes"] = s.store_mapped_bytes;
              d["io_depth"] = s.io_depth;
              d["io_block_bytes"] = s.io_block_bytes;

@@ -82,8 +82,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
                       help="host tier bytes (Pager host_budget; default: none); on CUDA the "
                            "bench also measures concurrent PCIe, the host tier's floor")
     _io_arguments(step)
-    step.add_argument("--map-ram", action="store_true",
-                      help="Pager(map_ram=True): a store in RAM mapped for the device's copies")
+    step.add_argument("--no-map-ram", action="store_true",
+                      help="Pager(map_ram=False): a store in RAM read and written through "
+                           "io_uring (the kernel copies on the CPU) instead of mapped")
     step.add_argument("--no-baseline", action="store_true")
     step.add_argument("--no-in-place", action="store_true",
                       help="skip the comparison run with atomic=False")

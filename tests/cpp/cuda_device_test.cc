@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -62,6 +64,58 @@ TEST(CudaDevice, CopiesAreBitExact) {
   dev->unmap(base, g);
   dev->release_page(page, g);
   dev->unreserve(base, 2 * g);
+}
+
+// A batch of scattered pieces of odd sizes, both ways, between a page and registered
+// memory (a file's shared mapping is registered the same way): every byte lands where its
+// piece says, and bytes no piece covers are untouched.
+TEST(CudaDevice, CopyBatchMovesEveryPieceBothWays) {
+  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto dev = make_cuda_device(0);
+  const size_t g = dev->granularity();
+  uintptr_t base = dev->reserve(g);
+  PhysicalPage page = dev->create_page(g);
+  dev->map(base, g, page);
+  // Page-aligned, as register_host() asks.
+  std::unique_ptr<uint8_t, decltype(&std::free)> src_mem(
+      static_cast<uint8_t*>(std::aligned_alloc(4096, g)), &std::free);
+  std::unique_ptr<uint8_t, decltype(&std::free)> dst_mem(
+      static_cast<uint8_t*>(std::aligned_alloc(4096, g)), &std::free);
+  uint8_t* src = src_mem.get();
+  uint8_t* dst = dst_mem.get();
+  std::memset(dst, 0xCD, g);
+  ASSERT_TRUE(dev->register_host(src, g));
+  ASSERT_TRUE(dev->register_host(dst, g));
+  fill_random(src, g, 5);
+  dev->fill_zero(base, g);
+  // Pieces in reverse order, of 1 byte to 780 KiB, with gaps between them.
+  std::vector<HostCopy> in, out;
+  for (size_t at = 0, k = 1; at + k <= g; at += k + 4096 + k % 4093, k = k * 3 + 7) {
+    in.insert(in.begin(), HostCopy{base + at, reinterpret_cast<char*>(src) + at, k});
+    out.insert(out.begin(), HostCopy{base + at, reinterpret_cast<char*>(dst) + at, k});
+  }
+  ASSERT_GE(in.size(), 8u);
+  dev->copy_batch(CopyQueue::kToDevice, in.data(), in.size());
+  drain(*dev, CopyQueue::kToDevice);
+  dev->copy_batch(CopyQueue::kToHost, out.data(), out.size());
+  drain(*dev, CopyQueue::kToHost);
+  size_t covered = 0;
+  for (const HostCopy& c : out) {
+    const size_t at = c.addr - base;
+    EXPECT_EQ(std::memcmp(dst + at, src + at, c.bytes), 0) << "piece at " << at;
+    covered += c.bytes;
+  }
+  std::vector<uint8_t> expect(g, 0xCD);
+  for (const HostCopy& c : out) {
+    std::memcpy(expect.data() + (c.addr - base), src + (c.addr - base), c.bytes);
+  }
+  EXPECT_EQ(std::memcmp(dst, expect.data(), g), 0) << covered << " bytes in pieces";
+  dev->copy_batch(CopyQueue::kToHost, nullptr, 0);  // an empty batch is nothing
+  dev->unregister_host(dst);
+  dev->unregister_host(src);
+  dev->unmap(base, g);
+  dev->release_page(page, g);
+  dev->unreserve(base, g);
 }
 
 TEST(CudaDevice, FillZero) {

@@ -170,7 +170,8 @@ uint64_t round_trip(Pager& pager) {
   }
   const PagerStats s = pager.stats();
   EXPECT_EQ(s.bytes_read, s.bytes_written);
-  return s.mapped_io_bytes;
+  EXPECT_EQ(s.mapped_read_bytes, s.mapped_written_bytes);
+  return s.mapped_read_bytes + s.mapped_written_bytes;
 }
 
 TEST(PagerMappedRam, EveryByteGoesThroughTheMapping) {

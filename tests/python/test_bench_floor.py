@@ -149,6 +149,31 @@ def test_without_fio_the_pcie_floor_stands_alone_and_says_so():
 
 
 @needs_fio
+def test_mapped_store_bytes_take_pcie_alone_and_fio_only_the_rest(tmp_path):
+    """Store bytes the device copied through mapped files (map_ram) crossed no file system:
+    fio's floor (a kernel copy) is measured on the other bytes only, and with none left
+    there is no fio floor."""
+    mib = 1 << 20
+    kw = dict(block=mib, depth=4, direct=False, jobs=(1,))
+    part = bench_floor.measure(str(tmp_path), torch.device("cpu"), 8 * mib, 8 * mib,
+                               mapped_in=6 * mib, mapped_out=4 * mib, **kw)
+    assert part["fio"]["read"]["bytes"] == 2 * mib
+    assert part["fio"]["write"]["bytes"] == 4 * mib
+    every = bench_floor.measure(str(tmp_path), torch.device("cpu"), 8 * mib, 8 * mib,
+                                mapped_in=8 * mib, mapped_out=8 * mib, **kw)
+    assert every["fio"] is None and every["seconds"] is None
+    assert every["fio_note"] == ("no fio floor: no byte went through the file system (the "
+                                 "store files were mapped)")
+    pcie = {"seconds": {"n": 3, "median": 0.5, "min": 0.4, "max": 0.6}, "chunk": 1,
+            "h2d_gbps": 50.0, "d2h_gbps": 40.0}
+    text = "\n".join(bench_floor.describe(dict(every, pcie=pcie, seconds=0.5,
+                                                bound_by="pcie")))
+    assert text.startswith("floor: 0.01 GB read and 0.01 GB written through the files (0.01 "
+                           "and 0.01 GB of them mapped: PCIe only), measured"), text
+    assert "0.500 s, set by pcie (every file byte mapped: PCIe alone)" in text
+
+
+@needs_fio
 def test_with_no_file_bytes_there_is_no_fio_floor_and_the_host_tier_bytes_are_named(tmp_path):
     r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 0, 0, block=1 << 20, depth=4,
                             direct=False, host_in=3 * 10**9, host_out=2 * 10**9)
@@ -180,6 +205,8 @@ def test_bench_step_on_a_mapped_ram_store_says_what_went_through_the_mapping(cap
     os.makedirs(shm_dir)
     assert cli.main(["bench", "step", "--device", "cpu", "--dir", shm_dir, "--params", "3e6",
                      "--steps", "2", "--bucket", "8M", "--no-baseline", "--no-in-place",
-                     "--fio-jobs", "2", "--map-ram"]) == 0
+                     "--fio-jobs", "2"]) == 0
     out = capsys.readouterr().out
-    assert "through the mapped store files (map_ram): " in out and "x the floor" in out, out
+    # Every store byte went through the mapping: no fio floor, and a CPU has no PCIe one.
+    assert "through the mapped store files (map_ram): 0.04 GB of the read and " in out, out
+    assert "no fio floor: no byte went through the file system" in out, out

@@ -75,7 +75,7 @@ def test_half_in_the_host_tier_on_a_mapped_ram_store(shm_dir, reference):
         s = p.stats()
         # Both paths ran: io_uring between the files and host memory (read-aheads here; in
         # the step's order nothing spills), the device's copies through the mapping.
-        assert s["read_ahead_bytes"] + s["spilled_bytes"] > 0 and s["mapped_io_bytes"] > 0
+        assert s["read_ahead_bytes"] + s["spilled_bytes"] > 0 and s["mapped_read_bytes"] > 0
         assert s["bytes_to_host"] > 0
 
 

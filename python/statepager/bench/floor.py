@@ -11,6 +11,11 @@ are not statepager (a floor the pager can beat is no floor):
         the H200's /dev/shm 8 jobs moved twice what 4 did, and a floor measured with too
         few jobs is one the pager beats.
 
+Bytes that cross no file system take PCIe alone: a host tier's, and those of store files
+in RAM that the pager maps (map_ram: device copies to and from the files' pages, no
+kernel copy), for which fio's floor, a kernel copy on the CPU, is no floor (the pager
+beats it).
+
 The floor is the larger of the two. Either may be missing (a CPU device has no PCIe;
 fio may not be installed): the result says which and why, and the floor is the one left.
 
@@ -230,22 +235,29 @@ def fio_best(fio: Fio, directory: str, read_bytes: int, write_bytes: int, *, blo
 
 def measure(directory: str, device: torch.device, read_bytes: int, write_bytes: int, *,
             block: int, depth: int, direct: bool, jobs: tuple[int, ...] = FIO_JOBS,
-            host_in: int = 0, host_out: int = 0) -> dict:
+            host_in: int = 0, host_out: int = 0, mapped_in: int = 0,
+            mapped_out: int = 0) -> dict:
     """Both floors and the larger one ("seconds", set by "bound_by"); a floor that could
     not be measured is None with its reason in "pcie_note" / "fio_note". read_bytes and
-    write_bytes go through the files; host_in and host_out (a host tier's) cross PCIe too."""
+    write_bytes are the store files', mapped_in and mapped_out of them through mappings
+    (PCIe only, see the module doc), the rest through the file system; host_in and
+    host_out (a host tier's) cross PCIe too."""
     r = {"read_bytes": read_bytes, "write_bytes": write_bytes, "host_in": host_in,
-         "host_out": host_out, "pcie": None, "fio": None, "pcie_note": "", "fio_note": ""}
+         "host_out": host_out, "mapped_in": mapped_in, "mapped_out": mapped_out,
+         "pcie": None, "fio": None, "pcie_note": "", "fio_note": ""}
     if device.type == "cuda":
         r["pcie"] = pcie_floor(device, read_bytes + host_in, write_bytes + host_out)
     else:
         r["pcie_note"] = "no PCIe floor: the device is the CPU"
     fio, r["fio_note"] = find_fio()
-    if fio is not None and not (read_bytes or write_bytes):
-        fio, r["fio_note"] = None, "no fio floor: nothing went through the store's files"
+    fs_read, fs_write = read_bytes - mapped_in, write_bytes - mapped_out
+    if fio is not None and not (fs_read or fs_write):
+        fio, r["fio_note"] = None, ("no fio floor: no byte went through the file system (the "
+                                    "store files were mapped)" if mapped_in or mapped_out
+                                    else "no fio floor: nothing went through the store's files")
     if fio is not None:
         try:
-            r["fio"] = fio_best(fio, directory, read_bytes, write_bytes, block=block,
+            r["fio"] = fio_best(fio, directory, fs_read, fs_write, block=block,
                                 depth=depth, jobs=tuple(jobs), direct=direct)
         except OSError as e:
             r["fio_note"] = str(e)
@@ -261,11 +273,14 @@ def measure(directory: str, device: torch.device, read_bytes: int, write_bytes: 
 def describe(r: dict) -> list[str]:
     """The floor's lines for a report: what each floor measured, or why it is missing."""
     gb = 1e9
-    host = (f" through the files and {r['host_in'] / gb:.2f} GB from and "
-            f"{r['host_out'] / gb:.2f} GB to the host tier (PCIe only)"
-            if r.get("host_in") or r.get("host_out") else "")
+    mapped = (f" ({r['mapped_in'] / gb:.2f} and {r['mapped_out'] / gb:.2f} GB of them mapped: "
+              "PCIe only)" if r.get("mapped_in") or r.get("mapped_out") else "")
+    host = (f" and {r['host_in'] / gb:.2f} GB from and {r['host_out'] / gb:.2f} GB to the "
+            "host tier (PCIe only)" if r.get("host_in") or r.get("host_out") else "")
+    files = " through the files" if mapped or host else ""
     lines = [f"floor: {r['read_bytes'] / gb:.2f} GB read and {r['write_bytes'] / gb:.2f} GB "
-             f"written{host}, measured in this run by tools that are not statepager:"]
+             f"written{files}{mapped}{host}, measured in this run by tools that are not "
+             "statepager:"]
     p = r["pcie"]
     if p is None:
         lines.append(f"  PCIe: {r['pcie_note']}")
@@ -292,9 +307,19 @@ def describe(r: dict) -> list[str]:
     if r["seconds"] is None:
         lines.append("  no floor: neither could be measured here")
     else:
-        only = "" if r["pcie"] is not None and r["fio"] is not None else \
-            (" (no PCIe on this device: fio alone)" if r["pcie"] is None else
-             " (no file bytes: PCIe alone)" if not (r["read_bytes"] or r["write_bytes"]) else
-             " (fio missing: PCIe alone)")
-        lines.append(f"  floor = the larger: {r['seconds']:.3f} s, set by {r['bound_by']}{only}")
+        lines.append(f"  floor = the larger: {r['seconds']:.3f} s, set by {r['bound_by']}"
+                     f"{_alone(r)}")
     return lines
+
+
+def _alone(r: dict) -> str:
+    """Why one floor stands alone, or "" when both were measured."""
+    if r["pcie"] is not None and r["fio"] is not None:
+        return ""
+    if r["pcie"] is None:
+        return " (no PCIe on this device: fio alone)"
+    if not (r["read_bytes"] or r["write_bytes"]):
+        return " (no file bytes: PCIe alone)"
+    if (r["read_bytes"], r["write_bytes"]) == (r.get("mapped_in"), r.get("mapped_out")):
+        return " (every file byte mapped: PCIe alone)"
+    return " (fio missing: PCIe alone)"

@@ -125,8 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' host_budget (default: what holds their "
                         "state through atomic steps, from the model's parameters)")
-    p.add_argument("--map-ram", action="store_true",
-                   help="Pager(map_ram=True): a store in RAM mapped for the device's copies")
+    p.add_argument("--no-map-ram", action="store_true",
+                   help="Pager(map_ram=False): a store in RAM read and written through "
+                        "io_uring (the kernel copies on the CPU) instead of mapped")
     p.add_argument("--fio-jobs", type=job_counts, default=FIO_JOBS,
                    help="fio jobs each way for the floor, comma-separated: the fastest count "
                         "sets it (default 4,8,16)")
@@ -201,7 +202,7 @@ def bench_megatron(args) -> dict:
     model = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
                                            "micro_batch", "warmup", "steps", "bucket",
                                            "depth", "page_size", "hbm_budget", "host_budget",
-                                           "map_ram", "fio_jobs")}
+                                           "no_map_ram", "fio_jobs")}
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
     model["page_size"] = args.page_size or page_for(args.bucket)
     r = {"model": model, "dir": args.dir, "configs": []}
@@ -413,7 +414,7 @@ def run_config(spec: dict) -> dict:
             model.parameters(), config["moments"], config["mains"])
     pager = (Pager(spec["store"], "cuda", page_size=spec["page_size"],
                    hbm_budget=spec["hbm_budget"], host_budget=host_budget,
-                   map_ram=spec["map_ram"])
+                   map_ram=not spec["no_map_ram"])
              if config["pager"] else None)
     try:
         model, optimizer, scheduler, binding = gpt.build(
@@ -433,7 +434,7 @@ def run_config(spec: dict) -> dict:
         del opt_times[:]
         steps, moved, pool, compute = [], [], [], []
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
-                    "spilled_bytes", "mapped_io_bytes")
+                    "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
         with PeakSampler(driver.used) as sampler, CpuUse() as cpu:
             for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
                 before = pager.stats() if pager else None
@@ -506,7 +507,8 @@ def floor_of(p: dict, directory: str, jobs: tuple[int, ...]) -> dict:
         directory, torch.device("cuda", torch.cuda.current_device()),
         _median(p["bytes_read"]), _median(p["bytes_written"]), block=p["io_block"],
         depth=p["io_depth"], direct=p["direct_io"], jobs=jobs,
-        host_in=_median(p["bytes_from_host"]), host_out=_median(p["bytes_to_host"]))
+        host_in=_median(p["bytes_from_host"]), host_out=_median(p["bytes_to_host"]),
+        mapped_in=_median(p["mapped_read_bytes"]), mapped_out=_median(p["mapped_written_bytes"]))
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -576,8 +578,8 @@ def header_lines(r: dict) -> list[str]:
             f"{m['grads']} grads; {m['warmup']} warm-up + {m['steps']} timed steps; stores in "
             f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB x depth {m['depth']}, pages of "
             f"{m['page_size'] // MiB} MiB"
-            + ("; store files in RAM mapped for the device's copies (map_ram)"
-               if m.get("map_ram") else "")
+            + ("; map_ram off (a store in RAM goes through io_uring)"
+               if m.get("no_map_ram") else "")
             + "; each configuration in its own process, printed as it ends (per step: "
             "medians; GB = 1e9 bytes, GiB = 2^30)",
             _row(name for name, _, _ in _COLUMNS)]
@@ -603,10 +605,11 @@ def config_lines(c: dict) -> list[str]:
         written = all(x == p["stored_bytes"] for x in writes)
         notes.append(f"stored state {p['stored_bytes'] / 1e9:.2f} GB; per step read = stored: "
                      f"{one_pass}, written = stored: {written}")
-        if any(p.get("mapped_io_bytes", ())):
+        if any(p["mapped_read_bytes"]) or any(p["mapped_written_bytes"]):
             notes.append(f"through the mapped store files (map_ram): "
-                         f"{_median(p['mapped_io_bytes']) / 1e9:.2f} GB of the bytes read and "
-                         "written per step")
+                         f"{_median(p['mapped_read_bytes']) / 1e9:.2f} GB of the read and "
+                         f"{_median(p['mapped_written_bytes']) / 1e9:.2f} GB of the written per "
+                         "step")
         if p["undo_bytes"]:  # statepager.core.atomic
             notes.append(f"atomic steps' undo copies: {p['undo_bytes'] / 1e9:.2f} GB of pinned "
                          "host memory (the bf16 params residual mains are stored against, "

@@ -38,7 +38,7 @@ PCIE_SHARE_TARGET = 0.85
 HOST_TIER_TARGET = 1.1
 # Counters of Pager.stats() a step moves (bench/floor.py's inputs).
 MOVED = ("bytes_read", "bytes_written", "bytes_to_host", "bytes_from_host", "read_ahead_bytes",
-         "spilled_bytes")
+         "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
 
 
 def _params(pager: Pager, n: int, device: torch.device, gen_seed: int = 0) -> list:
@@ -89,7 +89,7 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
     bucket = args.bucket
     with Pager(store, device=device, page_size=args.page_size, io_depth=args.io_depth,
                io_block=args.io_block, host_budget=args.host_budget,
-               map_ram=args.map_ram) as pager:
+               map_ram=not args.no_map_ram) as pager:
         params = (_unowned_params if args.unowned else _params)(pager, n, device)
         grads = _grads(params, device)
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
@@ -139,7 +139,6 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
             "peak_mapped_bytes": last.peak_mapped_bytes,
             "bound_bytes": args.depth * (max(b.nbytes for b in binding.buckets) + 2 * args.page_size),
             "direct_io": pager.stats()["direct_io"],
-            "mapped_io_bytes": pager.stats()["mapped_io_bytes"],  # all steps, fill included
             "io_depth": pager.stats()["io_depth"],
             "io_block": pager.stats()["io_block_bytes"],
             "store_bytes": _store_bytes(os.path.join(store, binding.name)),
@@ -260,7 +259,9 @@ def _bench_step(args, work: str) -> dict:
                                     block=paged["io_block"], depth=paged["io_depth"],
                                     direct=paged["direct_io"], jobs=args.fio_jobs,
                                     host_in=paged["bytes_from_host"] - paged["read_ahead_bytes"],
-                                    host_out=paged["bytes_to_host"] - paged["spilled_bytes"])
+                                    host_out=paged["bytes_to_host"] - paged["spilled_bytes"],
+                                    mapped_in=paged["mapped_read_bytes"],
+                                    mapped_out=paged["mapped_written_bytes"])
         sync = None if args.no_baseline else sync_steps(args, work, device, n, bar)
     # Bytes over PCIe: read-ahead and spilled bytes cross it as host-tier bytes only.
     moved = (paged["bytes_read"] - paged["read_ahead_bytes"] + paged["bytes_written"] -
@@ -297,9 +298,10 @@ def print_step(r: dict) -> None:
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "
           f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s "
           "(reads the mains only)")
-    if p.get("mapped_io_bytes"):
-        print(f"    through the mapped store files (map_ram): {p['mapped_io_bytes'] / 1e9:.1f} "
-              "GB in all, the fill and every step")
+    if p["mapped_read_bytes"] or p["mapped_written_bytes"]:
+        print(f"    through the mapped store files (map_ram): {p['mapped_read_bytes'] / 1e9:.2f} "
+              f"GB of the read and {p['mapped_written_bytes'] / 1e9:.2f} GB of the written "
+              "per step")
     print(f"    last step: reads busy {p['read_busy_s']:.3f} s, writes busy "
           f"{p['write_busy_s']:.3f} s, overlap {100 * p['overlap']:.0f}%; stalled on reads "
           f"{p['wait_in_s']:.3f} s, for writes {p['wait_out_s']:.3f} s, compute "
