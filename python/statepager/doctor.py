@@ -194,12 +194,14 @@ def _pager_checks(work: str, mount: dict | None, probe_bytes: int) -> tuple[list
         checks.append(Check("direct I/O", "ok", f"O_DIRECT: the pager moves state past the "
                             f"page cache, {shape}"))
     elif ram:
-        checks.append(Check("direct I/O", "ok", f"{mount['fstype']} is RAM: buffered I/O, "
-                            f"striped over 8 files, {shape}; the state takes host memory, "
-                            "not disk, and is lost at reboot. The kernel copies it on the "
-                            "CPU (on the H200 machine 12 of 16 cores for 15 GB/s each way): "
-                            "where the state fits host memory, Pager(host_budget=...) moves "
-                            "it with the GPU's copy engines instead, about twice as fast"))
+        checks.append(Check("direct I/O", "ok", f"{mount['fstype']} is RAM: the state takes "
+                            "host memory, not disk, and is lost at reboot. A GPU's copy "
+                            "engines move it straight to and from the store files' pages "
+                            "(map_ram, the default; they stay pinned and keep their "
+                            "high-water mark), as fast as a host tier (host_budget); with "
+                            f"map_ram=False, buffered I/O striped over 8 files, {shape}, "
+                            "copied by the kernel on the CPU (on the H200 machine 12 of 16 "
+                            "cores for 15 GB/s each way, half the copy engines' speed)"))
     else:
         checks.append(Check("direct I/O", "warn", "the filesystem refuses O_DIRECT: the pager "
                             "falls back to buffered I/O through the page cache (slower, and "

@@ -37,6 +37,24 @@ void round_trip(Device& dev, uintptr_t addr, const void* staging, void* out, siz
   drain(dev, CopyQueue::kToHost);
 }
 
+// One page of device memory mapped at a reservation of its own, for a test's life.
+struct MappedPage {
+  explicit MappedPage(Device& d) : dev(d), bytes(d.granularity()) {
+    base = dev.reserve(bytes);
+    page = dev.create_page(bytes);
+    dev.map(base, bytes, page);
+  }
+  ~MappedPage() {
+    dev.unmap(base, bytes);
+    dev.release_page(page, bytes);
+    dev.unreserve(base, bytes);
+  }
+  Device& dev;
+  size_t bytes;
+  uintptr_t base = 0;
+  PhysicalPage page = 0;
+};
+
 TEST(CudaDevice, CopiesAreBitExact) {
   if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
   auto dev = make_cuda_device(0);
@@ -72,10 +90,9 @@ TEST(CudaDevice, CopiesAreBitExact) {
 TEST(CudaDevice, CopyBatchMovesEveryPieceBothWays) {
   if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
   auto dev = make_cuda_device(0);
-  const size_t g = dev->granularity();
-  uintptr_t base = dev->reserve(g);
-  PhysicalPage page = dev->create_page(g);
-  dev->map(base, g, page);
+  MappedPage mapped(*dev);
+  const size_t g = mapped.bytes;
+  const uintptr_t base = mapped.base;
   // Page-aligned, as register_host() asks.
   std::unique_ptr<uint8_t, decltype(&std::free)> src_mem(
       static_cast<uint8_t*>(std::aligned_alloc(4096, g)), &std::free);
@@ -113,18 +130,14 @@ TEST(CudaDevice, CopyBatchMovesEveryPieceBothWays) {
   dev->copy_batch(CopyQueue::kToHost, nullptr, 0);  // an empty batch is nothing
   dev->unregister_host(dst);
   dev->unregister_host(src);
-  dev->unmap(base, g);
-  dev->release_page(page, g);
-  dev->unreserve(base, g);
 }
 
 TEST(CudaDevice, FillZero) {
   if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
   auto dev = make_cuda_device(0);
-  const size_t g = dev->granularity();
-  uintptr_t base = dev->reserve(g);
-  PhysicalPage page = dev->create_page(g);
-  dev->map(base, g, page);
+  MappedPage mapped(*dev);
+  const size_t g = mapped.bytes;
+  const uintptr_t base = mapped.base;
   auto* buf = static_cast<uint8_t*>(dev->alloc_staging(g));
 
   fill_random(buf, g, 2);
@@ -138,9 +151,6 @@ TEST(CudaDevice, FillZero) {
   EXPECT_EQ(std::memcmp(buf, zeros.data(), g), 0);
 
   dev->free_staging(buf, g);
-  dev->unmap(base, g);
-  dev->release_page(page, g);
-  dev->unreserve(base, g);
 }
 
 TEST(CudaDevice, FenceIsDoneAfterWait) {

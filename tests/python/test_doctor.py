@@ -57,7 +57,8 @@ def test_tmpfs(shm_dir):
     assert c["directory"]["figures"]["fstype"] == "tmpfs"
     assert "the Pager creates it" in c["directory"]["detail"]  # shm_dir does not exist yet
     assert c["direct I/O"]["status"] == "ok" and "is RAM" in c["direct I/O"]["detail"]
-    assert "host_budget" in c["direct I/O"]["detail"]  # the faster way to keep it in RAM
+    assert "map_ram, the default" in c["direct I/O"]["detail"]  # how it moves, and the other way
+    assert "map_ram=False" in c["direct I/O"]["detail"]
     assert not os.path.exists(shm_dir)
 
 

@@ -432,7 +432,7 @@ def run_config(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
-        steps, moved, pool, compute = [], [], [], []
+        steps, moved, pool, compute, streams = [], [], [], [], []
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
         with PeakSampler(driver.used) as sampler, CpuUse() as cpu:
@@ -449,6 +449,7 @@ def run_config(spec: dict) -> dict:
                     pool.append((after["peak_mapped_bytes"], after["mapped_bytes"],
                                  after["cached_bytes"]))
                     compute.append(sum(s.compute_seconds for s in binding.last))
+                    streams.append(sum(s.seconds for s in binding.last))
         result = {
             "config": spec["config"], "what": config["what"],
             "params": sum(p.numel() for p in model.parameters()),
@@ -472,7 +473,7 @@ def run_config(spec: dict) -> dict:
                 host_budget=host_budget, host_used=stats["host_used_bytes"],
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
                 io_block=stats["io_block_bytes"],
-                compute_s=spread(compute),
+                compute_s=spread(compute), stream_s=spread(streams),
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
@@ -641,12 +642,21 @@ def config_lines(c: dict) -> list[str]:
     if f:
         notes.append((f"step {multiple(c['step_s']['median'], f['seconds'], 'the floor')}, "
                       f"opt.step {multiple(c['opt_step_s']['median'], f['seconds'], 'the floor')}"
+                      f", of which the pager's stream {_stream_share(p, f)}"
                       if f["seconds"] else "no floor") +
                      "; the floor of its median step's bytes, measured after its steps:")
         notes += ["  " + line for line in bench_floor.describe(f)]
     if c["timeline_files"]:
         notes.append(f"last timed step's timeline: {', '.join(c['timeline_files'])}")
     return lines + [f"  {'':9s} {note}" for note in notes]
+
+
+def _stream_share(p: dict, f: dict) -> str:
+    """The pager's stream (its buckets' page-ins, steps and page-outs: the part of opt.step
+    the floor's bytes bound; the rest is the optimizer's own work around it) against the
+    floor."""
+    s = p["stream_s"]["median"]
+    return f"{s:.3f} s = {multiple(s, f['seconds'], 'the floor')}"
 
 
 def _done(configs: list) -> dict:
@@ -712,8 +722,9 @@ def summary_lines(r: dict) -> list[str]:
     if floored:
         lines.append("  against each one's floor (the larger of PCIe and fio, for its bytes):")
         lines += [f"    {n:9s} step {multiple(_step(c), f['seconds'], 'its floor')}, opt.step "
-                  f"{multiple(_step(c, 'opt_step_s'), f['seconds'], 'its floor')} "
-                  f"({f['seconds']:.3f} s, set by {f['bound_by']})" for n, c, f in floored]
+                  f"{multiple(_step(c, 'opt_step_s'), f['seconds'], 'its floor')}, the pager's "
+                  f"stream {multiple(c['pager']['stream_s']['median'], f['seconds'], 'its floor')}"
+                  f" ({f['seconds']:.3f} s, set by {f['bound_by']})" for n, c, f in floored]
     for narrow, wide in (("q8", "fp32"), ("host-q8", "host-fp32")):
         if narrow in done and wide in done:
             a, b = done[narrow], done[wide]
