@@ -89,6 +89,7 @@ void RamMap::grow_one(unsigned index) {
 bool RamMap::resolve(uint64_t offset, size_t bytes, std::vector<Piece>* out) const {
   std::vector<Piece> found;
   std::lock_guard lock(mu_);
+  if (physical_.empty()) return false;  // no store in RAM: asked each round, answered fast
   for (const UringFile::Span& s : file_.spans(offset, bytes)) {
     if (s.file >= physical_.size() || s.offset + s.length > physical_[s.file].end) return false;
     const std::vector<Mapping>& maps = physical_[s.file].maps;

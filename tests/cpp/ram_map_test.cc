@@ -244,8 +244,13 @@ TEST(PagerMappedRam, ACopyFailingPartwayFailsTheBucketAndChangesNothing) {
       std::memcpy(reinterpret_cast<void*>(pager.address(ids.back())), want.back().data(),
                   want.back().size());
     }
+    const PagerStats before = pager.stats();
     EXPECT_THROW(pager.wait(pager.page_out(ids)), DeviceError);
     EXPECT_GE(device.fences_after, 1) << "map_ram " << map_ram;
+    const PagerStats after = pager.stats();
+    EXPECT_EQ(after.bytes_written, before.bytes_written);
+    EXPECT_EQ(after.mapped_written_bytes, before.mapped_written_bytes);
+    EXPECT_EQ(after.buckets_out, before.buckets_out);
     for (size_t i = 0; i < ids.size(); i++) {
       EXPECT_EQ(pager.residency(ids[i]), Residency::kResident);
       EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(pager.address(ids[i])), want[i].data(),
