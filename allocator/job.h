@@ -4,7 +4,8 @@
 // tiers that move its bytes (allocator/store_tier.h, allocator/host_tier.h) work through
 // its chunks and copies on the Pager's I/O thread.
 //
-// Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes, except
+// Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes (maps:
+// read by the map thread without the lock while the job waits for it), except
 // what phase two (Pager::place_deferred_locked, on the I/O thread under the lock, with none
 // of the job's work in flight) adds. The I/O thread's alone: host_copies_issued .. fence,
 // requests, mapped_bytes, error and the times (error and the times are read by others once done is
@@ -20,8 +21,9 @@
 #include <utility>
 #include <vector>
 
-#include "allocator/trace_range.h"
 #include "allocator/device.h"
+#include "allocator/pool.h"
+#include "allocator/trace_range.h"
 
 namespace statepager {
 
@@ -53,6 +55,9 @@ struct Job {
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<Residency> after;        // page-out: their states once done (file or host)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
+  // A page-in's pages still to map (Pool::ref_begin), mapped by the Pager's map thread
+  // before the job is queued for the I/O thread; its Pool entries point here meanwhile.
+  Pool::PendingMaps maps;
   std::vector<HostCopy> host_copies;   // device <-> host tier (allocator/host_tier.h)
   // A page-out short of host room: `spills` (HOST extents, Pager::choose_spills_locked)
   // are written back first, then `deferred` (extents of this bucket) take the room they leave

@@ -131,9 +131,11 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   counters_.io_depth = options_.io_depth;
   counters_.io_block_bytes = options_.io_block_bytes;
   io_thread_ = std::thread([this] { run_io_thread(); });
+  map_thread_ = std::thread([this] { run_map_thread(); });
   // Named for profilers and for the benches' count of CPU time per thread
   // (statepager/bench/cpu_use.py); io_uring's own workers are named iou-wrk-<tid>.
   pthread_setname_np(io_thread_.native_handle(), "statepager-io");
+  pthread_setname_np(map_thread_.native_handle(), "statepager-map");
 }
 
 Pager::~Pager() {
@@ -471,25 +473,55 @@ void Pager::unref_pages_locked(const std::vector<ExtentId>& ids, size_t count) {
   }
 }
 
-// Maps what ref_pages_locked() took, without the lock: cuMemSetAccess takes about 1 ms a
-// page while a device-to-host copy runs (docs/DESIGN-NOTES.md, "Mapping costs"), and
-// the I/O thread needs the lock between its rounds. The pages are this submit's alone
-// meanwhile (Pool: others wait for them), its extents PAGING_IN and in no queued job.
-void Pager::map_unlocked(std::unique_lock<std::mutex>& lock, const Pool::PendingMaps& pending) {
-  if (pending.empty()) return;
-  maps_in_flight_++;
-  lock.unlock();
-  std::exception_ptr error;
-  try {
-    pool_.map_pending(pending);
-  } catch (...) {
-    error = std::current_exception();
+// The map thread: maps each queued page-in's pages (Job::maps) without the lock, then
+// queues the job for the I/O thread. The submitting thread does not wait for the mapping:
+// cuMemSetAccess takes about 1 ms a page while a device-to-host copy runs
+// (docs/DESIGN-NOTES.md, "Mapping costs"), and a streamed step always has one running.
+// Meanwhile the pages are the job's alone (Pool: others wait for them), its extents
+// PAGING_IN and in no queued job.
+void Pager::run_map_thread() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    if (map_queue_.empty()) {
+      if (stopping_) return;
+      map_cv_.wait(lock);
+      continue;
+    }
+    Ticket job = map_queue_.front();
+    map_queue_.pop_front();
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      pool_.map_pending(job->maps);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    maps_in_flight_--;
+    if (error) {
+      mapping_failed_locked(*job, error);
+    } else {
+      pool_.finish_mapping(job->maps);
+      job->maps.clear();
+      queue_.push_back(job);
+      work_cv_.notify_one();
+    }
+    done_cv_.notify_all();
   }
-  lock.lock();
-  if (!error) pool_.finish_mapping(pending);
-  maps_in_flight_--;
-  done_cv_.notify_all();
-  if (error) std::rethrow_exception(error);
+}
+
+// A page-in whose mapping failed: its pages let go (never mapped: released without
+// unmapping), its extents back in their states of before, its error for wait().
+void Pager::mapping_failed_locked(Job& job, std::exception_ptr error) {
+  unref_pages_locked(job.extents, job.extents.size());
+  job.maps.clear();
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    Extent& e = extent_locked(job.extents[i]);
+    e.state = job.before[i];
+    if (e.dead && !e.tier_moving) free_extent_locked(job.extents[i]);  // released meanwhile
+  }
+  job.error = error;
+  job.done = true;
 }
 
 Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream,
@@ -547,16 +579,11 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
     e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
   }
   if (!out) {
-    bool referenced = false;
-    Pool::PendingMaps pending;
     try {
-      ref_pages_locked(lock, job->extents, &pending);
-      referenced = true;
-      map_unlocked(lock, pending);
+      ref_pages_locked(lock, job->extents, &job->maps);
     } catch (...) {
-      if (referenced) unref_pages_locked(job->extents, job->extents.size());
       if (closed_) throw;  // closed while it waited: close() lets every extent go
-      std::vector<ExtentId> released;  // by release() while the pages were mapped
+      std::vector<ExtentId> released;  // by release() while it waited for room
       for (size_t i = 0; i < job->extents.size(); i++) {
         Extent& e = extent_locked(job->extents[i]);
         e.state = job->before[i];
@@ -570,6 +597,12 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   if (!discard) plan_locked(*job);
   if (job->extents.empty()) {
     job->done = true;
+    return job;
+  }
+  if (!job->maps.empty()) {  // queued for the I/O thread once mapped
+    maps_in_flight_++;
+    map_queue_.push_back(job);
+    map_cv_.notify_one();
     return job;
   }
   queue_.push_back(job);
@@ -1094,8 +1127,11 @@ void Pager::close() {
   done_cv_.wait(lock, [&] { return queue_.empty() && maps_in_flight_ == 0; });
   stopping_ = true;
   work_cv_.notify_all();
+  map_cv_.notify_all();
   lock.unlock();
-  if (io_thread_.joinable()) io_thread_.join();  // nothing before can throw: always joined
+  // Nothing before can throw: always joined.
+  if (io_thread_.joinable()) io_thread_.join();
+  if (map_thread_.joinable()) map_thread_.join();
   // Every step is taken even when the device fails (a CUDA context with a sticky error),
   // so the store is deleted all the same; the first error is rethrown at the end.
   std::exception_ptr error;

@@ -23,8 +23,10 @@
 // extents adjacent in the file are moved in one request.
 //
 // page_in() and page_out() take a bucket (a set of extents) and return a Ticket at once;
-// an I/O thread moves the bytes (allocator/store_tier.h: pinned staging slots, device copy
-// <-> io_uring), many buckets and many requests in flight. page_out() first orders itself after the
+// a map thread maps a page-in's new pages (cuMemSetAccess can take a millisecond a page
+// while a device-to-host copy runs: the caller never waits for that), and an I/O thread
+// moves the bytes (allocator/store_tier.h: pinned staging slots, device copy <-> io_uring),
+// many buckets and many requests in flight. page_out() first orders itself after the
 // work already queued on the caller's stream. A failed page-out leaves every extent of
 // its bucket resident and intact; a failed page-in leaves them as they were.
 //
@@ -49,9 +51,11 @@
 // Ownership: the Pager owns its Device, Pool, store directory and file. Extent addresses
 // stay valid (reserved) until the Pager is destroyed, also after close().
 // Thread-safety: all public methods may be called from any thread. Fields shared with
-// the I/O thread are guarded by mu_; fields marked "I/O thread" are touched only by the
-// I/O thread while it runs (and by close() once it has stopped).
-// Errors: typed statepager errors (backing/errors.h); wait() rethrows a bucket's error.
+// the I/O and map threads are guarded by mu_; fields marked "I/O thread" are touched only
+// by the I/O thread while it runs (and by close() once it has stopped).
+// Errors: typed statepager errors (backing/errors.h); wait() rethrows a bucket's error,
+// a device error while mapping its pages included. page_in() itself throws what it finds
+// before queuing anything: a page budget or device memory too small (OutOfMemoryError).
 // Construction refuses options outside their ranges (UsageError naming the option, its
 // value and the range) before touching the store directory.
 #pragma once
@@ -303,6 +307,8 @@ class Pager {
   void start_job(Job& job);
   void drop_host_locked(Extent& e);
   void run_io_thread();
+  void run_map_thread();
+  void mapping_failed_locked(Job& job, std::exception_ptr error);
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
   void free_extent_locked(ExtentId id);  // release() of an extent not being paged
@@ -312,7 +318,6 @@ class Pager {
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, const std::vector<ExtentId>& ids,
                         Pool::PendingMaps* pending);
   void unref_pages_locked(const std::vector<ExtentId>& ids, size_t count);
-  void map_unlocked(std::unique_lock<std::mutex>& lock, const Pool::PendingMaps& pending);
   unsigned add_store_locked(const std::string& name);
   void check_store_locked(unsigned store) const;
   void free_range_locked(uint64_t store_offset, size_t punch_bytes = 0);
@@ -340,13 +345,15 @@ class Pager {
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;    // wakes the I/O thread
+  std::condition_variable map_cv_;     // wakes the map thread
   std::condition_variable done_cv_;    // wakes waiters
   std::unordered_map<ExtentId, std::unique_ptr<Extent>> extents_;  // mu_
   std::unordered_map<uintptr_t, ExtentId> by_address_;             // mu_
   ExtentId next_id_ = 1;               // mu_
   std::deque<Ticket> queue_;           // mu_: buckets not finished, in submission order
   size_t outs_in_flight_ = 0;          // mu_: page-out buckets queued or running
-  size_t maps_in_flight_ = 0;          // mu_: submits mapping pages without the lock
+  std::deque<Ticket> map_queue_;       // mu_: page-ins waiting for the map thread, in order
+  size_t maps_in_flight_ = 0;          // mu_: page-ins queued or being mapped there
   std::map<uint64_t, uint64_t> held_;  // mu_: held store ranges, start -> end, disjoint
   std::map<uint64_t, size_t> freed_held_;  // mu_: held ranges freed meanwhile -> bytes to punch
   std::unordered_map<uint64_t, std::vector<ExtentId>> epochs_;  // mu_: open epochs' extents
@@ -355,8 +362,9 @@ class Pager {
   uint64_t paged_in_bytes_ = 0;        // mu_: bytes named in page-ins (reuse hints' clock)
   PagerStats counters_;                // mu_: counts of finished buckets (complete())
   bool closed_ = false;                // mu_
-  bool stopping_ = false;              // mu_: tells the I/O thread to return once idle
+  bool stopping_ = false;              // mu_: tells the threads to return once idle
   std::thread io_thread_;              // started last by the constructor, joined by close()
+  std::thread map_thread_;             // likewise
 };
 
 }  // namespace statepager

@@ -245,6 +245,68 @@ TEST(PagerThreads, APageInMappingHoldsUpNoOtherBucket) {
   EXPECT_EQ(pager.stats().mapped_bytes, pager.stats().peak_mapped_bytes);
 }
 
+// page_in() returns before its pages are mapped: the map thread maps them, so the
+// submitting thread (a streamed step's) never waits for cuMemSetAccess.
+TEST(PagerThreads, APageInReturnsBeforeItsPagesAreMapped) {
+  SlowMapPager slow;
+  SlowMapDevice& device = slow.device;
+  Pager& pager = slow.pager;
+  const ExtentId id = pager.create(3 * slow.page);
+  pager.wait(pager.page_in({id}));
+  fill(pager, id, 0x3c);
+  pager.wait(pager.page_out({id}));
+  const PagerStats before = pager.stats();
+  device.arm();
+  const Ticket ticket = pager.page_in({id});  // returns while the map thread is held up
+  device.wait_until_mapping();
+  EXPECT_FALSE(pager.is_done(ticket));
+  EXPECT_EQ(pager.residency(id), Residency::kPagingIn);
+  EXPECT_EQ(pager.stats().bytes_read, before.bytes_read) << "read before it was mapped";
+  device.let_go();
+  pager.wait(ticket);
+  EXPECT_EQ(pager.residency(id), Residency::kResident);
+  EXPECT_TRUE(holds(pager, id, 0x3c));
+}
+
+// The host device whose map() fails, once armed, like a CUDA context after an error.
+class FailingMapDevice final : public WrappedDevice {
+ public:
+  void map(uintptr_t a, size_t b, PhysicalPage p) override {
+    if (fail) throw DeviceError("injected: cuMemMap failed");
+    WrappedDevice::map(a, b, p);
+  }
+  std::atomic<bool> fail{false};
+};
+
+// A mapping that fails fails its bucket at wait(), leaving it as before: its extents in
+// their state and bytes, no page held, no counter moved; the next page-in maps.
+TEST(PagerThreads, AFailedMappingFailsItsBucketAndLeavesItAsBefore) {
+  TempDir dir;
+  auto owned = std::make_unique<FailingMapDevice>();
+  FailingMapDevice& device = *owned;
+  Pager pager(std::move(owned), options(dir));
+  const size_t page = options(dir).pool.page_bytes;
+  const ExtentId stored = pager.create(2 * page + page / 2), fresh = pager.create(page);
+  pager.wait(pager.page_in({stored}));
+  fill(pager, stored, 0x77);
+  pager.wait(pager.page_out({stored}));
+  const PagerStats before = pager.stats();
+  device.fail = true;
+  const Ticket ticket = pager.page_in({stored, fresh});
+  EXPECT_THROW(pager.wait(ticket), DeviceError);
+  EXPECT_EQ(pager.residency(stored), Residency::kFile);
+  EXPECT_EQ(pager.residency(fresh), Residency::kZero);
+  const PagerStats after = pager.stats();
+  EXPECT_EQ(after.mapped_bytes, before.mapped_bytes);
+  EXPECT_EQ(after.bytes_read, before.bytes_read);
+  EXPECT_EQ(after.buckets_in, before.buckets_in);
+  EXPECT_EQ(after.zero_filled_bytes, before.zero_filled_bytes);
+  device.fail = false;
+  pager.wait(pager.page_in({stored, fresh}));
+  EXPECT_TRUE(holds(pager, stored, 0x77));
+  EXPECT_TRUE(holds(pager, fresh, 0));
+}
+
 // A page-in that meets a page another page-in is mapping waits holding none of its own:
 // two page-ins never wait for each other's pages.
 TEST(PagerThreads, APageInWaitingForAnothersMappingHoldsNothing) {
