@@ -122,6 +122,37 @@ void check_rows(const torch::Tensor& rows, int64_t n, int dev) {
        "rows must have one element per 4096 params of the largest param");
 }
 
+// param_checksum of k params in one call, each compared with its fingerprint (a 1-element
+// int64 of the same device): `bad` (one uint8, zero on entry) is set when any differs.
+// `rows` is scratch (check_rows), `sums` k int64 of scratch.
+void params_changed_many(const std::vector<torch::Tensor>& params,
+                         const std::vector<torch::Tensor>& fingerprints,
+                         const torch::Tensor& rows, const torch::Tensor& sums,
+                         const torch::Tensor& bad, uintptr_t stream) {
+  const size_t k = params.size();
+  need(fingerprints.size() == k, "params and fingerprints differ in length");
+  if (k == 0) return;
+  const int dev = check(bad, "bad", torch::kUInt8);
+  need(bad.numel() == 1, "bad must be one element");
+  check(sums, "sums", torch::kInt64, dev);
+  need(sums.numel() == static_cast<int64_t>(k), "sums must have one element per param");
+  for (size_t i = 0; i < k; i++) {
+    need(check(params[i], "param", torch::kBFloat16) == dev,
+         "the params of one call must be on one device");
+    check(fingerprints[i], "fingerprint", torch::kInt64, dev);
+    need(fingerprints[i].numel() == 1, "a fingerprint must be one element");
+    check_rows(rows, params[i].numel(), dev);
+  }
+  py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
+  launch([&] {
+    for (size_t i = 0; i < k; i++) {
+      kernels::param_checksum(bf16_bits(params[i]), params[i].numel(), rows.data_ptr<int64_t>(),
+                              sums.data_ptr<int64_t>() + i, dev, as_stream(stream),
+                              fingerprints[i].data_ptr<int64_t>(), bad.data_ptr<uint8_t>());
+    }
+  });
+}
+
 // The residual masters of one bucket, k of them (lists of equal length k): what
 // residual_rebuild and a comparison of param_checksum with the fingerprint do per master,
 // in one call, so that a bucket of many small parameters costs the host no Python per
@@ -347,6 +378,9 @@ void bind_kernels(py::module_& m) {
   k.def("q8_decode", &q8_decode, py::arg("codes"), py::arg("scales"), py::arg("x"),
         py::arg("nonneg"), py::arg("stream"));
   k.def("param_checksum", &param_checksum, py::arg("param"), py::arg("rows"), py::arg("out"),
+        py::arg("stream"));
+  k.def("params_changed_many", &params_changed_many, py::arg("params"),
+        py::arg("fingerprints"), py::arg("rows"), py::arg("sums"), py::arg("bad"),
         py::arg("stream"));
   k.def("residual_rebuild_many", &residual_rebuild_many, py::arg("params"),
         py::arg("residuals"), py::arg("mains"), py::arg("exc_idx"), py::arg("exc_bits"),

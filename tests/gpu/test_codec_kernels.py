@@ -207,6 +207,23 @@ def test_checksum_kernel_is_the_reference(n, offset):
     assert int(C.param_checksum(misaligned(p, offset))) == ref
 
 
+def test_params_changed_kernel_is_the_reference():
+    """params_changed in one call on the device: False while every param matches its
+    fingerprint (taken on the CPU, the same value), True once any one element changes."""
+    g = torch.Generator().manual_seed(5)
+    cpu = [torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int16)
+           .view(torch.bfloat16) for n in SIZES]
+    fingerprints = [C.param_checksum(p).cuda() for p in cpu]
+    params = [p.cuda() for p in cpu]
+    assert not C.params_changed(params, fingerprints).item()
+    assert not C.params_changed(cpu, [f.cpu() for f in fingerprints]).item()
+    for i in (0, len(params) - 1):
+        changed = [p.clone() for p in params]
+        changed[i].view(torch.int16)[-1] ^= 1
+        assert C.params_changed(changed, fingerprints).item()
+        assert C.params_changed([p.cpu() for p in changed], [f.cpu() for f in fingerprints]).item()
+
+
 # ------------------------------------------------------------------ the fused AdamW step
 
 def stored_moment(x, fmt, kind):
@@ -422,19 +439,28 @@ def test_streamed_step_exceptions_past_the_kernels_room(tmp_path, depth):
 
 
 @pytest.mark.parametrize("shapes,bucket_size", [(SHAPES, 256 << 10), (BIG_SHAPES, 1 << 20)])
-def test_streamed_step_syncs_once_per_step(store_dir, shapes, bucket_size):
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_streamed_step_syncs_once_per_step(store_dir, monkeypatch, shapes, bucket_size,
+                                           zero_grad):
     """q8 moments and residual mains, fused: the host waits for the device as a whole once
     per step (the residual checks, after the last bucket), never per bucket, chunk or
     tensor: each bucket's exception counts are waited for alone (an event), two buckets
-    later, and a chunk keeps its own exceptions."""
+    later, and a chunk keeps its own exceptions. Undo copies taken at zero_grad() are
+    checked the same way (an event)."""
     ps = model(shapes=shapes)
     with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
         opt = PagedAdamW(ps, pager=pager, lr=1e-2, bucket_size=bucket_size, moments="q8",
                          mains="residual")  # 4 buckets; BIG_SHAPES: chunks
+        takes, take = [], opt.binding._undo.take
+        monkeypatch.setattr(opt.binding._undo, "take", lambda copies, targets: (
+            takes.append(1), take(copies, targets))[1])
         for k in range(3):  # the first creates the state
+            if zero_grad:
+                opt.zero_grad()
             for p in ps:
                 p.grad = torch.randn_like(p)
             if k == 2:
+                del takes[:]
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -445,6 +471,7 @@ def test_streamed_step_syncs_once_per_step(store_dir, shapes, bucket_size):
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         assert len(opt.binding.buckets) >= 3 and len(syncs) == 1, [str(w.message) for w in syncs]
+        assert len(takes) == (0 if zero_grad else len(opt.binding.buckets))  # in that step
         assert shapes is SHAPES or any(b.chunks for b in opt.binding.buckets)
 
 

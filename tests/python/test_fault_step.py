@@ -394,6 +394,71 @@ def test_undo_copies_are_taken_a_bucket_ahead_once_each(store_dir, monkeypatch):
         assert same(before, [bits(p) for p in model.parameters()])
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, device):
+    """optimizer.zero_grad() takes the next step's undo copies of residual masters' model
+    params (while forward and backward run): the step takes none of its own, and a step
+    that fails puts every parameter back from them; its retry takes its own."""
+    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        takes, take = [], binding._undo.take
+        monkeypatch.setattr(binding._undo, "take", lambda copies, targets: (
+            takes.append(1), take(copies, targets))[1])
+        opt.zero_grad()
+        opt.zero_grad()  # once per step
+        assert len(takes) == len(binding.buckets) >= 3
+        set_grads(model, 1)
+        del takes[:]
+        opt.step()
+        assert takes == []
+        opt.zero_grad()
+        set_grads(model, 2)
+        before = capture(model, pager, opt, binding)
+        fault = AfterHook(model, pager, opt, binding, None)
+        fault.arm()
+        with pytest.raises(RuntimeError):
+            opt.step()
+        fault.disarm()
+        after = capture(model, pager, opt, binding)
+        for key in before:
+            assert same(before[key], after[key]), f"the failed step changed {key}"
+        del takes[:]
+        opt.step()
+        assert len(takes) == len(binding.buckets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("failing", ["the-check", "the-first-bucket"])
+def test_a_param_changed_after_zero_grad_fails_the_step_and_keeps_its_change(
+        store_dir, device, failing):
+    """A model parameter changed between zero_grad() and step() (residual masters): the
+    copies zero_grad() took no longer hold it, so the step takes its own before writing
+    any; it fails (the masters cannot be rebuilt, or the first bucket's hook raises before
+    that is known) and every parameter keeps the value it was given."""
+    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        opt.zero_grad()
+        set_grads(model, 1)
+        p = next(model.parameters())
+        with torch.no_grad():
+            p.add_(1.0)
+        changed = [bits(q) for q in model.parameters()]
+        if failing == "the-first-bucket":
+            def failing_hook(params):
+                raise RuntimeError("injected before the first bucket steps")
+            binding.before_bucket = failing_hook
+        with pytest.raises(ValueError if failing == "the-check" else RuntimeError):
+            opt.step()
+        assert same(changed, [bits(q) for q in model.parameters()])
+
+
 def test_atomic_false_steps_in_place(store_dir):
     """atomic=False: no second copy in the store, and a failed step is left partly done
     (the trade-off the option documents)."""

@@ -614,7 +614,8 @@ def config_lines(c: dict) -> list[str]:
         if p["undo_bytes"]:  # statepager.core.atomic
             notes.append(f"atomic steps' undo copies: {p['undo_bytes'] / 1e9:.2f} GB of pinned "
                          "host memory (the bf16 params residual mains are stored against, "
-                         "copied from the device each step; only a failed step reads them)")
+                         "copied from the device each step at zero_grad(), while forward and "
+                         "backward run; only a failed step reads them)")
         if p["host_budget"]:
             notes.append(f"host tier {p['host_budget'] / 1e9:.2f} GB pinned, "
                          f"{p['host_used'] / 1e9:.2f} GB in use after the steps; spilled to "

@@ -24,12 +24,28 @@ bf16 parameter, the parameter's own size for unowned ones), and one device-to-ho
 of them per step. They do not go through the pager: in its store they were written every
 step and never read (a third more bytes written than a q8 + residual step's state), and
 they would take room in the step's window of HBM.
+
+Residual masters' model parameters can be copied before the step, while the device runs
+forward and backward and the copy engines have nothing else to do
+(UndoCopies.take_before_step, at zero_grad()): within the step those 2 bytes per element
+would share the device-to-host link with the page-outs. The step uses them only where
+they still hold what it overwrites: the same buckets and copies, and each parameter still
+matching the checksum its residual was encoded against (its fingerprint, unchanged
+since), checked on the device at the step's start and read back before the step's first
+write of a parameter (a LateRead: no device-wide sync). Otherwise the step takes its own
+then, before writing any, as without them. A parameter written and then restored to the same bits while
+its copy runs would pass that check with a torn copy; nothing in a training loop does
+that between zero_grad() and step().
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from statepager.core.flat import flat_view
+from statepager.core.late_reads import LateRead
+from statepager.formats import codecs
 
 
 class UndoCopies:
@@ -44,6 +60,9 @@ class UndoCopies:
         self.pager, self.mirror = pager, mirror
         self._copies: dict[int, torch.Tensor] = {}  # id(param) -> the copy of its target
         self._stream = None  # CUDA: the stream the copies run on, made at first use
+        # take_before_step()'s: ({id(bucket): (its copies, their event)}, [(residual
+        # form, its fingerprint then)]), until the step takes them (taken_before_step).
+        self._before = None
 
     def take(self, copies: list, targets: list):
         """Copies targets into copies: on CUDA queued on a stream of their own after the
@@ -60,6 +79,41 @@ class UndoCopies:
             for copy, target in zip(copies, targets):
                 copy.copy_(target, non_blocking=True)
             return torch.cuda.current_stream().record_event()
+
+    def take_before_step(self, buckets: list) -> None:
+        """Takes the next step's copies of every bucket now, where all its targets are
+        residual masters' model parameters whose fingerprints are known (see the module
+        doc); nothing else, and nothing again until a step takes them."""
+        forms = _mirrored_forms(buckets)
+        if self.mirror is None or self._before is not None or not forms or any(
+                f.fingerprint is None for f in forms) or self.written_by_the_step(
+                [p for b in buckets for p in b.params], [c for b in buckets for c in b.chunks]):
+            return
+        with torch.no_grad():
+            taken = {id(b): (b.undo, self.take(b.undo, self.targets(b.params, b.chunks)))
+                     for b in buckets}
+        self._before = (taken, [(f, f.fingerprint) for f in forms])
+
+    def taken_before_step(self, buckets: list) -> tuple[dict, LateRead | None]:
+        """The copies take_before_step() took for this step, as ({id(bucket): event},
+        changed), where they were taken of these buckets' targets and the forms'
+        fingerprints have not changed since; `changed` (a LateRead of a bool, queued on
+        the device now) tells whether a target no longer matches its fingerprint: then
+        they do not hold what the step overwrites. ({}, None) otherwise. Either way they
+        are the step's from now on."""
+        before, self._before = self._before, None
+        if before is None:
+            return {}, None
+        taken, fingerprinted = before
+        forms = _mirrored_forms(buckets)
+        if [id(b) for b in buckets] != list(taken) or any(
+                taken[id(b)][0] is not b.undo for b in buckets) or len(forms) != len(
+                fingerprinted) or any(f is not g or f.fingerprint is not fp
+                                      for f, (g, fp) in zip(forms, fingerprinted)):
+            return {}, None
+        changed = codecs.params_changed([flat_view(f.model_param) for f in forms],
+                                        [fp for _, fp in fingerprinted])
+        return {key: event for key, (_, event) in taken.items()}, LateRead(changed)
 
     def join(self, taken) -> None:
         """The current stream's later work waits for the copies take() returned `taken` for."""
@@ -127,7 +181,9 @@ class AtomicStep:
                         for g in self.optimizer.param_groups]
         self._grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
         self._forms = [(f, f.exceptions, f.fingerprint) for b in self.buckets for f in b.forms]
-        self._taken = {}    # id(bucket) -> the event of its undo copies (UndoCopies.take)
+        # id(bucket) -> the event of its undo copies (UndoCopies.take), taken before the
+        # step where they may be (UndoCopies.take_before_step), then checked (_recheck)
+        self._taken, self._recheck = undo.taken_before_step(self.buckets)
         self._saved = []    # buckets that stepped, their undo copies taken
         self._written = []  # buckets whose model parameters after_bucket may have written
         self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
@@ -138,6 +194,8 @@ class AtomicStep:
         writes its own parameters and chunks only), and by then the copies are done
         instead of holding up its after_bucket (a step of q8 moments and residual mains
         copies 2 bytes per parameter, sharing device-to-host bandwidth with page-outs)."""
+        if id(bucket) in self._taken:
+            return
         with torch.no_grad():
             self._taken[id(bucket)] = self.undo.take(
                 bucket.undo, self.undo.targets(bucket.params, bucket.chunks))
@@ -154,6 +212,13 @@ class AtomicStep:
     def writing(self, bucket) -> None:
         """Before after_bucket: it may write model parameters from this bucket's masters,
         once their copies are taken."""
+        recheck, self._recheck = self._recheck, None
+        if recheck is not None and bool(recheck.get()):
+            # A parameter changed after take_before_step() copied it: nothing is written
+            # yet, so every bucket's copies are taken again now, as the step would have.
+            self._taken = {}
+            for b in self.buckets:
+                self.take_ahead(b)
         self.undo.join(self._taken[id(bucket)])
         self._written.append(bucket)
 
@@ -165,7 +230,9 @@ class AtomicStep:
         self.epoch.abort()
         self.undo.settle()
         with torch.no_grad():
-            for b in self._saved:
+            # Copies taken before the step and not checked yet may not hold the targets,
+            # and none was written (writing() checks them first).
+            for b in self._saved if self._recheck is None else []:
                 for target, copy in zip(self.undo.targets(b.params, b.chunks), b.undo):
                     target.copy_(copy)
             if self.rebuild_mirror is not None:
@@ -197,6 +264,12 @@ class AtomicStep:
                 mirror.copy_(m)
         finally:
             epoch.abort()
+
+
+def _mirrored_forms(buckets) -> list:
+    """The residual masters' StoredForms of the buckets, in order: whose model parameters
+    are undo copies' targets."""
+    return [f for b in buckets for f in b.forms if f.fmt == "residual"]
 
 
 def _copy_state(state, pager) -> dict:

@@ -1,13 +1,35 @@
 """What a streamed step (statepager.core.stream) reads back from the device late, so
 that the host never waits for the device as a whole within a step: the residual masters'
-exception counts (ExceptionCounts) and their model parameters' checks (ParamChecks).
-Both work on the host backend too (the values known at once), so CI runs the same way.
-Used by the stepping thread alone."""
+exception counts (ExceptionCounts, each bucket's a LateRead) and their model parameters'
+checks (ParamChecks). All work on the host backend too (the values known at once), so CI runs the
+same way. Used by the stepping thread alone."""
 from __future__ import annotations
 
 import collections
 
 import torch
+
+
+class LateRead:
+    """A device tensor's values, copied to host memory once the work queued so far on
+    the current stream has made them, and read later, waiting for that copy alone (an
+    event), not for the device as a whole. On the host, the tensor itself."""
+
+    def __init__(self, values: torch.Tensor):
+        self._ready = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(values.device))
+            values = host
+        self._values = values
+
+    def get(self) -> torch.Tensor:
+        """The values (a host tensor), once copied."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._values
 
 
 class ExceptionCounts:
@@ -26,8 +48,7 @@ class ExceptionCounts:
     def __init__(self, pager):
         self.pager = pager
         # Per bucket stepped, oldest first: its (StoredForms, PendingExceptions) pairs
-        # (StreamedOptimizer._encode), their counts in host memory (once `ready`: a CUDA
-        # event, None on the host), the scratch held for them.
+        # (StreamedOptimizer._encode), their counts (a LateRead), the scratch held for them.
         self._queue: collections.deque = collections.deque()
         self.handles: list = []  # the discards of the scratch let go, not yet waited for
 
@@ -35,26 +56,17 @@ class ExceptionCounts:
         """The bucket just stepped, before its release: returns the scratch to keep."""
         if not pending:
             return []
-        counts = torch.cat([p.count for _, p in pending])
-        ready = None
-        if counts.is_cuda:
-            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            host.copy_(counts, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(counts.device))
-            counts = host
+        counts = LateRead(torch.cat([p.count for _, p in pending]))
         held = [f.working for forms, _ in pending for f in forms]
-        self._queue.append((pending, counts, ready, held))
+        self._queue.append((pending, counts, held))
         return held
 
     def read(self, keep: int = LAG - 1) -> None:
         """Finishes all buckets but the last `keep` (each form gets its exceptions) and
         lets their scratch go (discarded after the work queued on it)."""
         while len(self._queue) > keep:
-            pending, counts, ready, held = self._queue[0]
-            if ready is not None:
-                ready.synchronize()
-            values, at = counts.tolist(), 0
+            pending, counts, held = self._queue[0]
+            values, at = counts.get().tolist(), 0
             for forms, p in pending:
                 for form, exceptions in zip(forms, p.finish(values[at:at + len(forms)])):
                     form.set_exceptions(exceptions)

@@ -142,6 +142,7 @@ class StreamedOptimizer:
         optimizer.state_dict = types.MethodType(state_dict.paged_state_dict, self)
         optimizer.load_state_dict = types.MethodType(state_dict.paged_load_state_dict, self)
         optimizer.add_param_group = functools.partial(_paged_add_param_group, self)
+        optimizer.zero_grad = functools.partial(_paged_zero_grad, self, optimizer.zero_grad)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -528,6 +529,14 @@ class StreamedOptimizer:
 
     # -- the step ------------------------------------------------------------------
 
+    def prepare_step(self) -> None:
+        """Called where the next step's grads are being made (the optimizer's zero_grad(),
+        and Megatron's): an atomic step's undo copies of residual masters' model
+        parameters are taken now, while the device runs forward and backward, instead of
+        within the step (statepager.core.atomic)."""
+        if self.atomic and self.mains == "residual":
+            self._undo.take_before_step(self.buckets)
+
     def step_buckets(self) -> None:
         """One step, all or nothing when atomic: a step that raises has changed nothing
         (statepager.core.atomic), and a retry steps once. before_step and after_step, when
@@ -825,6 +834,13 @@ def _paged_step(binding: StreamedOptimizer, optimizer, closure=None):
     optimizer._opt_called = True  # what LR schedulers check; their step wrapper is replaced
     binding.step_buckets()
     return loss
+
+
+def _paged_zero_grad(binding: StreamedOptimizer, zero_grad, *args, **kwargs):
+    """optimizer.zero_grad() of an attached optimizer: its own, then prepare_step()."""
+    result = zero_grad(*args, **kwargs)
+    binding.prepare_step()
+    return result
 
 
 def _paged_add_param_group(binding: StreamedOptimizer, param_group: dict) -> None:

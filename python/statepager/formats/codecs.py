@@ -184,6 +184,22 @@ def _no_exceptions(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(0, dtype=torch.int32, device=device))
 
 
+def params_changed(params: list, fingerprints: list) -> torch.Tensor:
+    """A 0-dim device bool, True when some param's param_checksum differs from its
+    fingerprint (a 0-dim int64 of param's device). With the kernels, one call for all."""
+    if not params:
+        return torch.zeros((), dtype=torch.bool)
+    if not kernels_used(params[0]):
+        return torch.stack([param_checksum(p) != f for p, f in zip(params, fingerprints,
+                                                                    strict=True)]).any()
+    device = params[0].device
+    bad = torch.zeros(1, dtype=torch.uint8, device=device)
+    _C.kernels.params_changed_many(
+        params, fingerprints, _checksum_rows(params),
+        torch.empty(len(params), dtype=torch.int64, device=device), bad, _stream(params[0]))
+    return bad.view(()).bool()
+
+
 def _checksum_rows(tensors: list) -> torch.Tensor:
     """param_checksum's scratch for the largest of `tensors` (reused for each: the
     kernels run one after another on one stream)."""

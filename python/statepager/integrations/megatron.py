@@ -134,6 +134,7 @@ class MegatronMember:
         self.megatron.override(
             copy_grads=self.copy_grads, copy_mains_to_params=self.copy_mains_to_params,
             copy_params_to_mains=self.reload_mains, state_dict=self.state_dict,
+            zero_grad=self.zero_grad,
             get_parameters=self.parameters_with_carriers if self.bf16_grads else None,
             refused=refused)
 
@@ -290,6 +291,13 @@ class MegatronMember:
             self._carriers[id(main)].grad = torch.norm(self._grad16(main).float()).reshape(1)
         for probe in self._probes.values():
             probe.grad = torch.ones(1, device=probe.device)
+
+    def zero_grad(self, *args, **kwargs) -> None:
+        """Megatron's zero_grad() (the training loop's, at each iteration's start), then
+        the next step's preparation while forward and backward run (StreamedOptimizer.
+        prepare_step: its undo copies, with residual mains)."""
+        self.megatron.zero_grad_as_megatron(*args, **kwargs)
+        self.stream.prepare_step()
 
     def parameters_with_carriers(self) -> list:
         """get_parameters() as Megatron's norm and clip code sees it: each paged main

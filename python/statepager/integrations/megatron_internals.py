@@ -218,12 +218,17 @@ class Internals:
     def state_dict_as_megatron(self) -> dict:
         return type(self.d).state_dict(self.d)
 
+    def zero_grad_as_megatron(self, *args, **kwargs) -> None:
+        type(self.d).zero_grad(self.d, *args, **kwargs)
+
     def override(self, *, copy_grads, copy_mains_to_params, copy_params_to_mains,
-                 state_dict, get_parameters=None, refused: dict) -> None:
+                 state_dict, zero_grad, get_parameters=None, refused: dict) -> None:
         """Sets d's methods, on the instance (never its class): the hooks that
-        step_with_ready_grads and reload_model_params call, state_dict, get_parameters,
+        step_with_ready_grads and reload_model_params call, state_dict, zero_grad (what
+        ChainedOptimizer's and the training loop's zero_grad() call), get_parameters,
         and callables that refuse each method named in `refused` ({name: refusal})."""
         d = self.d
+        d.zero_grad = zero_grad
         d._copy_model_grads_to_main_grads = copy_grads
         d._copy_main_params_to_model_params = copy_mains_to_params
         d._copy_model_params_to_main_params = copy_params_to_mains
