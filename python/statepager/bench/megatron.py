@@ -115,8 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "it is not timed"), default=3)
     p.add_argument("--steps", type=at_least(1, "timed steps"), default=5)
     p.add_argument("--bucket", type=size, default=size("256M"), help="the pager's bucket_size")
-    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=3,
-                   help="the pager's depth (attach(depth=...))")
+    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=5,
+                   help="the pager's depth (attach(depth=...)); the default 5 keeps three "
+                        "page-ins in flight, so that a bucket's page mapping overlaps another's "
+                        "copies (attach's own default is 3: two buckets less of HBM)")
     p.add_argument("--page-size", type=size, default=None,
                    help="the pager's page_size (default: the bucket size; smaller pages map "
                         "less memory but cost the step about 1 ms per page mapped while a "
