@@ -122,6 +122,21 @@ void check_rows(const torch::Tensor& rows, int64_t n, int dev) {
        "rows must have one element per 4096 params of the largest param");
 }
 
+// The `bad` flag (one uint8) and `sums` scratch (k int64) of a call over k params: their
+// device.
+int check_bad_and_sums(const torch::Tensor& bad, const torch::Tensor& sums, size_t k) {
+  const int dev = check(bad, "bad", torch::kUInt8);
+  need(bad.numel() == 1, "bad must be one element");
+  check(sums, "sums", torch::kInt64, dev);
+  need(sums.numel() == static_cast<int64_t>(k), "sums must have one element per param");
+  return dev;
+}
+
+void check_fingerprint(const torch::Tensor& fingerprint, int dev) {
+  check(fingerprint, "fingerprint", torch::kInt64, dev);
+  need(fingerprint.numel() == 1, "a fingerprint must be one element");
+}
+
 // param_checksum of k params in one call, each compared with its fingerprint (a 1-element
 // int64 of the same device): `bad` (one uint8, zero on entry) is set when any differs.
 // `rows` is scratch (check_rows), `sums` k int64 of scratch.
@@ -132,15 +147,11 @@ void params_changed_many(const std::vector<torch::Tensor>& params,
   const size_t k = params.size();
   need(fingerprints.size() == k, "params and fingerprints differ in length");
   if (k == 0) return;
-  const int dev = check(bad, "bad", torch::kUInt8);
-  need(bad.numel() == 1, "bad must be one element");
-  check(sums, "sums", torch::kInt64, dev);
-  need(sums.numel() == static_cast<int64_t>(k), "sums must have one element per param");
+  const int dev = check_bad_and_sums(bad, sums, k);
   for (size_t i = 0; i < k; i++) {
     need(check(params[i], "param", torch::kBFloat16) == dev,
          "the params of one call must be on one device");
-    check(fingerprints[i], "fingerprint", torch::kInt64, dev);
-    need(fingerprints[i].numel() == 1, "a fingerprint must be one element");
+    check_fingerprint(fingerprints[i], dev);
     check_rows(rows, params[i].numel(), dev);
   }
   py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
@@ -172,17 +183,13 @@ void residual_rebuild_many(const std::vector<torch::Tensor>& params,
            exc_bits.size() == k && fingerprints.size() == k,
        "params, residuals, mains, exc_idx, exc_bits and fingerprints differ in length");
   if (k == 0) return;
-  const int dev = check(bad, "bad", torch::kUInt8);
-  need(bad.numel() == 1, "bad must be one element");
-  check(sums, "sums", torch::kInt64, dev);
-  need(sums.numel() == static_cast<int64_t>(k), "sums must have one element per master");
+  const int dev = check_bad_and_sums(bad, sums, k);
   for (size_t i = 0; i < k; i++) {
     need(check_residual(mains[i], params[i], residuals[i], exc_idx[i], exc_bits[i]) == dev,
          "the masters of one call must be on one device");
     const int64_t n = mains[i].numel();
     if (fingerprints[i]) {
-      check(*fingerprints[i], "fingerprint", torch::kInt64, dev);
-      need(fingerprints[i]->numel() == 1, "a fingerprint must be one element");
+      check_fingerprint(*fingerprints[i], dev);
       check_rows(rows, n, dev);
     }
   }
