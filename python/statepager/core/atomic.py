@@ -33,9 +33,9 @@ they still hold what it overwrites: the same buckets and copies, and each parame
 matching the checksum its residual was encoded against (its fingerprint, unchanged
 since), checked on the device at the step's start and read back before the step's first
 write of a parameter (a LateRead: no device-wide sync). Otherwise the step takes its own
-then, before writing any, as without them. A parameter written and then restored to the same bits while
-its copy runs would pass that check with a torn copy; nothing in a training loop does
-that between zero_grad() and step().
+then, before writing any, as without them. A parameter written and then restored to the
+same bits while its copy runs would pass that check with a torn copy; nothing in a
+training loop does that between zero_grad() and step().
 """
 from __future__ import annotations
 
