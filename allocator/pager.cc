@@ -510,8 +510,10 @@ void Pager::run_map_thread() {
   }
 }
 
-// A page-in whose mapping failed: its pages let go (never mapped: released without
-// unmapping), its extents back in their states of before, its error for wait().
+// A page-in whose mapping failed: its pages let go, its extents back in their states of
+// before, its error for wait(). No device call, so nothing the map thread could not catch:
+// its new pages were never mapped (released without unmapping), and the pages it shared
+// keep the references they had before.
 void Pager::mapping_failed_locked(Job& job, std::exception_ptr error) {
   unref_pages_locked(job.extents, job.extents.size());
   job.maps.clear();
