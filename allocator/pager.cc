@@ -511,11 +511,15 @@ void Pager::run_map_thread() {
 }
 
 // A page-in whose mapping failed: its pages let go, its extents back in their states of
-// before, its error for wait(). No device call, so nothing the map thread could not catch:
-// its new pages were never mapped (released without unmapping), and the pages it shared
-// keep the references they had before.
+// before, its error for wait(). Its new pages were never mapped (released without
+// unmapping); a page it shared, whose other references went meanwhile, is unmapped here,
+// and a device failing that (a broken context) must not end the map thread: the bucket
+// has failed already, and close() meets that device again.
 void Pager::mapping_failed_locked(Job& job, std::exception_ptr error) {
-  unref_pages_locked(job.extents, job.extents.size());
+  try {
+    unref_pages_locked(job.extents, job.extents.size());
+  } catch (...) {
+  }
   job.maps.clear();
   for (size_t i = 0; i < job.extents.size(); i++) {
     Extent& e = extent_locked(job.extents[i]);
