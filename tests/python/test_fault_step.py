@@ -269,32 +269,39 @@ FAULTS = {"before-hook": BeforeHook, "after-hook": AfterHook, "optimizer": Optim
 RESIDUAL_ONLY = ("changed-param", "counts-unread")
 
 
-def run(setup, device, store, warm, fault=None, tmp=None):
+def run(setup, device, store, warm, fault=None, tmp=None, begun=False):
     """Steps `warm` times, then once with `fault` armed (it must fail and change
-    nothing), then once more: returns (state before the failing step, after the retry)."""
+    nothing), then once more: returns (state before the failing step, after the retry).
+    begun: each step begun first (StreamedOptimizer.begin_step), the fault armed before."""
     model, pager, opt, binding = setup(store, device)
+
+    def step():
+        if begun:
+            binding.begin_step()
+        opt.step()
+
     try:
-        for step in range(warm):
-            set_grads(model, step)
-            opt.step()
+        for i in range(warm):
+            set_grads(model, i)
+            step()
         set_grads(model, warm)
         before = capture(model, pager, opt, binding)
         if fault is not None:
             f = fault(model, pager, opt, binding, tmp)
             f.arm()
             with pytest.raises(f.raises):
-                opt.step()
+                step()
             f.disarm()
             after = capture(model, pager, opt, binding)
             for key in before:
                 assert same(before[key], after[key]), f"the failed step changed {key}"
-        opt.step()
+        step()
         return before, capture(model, pager, opt, binding)
     finally:
         pager.close()
 
 
-def check_fault(tmp_path, request, config, fault, device="cpu"):
+def check_fault(tmp_path, request, config, fault, device="cpu", begun=False):
     setup, warm = CONFIGS[config]
     if config == "sgd-first-step" and fault in ("optimizer", "unreadable-store"):
         pytest.skip("SGD takes sparse grads, and its first step reads nothing from the store")
@@ -306,27 +313,32 @@ def check_fault(tmp_path, request, config, fault, device="cpu"):
             if fault == "no-space" else str(tmp_path))
     clean_before, clean_after = run(setup, device, os.path.join(str(tmp_path), "clean"), warm)
     before, after = run(setup, device, os.path.join(root, "store"), warm, FAULTS[fault],
-                        tmp_path)
+                        tmp_path, begun)
     assert same(clean_before, before)
     for key in clean_after:
         assert same(clean_after[key], after[key]), f"the retry differs from a clean step: {key}"
     assert not same(clean_before["stored"], clean_after["stored"])  # the step did step
 
 
+@pytest.mark.parametrize("begun", [False, True], ids=["called", "begun"])
 @pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_failed_step_changes_nothing_and_retry_steps_once(tmp_path, request, config, fault):
-    check_fault(tmp_path, request, config, fault)
+def test_failed_step_changes_nothing_and_retry_steps_once(tmp_path, request, config, fault,
+                                                          begun):
+    """begun: the step's page-ins started before step() (begin_step), as the Megatron
+    adapter starts them."""
+    check_fault(tmp_path, request, config, fault, begun=begun)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fault", ["after-hook", "out-of-memory", "no-space", "changed-param",
                                    "counts-unread"])
 @pytest.mark.parametrize("config", ["adamw", "paged-fp32", "paged-residual-q8"])
-def test_failed_step_on_the_gpu(tmp_path, request, config, fault):
+@pytest.mark.parametrize("begun", [False, True], ids=["called", "begun"])
+def test_failed_step_on_the_gpu(tmp_path, request, config, fault, begun):
     """The same on CUDA memory: the abort waits for the device before it unmaps (and,
     with residual masters, the checks and counts read late are those of the kernels)."""
-    check_fault(tmp_path, request, config, fault, "cuda")
+    check_fault(tmp_path, request, config, fault, "cuda", begun)
 
 
 def test_store_file_stays_bounded_over_many_steps(store_dir):
@@ -477,3 +489,146 @@ def test_atomic_false_steps_in_place(store_dir):
         with pytest.raises(RuntimeError):
             opt.step()
         assert not same(before, [bits(p) for p in model.parameters()])
+
+
+# -- a step begun before step() (StreamedOptimizer.begin_step) ----------------------------
+
+BEGUN_CONFIGS = ["adamw", "paged-residual-q8"]
+
+
+def stepped_twice(setup, device, store, between=None):
+    """Two steps (the second begun, then `between(model, pager, opt, binding)` run before
+    its step() when given): the state captured after each, and the pager's bytes moved
+    by the begun step and what ran with it."""
+    model, pager, opt, binding = setup(store, device)
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        first = capture(model, pager, opt, binding)
+        set_grads(model, 1)
+        stats = pager.stats()
+        binding.begin_step()
+        if between is not None:
+            between(model, pager, opt, binding)
+        opt.step()
+        moved = {k: pager.stats()[k] - stats[k] for k in ("bytes_read", "bytes_written")}
+        assert all(pager.residency(t) == "file" for b in binding.buckets for t in b.stored)
+        return first, capture(model, pager, opt, binding), moved, binding.last
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", BEGUN_CONFIGS)
+def test_a_begun_step_is_the_step_it_would_have_been(tmp_path, device, config):
+    """begin_step() then step(): the bits of a step called plainly, the same bytes read
+    and written (one pass: the page-ins begun are the step's own), counted in its stats."""
+    setup = CONFIGS[config][0]
+    plain = stepped_twice(lambda s, d: _unbegun(setup(s, d)), device, str(tmp_path / "a"))
+    begun = stepped_twice(setup, device, str(tmp_path / "b"))
+    assert same(plain[1], begun[1]) and not same(begun[0], begun[1])
+    assert plain[2] == begun[2]
+    assert begun[3].bytes_read == begun[2]["bytes_read"] > 0
+
+
+def _unbegun(made):
+    """A setup whose binding's begin_step() does nothing (the step pages in itself)."""
+    made[3].begin_step = lambda: None
+    return made
+
+
+def _end(model, pager, opt, binding):
+    binding.end_begun_step()
+
+
+def _zero_grad(model, pager, opt, binding):
+    """A skipped step: the training loop goes on to its next iteration's zero_grad()."""
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+
+
+def _state_dict(model, pager, opt, binding):
+    opt.state_dict()
+
+
+def _save(model, pager, opt, binding):
+    pager.save(os.path.join(pager.directory + "-ckpt"))
+
+
+def _pause(model, pager, opt, binding):
+    pager.pause()
+    pager.resume()
+
+
+def _new_group(model, pager, opt, binding):
+    """A param group added: the step plans its buckets anew."""
+    extra = torch.nn.Parameter(torch.zeros(3, device=pager.device,
+                                           dtype=next(model.parameters()).dtype))
+    opt.add_param_group({"params": [extra]})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("between", [_end, _zero_grad, _state_dict, _save, _pause, _new_group],
+                         ids=["end_begun_step", "zero_grad", "state_dict", "save", "pause",
+                              "add_param_group"])
+def test_what_comes_between_a_begun_step_and_step_ends_it(tmp_path, device, between):
+    """A begun step that something else comes before (a skipped step's next zero_grad(),
+    state_dict(), a checkpoint, pause(), a new param group) is ended first, its pages
+    dropped without a byte written; step() then begins anew, with the bits of a step
+    called plainly."""
+    # PagedAdamW steps the model's own parameters: a group of others goes to torch's AdamW.
+    setup = CONFIGS["adamw" if between is _new_group else "paged-residual-q8"][0]
+    plain = stepped_twice(lambda s, d: _unbegun(setup(s, d)), device, str(tmp_path / "a"),
+                          between if between is _new_group else None)
+    ended = stepped_twice(setup, device, str(tmp_path / "b"), between)
+    assert same(plain[1]["model"], ended[1]["model"])
+    assert same(plain[1]["stored"][:len(ended[1]["stored"])],
+                ended[1]["stored"][:len(plain[1]["stored"])])
+    # Ended: the begun page-ins (the first buckets') were read, and dropped unwritten.
+    if between in (_end, _zero_grad):
+        assert ended[2]["bytes_written"] == plain[2]["bytes_written"]
+        assert plain[2]["bytes_read"] < ended[2]["bytes_read"] < 2 * plain[2]["bytes_read"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_that_cannot_begin_is_left_to_step(store_dir, device, monkeypatch):
+    """begin_step() whose page-ins cannot all start (the second one refused, out of
+    memory): the one that started is waited for and dropped unwritten, nothing changes,
+    and step() then pages in itself and steps as ever."""
+    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        set_grads(model, 1)
+        before = capture(model, pager, opt, binding)
+        page_in_async, calls = pager.page_in_async, []
+
+        def refusing(tensors):
+            calls.append(1)
+            if len(calls) == 2:
+                raise statepager.OutOfMemoryError("injected: no room for the second bucket")
+            return page_in_async(tensors)
+
+        monkeypatch.setattr(pager, "page_in_async", refusing)
+        written = pager.stats()["bytes_written"]
+        binding.begin_step()
+        assert len(calls) == 2
+        assert all(pager.residency(t) == "file" for b in binding.buckets for t in b.stored)
+        assert pager.stats()["bytes_written"] == written
+        monkeypatch.undo()
+        after = capture(model, pager, opt, binding)
+        for key in before:
+            assert same(before[key], after[key]), f"the begun step changed {key}"
+        opt.step()
+        assert not same(before["stored"], capture(model, pager, opt, binding)["stored"])
+
+
+def test_begin_step_does_nothing_for_steps_in_place(store_dir):
+    """atomic=False: no epoch to drop a begun step's pages unwritten, so none begins."""
+    model, pager, opt, binding = adamw(store_dir, atomic=False)
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        stats = pager.stats()
+        binding.begin_step()
+        assert pager.stats()["bytes_read"] == stats["bytes_read"]

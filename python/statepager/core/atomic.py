@@ -162,10 +162,13 @@ class UndoCopies:
 
 
 class AtomicStep:
-    """One step's way back. Construction opens the pager epoch and takes what the step
-    will change; save() and writing() are called per bucket by the step; commit() or
-    roll_back() ends it. `rebuild_mirror(master)` returns the model parameter that
-    after_bucket writes from an fp32 master (rewritten from it on roll_back)."""
+    """One step's way back. Construction opens the pager epoch, before the step's first
+    page-in (StreamedOptimizer.begin_step may start them before step() is called);
+    snapshot(), at the step's start, takes what the step will change in ordinary memory;
+    save() and writing() are called per bucket by the step; commit() or roll_back() ends
+    it, or abandon() one that never started. `rebuild_mirror(master)` returns the model
+    parameter that after_bucket writes from an fp32 master (rewritten from it on
+    roll_back)."""
 
     def __init__(self, binding, undo: UndoCopies, rebuild_mirror: Callable | None = None):
         self.pager, self.optimizer, self.buckets = binding.pager, binding.optimizer, binding.buckets
@@ -176,17 +179,26 @@ class AtomicStep:
         # last step is written now, as the step would have written it).
         pager.page_out([t for b in self.buckets for t in b.stored])
         pager.discard_async([t for b in self.buckets for t in b.working]).wait()
-        self._state = _copy_state(self.optimizer.state, pager)
-        self._groups = [{k: v for k, v in g.items() if k != "params"}
-                        for g in self.optimizer.param_groups]
-        self._grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
-        self._forms = [(f, f.exceptions, f.fingerprint) for b in self.buckets for f in b.forms]
         # id(bucket) -> the event of its undo copies (UndoCopies.take), taken before the
         # step where they may be (UndoCopies.take_before_step), then checked (_recheck)
         self._taken, self._recheck = undo.taken_before_step(self.buckets)
         self._saved = []    # buckets that stepped, their undo copies taken
         self._written = []  # buckets whose model parameters after_bucket may have written
         self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
+
+    def snapshot(self) -> None:
+        """At the step's start: copies what it changes outside the pager (unpaged state,
+        param group options, grads, the residual forms' exceptions) as they are now."""
+        self._state = _copy_state(self.optimizer.state, self.pager)
+        self._groups = [{k: v for k, v in g.items() if k != "params"}
+                        for g in self.optimizer.param_groups]
+        self._grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
+        self._forms = [(f, f.exceptions, f.fingerprint) for b in self.buckets for f in b.forms]
+
+    def abandon(self) -> None:
+        """Ends a step that changed nothing yet (its page-ins done or waited for): the
+        epoch's tensors return to rest, their pages dropped unwritten."""
+        self.epoch.abort()
 
     def take_ahead(self, bucket) -> None:
         """Takes a later bucket's undo copies now, before the buckets stepping ahead of it

@@ -303,6 +303,7 @@ class Pager:
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
         if self._paused is not None:
             raise _C.UsageError("this Pager is already paused: call resume() first")
+        self._end_begun_steps()
         ids = self._core.resident_extents()
         try:
             self._core.page_all(ids, bucket_size, True)
@@ -328,6 +329,12 @@ class Pager:
             raise _C.UsageError("this Pager is not paused")
         self._core.page_all(self._paused, bucket_size, False)
         self._paused = None
+
+    def _end_begun_steps(self) -> None:
+        """Ends the bindings' steps begun and not taken up (StreamedOptimizer.begin_step)
+        before what reads or moves all the state (pause, checkpoints, close)."""
+        for binding in self._bindings:
+            binding.end_begun_step()
 
     @property
     def paused(self) -> bool:
@@ -450,6 +457,7 @@ class Pager:
 
     def _save(self, path: str, background: bool, via: str, checksum: str = "crc32c"):
         checkpoint.check_save_options(background, via, checksum)
+        self._end_begun_steps()
         self._settle_save()
         handle = checkpoint.save(self, self._core, path, background=background, via=via,
                                  checksum=checksum)
@@ -458,6 +466,7 @@ class Pager:
         return handle
 
     def _load(self, path: str) -> bool:
+        self._end_begun_steps()
         self._settle_save()
         loaded = checkpoint.load(self, self._core, path)
         if loaded:
@@ -525,7 +534,10 @@ class Pager:
     def close(self) -> None:
         """Waits for paging to finish, drops all state and deletes what the Pager created in
         its directory (the directory too, when the Pager made it)."""
-        self._core.close()
+        try:
+            self._end_begun_steps()
+        finally:
+            self._core.close()
         if self._mem_pool is not None:
             self._mem_pool = None
             scope.retire_pool_of(id(self))

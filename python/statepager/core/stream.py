@@ -54,6 +54,23 @@ class Bucket:
     planned: int = 0                             # bytes planned for it (state to come included)
 
 
+@dataclass
+class _Run:
+    """One step's pipeline (StreamedOptimizer._start): its buckets as planned, what each
+    one's page-in brings, and the page-ins and read-aheads in flight."""
+    atomic: "AtomicStep | None"
+    buckets: list
+    before: dict                                  # the pager's stats() at the start
+    t_start: float                                # time.monotonic() at the start
+    stats: StepStats
+    fused: list = field(default_factory=list)     # per bucket: _fused_forms()
+    incoming: list = field(default_factory=list)  # per bucket: _incoming()
+    sched: "_Schedule | None" = None
+    read_ahead: int = 0                           # buckets read ahead past a page-in
+    ins: dict = field(default_factory=dict)       # bucket index -> its page-in's handle
+    aheads: dict = field(default_factory=dict)    # bucket index -> its read-ahead's handle
+
+
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
 # Called with (param, start, stop) around the step of a chunk of a parameter: elements
 # [start, stop) of it in memory order (statepager.core.slices).
@@ -99,6 +116,7 @@ class StreamedOptimizer:
         self._model_param = model_param
         self.last = StepStats()
         self._steps = 0
+        self._begun: _Run | None = None  # begin_step()'s, until step() takes it up
         # Per parameter (by id): its paged state entries' StoredForms, by name.
         self._forms: dict[int, dict[str, StoredForm]] = {}
         # Parameters that step in chunks (by id): their chunks' (start, stop).
@@ -306,6 +324,7 @@ class StreamedOptimizer:
         (for state_dict(), load_state_dict() and checkpoints through the device, which
         read and write whole state entries: one such parameter's state is resident at
         once, beyond the step's window)."""
+        self.end_begun_step()
         groups = self.optimizer.param_groups
         for b in self.buckets:
             if not b.chunks:
@@ -346,16 +365,23 @@ class StreamedOptimizer:
         """The plan for the param groups as they are now: groups added, removed or changed
         since the last plan (add_param_group, direct edits) are planned anew, so they are
         streamed from the next step on."""
+        self._plan_anew_if_changed()
+        return self._buckets
+
+    def _plan_anew_if_changed(self) -> None:
+        """Plans the buckets anew when the param groups changed since the last plan (a step
+        begun on that plan ends first)."""
         if self._layout() != self._planned_layout:
+            self.end_begun_step()
             for i, group in enumerate(self.optimizer.param_groups):
                 self.check_group(group, i)
             self._buckets = self._plan()
             self.pager.keep_at_least(self._window())
-        return self._buckets
 
     def state_changed(self) -> None:
         """Paged state entries were added or replaced outside a step (a checkpoint load):
         the buckets take them in."""
+        self.end_begun_step()
         for b in self.buckets:
             self._fill(b)
         self.pager.keep_at_least(self._window())
@@ -476,7 +502,8 @@ class StreamedOptimizer:
         """Pages the stored form out and drops the scratch but `keep`; returns the
         handles. reuse_after: see Pager.page_out_async."""
         handles = [self.pager.page_out_async(b.stored, reuse_after)]
-        drop = [t for t in b.working if all(t is not k for k in keep)]
+        kept = {id(k) for k in keep}  # a set: a bucket of many small parameters holds many
+        drop = [t for t in b.working if id(t) not in kept]
         if drop:
             handles.append(self.pager.discard_async(drop))
         if wait:
@@ -520,7 +547,7 @@ class StreamedOptimizer:
     def stored_in_buckets(self):
         """Yields each bucket with its stored form resident (no decoding); a parameter
         that steps in chunks whole, in a bucket of its own."""
-        for b in self._whole_buckets():
+        for b in self._whole_buckets():  # which ends a begun step first
             self.pager.page_in(b.stored)
             try:
                 yield b
@@ -533,7 +560,9 @@ class StreamedOptimizer:
         """Called where the next step's grads are being made (the optimizer's zero_grad(),
         and Megatron's): an atomic step's undo copies of residual masters' model
         parameters are taken now, while the device runs forward and backward, instead of
-        within the step (statepager.core.atomic)."""
+        within the step (statepager.core.atomic). A step begun and not taken up (a
+        skipped step) ends first."""
+        self.end_begun_step()
         if self.atomic and self.mains == "residual":
             self._undo.take_before_step(self.buckets)
 
@@ -547,14 +576,55 @@ class StreamedOptimizer:
         if self.after_step:
             self.after_step()
 
-    def _step_all(self) -> None:
-        if not self.atomic:
-            self._stream(None)
+    def begin_step(self) -> None:
+        """Starts the next step's first page-ins now, so that they overlap what runs
+        before the step (Megatron's grad norm and clipping: the adapter calls it once
+        the grads are ready); step() takes them up. Atomic steps only: their pager epoch
+        opens now, so a begun step that no step() takes up ends (end_begun_step) without
+        writing a byte. Until then, whatever else reads or changes the state ends it
+        first (state_dict(), checkpoints, pause()). Nothing changes when the page-ins
+        cannot start (a budget too small, a device error): step() meets the problem
+        again and reports it, rolled back."""
+        if self._begun is not None or not self.atomic or self.pager.paused:
             return
-        mirror = self._model_param if self.mains == "fp32" else None
-        step = AtomicStep(self, self._undo, mirror)
         try:
-            self._stream(step)
+            step = AtomicStep(self, self._undo, self._mirror())
+        except Exception as error:
+            log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+            return
+        try:
+            self._begun = self._start(step)
+        except Exception as error:
+            step.abandon()
+            log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+
+    def end_begun_step(self) -> None:
+        """Ends a step that begin_step() began and no step() took up: its page-ins are
+        waited for and their pages dropped, nothing written."""
+        run, self._begun = self._begun, None
+        if run is not None:
+            _settle(list(run.ins.values()) + list(run.aheads.values()))
+            run.atomic.abandon()
+
+    def _mirror(self):
+        """What AtomicStep rewrites from restored fp32 masters: their model parameters."""
+        return self._model_param if self.mains == "fp32" else None
+
+    def _step_all(self) -> None:
+        self._plan_anew_if_changed()
+        run, self._begun = self._begun, None
+        if not self.atomic:
+            self._stream(self._start(None))
+            return
+        step = run.atomic if run is not None else AtomicStep(self, self._undo, self._mirror())
+        try:
+            step.snapshot()
+        except BaseException:
+            _settle(list(run.ins.values()) + list(run.aheads.values()) if run else [])
+            step.abandon()
+            raise
+        try:
+            self._stream(run if run is not None else self._start(step))
         except BaseException as error:
             try:
                 step.roll_back()
@@ -566,46 +636,63 @@ class StreamedOptimizer:
             raise
         step.commit()
 
-    def _stream(self, atomic: AtomicStep | None) -> None:
-        pager, buckets, n = self.pager, self.buckets, len(self.buckets)
-        stats = StepStats(step=self._steps + 1, buckets=n)
+    def _start(self, atomic: AtomicStep | None) -> "_Run":
+        """A step's pipeline, its first page-ins issued (the rest as buckets step)."""
+        pager, buckets = self.pager, self.buckets
         before = pager.stats()
         pager.reset_peak()
-        t_start = time.monotonic()
-        # Optimizers that count steps per param group (TE's and apex's FusedAdam) must
-        # advance the count once per step, not once per bucket.
-        self._group_steps = [g.get("step", _ABSENT) for g in self.optimizer.param_groups]
-        self._group_steps_after = list(self._group_steps)
-        self._counts = {}
-        ahead = max(1, self.depth - 2)
+        run = _Run(atomic=atomic, buckets=buckets, before=before, t_start=time.monotonic(),
+                   stats=StepStats(step=self._steps + 1, buckets=len(buckets)))
         # Which moments the fused step reads as stored, per bucket: what its page-in
         # brings and how it steps (a bucket that creates state finds out again).
-        fused = [self._fused_forms(b) for b in buckets]
-        incoming = [self._incoming(b, f) for b, f in zip(buckets, fused)]
-        named_in = [_bytes(x) for x in incoming]
+        run.fused = [self._fused_forms(b) for b in buckets]
+        run.incoming = [self._incoming(b, f) for b, f in zip(buckets, run.fused)]
+        named_in = [_bytes(x) for x in run.incoming]
         scratch = [m - _bytes(b.stored) for m, b in zip(named_in, buckets)]
-        sched = _Schedule(named_in, scratch, ahead)
+        run.sched = _Schedule(named_in, scratch, self._ahead())
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
         # the store into free host room (bounded by it: the pager never makes room for a
         # read-ahead), so that their page-in is a copy from host memory that never waits
         # for a file read it could have started earlier. Only that far: the room a
         # read-ahead holds until its page-in is room the buckets stepped meanwhile
         # cannot keep.
-        read_ahead = self.depth if before["host_budget_bytes"] else 0
-        ins, outs = {}, collections.deque()  # page-ins; per bucket its page-out handles
+        run.read_ahead = self.depth if before["host_budget_bytes"] else 0
+        try:
+            for j in range(min(self._ahead() + 1, len(buckets))):
+                self._page_in(run, j)
+        except BaseException:
+            _settle(list(run.ins.values()) + list(run.aheads.values()))
+            raise
+        return run
+
+    def _ahead(self) -> int:
+        """Page-ins in flight beyond the bucket stepping (the rest of the window: the
+        bucket stepping and the page-outs)."""
+        return max(1, self.depth - 2)
+
+    def _page_in(self, run: "_Run", j: int) -> None:
+        """Issues bucket j's page-in, and the read-aheads past it."""
+        pager, buckets, aheads = self.pager, run.buckets, run.aheads
+        run.ins[j] = pager.page_in_async(run.incoming[j])
+        for k in range(max(j + 1, max(aheads, default=0) + 1),
+                       min(j + run.read_ahead + 1, len(buckets))):
+            aheads[k] = pager.read_ahead_async(buckets[k].stored)
+
+    def _stream(self, run: "_Run") -> None:
+        pager, buckets, n = self.pager, run.buckets, len(run.buckets)
+        atomic, fused, stats, sched, ins = run.atomic, run.fused, run.stats, run.sched, run.ins
+        # Optimizers that count steps per param group (TE's and apex's FusedAdam) must
+        # advance the count once per step, not once per bucket.
+        self._group_steps = [g.get("step", _ABSENT) for g in self.optimizer.param_groups]
+        self._group_steps_after = list(self._group_steps)
+        self._counts = {}
+        ahead = self._ahead()
+        outs = collections.deque()  # per bucket stepped, its page-out handles
         done_in, done_out, stepping = [], [], []
         counting = ExceptionCounts(pager)  # the exceptions of the buckets stepped last
         checks = ParamChecks() if atomic else None
-        aheads = {}  # per bucket read ahead, its handle
         trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
-
-        def page_in(j: int) -> None:
-            ins[j] = pager.page_in_async(incoming[j])
-            for k in range(max(j + 1, max(aheads, default=0) + 1), min(j + read_ahead + 1, n)):
-                aheads[k] = pager.read_ahead_async(buckets[k].stored)
         try:
-            for j in range(min(ahead + 1, n)):
-                page_in(j)
             for i, b in enumerate(buckets):
                 t0 = time.monotonic()
                 h = ins.pop(i)
@@ -638,7 +725,7 @@ class StreamedOptimizer:
                     # Queued behind bucket i - 1's work, whose page-out was just waited for.
                     counting.wait_let_go()
                     stats.wait_out_seconds += time.monotonic() - t0
-                    page_in(j)
+                    self._page_in(run, j)
             t0 = time.monotonic()
             counting.read(keep=0)
             if checks:
@@ -648,7 +735,7 @@ class StreamedOptimizer:
             counting.wait_let_go()
             # Done by now (their page-ins waited for them). One that failed left its tensors
             # in the store, whose page-in then read them (or failed the step itself).
-            _settle(aheads.values())
+            _settle(run.aheads.values())
         except BaseException as error:
             try:  # a stepped bucket's exceptions are its stored form's: never left unread
                 counting.read(keep=0)
@@ -656,17 +743,17 @@ class StreamedOptimizer:
                 error.add_note(f"statepager: reading a stepped bucket's residual exceptions "
                                f"failed too ({failed!r}): its masters may not decode")
             _settle(list(ins.values()) + [h for handles in outs for h in handles]
-                    + counting.handles + list(aheads.values()))
+                    + counting.handles + list(run.aheads.values()))
             raise
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
         pager.keep_at_least(self._window())  # state created in this step
         t_end = time.monotonic()
         stats.wait_out_seconds += t_end - t0
-        stats.seconds = t_end - t_start
+        stats.seconds = t_end - run.t_start
         after = pager.stats()
-        stats.bytes_read = after["bytes_read"] - before["bytes_read"]
-        stats.bytes_written = after["bytes_written"] - before["bytes_written"]
+        stats.bytes_read = after["bytes_read"] - run.before["bytes_read"]
+        stats.bytes_written = after["bytes_written"] - run.before["bytes_written"]
         stats.peak_mapped_bytes = after["peak_mapped_bytes"]
         stats.set_io_times([h.times for h in done_in], [h.times for h in done_out])
         stats.timeline = [(b.nbytes, i.times, s, o.times)
