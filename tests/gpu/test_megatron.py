@@ -219,6 +219,39 @@ def test_failed_step_changes_nothing_and_the_retry_is_exact(gpt, case, store_dir
     assert_same(base, paged)
 
 
+@pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads-overlap"])
+def test_a_step_stopped_before_the_inner_step_writes_nothing(gpt, case, store_dir):
+    """The streamed step begins once the grads are ready (its page-ins overlap the grad
+    norm); Megatron's step stopped between then and the inner step (here the grad norm
+    raises; a skipped step returns there) ends it, its pages dropped unwritten, and
+    training on matches unpaged Megatron bit for bit."""
+    setup = gpt.Setup(steps=5, **CASES[case])
+    base = run(gpt, setup)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB)
+        losses = [gpt.train_step(setup, model, optimizer, scheduler, i) for i in range(3)]
+
+        def failing():
+            raise RuntimeError("injected grad norm failure")
+
+        optimizer.get_grad_norm = failing
+        before = pager.stats()
+        with pytest.raises(RuntimeError, match="injected grad norm failure"):
+            gpt.train_step(setup, model, optimizer, scheduler, 3)
+        del optimizer.get_grad_norm
+        after = pager.stats()
+        assert after["bytes_read"] > before["bytes_read"]  # it had begun
+        assert after["bytes_written"] == before["bytes_written"]
+        assert all(pager.residency(t) == "file" for s in binding.streams for b in s.buckets
+                   for t in b.stored)
+        losses += [gpt.train_step(setup, model, optimizer, scheduler, i)
+                   for i in range(3, setup.steps)]
+        gpt.finish(model)
+        paged = (losses, [p.detach().cpu() for p in model.parameters()],
+                 snapshot(optimizer, binding), None)
+    assert_same(base, paged)
+
+
 def test_refusals_name_what_to_use_instead(gpt, store_dir):
     setup = gpt.Setup(steps=1)
     with Pager(store_dir, "cuda") as pager:

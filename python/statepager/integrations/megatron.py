@@ -66,8 +66,9 @@ def attach(pager, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
     for i, m in live:
         kind = "expert" if Internals(m).is_expert() else "dense"
         binding.members.append(MegatronMember(
-            pager, m, f"{i}-{kind}", bucket_size=bucket_size, depth=depth,
-            log_steps=log_steps, moments=moments, mains=mains, atomic=atomic))
+            pager, m, f"{i}-{kind}", begins_step=not binding.members, bucket_size=bucket_size,
+            depth=depth, log_steps=log_steps, moments=moments, mains=mains, atomic=atomic))
+    internals.override_step(optimizer, binding.step)
     return binding
 
 
@@ -87,6 +88,17 @@ class MegatronBinding:
     def streams(self) -> list:
         return [m.stream for m in self.members]
 
+    def step(self, *args, **kwargs):
+        """Megatron's step() of the optimizer (set on it at attach). Its first member
+        begins its streamed step once the grads are ready (MegatronMember.copy_grads); a
+        step Megatron then skips (inf/NaN grads) or that fails before the inner step is
+        ended here, its pages dropped unwritten."""
+        try:
+            return internals.step_as_megatron(self.optimizer, *args, **kwargs)
+        finally:
+            for m in self.members:
+                m.stream.end_begun_step()
+
     @property
     def last(self) -> list:
         """StepStats of the last step, one per member."""
@@ -98,8 +110,12 @@ class MegatronMember:
     a StreamedOptimizer whose bucket hooks bring the grads in and copy the mains out, and
     its Megatron hooks are this object's methods."""
 
-    def __init__(self, pager, d, name: str, **options):
+    def __init__(self, pager, d, name: str, begins_step: bool = False, **options):
+        """begins_step: the member Megatron steps first, whose streamed step begins when
+        its grads are ready, to overlap the grad norm and clipping (at most one member
+        does: the pager's budget holds one step's window at a time)."""
         self.pager = pager
+        self.begins_step = begins_step
         self.optimizer = d  # the DistributedOptimizer
         self.megatron = Internals(d)
         self._adopt_mains(options["bucket_size"])
@@ -281,7 +297,14 @@ class MegatronMember:
 
     def copy_grads(self, *_) -> None:
         """Megatron's model-grads-to-main-grads, with bf16 grads left in the grad buffer:
-        the mains' norm carriers get the fp32 grad norms, the probes a grad of one."""
+        the mains' norm carriers get the fp32 grad norms, the probes a grad of one. Then
+        the streamed step begins (begins_step), its page-ins running while Megatron
+        computes the grad norm and clips."""
+        self._copy_grads()
+        if self.begins_step:
+            self.stream.begin_step()
+
+    def _copy_grads(self) -> None:
         if not self.bf16_grads:
             return self.megatron.copy_grads_as_megatron()
         for model_param, shard in self.megatron.fp32_params():

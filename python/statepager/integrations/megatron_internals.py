@@ -37,6 +37,8 @@ CONTRACT = (
     ("megatron.core.optimizer", "DistributedOptimizer", "_copy_model_params_to_main_params",
      ["self"]),
     ("megatron.core.optimizer", "DistributedOptimizer", "state_dict", ["self"]),
+    ("megatron.core.optimizer", "DistributedOptimizer", "step", ["self"]),
+    ("megatron.core.optimizer", "ChainedOptimizer", "step", ["self"]),
     ("megatron.core.optimizer", "DistributedOptimizer", "get_parameters", ["self"]),
     ("megatron.core.optimizer", "DistributedOptimizer", "offload_to_cpu", None),
     ("megatron.core.optimizer", "DistributedOptimizer", "restore_from_cpu", None),
@@ -95,6 +97,17 @@ def members(optimizer) -> list:
     chain = (optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer)
              else [optimizer])
     return [(i, m) for i, m in enumerate(chain) if not getattr(m, "is_stub_optimizer", False)]
+
+
+def step_as_megatron(optimizer, *args, **kwargs):
+    """Megatron's own step() of `optimizer` (a DistributedOptimizer or ChainedOptimizer)."""
+    return type(optimizer).step(optimizer, *args, **kwargs)
+
+
+def override_step(optimizer, step) -> None:
+    """Sets `optimizer`'s step() (the training loop's; ChainedOptimizer.step steps its
+    members through their other methods, never their step()), on the instance."""
+    optimizer.step = step
 
 
 def grad_norm_group(main):
