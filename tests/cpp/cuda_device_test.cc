@@ -55,9 +55,18 @@ struct MappedPage {
   PhysicalPage page = 0;
 };
 
-TEST(CudaDevice, CopiesAreBitExact) {
-  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto dev = make_cuda_device(0);
+// Each test gets device 0, or is skipped where there is none. GTEST_SKIP() here skips the
+// body, so anything that needs `dev` (a MappedPage) is made in the test itself.
+class CudaDevice : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
+    dev = make_cuda_device(0);
+  }
+  std::unique_ptr<Device> dev;
+};
+
+TEST_F(CudaDevice, CopiesAreBitExact) {
   EXPECT_EQ(dev->name(), "cuda:0");
   const size_t g = dev->granularity();
   ASSERT_GT(g, 0u);
@@ -87,9 +96,7 @@ TEST(CudaDevice, CopiesAreBitExact) {
 // A batch of scattered pieces of odd sizes, both ways, between a page and registered
 // memory (a file's shared mapping is registered the same way): every byte lands where its
 // piece says, and bytes no piece covers are untouched.
-TEST(CudaDevice, CopyBatchMovesEveryPieceBothWays) {
-  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto dev = make_cuda_device(0);
+TEST_F(CudaDevice, CopyBatchMovesEveryPieceBothWays) {
   MappedPage mapped(*dev);
   const size_t g = mapped.bytes;
   const uintptr_t base = mapped.base;
@@ -132,9 +139,7 @@ TEST(CudaDevice, CopyBatchMovesEveryPieceBothWays) {
   dev->unregister_host(src);
 }
 
-TEST(CudaDevice, FillZero) {
-  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto dev = make_cuda_device(0);
+TEST_F(CudaDevice, FillZero) {
   MappedPage mapped(*dev);
   const size_t g = mapped.bytes;
   const uintptr_t base = mapped.base;
@@ -153,9 +158,7 @@ TEST(CudaDevice, FillZero) {
   dev->free_staging(buf, g);
 }
 
-TEST(CudaDevice, FenceIsDoneAfterWait) {
-  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto dev = make_cuda_device(0);
+TEST_F(CudaDevice, FenceIsDoneAfterWait) {
   for (CopyQueue queue : {CopyQueue::kToHost, CopyQueue::kToDevice}) {
     Fence a = dev->record(queue);
     Fence b = dev->record(queue);
@@ -168,9 +171,7 @@ TEST(CudaDevice, FenceIsDoneAfterWait) {
   }
 }
 
-TEST(CudaDevice, RemapKeepsAddressAndPageContents) {
-  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto dev = make_cuda_device(0);
+TEST_F(CudaDevice, RemapKeepsAddressAndPageContents) {
   const size_t g = dev->granularity();
   uintptr_t base = dev->reserve(g);
   PhysicalPage a = dev->create_page(g);
@@ -205,9 +206,7 @@ TEST(CudaDevice, RemapKeepsAddressAndPageContents) {
   dev->unreserve(base, g);
 }
 
-TEST(CudaDevice, AbsurdPageThrows) {
-  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto dev = make_cuda_device(0);
+TEST_F(CudaDevice, AbsurdPageThrows) {
   const size_t bytes = round_up(size_t{1} << 40, dev->granularity());  // 1 TiB
   try {
     PhysicalPage page = dev->create_page(bytes);
@@ -220,9 +219,7 @@ TEST(CudaDevice, AbsurdPageThrows) {
   }
 }
 
-TEST(CudaDevice, FreeMemoryTracksPages) {
-  if (!statepager::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto dev = make_cuda_device(0);
+TEST_F(CudaDevice, FreeMemoryTracksPages) {
   const size_t page_bytes = round_up(size_t{64} << 20, dev->granularity());
   const size_t count = (size_t{1} << 30) / page_bytes;
   const size_t total = count * page_bytes;
