@@ -656,7 +656,8 @@ def config_lines(c: dict) -> list[str]:
 
 def _stream_share(p: dict, f: dict) -> str:
     """The pager's stream (its buckets' page-ins, steps and page-outs: the part of opt.step
-    the floor's bytes bound; the rest is the optimizer's own work around it) against the
+    the floor's bytes bound; the rest is the optimizer's own work around it, but for the
+    grad norm its first page-ins overlap, from Megatron's prepare_grads) against the
     floor."""
     s = p["stream_s"]["median"]
     return f"{s:.3f} s = {multiple(s, f['seconds'], 'the floor')}"

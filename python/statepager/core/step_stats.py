@@ -13,7 +13,7 @@ class StepStats:
     buckets: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0            # from its first page-in (at begin_step(), when begun)
     wait_in_seconds: float = 0.0    # stalled waiting for a bucket's page-in
     compute_seconds: float = 0.0    # the optimizer's own step on the buckets
     wait_out_seconds: float = 0.0   # stalled waiting for page-outs (window or final flush)
