@@ -278,6 +278,7 @@ def run(setup, device, store, warm, fault=None, tmp=None, begun=False):
     def step():
         if begun:
             binding.begin_step()
+            assert binding.begun
         opt.step()
 
     try:
@@ -498,8 +499,9 @@ BEGUN_CONFIGS = ["adamw", "paged-residual-q8"]
 
 def stepped_twice(setup, device, store, between=None):
     """Two steps (the second begun, then `between(model, pager, opt, binding)` run before
-    its step() when given): the state captured after each, and the pager's bytes moved
-    by the begun step and what ran with it."""
+    its step() when given, which must end it): the state captured after each, the
+    pager's bytes moved by the begun step and what ran with it, its StepStats, and
+    whether it had begun."""
     model, pager, opt, binding = setup(store, device)
     with pager:
         set_grads(model, 0)
@@ -508,12 +510,14 @@ def stepped_twice(setup, device, store, between=None):
         set_grads(model, 1)
         stats = pager.stats()
         binding.begin_step()
+        began = binding.begun
         if between is not None:
             between(model, pager, opt, binding)
+            assert not binding.begun or between is _new_group  # that one ends at step()
         opt.step()
         moved = {k: pager.stats()[k] - stats[k] for k in ("bytes_read", "bytes_written")}
         assert all(pager.residency(t) == "file" for b in binding.buckets for t in b.stored)
-        return first, capture(model, pager, opt, binding), moved, binding.last
+        return first, capture(model, pager, opt, binding), moved, binding.last, began
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -524,6 +528,7 @@ def test_a_begun_step_is_the_step_it_would_have_been(tmp_path, device, config):
     setup = CONFIGS[config][0]
     plain = stepped_twice(lambda s, d: _unbegun(setup(s, d)), device, str(tmp_path / "a"))
     begun = stepped_twice(setup, device, str(tmp_path / "b"))
+    assert begun[4] and not plain[4]
     assert same(plain[1], begun[1]) and not same(begun[0], begun[1])
     assert plain[2] == begun[2]
     assert begun[3].bytes_read == begun[2]["bytes_read"] > 0
@@ -581,6 +586,7 @@ def test_what_comes_between_a_begun_step_and_step_ends_it(tmp_path, device, betw
     plain = stepped_twice(lambda s, d: _unbegun(setup(s, d)), device, str(tmp_path / "a"),
                           between if between is _new_group else None)
     ended = stepped_twice(setup, device, str(tmp_path / "b"), between)
+    assert ended[4]
     assert same(plain[1]["model"], ended[1]["model"])
     assert same(plain[1]["stored"][:len(ended[1]["stored"])],
                 ended[1]["stored"][:len(plain[1]["stored"])])
@@ -632,3 +638,125 @@ def test_begin_step_does_nothing_for_steps_in_place(store_dir):
         stats = pager.stats()
         binding.begin_step()
         assert pager.stats()["bytes_read"] == stats["bytes_read"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_param_changed_after_begin_step_fails_the_step_and_keeps_its_change(
+        store_dir, device):
+    """A model parameter changed between begin_step() and step() (residual masters): the
+    undo copies zero_grad() took are checked when step() starts, not when it began, so
+    they are not taken up; the step fails (the masters cannot be rebuilt) and the
+    parameter keeps the value it was given."""
+    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        opt.zero_grad()
+        set_grads(model, 1)
+        binding.begin_step()
+        assert binding.begun
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        changed = [bits(q) for q in model.parameters()]
+        with pytest.raises(ValueError):
+            opt.step()
+        assert same(changed, [bits(q) for q in model.parameters()])
+
+
+def test_an_interrupt_in_begin_step_leaves_nothing_begun(store_dir, monkeypatch):
+    """A KeyboardInterrupt while begin_step() issues its page-ins propagates, the epoch
+    it opened closed first: the next step() steps as ever."""
+    model, pager, opt, binding = adamw(store_dir)
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        set_grads(model, 1)
+        before = capture(model, pager, opt, binding)
+        page_in_async, calls = pager.page_in_async, []
+
+        def interrupted(tensors):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return page_in_async(tensors)
+
+        monkeypatch.setattr(pager, "page_in_async", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            binding.begin_step()
+        monkeypatch.undo()
+        assert not binding.begun
+        after = capture(model, pager, opt, binding)
+        for key in before:
+            assert same(before[key], after[key]), f"the begun step changed {key}"
+        opt.step()
+        assert not same(before["stored"], capture(model, pager, opt, binding)["stored"])
+
+
+def test_a_step_begun_atomic_and_taken_in_place_begins_again(tmp_path):
+    """atomic set to False between begin_step() and step(): the begun step (in an epoch)
+    ends unwritten and the step runs in place, as a plain one."""
+    plain = _stepped_in_place(str(tmp_path / "a"), begin=False)
+    begun = _stepped_in_place(str(tmp_path / "b"), begin=True)
+    assert same(plain, begun)
+
+
+def _stepped_in_place(store, begin):
+    model, pager, opt, binding = adamw(store)
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        set_grads(model, 1)
+        if begin:
+            binding.begin_step()
+            assert binding.begun
+        binding.atomic = False
+        opt.step()
+        return capture(model, pager, opt, binding)
+
+
+def test_another_binding_s_step_ends_a_begun_one(tmp_path):
+    """Two optimizers on one Pager: B's step (or begin_step) ends A's begun step first, so
+    each step's stats count its own bytes, and A then steps as a plain step would."""
+    torch.manual_seed(0)
+    with make_pager(str(tmp_path / "s"), "cpu") as pager:
+        models = [make_model("cpu") for _ in range(2)]
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in models]
+        a, b = [pager.attach(o, bucket_size=100 * KiB) for o in opts]
+        for step in range(2):
+            for m in models:
+                set_grads(m, step)
+            a.begin_step()
+            assert a.begun
+            opts[1].step()
+            assert not a.begun
+            b.begin_step()
+            opts[0].step()  # ends B's begun step, begins its own anew
+            assert not b.begun
+            opts[1].step()
+        stored = [sum(t.numel() * t.element_size() for bk in x.buckets for t in bk.stored)
+                  for x in (a, b)]
+        assert [a.last.bytes_read, b.last.bytes_read] == stored
+        assert [a.last.bytes_written, b.last.bytes_written] == stored
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_group_changed_after_begin_step_steps_as_changed(tmp_path, device):
+    """A param group's options changed between begin_step() and step() (here Adam's
+    weight decay, which decides whether the fused step applies): the step runs with the
+    new options, as a plain step would."""
+    def stepped(store, begin):
+        model = make_model(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+        with make_pager(store, device) as pager:
+            binding = pager.attach(opt, bucket_size=100 * KiB)
+            set_grads(model, 0)
+            opt.step()
+            set_grads(model, 1)
+            if begin:
+                binding.begin_step()
+                assert binding.begun
+            opt.param_groups[0]["weight_decay"] = 0.1  # Adam's coupled L2: no fused step
+            opt.step()
+            return capture(model, pager, opt, binding)
+
+    assert same(stepped(str(tmp_path / "a"), False), stepped(str(tmp_path / "b"), True))

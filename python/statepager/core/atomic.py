@@ -179,16 +179,17 @@ class AtomicStep:
         # last step is written now, as the step would have written it).
         pager.page_out([t for b in self.buckets for t in b.stored])
         pager.discard_async([t for b in self.buckets for t in b.working]).wait()
-        # id(bucket) -> the event of its undo copies (UndoCopies.take), taken before the
-        # step where they may be (UndoCopies.take_before_step), then checked (_recheck)
-        self._taken, self._recheck = undo.taken_before_step(self.buckets)
         self._saved = []    # buckets that stepped, their undo copies taken
         self._written = []  # buckets whose model parameters after_bucket may have written
         self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
 
     def snapshot(self) -> None:
         """At the step's start: copies what it changes outside the pager (unpaged state,
-        param group options, grads, the residual forms' exceptions) as they are now."""
+        param group options, grads, the residual forms' exceptions) as they are now, and
+        takes up the undo copies taken before it, checked against the params now."""
+        # id(bucket) -> the event of its undo copies (UndoCopies.take), taken before the
+        # step where they may be (UndoCopies.take_before_step), then checked (_recheck)
+        self._taken, self._recheck = self.undo.taken_before_step(self.buckets)
         self._state = _copy_state(self.optimizer.state, self.pager)
         self._groups = [{k: v for k, v in g.items() if k != "params"}
                         for g in self.optimizer.param_groups]
@@ -196,8 +197,9 @@ class AtomicStep:
         self._forms = [(f, f.exceptions, f.fingerprint) for b in self.buckets for f in b.forms]
 
     def abandon(self) -> None:
-        """Ends a step that changed nothing yet (its page-ins done or waited for): the
-        epoch's tensors return to rest, their pages dropped unwritten."""
+        """Ends a step that changed nothing yet (its page-ins waited for, or the abort
+        waits for them): the epoch's tensors return to rest, their pages dropped
+        unwritten. Undo copies taken before the step, if not taken up, stay for it."""
         self.epoch.abort()
 
     def take_ahead(self, bucket) -> None:

@@ -69,6 +69,7 @@ class _Run:
     read_ahead: int = 0                           # buckets read ahead past a page-in
     ins: dict = field(default_factory=dict)       # bucket index -> its page-in's handle
     aheads: dict = field(default_factory=dict)    # bucket index -> its read-ahead's handle
+    fused_groups: tuple | None = None             # StreamedOptimizer._fused_groups()
 
 
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
@@ -582,11 +583,13 @@ class StreamedOptimizer:
         the grads are ready); step() takes them up. Atomic steps only: their pager epoch
         opens now, so a begun step that no step() takes up ends (end_begun_step) without
         writing a byte. Until then, whatever else reads or changes the state ends it
-        first (state_dict(), checkpoints, pause()). Nothing changes when the page-ins
+        first (state_dict(), checkpoints, pause(), another binding's step on the same
+        Pager: one step is begun per Pager at a time). Nothing changes when the page-ins
         cannot start (a budget too small, a device error): step() meets the problem
         again and reports it, rolled back."""
         if self._begun is not None or not self.atomic or self.pager.paused:
             return
+        self._end_others_begun()
         try:
             step = AtomicStep(self, self._undo, self._mirror())
         except Exception as error:
@@ -594,17 +597,30 @@ class StreamedOptimizer:
             return
         try:
             self._begun = self._start(step)
-        except Exception as error:
+        except BaseException as error:
             step.abandon()
+            if not isinstance(error, Exception):  # an interrupt: after the epoch is closed
+                raise
             log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+
+    @property
+    def begun(self) -> bool:
+        """True from begin_step() until step() takes the begun step up or it is ended."""
+        return self._begun is not None
 
     def end_begun_step(self) -> None:
         """Ends a step that begin_step() began and no step() took up: its page-ins are
         waited for and their pages dropped, nothing written."""
         run, self._begun = self._begun, None
         if run is not None:
-            _settle(list(run.ins.values()) + list(run.aheads.values()))
-            run.atomic.abandon()
+            _end_run(run)
+
+    def _end_others_begun(self) -> None:
+        """Ends the other bindings' begun steps on this Pager: their page-ins would take
+        this step's room and count in its stats."""
+        for binding in self.pager.bindings:
+            if binding is not self:
+                binding.end_begun_step()
 
     def _mirror(self):
         """What AtomicStep rewrites from restored fp32 masters: their model parameters."""
@@ -612,7 +628,11 @@ class StreamedOptimizer:
 
     def _step_all(self) -> None:
         self._plan_anew_if_changed()
+        self._end_others_begun()
         run, self._begun = self._begun, None
+        if run is not None and (not self.atomic or run.fused_groups != self._fused_groups()):
+            _end_run(run)  # begun as atomic, or with param groups the fused step differs on
+            run = None
         if not self.atomic:
             self._stream(self._start(None))
             return
@@ -620,8 +640,10 @@ class StreamedOptimizer:
         try:
             step.snapshot()
         except BaseException:
-            _settle(list(run.ins.values()) + list(run.aheads.values()) if run else [])
-            step.abandon()
+            if run is not None:
+                _end_run(run)
+            else:
+                step.abandon()
             raise
         try:
             self._stream(run if run is not None else self._start(step))
@@ -642,7 +664,8 @@ class StreamedOptimizer:
         before = pager.stats()
         pager.reset_peak()
         run = _Run(atomic=atomic, buckets=buckets, before=before, t_start=time.monotonic(),
-                   stats=StepStats(step=self._steps + 1, buckets=len(buckets)))
+                   stats=StepStats(step=self._steps + 1, buckets=len(buckets)),
+                   fused_groups=self._fused_groups())
         # Which moments the fused step reads as stored, per bucket: what its page-in
         # brings and how it steps (a bucket that creates state finds out again).
         run.fused = [self._fused_forms(b) for b in buckets]
@@ -664,6 +687,11 @@ class StreamedOptimizer:
             _settle(list(run.ins.values()) + list(run.aheads.values()))
             raise
         return run
+
+    def _fused_groups(self) -> tuple | None:
+        """What decides, per param group, whether the fused step may run it (None without
+        it): a step begun under other options starts again."""
+        return self._fused.groups_key() if self._fused else None
 
     def _ahead(self) -> int:
         """Page-ins in flight beyond the bucket stepping (the rest of the window: the
@@ -888,6 +916,15 @@ def _set_counter(group: dict, counter) -> None:
         group.pop("step", None)
     else:
         group["step"] = counter
+
+
+def _end_run(run: _Run) -> None:
+    """Ends a begun step that changed nothing: its page-ins waited for (the epoch's abort
+    waits for any left, an interrupt here notwithstanding), their pages dropped unwritten."""
+    try:
+        _settle(list(run.ins.values()) + list(run.aheads.values()))
+    finally:
+        run.atomic.abandon()
 
 
 def _settle(handles) -> None:

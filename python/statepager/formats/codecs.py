@@ -52,6 +52,11 @@ def use_kernels(enabled: bool) -> bool:
     return previous
 
 
+def kernels_on() -> bool:
+    """Whether codecs on CUDA tensors run as the kernels now (use_kernels)."""
+    return _kernels_on
+
+
 def kernels_used(t: torch.Tensor) -> bool:
     """True when codecs on tensors of t's device run as kernels."""
     return _kernels_on and t.is_cuda

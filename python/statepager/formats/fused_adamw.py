@@ -70,6 +70,12 @@ class FusedStep:
         self.binding = binding
         self.optimizer = binding.optimizer
 
+    def groups_key(self) -> tuple:
+        """What moment_forms() decides on besides the parameters and their state, which
+        only a step changes: the switches and each param group's options."""
+        return (_fused_on, codecs.kernels_on(),
+                tuple(_group_fusable(g) for g in self.optimizer.param_groups))
+
     def may_step(self, group: dict, p: torch.Tensor) -> bool:
         """True when the fused step may run parameter p of param group `group` (once it
         has its state): what the bucket's plan counts on (no fp32 scratch of the moments)."""

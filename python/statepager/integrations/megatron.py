@@ -68,7 +68,7 @@ def attach(pager, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
         binding.members.append(MegatronMember(
             pager, m, f"{i}-{kind}", begins_step=not binding.members, bucket_size=bucket_size,
             depth=depth, log_steps=log_steps, moments=moments, mains=mains, atomic=atomic))
-    internals.override_step(optimizer, binding.step)
+    binding.megatron_step = internals.override_step(optimizer, binding.step)
     return binding
 
 
@@ -83,6 +83,7 @@ class MegatronBinding:
 
     optimizer: object
     members: list = field(default_factory=list)
+    megatron_step: object = None  # the optimizer's step() before attach set binding.step
 
     @property
     def streams(self) -> list:
@@ -94,7 +95,7 @@ class MegatronBinding:
         step Megatron then skips (inf/NaN grads) or that fails before the inner step is
         ended here, its pages dropped unwritten."""
         try:
-            return internals.step_as_megatron(self.optimizer, *args, **kwargs)
+            return self.megatron_step(*args, **kwargs)
         finally:
             for m in self.members:
                 m.stream.end_begun_step()

@@ -99,15 +99,13 @@ def members(optimizer) -> list:
     return [(i, m) for i, m in enumerate(chain) if not getattr(m, "is_stub_optimizer", False)]
 
 
-def step_as_megatron(optimizer, *args, **kwargs):
-    """Megatron's own step() of `optimizer` (a DistributedOptimizer or ChainedOptimizer)."""
-    return type(optimizer).step(optimizer, *args, **kwargs)
-
-
-def override_step(optimizer, step) -> None:
+def override_step(optimizer, step):
     """Sets `optimizer`'s step() (the training loop's; ChainedOptimizer.step steps its
-    members through their other methods, never their step()), on the instance."""
+    members through their other methods, never their step()) on the instance, and
+    returns the step() it had (Megatron's, or one set on the instance before)."""
+    previous = optimizer.step
     optimizer.step = step
+    return previous
 
 
 def grad_norm_group(main):
