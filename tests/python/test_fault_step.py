@@ -446,19 +446,23 @@ def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, d
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("failing", ["the-check", "the-first-bucket"])
+@pytest.mark.parametrize("failing", ["the-check", "the-first-bucket", "the-check-begun"])
 def test_a_param_changed_after_zero_grad_fails_the_step_and_keeps_its_change(
         store_dir, device, failing):
     """A model parameter changed between zero_grad() and step() (residual masters): the
     copies zero_grad() took no longer hold it, so the step takes its own before writing
     any; it fails (the masters cannot be rebuilt, or the first bucket's hook raises before
-    that is known) and every parameter keeps the value it was given."""
+    that is known) and every parameter keeps the value it was given. Begun (begin_step()
+    before the change): the copies are checked when step() starts, not when it began."""
     model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
     with pager:
         set_grads(model, 0)
         opt.step()
         opt.zero_grad()
         set_grads(model, 1)
+        if failing == "the-check-begun":
+            binding.begin_step()
+            assert binding.begun
         p = next(model.parameters())
         with torch.no_grad():
             p.add_(1.0)
@@ -467,7 +471,7 @@ def test_a_param_changed_after_zero_grad_fails_the_step_and_keeps_its_change(
             def failing_hook(params):
                 raise RuntimeError("injected before the first bucket steps")
             binding.before_bucket = failing_hook
-        with pytest.raises(ValueError if failing == "the-check" else RuntimeError):
+        with pytest.raises(RuntimeError if failing == "the-first-bucket" else ValueError):
             opt.step()
         assert same(changed, [bits(q) for q in model.parameters()])
 
@@ -596,12 +600,24 @@ def test_what_comes_between_a_begun_step_and_step_ends_it(tmp_path, device, betw
         assert plain[2]["bytes_read"] < ended[2]["bytes_read"] < 2 * plain[2]["bytes_read"]
 
 
+# How a begin_step() is refused at its second page-in: the setup, and what is raised.
+REFUSALS = {
+    "out-of-memory": (lambda s, d: paged(s, d, mains="residual", moments="q8"),
+                      lambda: statepager.OutOfMemoryError("injected: no room for the second "
+                                                          "bucket")),
+    "interrupt": (adamw, KeyboardInterrupt),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_step_that_cannot_begin_is_left_to_step(store_dir, device, monkeypatch):
-    """begin_step() whose page-ins cannot all start (the second one refused, out of
-    memory): the one that started is waited for and dropped unwritten, nothing changes,
-    and step() then pages in itself and steps as ever."""
-    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_begin_step_refused_midway_changes_nothing(store_dir, device, monkeypatch, refusal):
+    """begin_step() whose second page-in is refused: out of memory, which it leaves to
+    step(), or an interrupt, which propagates. Either way the page-in that started is
+    waited for and dropped unwritten, the epoch closed, nothing begun and nothing
+    changed; step() then pages in itself and steps as ever."""
+    setup, error = REFUSALS[refusal]
+    model, pager, opt, binding = setup(store_dir, device)
     with pager:
         set_grads(model, 0)
         opt.step()
@@ -612,13 +628,17 @@ def test_a_step_that_cannot_begin_is_left_to_step(store_dir, device, monkeypatch
         def refusing(tensors):
             calls.append(1)
             if len(calls) == 2:
-                raise statepager.OutOfMemoryError("injected: no room for the second bucket")
+                raise error()
             return page_in_async(tensors)
 
         monkeypatch.setattr(pager, "page_in_async", refusing)
         written = pager.stats()["bytes_written"]
-        binding.begin_step()
-        assert len(calls) == 2
+        if refusal == "interrupt":
+            with pytest.raises(KeyboardInterrupt):
+                binding.begin_step()
+        else:
+            binding.begin_step()
+        assert len(calls) == 2 and not binding.begun
         assert all(pager.residency(t) == "file" for b in binding.buckets for t in b.stored)
         assert pager.stats()["bytes_written"] == written
         monkeypatch.undo()
@@ -640,68 +660,21 @@ def test_begin_step_does_nothing_for_steps_in_place(store_dir):
         assert pager.stats()["bytes_read"] == stats["bytes_read"]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_param_changed_after_begin_step_fails_the_step_and_keeps_its_change(
-        store_dir, device):
-    """A model parameter changed between begin_step() and step() (residual masters): the
-    undo copies zero_grad() took are checked when step() starts, not when it began, so
-    they are not taken up; the step fails (the masters cannot be rebuilt) and the
-    parameter keeps the value it was given."""
-    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
-    with pager:
-        set_grads(model, 0)
-        opt.step()
-        opt.zero_grad()
-        set_grads(model, 1)
-        binding.begin_step()
-        assert binding.begun
-        with torch.no_grad():
-            next(model.parameters()).add_(1.0)
-        changed = [bits(q) for q in model.parameters()]
-        with pytest.raises(ValueError):
-            opt.step()
-        assert same(changed, [bits(q) for q in model.parameters()])
-
-
-def test_an_interrupt_in_begin_step_leaves_nothing_begun(store_dir, monkeypatch):
-    """A KeyboardInterrupt while begin_step() issues its page-ins propagates, the epoch
-    it opened closed first: the next step() steps as ever."""
-    model, pager, opt, binding = adamw(store_dir)
-    with pager:
-        set_grads(model, 0)
-        opt.step()
-        set_grads(model, 1)
-        before = capture(model, pager, opt, binding)
-        page_in_async, calls = pager.page_in_async, []
-
-        def interrupted(tensors):
-            calls.append(1)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-            return page_in_async(tensors)
-
-        monkeypatch.setattr(pager, "page_in_async", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            binding.begin_step()
-        monkeypatch.undo()
-        assert not binding.begun
-        after = capture(model, pager, opt, binding)
-        for key in before:
-            assert same(before[key], after[key]), f"the begun step changed {key}"
-        opt.step()
-        assert not same(before["stored"], capture(model, pager, opt, binding)["stored"])
-
-
 def test_a_step_begun_atomic_and_taken_in_place_begins_again(tmp_path):
     """atomic set to False between begin_step() and step(): the begun step (in an epoch)
     ends unwritten and the step runs in place, as a plain one."""
-    plain = _stepped_in_place(str(tmp_path / "a"), begin=False)
-    begun = _stepped_in_place(str(tmp_path / "b"), begin=True)
+    def in_place(opt, binding):
+        binding.atomic = False
+
+    plain = _changed_before_step(adamw, str(tmp_path / "a"), "cpu", False, in_place)
+    begun = _changed_before_step(adamw, str(tmp_path / "b"), "cpu", True, in_place)
     assert same(plain, begun)
 
 
-def _stepped_in_place(store, begin):
-    model, pager, opt, binding = adamw(store)
+def _changed_before_step(setup, store, device, begin, change):
+    """Steps once, then again with `change(opt, binding)` made just before step() (after
+    begin_step() when `begin`): what capture() sees after."""
+    model, pager, opt, binding = setup(store, device)
     with pager:
         set_grads(model, 0)
         opt.step()
@@ -709,7 +682,7 @@ def _stepped_in_place(store, begin):
         if begin:
             binding.begin_step()
             assert binding.begun
-        binding.atomic = False
+        change(opt, binding)
         opt.step()
         return capture(model, pager, opt, binding)
 
@@ -744,19 +717,14 @@ def test_a_group_changed_after_begin_step_steps_as_changed(tmp_path, device):
     """A param group's options changed between begin_step() and step() (here Adam's
     weight decay, which decides whether the fused step applies): the step runs with the
     new options, as a plain step would."""
-    def stepped(store, begin):
+    def adam(store, device):
         model = make_model(device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        with make_pager(store, device) as pager:
-            binding = pager.attach(opt, bucket_size=100 * KiB)
-            set_grads(model, 0)
-            opt.step()
-            set_grads(model, 1)
-            if begin:
-                binding.begin_step()
-                assert binding.begun
-            opt.param_groups[0]["weight_decay"] = 0.1  # Adam's coupled L2: no fused step
-            opt.step()
-            return capture(model, pager, opt, binding)
+        pager = make_pager(store, device)
+        return model, pager, opt, pager.attach(opt, bucket_size=100 * KiB)
 
-    assert same(stepped(str(tmp_path / "a"), False), stepped(str(tmp_path / "b"), True))
+    def decay(opt, binding):
+        opt.param_groups[0]["weight_decay"] = 0.1  # Adam's coupled L2: no fused step
+
+    assert same(_changed_before_step(adam, str(tmp_path / "a"), device, False, decay),
+                _changed_before_step(adam, str(tmp_path / "b"), device, True, decay))
