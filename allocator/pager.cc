@@ -23,6 +23,18 @@ size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 // An extent's own range in its store: whole file blocks, one at least.
 size_t file_range_bytes(size_t bytes) { return align_up(std::max<size_t>(bytes, 1), kFileAlign); }
 
+// Zero fills of adjacent extents (a tensor's, of 1 MiB each) as one: a fill is a memset
+// queued on the page-in stream, between its copies (~4,700 a step of the 1.34 B GPT's
+// q8 step apart, on the H200).
+void add_zero_fill(std::vector<std::pair<uintptr_t, size_t>>& fills, uintptr_t addr,
+                   size_t bytes) {
+  if (!fills.empty() && fills.back().first + fills.back().second == addr) {
+    fills.back().second += bytes;
+  } else {
+    fills.emplace_back(addr, bytes);
+  }
+}
+
 }  // namespace
 
 IoShape io_shape_for(bool direct_io) {
@@ -577,7 +589,7 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   for (ExtentId id : job->extents) {
     Extent& e = extent_locked(id);
     job->before.push_back(e.state);
-    if (!out && e.state == Residency::kZero) job->zero_fills.emplace_back(e.addr, e.bytes);
+    if (!out && e.state == Residency::kZero) add_zero_fill(job->zero_fills, e.addr, e.bytes);
     if (!out && e.state == Residency::kHost) {
       job->host_copies.push_back(HostCopy{e.addr, host_tier_->host(e.host_offset), e.bytes});
       job->host_bytes += e.bytes;

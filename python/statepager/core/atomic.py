@@ -194,7 +194,7 @@ class AtomicStep:
         self._groups = [{k: v for k, v in g.items() if k != "params"}
                         for g in self.optimizer.param_groups]
         self._grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
-        self._forms = [(f, f.exceptions, f.fingerprint) for b in self.buckets for f in b.forms]
+        self._forms = [(f, f.exceptions_as_set, f.fingerprint) for b in self.buckets for f in b.forms]
 
     def abandon(self) -> None:
         """Ends a step that changed nothing yet (its page-ins waited for, or the abort

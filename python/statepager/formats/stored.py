@@ -45,6 +45,7 @@ class StoredForm:
         # Disjoint ranges. A chunk reads and sets its own without a device sync (a range
         # of the whole list is a boolean mask), once per step in the step's loop.
         self._chunk_exceptions = {}
+        self._in_order = True  # _exceptions sorted by index (what `exceptions` returns)
         self._fingerprint = None  # residual: the model parameter's, when last encoded
         self._chunk_fingerprints = {}  # residual: (start, stop) -> a chunk's, when encoded
         n = working.numel()
@@ -97,11 +98,13 @@ class StoredForm:
     @property
     def exceptions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual format: (flat int64 indices, int32 main bits) of the elements the
-        residual does not hold (codecs.residual_encode), sorted by index."""
+        residual does not hold (codecs.residual_encode), sorted by index (as checkpoints
+        keep them). Set in any order."""
         if self._whole is not None:
-            return self._whole._range_exceptions(*self._range)
-        if self._chunk_exceptions:
-            self._fold()
+            return codecs.in_index_order(self._whole._range_exceptions(*self._range))
+        listed = self.exceptions_as_set  # folds the chunks' in
+        if not self._in_order:
+            self._exceptions, self._in_order = codecs.in_index_order(listed), True
         return self._exceptions
 
     @exceptions.setter
@@ -110,6 +113,17 @@ class StoredForm:
             self._whole._set_range_exceptions(*self._range, exceptions)
         else:
             self._exceptions, self._chunk_exceptions = exceptions, {}
+            self._in_order = False
+
+    @property
+    def exceptions_as_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exceptions in the order they were set: what a decode reads (it places each
+        at its index). The step sets them in the encode kernel's order and never sorts."""
+        if self._whole is not None:
+            return self._whole._range_exceptions(*self._range)
+        if self._chunk_exceptions:
+            self._fold()
+        return self._exceptions
 
     def _range_exceptions(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole form's exceptions in [start, stop), indices from start."""
@@ -133,7 +147,7 @@ class StoredForm:
             self._fold()
 
     def _fold(self) -> None:
-        """The ranges' exceptions into the whole list, sorted."""
+        """The ranges' exceptions into the whole list."""
         index, bits = self._exceptions
         outside = torch.ones_like(index, dtype=torch.bool)
         indices, values = [], []
@@ -142,8 +156,8 @@ class StoredForm:
             indices.append(i + start)
             values.append(b)
         index, bits = torch.cat([index[outside], *indices]), torch.cat([bits[outside], *values])
-        order = index.argsort()
-        self._exceptions, self._chunk_exceptions = (index[order], bits[order]), {}
+        self._exceptions, self._chunk_exceptions = (index, bits), {}
+        self._in_order = False
 
     @property
     def fingerprint(self):
@@ -214,7 +228,7 @@ def decode_residuals(forms: list) -> torch.Tensor | None:
         return None
     return codecs.rebuild_residuals(
         [flat_view(f.model_param) for f in forms], [f.tensors[0] for f in forms],
-        [f.exceptions for f in forms], [flat_view(f.working) for f in forms],
+        [f.exceptions_as_set for f in forms], [flat_view(f.working) for f in forms],
         [f.fingerprint for f in forms])
 
 
