@@ -90,9 +90,10 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
     cast of a NaN is device-dependent), and elements whose param is not RNE(main) --
     these stay exact but would fail residual_decode's consistency check otherwise. For
     a param that really is RNE(main), only the ties and non-finite values are exceptions.
-    Exception slots in residual_out are written as 0.
+    Exception slots in residual_out are written as 0. The exceptions are sorted by index
+    (a step's encodes, PendingExceptions, leave them in the kernel's order).
     """
-    return finish_exceptions([PendingExceptions([main], [param], [residual_out])])[0]
+    return in_index_order(finish_exceptions([PendingExceptions([main], [param], [residual_out])])[0])
 
 
 def _residual_encode_reference(main, param, residual_out):
