@@ -31,7 +31,7 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
     trace = tmp_path / "fp32.json"
     out = subprocess.run([sys.executable, "-m", "statepager", "bench", "megatron", "--dir",
                           str(tmp_path / "work"), "--configs", ",".join(CONFIGS), *TINY,
-                          "--trace", str(trace), "--json"],
+                          "--trace", str(trace), "--device-time", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,6 +86,14 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
     measured = {t["what"] for t in r["targets"] if t["value"] is not None}
     assert measured == {"fp32 opt.step / its floor", "host-q8 step / offload step",
                         "host-q8 driver peak / offload's"}  # q8 and host-fp32 did not run
+    # --device-time: one more step's optimizer.step() under torch.profiler.
+    for c in (fp32, host):
+        t = c["device_time"]
+        assert "adamw_kernel" in t["by_kernel"]  # the fused step, its kernels by name
+        assert 0 < t["statepager_kernels_s"] <= t["kernels_s"]
+        assert t["h2d_busy_s"] > 0 and t["d2h_busy_s"] > 0
+    assert unpaged["device_time"]["statepager_kernels_s"] == 0
+
     bench_megatron.print_megatron(r)
     text = capsys.readouterr().out
     assert "per step read = stored: True, written = stored: True" in text

@@ -30,14 +30,15 @@ def test_the_defaults_are_the_1_34_b_gpt_with_the_issues_configurations(tmp_path
     assert not a.bf16_grads and (a.warmup, a.steps) == (3, 5)
     assert a.configs == ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
     assert a.host_budget is None and a.fio_jobs == (4, 8, 16)
-    assert a.timeline is a.trace is a.plot is None
+    assert a.timeline is a.trace is a.plot is None and not a.device_time
     a = parse(tmp_path, "--configs", "q8, unpaged,bf16", "--steps", "2", "--layers", "2",
               "--bucket", "64M", "--hbm-budget", "4G", "--host-budget", "40G", "--fio-jobs",
-              "8,2", "--timeline", "host-q8", "--trace", str(tmp_path / "t.json"), "--json")
+              "8,2", "--timeline", "host-q8", "--trace", str(tmp_path / "t.json"), "--json",
+              "--device-time")
     assert a.configs == ["q8", "unpaged", "bf16"] and a.steps == 2 and a.layers == 2
     assert a.bucket == 64 << 20 and a.hbm_budget == 4 * GiB and a.json
     assert a.host_budget == 40 * GiB and a.fio_jobs == (8, 2)
-    assert a.timeline == "host-q8" and a.trace == str(tmp_path / "t.json")
+    assert a.timeline == "host-q8" and a.trace == str(tmp_path / "t.json") and a.device_time
 
 
 def test_pages_are_as_large_as_a_bucket_unless_given(tmp_path):
@@ -196,6 +197,14 @@ def canned_run():
             "failed": ["host-q8"], "targets": bench_megatron.targets(configs)}
 
 
+DEVICE_TIME = {"statepager_kernels_s": 0.0247, "kernels_s": 0.034,
+               "by_kernel": {"adamw_kernel": 0.0133, "checksum_rows_kernel": 0.0039,
+                             "residual_encode_kernel": 0.0031,
+                             "residual_rebuild_kernel": 0.0028,
+                             "checksum_total_kernel": 0.0014},
+               "h2d_busy_s": 0.1117, "d2h_busy_s": 0.1049, "both_busy_s": 0.0495}
+
+
 def test_the_targets_are_ratios_to_their_references():
     r = canned_run()
     got = {t["what"]: (t["issue"], t["value"] and round(t["value"], 4), t["limit"], t["met"])
@@ -204,6 +213,7 @@ def test_the_targets_are_ratios_to_their_references():
         "fp32 opt.step / its floor": (13, 1.4, 1.1, False),         # 0.7 / 0.5
         "q8 step / fp32 step": (13, 0.7, 0.45, False),
         "q8 opt.step / fp32 opt.step": (13, 0.7, 0.45, False),
+        "q8 step's codec kernels / 30 ms": (13, None, 1.0, None),  # no --device-time
         "host-fp32 step / offload step": (14, 0.8333, 1.0, True),   # 0.35 / 0.42
         "host-q8 step / offload step": (14, None, 0.35, None),      # it failed
         "host-fp32 driver peak / offload's": (14, 0.4762, 1.0, True),  # 10 / 21 GiB
@@ -211,11 +221,19 @@ def test_the_targets_are_ratios_to_their_references():
     }
     without_offload = bench_megatron.targets([c for c in r["configs"]
                                               if c["config"] != "offload"])
-    assert [t["met"] for t in without_offload] == [False, False, False, None, None, None, None]
+    assert [t["met"] for t in without_offload] == [False, False, False, None, None, None,
+                                                   None, None]
+    r["configs"][3]["device_time"] = DEVICE_TIME  # q8's, with --device-time
+    kernels = next(t for t in bench_megatron.targets(r["configs"])
+                   if t["what"] == "q8 step's codec kernels / 30 ms")
+    assert round(kernels["value"], 4) == 0.8233 and kernels["met"]
+    assert kernels["detail"] == "24.7 ms on the device, --device-time"
 
 
 def test_the_report_puts_the_configurations_side_by_side(capsys):
     r = canned_run()
+    r["configs"][3]["device_time"] = DEVICE_TIME  # q8 ran with --device-time
+    r["targets"] = bench_megatron.targets(r["configs"])
     json.dumps(r)  # what --json prints
     b = bench_megatron.breakdown(r["configs"][2])
     # 10 - 1 (baseline) - 5 (torch max allocated) = 4 GiB above torch's peak: context 0.5,
@@ -286,6 +304,14 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert ("issue 14: host-fp32 driver peak / offload's <= 1: 0.48 (10.00 / 21.00 GiB): met"
             in summary)
     assert "failed: host-q8 (their logs above)" in summary
+    assert ("one more step's optimizer.step() under torch.profiler, on the device: "
+            "statepager's kernels 24.7 ms (adamw_kernel 13.3 ms, checksum_rows_kernel 3.9 ms, "
+            "residual_encode_kernel 3.1 ms, residual_rebuild_kernel 2.8 ms) of all kernels' "
+            "34.0 ms; copies busy host to device 111.7 ms, device to host 104.9 ms, both at "
+            "once 49.5 ms") in out
+    assert out.count("under torch.profiler") == 1  # the others ran without --device-time
+    assert ("issue 13: q8 step's codec kernels / 30 ms <= 1: 0.82 (24.7 ms on the device, "
+            "--device-time): met") in summary
 
 
 def test_each_configuration_is_printed_as_soon_as_it_ends(tmp_path, capsys, monkeypatch):

@@ -19,8 +19,10 @@ and what of the peak is none of them, and the process's CPU time in cores busy
 (statepager.bench.cpu_use: io_uring's workers, the pager's I/O thread, the rest). A
 paged configuration's process then measures the floor of its bytes
 (statepager.bench.floor: PCIe both ways with pinned buffers, fio on --dir; the larger),
-and its step is printed as a multiple of it. The summary compares each with Megatron's
-offload and checks issue 13's and 14's targets.
+and its step is printed as a multiple of it. With --device-time, one more step's
+optimizer.step() runs under torch.profiler (statepager.bench.device_time): the device's
+time in statepager's kernels and the copy engines' busy time. The summary compares each
+with Megatron's offload and checks issue 13's and 14's targets.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import time
 import torch
 
 from statepager import _C
+from statepager.bench import device_time
 from statepager.bench import floor as bench_floor
 from statepager.bench.common import bench_directory
 from statepager.bench.cpu_use import CpuUse
@@ -135,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sets it (default 4,8,16)")
     p.add_argument("--timeout", type=at_least(1, "seconds"), default=900,
                    help="seconds each configuration may take (its floor included)")
+    p.add_argument("--device-time", action="store_true",
+                   help="after the timed steps, one more whose optimizer.step() runs under "
+                        "torch.profiler: the device's time in statepager's kernels (issue 13: "
+                        "the codecs' compute of a step) and the copy engines' busy time")
     p.add_argument("--timeline", type=paged_config, default=None,
                    help="the paged configuration whose last timed step --trace and --plot "
                         "draw (default: the first paged one of --configs)")
@@ -204,7 +211,7 @@ def bench_megatron(args) -> dict:
     model = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
                                            "micro_batch", "warmup", "steps", "bucket",
                                            "depth", "page_size", "hbm_budget", "host_budget",
-                                           "no_map_ram", "fio_jobs")}
+                                           "no_map_ram", "fio_jobs", "device_time")}
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
     model["page_size"] = args.page_size or page_for(args.bucket)
     r = {"model": model, "dir": args.dir, "configs": []}
@@ -356,6 +363,23 @@ def _timed(optimizer, times: list) -> None:
     optimizer.step = timed_step
 
 
+def _profiled_opt_step(optimizer, train_step) -> dict:
+    """Runs train_step() once, its optimizer.step() under torch.profiler: what
+    device_time.profile() saw of it."""
+    step, seen = optimizer.step, {}
+
+    def profiled(*args, **kwargs):
+        result = []
+        seen.update(device_time.profile(lambda: result.append(step(*args, **kwargs))))
+        return result[0]
+    optimizer.step = profiled
+    try:
+        train_step()
+    finally:
+        optimizer.step = step
+    return seen
+
+
 def _scope_pool_bytes() -> int:
     """Bytes torch reserved in MemPools other than its default pool (Pager.scope()'s,
     backed by the page pool: counted both in torch's reserved and in the pool's mapped)."""
@@ -407,7 +431,8 @@ def run_config(spec: dict) -> dict:
     # configuration.
     setup = gpt.Setup(layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
                       vocab=spec["vocab"], seq=spec["seq"], batch=spec["micro_batch"],
-                      grad_fp32=spec["grads"] == "fp32", steps=spec["warmup"] + spec["steps"],
+                      grad_fp32=spec["grads"] == "fp32",
+                      steps=spec["warmup"] + spec["steps"] + int(bool(spec.get("device_time"))),
                       ddp_bucket=40_000_000, fp32_param=False)
     model = gpt.build_model(setup)
     host_budget = 0
@@ -491,6 +516,10 @@ def run_config(spec: dict) -> dict:
                     last, spec.get("trace"), spec.get("plot"),
                     f"bench megatron {spec['config']}: GPT {result['params'] / 1e9:.2f} B, "
                     f"buckets of {spec['bucket'] // MiB} MiB, step {last.step}")
+        if spec.get("device_time"):
+            n = spec["warmup"] + spec["steps"]
+            result["device_time"] = _profiled_opt_step(
+                optimizer, lambda: gpt.train_step(setup, model, optimizer, scheduler, n))
         gpt.finish(model)
     finally:
         if pager is not None:
@@ -649,9 +678,24 @@ def config_lines(c: dict) -> list[str]:
                       if f["seconds"] else "no floor") +
                      "; the floor of its median step's bytes, measured after its steps:")
         notes += ["  " + line for line in bench_floor.describe(f)]
+    if c.get("device_time"):
+        notes.append(_device_time_line(c["device_time"]))
     if c["timeline_files"]:
         notes.append(f"last timed step's timeline: {', '.join(c['timeline_files'])}")
     return lines + [f"  {'':9s} {note}" for note in notes]
+
+
+def _device_time_line(t: dict) -> str:
+    """One more step's optimizer.step() under torch.profiler (--device-time)."""
+    def ms(seconds: float) -> str:
+        return f"{1e3 * seconds:.1f} ms"
+
+    kernels = ", ".join(f"{name} {ms(s)}" for name, s in list(t["by_kernel"].items())[:4])
+    return (f"one more step's optimizer.step() under torch.profiler, on the device: "
+            f"statepager's kernels {ms(t['statepager_kernels_s'])}"
+            f"{f' ({kernels})' if kernels else ''} of all kernels' {ms(t['kernels_s'])}; "
+            f"copies busy host to device {ms(t['h2d_busy_s'])}, device to host "
+            f"{ms(t['d2h_busy_s'])}, both at once {ms(t['both_busy_s'])}")
 
 
 def _stream_share(p: dict, f: dict) -> str:
@@ -697,6 +741,10 @@ def targets(configs: list) -> list[dict]:
         add(13, f"q8 {what} / fp32 {what}", step("q8", key), step("fp32", key), 0.45,
             f"{step('q8', key):.3f} / {step('fp32', key):.3f} s"
             if "q8" in done and "fp32" in done else "")
+    kernels = (done["q8"].get("device_time") or {}).get("statepager_kernels_s") \
+        if "q8" in done else None
+    add(13, "q8 step's codec kernels / 30 ms", kernels, 0.030, 1.0,
+        f"{1e3 * kernels:.1f} ms on the device, --device-time" if kernels is not None else "")
     for name, limit in (("host-fp32", 1.0), ("host-q8", 0.35)):
         add(14, f"{name} step / offload step", step(name), step("offload"), limit,
             f"{step(name):.3f} / {step('offload'):.3f} s"

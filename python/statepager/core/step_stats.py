@@ -40,10 +40,10 @@ class StepStats:
     def set_io_times(self, reads: list, writes: list) -> None:
         """The busy and overlap times from the page-ins' and page-outs' (start, end)
         intervals ((0, 0): nothing moved)."""
-        reads, writes = _union(reads), _union(writes)
+        reads, writes = interval_union(reads), interval_union(writes)
         self.read_busy_seconds = sum(e - s for s, e in reads)
         self.write_busy_seconds = sum(e - s for s, e in writes)
-        self.both_busy_seconds = _intersection(reads, writes)
+        self.both_busy_seconds = interval_overlap(reads, writes)
 
     def summary(self) -> str:
         """One line for the log (Pager.attach(log_steps=True))."""
@@ -57,7 +57,7 @@ class StepStats:
                 f"{self.peak_mapped_bytes / (1 << 20):.1f} MiB)")
 
 
-def _union(intervals) -> list:
+def interval_union(intervals) -> list:
     """Disjoint, sorted union of (start, end) intervals; empty ones (0, 0) dropped."""
     out = []
     for s, e in sorted(i for i in intervals if i[1] > i[0]):
@@ -68,7 +68,7 @@ def _union(intervals) -> list:
     return out
 
 
-def _intersection(a: list, b: list) -> float:
+def interval_overlap(a: list, b: list) -> float:
     """Total length covered by both disjoint sorted interval lists."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):

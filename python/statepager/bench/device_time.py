@@ -1,0 +1,71 @@
+"""The device's time in one step, as torch.profiler sees it (CUPTI): statepager's kernels
+(kernels/: the codecs and the fused AdamW step) by name, all kernels, and how long the
+copy engines were busy each way and both at once. `bench megatron --device-time` runs
+one more step under it, after the timed ones: a profiled step is slower on the host, and
+so were the steps after it in the same process (q8 on the H200: 0.262 s against 0.215 s),
+so none of them is timed. What the profiler adds is host work; the device's durations
+are its own."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import tempfile
+from typing import Callable
+
+import torch
+
+from statepager.core.step_stats import interval_overlap, interval_union
+
+_OURS = "statepager::kernels::"
+
+
+def profile(step: Callable[[], object]) -> dict:
+    """Runs step() under torch.profiler (CPU and CUDA activity) and summarizes the device's
+    side of it (summarize())."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as work:
+        path = os.path.join(work, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    return summarize(trace["traceEvents"])
+
+
+def summarize(events: list) -> dict:
+    """From a Chrome trace's events (torch.profiler's export), in seconds: statepager's
+    kernels, in all and by kernel (largest first); all kernels (summed: kernels on
+    several streams may overlap); the copies' busy time host to device, device to host,
+    and both at once."""
+    ours, kernels = collections.Counter(), 0.0
+    for e in events:
+        if e.get("cat") == "kernel":
+            kernels += e["dur"]
+            name = kernel_name(e["name"])
+            if name:
+                ours[name] += e["dur"]
+    h2d, d2h = (interval_union((e["ts"], e["ts"] + e["dur"]) for e in events
+                               if e.get("cat") == "gpu_memcpy" and way in e["name"])
+                for way in ("HtoD", "DtoH"))
+    return {"statepager_kernels_s": sum(ours.values()) / 1e6, "kernels_s": kernels / 1e6,
+            "by_kernel": {k: v / 1e6 for k, v in ours.most_common()},
+            "h2d_busy_s": sum(e - s for s, e in h2d) / 1e6,
+            "d2h_busy_s": sum(e - s for s, e in d2h) / 1e6,
+            "both_busy_s": interval_overlap(h2d, d2h) / 1e6}
+
+
+def kernel_name(name: str) -> str | None:
+    """A statepager kernel's own name from its demangled signature ('void statepager::
+    kernels::(anonymous namespace)::adamw_kernel<(...)2, true>(float*, ...)' ->
+    'adamw_kernel'); None for other kernels."""
+    if _OURS not in name:
+        return None
+    name = name.split(_OURS, 1)[1].replace("(anonymous namespace)::", "")
+    for stop in "<(":
+        name = name.split(stop, 1)[0]
+    return name.rsplit("::", 1)[-1]
+
