@@ -9,8 +9,9 @@
 #      the floor from PCIe and fio
 #   c. bench megatron, the 1.34 B GPT, MEGATRON_CONFIGS (default unpaged, offload, fp32,
 #      q8, host-fp32, host-q8: about 20-40 s each, floors included), 3 warm-up + 5 timed
-#      steps, at most 200 s per configuration; each configuration's lines are printed as
-#      it ends, then the summary and the targets. MEGATRON_ARGS adds options (e.g.
+#      steps, at most 200 s per configuration, and one more profiled step (--device-time:
+#      the codecs' device time); each configuration's lines are printed as it ends, then
+#      the summary and the targets. MEGATRON_ARGS adds options (e.g.
 #      "--layers 12" to make it smaller). PLOT=path.png: the step timeline of TIMELINE
 #      (default fp32) as a Chrome trace (path.json) and, where matplotlib is importable, the
 #      PNG (else draw it anywhere: python -m statepager.trace path.json path.png).
@@ -63,6 +64,6 @@ print('fio:', f'{fio.path} ({fio.version})' if fio else why)"
   # shellcheck disable=SC2086
   part c "$left" python3 -m statepager bench megatron --dir "$SHM" \
     --configs "${MEGATRON_CONFIGS:-unpaged,offload,fp32,q8,host-fp32,host-q8}" --warmup 3 \
-    --steps 5 --timeout 200 "${timeline[@]}" ${MEGATRON_ARGS:-}
+    --steps 5 --timeout 200 --device-time "${timeline[@]}" ${MEGATRON_ARGS:-}
   echo "=== total ${SECONDS} s"
 } 2>&1 | tee "$OUT/benchmeg.log"
