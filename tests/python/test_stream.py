@@ -475,3 +475,29 @@ def test_an_attached_optimizer_is_freed_with_its_binding(store_dir):
     del opt, binding, pager
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def test_forms_follow_the_state_entries(store_dir):
+    """A parameter's stored forms are found again from its state entries each step (the
+    pager asked only when an entry is another tensor, or its data was set anew): an entry
+    removed, replaced by another pager tensor, or given ordinary memory, is seen."""
+    model = make_model()
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        binding = pager.attach(opt, bucket_size=64 * KiB, moments="q8")
+        train(model, opt, None, 1)
+        p = next(model.parameters())
+        state = opt.state[p]
+
+        def named():
+            return {name: form.working for name, form in binding.forms(p)}
+
+        assert set(named()) == {"exp_avg", "exp_avg_sq"}
+        assert named()["exp_avg"] is state["exp_avg"]
+        fresh = pager.empty_like(state["exp_avg"])
+        state["exp_avg"] = fresh
+        assert named()["exp_avg"] is fresh
+        state["exp_avg"].data = torch.zeros_like(p)  # ordinary memory: no longer paged
+        assert set(named()) == {"exp_avg_sq"}
+        del state["exp_avg_sq"]
+        assert named() == {}

@@ -52,6 +52,11 @@ class Bucket:
                                                  # outside the pager (statepager.atomic)
     nbytes: int = 0                              # bytes mapped while the bucket steps
     planned: int = 0                             # bytes planned for it (state to come included)
+    # As of its forms (StreamedOptimizer._fill): _fused_forms(), _incoming() and the bytes
+    # of `stored`; a step finds them again unless the fused step's choice changed.
+    fused: list | None = None
+    incoming: list = field(default_factory=list)
+    stored_bytes: int = 0
 
 
 @dataclass
@@ -118,8 +123,11 @@ class StreamedOptimizer:
         self.last = StepStats()
         self._steps = 0
         self._begun: _Run | None = None  # begin_step()'s, until step() takes it up
-        # Per parameter (by id): its paged state entries' StoredForms, by name.
+        # Per parameter (by id): its paged state entries' StoredForms, by name, and what
+        # they were found from (_tensor_key): forms() asks the pager again only when that
+        # changed.
         self._forms: dict[int, dict[str, StoredForm]] = {}
+        self._forms_from: dict[int, tuple] = {}
         # Parameters that step in chunks (by id): their chunks' (start, stop).
         self._split: dict[int, list[tuple[int, int]]] = {}
         self._counts: dict[int, dict] = {}  # in a step: counters of split params before it
@@ -187,14 +195,20 @@ class StreamedOptimizer:
     def forms(self, p) -> list[tuple[str, StoredForm]]:
         """(name, form) of parameter p's paged tensors, in a stable order; 'param' is the
         parameter itself when the pager owns it (an fp32 master)."""
+        state = self.optimizer.state.get(p, {})  # .get: state is a defaultdict
+        found_from = (id(p) in self._split, _tensor_key(p),
+                      tuple((name, _tensor_key(v)) for name, v in state.items()))
+        if self._forms_from.get(id(p)) == found_from:
+            return list(self._forms[id(p)].items())
         known = self._forms.get(id(p), {})
         forms = {}
-        for name, v in self.optimizer.state.get(p, {}).items():  # .get: state is a defaultdict
+        for name, v in state.items():
             if isinstance(v, torch.Tensor) and self.pager.owns(v):
                 forms[name] = self._form(p, name, v, self.moments, known.get(name))
         if self.pager.owns(p):
             forms["param"] = self._form(p, "param", p, self.mains, known.get("param"))
         self._forms[id(p)] = forms  # entries no longer in the state are let go
+        self._forms_from[id(p)] = found_from
         return list(forms.items())
 
     def _form(self, p, name: str, working: torch.Tensor, fmt: str,
@@ -225,7 +239,9 @@ class StreamedOptimizer:
         self.pager.move_to_store(b.stored, self.name)  # this binding's own store
         b.working = [f.working for f in b.forms if f.scratch]
         b.undo = self._undo.copies(b.params, b.chunks) if self.atomic else []
-        b.nbytes = _bytes(self._incoming(b, self._fused_forms(b)))
+        b.fused = self._fused_forms(b)
+        b.incoming = self._incoming(b, b.fused)
+        b.nbytes, b.stored_bytes = _bytes(b.incoming), _bytes(b.stored)
 
     def _layout(self) -> list:
         """What a plan is made for: the parameters of each param group, by identity."""
@@ -669,9 +685,11 @@ class StreamedOptimizer:
         # Which moments the fused step reads as stored, per bucket: what its page-in
         # brings and how it steps (a bucket that creates state finds out again).
         run.fused = [self._fused_forms(b) for b in buckets]
-        run.incoming = [self._incoming(b, f) for b, f in zip(buckets, run.fused)]
-        named_in = [_bytes(x) for x in run.incoming]
-        scratch = [m - _bytes(b.stored) for m, b in zip(named_in, buckets)]
+        incoming = [(b.incoming, b.nbytes) if f == b.fused else
+                    (x := self._incoming(b, f), _bytes(x)) for b, f in zip(buckets, run.fused)]
+        run.incoming = [x for x, _ in incoming]
+        named_in = [n for _, n in incoming]
+        scratch = [m - b.stored_bytes for m, b in zip(named_in, buckets)]
         run.sched = _Schedule(named_in, scratch, self._ahead())
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
         # the store into free host room (bounded by it: the pager never makes room for a
@@ -879,6 +897,17 @@ class StreamedOptimizer:
 
 
 _ABSENT = object()
+
+
+def _tensor_key(v):
+    """What forms() finds a state entry's form from: the tensor object and where its
+    bytes are (a tensor whose data was set anew is another); None for other values."""
+    if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+        return None
+    try:
+        return id(v), v.data_ptr()
+    except RuntimeError:  # no storage (a meta or fake tensor): never the pager's
+        return id(v), None
 
 
 def _form_bytes(t: torch.Tensor, fmt: str, scratch: bool = True) -> int:
