@@ -213,7 +213,7 @@ def test_the_targets_are_ratios_to_their_references():
         "fp32 opt.step / its floor": (13, 1.4, 1.1, False),         # 0.7 / 0.5
         "q8 step / fp32 step": (13, 0.7, 0.45, False),
         "q8 opt.step / fp32 opt.step": (13, 0.7, 0.45, False),
-        "q8 step's codec kernels / 30 ms": (13, None, 1.0, None),  # no --device-time
+        "q8 step's kernels (codecs, AdamW) / 30 ms": (13, None, 1.0, None),  # no --device-time
         "host-fp32 step / offload step": (14, 0.8333, 1.0, True),   # 0.35 / 0.42
         "host-q8 step / offload step": (14, None, 0.35, None),      # it failed
         "host-fp32 driver peak / offload's": (14, 0.4762, 1.0, True),  # 10 / 21 GiB
@@ -225,7 +225,7 @@ def test_the_targets_are_ratios_to_their_references():
                                                    None, None]
     r["configs"][3]["device_time"] = DEVICE_TIME  # q8's, with --device-time
     kernels = next(t for t in bench_megatron.targets(r["configs"])
-                   if t["what"] == "q8 step's codec kernels / 30 ms")
+                   if t["what"] == "q8 step's kernels (codecs, AdamW) / 30 ms")
     assert round(kernels["value"], 4) == 0.8233 and kernels["met"]
     assert kernels["detail"] == "24.7 ms on the device, --device-time"
 
@@ -310,7 +310,7 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             "34.0 ms; copies busy host to device 111.7 ms, device to host 104.9 ms, both at "
             "once 49.5 ms") in out
     assert out.count("under torch.profiler") == 1  # the others ran without --device-time
-    assert ("issue 13: q8 step's codec kernels / 30 ms <= 1: 0.82 (24.7 ms on the device, "
+    assert ("issue 13: q8 step's kernels (codecs, AdamW) / 30 ms <= 1: 0.82 (24.7 ms on the device, "
             "--device-time): met") in summary
 
 

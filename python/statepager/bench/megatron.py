@@ -743,7 +743,7 @@ def targets(configs: list) -> list[dict]:
             if "q8" in done and "fp32" in done else "")
     kernels = (done["q8"].get("device_time") or {}).get("statepager_kernels_s") \
         if "q8" in done else None
-    add(13, "q8 step's codec kernels / 30 ms", kernels, 0.030, 1.0,
+    add(13, "q8 step's kernels (codecs, AdamW) / 30 ms", kernels, 0.030, 1.0,
         f"{1e3 * kernels:.1f} ms on the device, --device-time" if kernels is not None else "")
     for name, limit in (("host-fp32", 1.0), ("host-q8", 0.35)):
         add(14, f"{name} step / offload step", step(name), step("offload"), limit,
