@@ -228,6 +228,16 @@ def test_the_targets_are_ratios_to_their_references():
                    if t["what"] == "q8 step's kernels (codecs, AdamW) / 30 ms")
     assert round(kernels["value"], 4) == 0.8233 and kernels["met"]
     assert kernels["detail"] == "24.7 ms on the device, --device-time"
+    # A profile that saw no kernel, or failed, measured nothing.
+    for seen in (dict(DEVICE_TIME, kernels_s=0.0, statepager_kernels_s=0.0, by_kernel={}),
+                 {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}):
+        r["configs"][3]["device_time"] = seen
+        kernels = next(t for t in bench_megatron.targets(r["configs"])
+                       if t["what"] == "q8 step's kernels (codecs, AdamW) / 30 ms")
+        assert kernels["value"] is None and kernels["met"] is None
+        text = "\n".join(bench_megatron.config_lines(r["configs"][3]))
+        assert ("the profiler saw no kernel" in text) if "kernels_s" in seen else \
+            "under torch.profiler failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
 
 
 def test_the_report_puts_the_configurations_side_by_side(capsys):
