@@ -60,7 +60,9 @@ FOREIGN = {
     },
     "statepager.formats.fused_adamw": {
         "_foreach_add": "torch._foreach_add, the step counts as _multi_tensor_adam advances them",
-        "_foreach_copy_": "torch._foreach_copy_, those counts stored once the kernels are queued",
+    },
+    "statepager.core.flat": {
+        "_foreach_copy_": "torch._foreach_copy_, many copies as one (copy_each)",
     },
     "statepager.bench.tms": {
         "_exit": "os._exit: the child skips teardown, which torch-memory-saver aborts",

@@ -1,5 +1,6 @@
 """flat_view: a dense tensor's elements as one 1-D view, in memory order (what the
-stored forms and the checkpoint's device path move byte for byte)."""
+stored forms and the checkpoint's device path move byte for byte); copy_each: many
+element-for-element copies at once."""
 from __future__ import annotations
 
 import torch
@@ -16,3 +17,10 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
         raise _C.UsageError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
                             "has gaps or overlaps in memory: it has no flat view (clone it)")
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def copy_each(targets: list, sources: list) -> None:
+    """targets[i].copy_(sources[i]) for every i, as torch's multi-tensor copy: on CUDA a
+    few kernels for all (dtypes converted as copy_ converts them), not one per pair."""
+    if targets:
+        torch._foreach_copy_(targets, sources)

@@ -28,6 +28,7 @@ import os
 import torch
 
 from statepager import _C
+from statepager.core.flat import copy_each
 from statepager.formats import codecs
 
 _fused_on = os.environ.get("STATEPAGER_FUSED_ADAMW", "1") != "0"
@@ -140,7 +141,7 @@ class FusedStep:
             _C.kernels.adamw_step_many(
                 list(params), list(grads), [_stored(m) for m in ms], [_stored(v) for v in vs],
                 [m.fmt for m in ms], list(hyper), [a.item() for a in after], _stream(params[0]))
-            torch._foreach_copy_(counts, after)
+            copy_each(counts, after)
 
 
 def _kernels_for(p: torch.Tensor) -> bool:

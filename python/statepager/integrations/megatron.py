@@ -44,7 +44,7 @@ import torch
 
 from statepager import _C
 from statepager.core import adapters, slices
-from statepager.core.flat import flat_view
+from statepager.core.flat import copy_each, flat_view
 from statepager.core.pager import MiB
 from statepager.integrations import megatron_internals as internals
 from statepager.integrations.megatron_internals import Internals
@@ -291,8 +291,8 @@ class MegatronMember:
             return
         # One multi-tensor copy for the bucket: a copy_ per main took ~4 ms of the host's
         # time in the 1.34 B GPT's bucket of ~200 small parameters (H200).
-        torch._foreach_copy_([self.megatron.param_buffer_slice(self.model_of[id(main)])
-                              for main in mains], mains)
+        copy_each([self.megatron.param_buffer_slice(self.model_of[id(main)]) for main in mains],
+                  mains)
         if self.bf16_grads:
             for main in mains:
                 main.grad = None
