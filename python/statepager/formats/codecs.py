@@ -300,10 +300,15 @@ def rebuild_residuals(params: list, residuals: list, exceptions: list, mains_out
     device = mains_out[0].device
     bad = torch.zeros(1, dtype=torch.uint8, device=device)
     _C.kernels.residual_rebuild_many(
-        params, residuals, mains_out, [i.to(device) for i, _ in exceptions],
-        [b.to(device) for _, b in exceptions], fingerprints, _checksum_rows(params),
+        params, residuals, mains_out, [_on(i, device) for i, _ in exceptions],
+        [_on(b, device) for _, b in exceptions], fingerprints, _checksum_rows(params),
         torch.empty(len(params), dtype=torch.int64, device=device), bad, _stream(mains_out[0]))
     return bad.view(()).bool()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device` (a checkpoint's exceptions load on the CPU); as it is when there."""
+    return t if t.device == device else t.to(device)
 
 
 def _rebuild_reference(param, residual, exceptions, main_out) -> torch.Tensor:

@@ -36,6 +36,9 @@ class StoredForm:
         """bounds: the chunks (statepager.core.slices.chunk_bounds) the stored tensors are
         made of, one piece each (Pager.empty's pieces); None: one piece."""
         self.working, self.fmt, self.kind, self.model_param = working, fmt, kind, model_param
+        # Their flat views, made once: a step's decode and encode take them every time.
+        self.flat_working = flat_view(working)
+        self.flat_model_param = None if model_param is None else flat_view(model_param)
         self.bounds = bounds
         self._whole, self._range = None, None  # a chunk's: the whole form, (start, stop)
         self._exceptions = (torch.empty(0, dtype=torch.int64, device=working.device),
@@ -81,9 +84,9 @@ class StoredForm:
             raise ValueError(f"chunk [{start}, {stop}) of a tensor of {self.working.numel()} "
                              f"elements: it must start on a multiple of {codecs.Q8_BLOCK}")
         part = copy.copy(self)
-        part.working = flat_view(self.working)[start:stop]
+        part.working = part.flat_working = self.flat_working[start:stop]
         if self.model_param is not None:
-            part.model_param = flat_view(self.model_param)[start:stop]
+            part.model_param = part.flat_model_param = self.flat_model_param[start:stop]
         if self.fmt == "fp32":
             part.tensors = [part.working]
         elif self.fmt == "q8":
@@ -191,7 +194,7 @@ class StoredForm:
         """Decodes into the working tensor. Residual format: returns a device bool, True
         when the model parameter changed (see decode_residuals; the caller reads it, at
         once or after more work is queued); otherwise None."""
-        w = flat_view(self.working)
+        w = self.flat_working
         if self.fmt == "bf16":
             w.copy_(self.tensors[0])
         elif self.fmt == "q8":
@@ -204,7 +207,7 @@ class StoredForm:
         """Encodes the working tensor into the stored form. Residual format: returns its
         exceptions, pending (see encode_residuals); the caller passes them, finished
         (codecs.finish_exceptions), to set_exceptions(). None for the other formats."""
-        w = flat_view(self.working)
+        w = self.flat_working
         if self.fmt == "bf16":
             self.tensors[0].copy_(w)
         elif self.fmt == "q8":
@@ -227,8 +230,8 @@ def decode_residuals(forms: list) -> torch.Tensor | None:
     if not forms:
         return None
     return codecs.rebuild_residuals(
-        [flat_view(f.model_param) for f in forms], [f.tensors[0] for f in forms],
-        [f.exceptions_as_set for f in forms], [flat_view(f.working) for f in forms],
+        [f.flat_model_param for f in forms], [f.tensors[0] for f in forms],
+        [f.exceptions_as_set for f in forms], [f.flat_working for f in forms],
         [f.fingerprint for f in forms])
 
 
@@ -239,8 +242,8 @@ def encode_residuals(forms: list) -> codecs.PendingExceptions | None:
     model parameters must stay as they are. None when there are no forms."""
     if not forms:
         return None
-    pending = codecs.PendingExceptions([flat_view(f.working) for f in forms],
-                                       [flat_view(f.model_param) for f in forms],
+    pending = codecs.PendingExceptions([f.flat_working for f in forms],
+                                       [f.flat_model_param for f in forms],
                                        [f.tensors[0] for f in forms], fingerprints=True)
     for f, fingerprint in zip(forms, pending.fingerprints):
         f.fingerprint = fingerprint
