@@ -2,9 +2,9 @@
 (kernels/: the codecs and the fused AdamW step) by name, all kernels, and how long the
 copy engines were busy each way and both at once. `bench megatron --device-time` runs
 one more step under it, after the timed ones: a profiled step is slower on the host, and
-so were the steps after it in the same process (q8 on the H200: 0.262 s against 0.215 s),
-so none of them is timed. What the profiler adds is host work; the device's durations
-are its own."""
+the steps after it in the same process looked slower too (q8 on the H200: 0.262 s with a
+warm-up step profiled, 0.215-0.235 s in runs without, on other machines), so none of
+them is timed. What the profiler adds is host work; the device's durations are its own."""
 from __future__ import annotations
 
 import collections
