@@ -75,8 +75,13 @@ def parser(prog: str) -> argparse.ArgumentParser:
     step.add_argument("--bucket", type=size, default=size("256M"))
     step.add_argument("--depth", type=at_least(2, "buckets in flight: one stepping, one "
                                                  "moving"), default=3)
-    step.add_argument("--steps", type=at_least(2, "the first step reads no moments, so it "
-                                                 "is not counted"), default=4)
+    step.add_argument("--warmup", type=at_least(1, "the first step reads no moments, so it "
+                                                  "is not timed"), default=2,
+                      help="steps run first and not timed: the first reads no moments, the "
+                           "second writes them into fresh store ranges and host pages "
+                           "(default 2)")
+    step.add_argument("--steps", type=at_least(1, "a step must be timed"), default=3,
+                      help="timed steps, after the warm-up ones (default 3)")
     step.add_argument("--page-size", type=size, default=size("32M"))
     step.add_argument("--host-budget", type=size, default=0,
                       help="host tier bytes (Pager host_budget; default: none); on CUDA the "

@@ -3,6 +3,7 @@ with its own libraries, fio's read/write/both figures on a real directory, the f
 the larger of PCIe and fio (PCIe skipped on the CPU, with a note), and `bench step`
 printing the step as a multiple of it."""
 import argparse
+import json
 import os
 import stat
 
@@ -192,11 +193,21 @@ def test_with_no_file_bytes_there_is_no_fio_floor_and_the_host_tier_bytes_are_na
 @needs_fio
 def test_bench_step_prints_the_step_as_a_multiple_of_the_floor(capsys, tmp_path):
     assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path),
-                     "--params", "3e6", "--steps", "2", "--bucket", "8M", "--no-baseline",
-                     "--no-in-place", "--fio-jobs", "2"]) == 0
+                     "--params", "3e6", "--warmup", "1", "--steps", "1", "--bucket", "8M",
+                     "--no-baseline", "--no-in-place", "--fio-jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert "x the floor" in out and "fio (" in out and "no PCIe floor" in out, out
     assert "raw io_uring" not in out
+
+
+def test_bench_step_times_only_the_steps_after_the_warmup(capsys, tmp_path):
+    assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path), "--json",
+                     "--params", "1e6", "--warmup", "3", "--steps", "2", "--bucket", "2M",
+                     "--no-baseline", "--no-in-place", "--fio-jobs", "1"]) == 0
+    paged = json.loads(capsys.readouterr().out)["paged"]
+    assert paged["step_s"]["n"] == 2 and len(paged["warmup_s"]) == 2
+    # Per timed step: a whole step's bytes, the mains and both moments each way.
+    assert paged["bytes_read"] == paged["bytes_written"] == 12 * 10**6
 
 
 @needs_fio
@@ -204,8 +215,8 @@ def test_bench_step_on_a_mapped_ram_store_says_what_went_through_the_mapping(cap
                                                                              shm_dir):
     os.makedirs(shm_dir)
     assert cli.main(["bench", "step", "--device", "cpu", "--dir", shm_dir, "--params", "3e6",
-                     "--steps", "2", "--bucket", "8M", "--no-baseline", "--no-in-place",
-                     "--fio-jobs", "2"]) == 0
+                     "--warmup", "1", "--steps", "1", "--bucket", "8M", "--no-baseline",
+                     "--no-in-place", "--fio-jobs", "2"]) == 0
     out = capsys.readouterr().out
     # Every store byte went through the mapping: no fio floor, and a CPU has no PCIe one.
     assert "through the mapped store files (map_ram): 0.04 GB of the read and " in out, out

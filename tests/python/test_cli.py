@@ -34,7 +34,8 @@ def refused(capsys, argv, message):
     (["bench", "step", "--params", "0"], "the count must be at least 1"),
     (["bench", "step", "--params", "lots"], "'lots' is not a number"),
     (["bench", "step", "--depth", "1"], "one stepping, one moving (at least 2)"),
-    (["bench", "step", "--steps", "1"], "is not counted (at least 2)"),
+    (["bench", "step", "--warmup", "0"], "so it is not timed (at least 1)"),
+    (["bench", "step", "--steps", "0"], "a step must be timed (at least 1)"),
     (["bench", "step", "--device", "tpu"], "not a device statepager runs on"),
 ])
 def test_bad_bench_values_are_refused_with_a_message(capsys, tmp_path, argv, message):

@@ -99,8 +99,9 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
         times, last = [], None
         moved = {k: 0 for k in MOVED}  # summed over the timed steps
         kind = "paged step" if atomic else "paged step in place"
-        for step in range(args.steps):
-            bar.phase(f"{kind} {step + 1}/{args.steps}")
+        total = args.warmup + args.steps
+        for step in range(total):
+            bar.phase(f"{kind} {step + 1}/{total}")
             _sync(device)
             before = pager.stats()
             t0 = time.perf_counter()
@@ -109,7 +110,7 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
             times.append(time.perf_counter() - t0)
             last = binding.last
             after = pager.stats()
-            if step > 0:
+            if step >= args.warmup:
                 for k in MOVED:
                     moved[k] += after[k] - before[k]
         digest = _digest(pager, params)
@@ -119,14 +120,15 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
                                     f"{last.step}") if atomic else []
         return {
             "timeline_files": files,
-            "first_step_s": times[0],
-            "step_s": spread(times[1:]),  # step 1 reads mains only (moments are ZERO)
-            "step_mean_s": sum(times[1:]) / len(times[1:]),
+            "first_step_s": times[0],  # reads mains only (moments are ZERO)
+            "warmup_s": times[1:args.warmup],
+            "step_s": spread(times[args.warmup:]),
+            "step_mean_s": sum(times[args.warmup:]) / args.steps,
             # Per timed step, on average: with part of the state in the host tier, atomic
             # steps alternate which part (each kept bucket needs room for two copies).
             # read_ahead_bytes are of bytes_read (store -> host tier), spilled_bytes of
             # bytes_written (host tier -> store).
-            **{k: v // len(times[1:]) for k, v in moved.items()},
+            **{k: v // args.steps for k, v in moved.items()},
             "digest": digest,
             "host_budget": args.host_budget,
             "buckets": last.buckets,
@@ -246,7 +248,7 @@ def _bench_step(args, work: str) -> dict:
         device = torch.device("cuda", 0)
     n = args.params
     state = (STATE_BYTES - 4 if args.unowned else STATE_BYTES) * n  # read and written
-    phases = (args.steps * (1 if args.no_in_place else 2) + 1 +
+    phases = ((args.warmup + args.steps) * (1 if args.no_in_place else 2) + 1 +
               (0 if args.no_baseline else args.steps))
     with Progress("bench step", phases) as bar:
         paged = paged_steps(args, work, device, n, bar)
@@ -296,8 +298,9 @@ def print_step(r: dict) -> None:
     print(f"  paged step: {show(p['step_s'], 's', 3)} = "
           f"{multiple(step, r['floor_s'], 'the floor')}; "
           f"{r['paged_gbps']:.2f} GB/s of state moved (read {p['bytes_read'] / 1e9:.1f} GB + "
-          f"write {p['bytes_written'] / 1e9:.1f} GB); first step {p['first_step_s']:.3f} s "
-          "(reads the mains only)")
+          f"write {p['bytes_written'] / 1e9:.1f} GB); untimed: first step "
+          f"{p['first_step_s']:.3f} s (reads the mains only)"
+          + "".join(f", {t:.3f} s" for t in p["warmup_s"]))
     if p["mapped_read_bytes"] or p["mapped_written_bytes"]:
         print(f"    through the mapped store files (map_ram): {p['mapped_read_bytes'] / 1e9:.2f} "
               f"GB of the read and {p['mapped_written_bytes'] / 1e9:.2f} GB of the written "
