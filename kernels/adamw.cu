@@ -1,6 +1,6 @@
 // The fused AdamW step of adamw.h. One warp per block of 256 elements (a q8 block), 8
 // consecutive elements per lane, all in registers: each stored byte is read once and
-// written once.
+// written once. A launch steps a batch of parameters (batch.cuh).
 #include "kernels/adamw.h"
 
 #include <cuda_bf16.h>
@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "kernels/batch.cuh"
 #include "kernels/codecs.h"
 #include "kernels/launch.cuh"
 #include "kernels/q8.cuh"
@@ -103,19 +104,25 @@ __device__ __forceinline__ void store_moment(Moment m, int64_t blk, int lane, in
   }
 }
 
+struct Entry {
+  AdamWParam p;
+  bool vec;
+};
+
 template <MomentFormat F, bool kVec>
-__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad,
-                             Moment exp_avg, Moment exp_avg_sq, int64_t n, AdamWScalars s) {
+__device__ __forceinline__ void adamw_cta(const AdamWParam& a, uint32_t cta) {
   const int lane = threadIdx.x & 31;
-  const int64_t blk = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t n = a.n;
+  const int64_t blk = (static_cast<int64_t>(cta) * blockDim.x + threadIdx.x) >> 5;
   if (blk * kQ8Block >= n) return;  // uniform across the warp
   const int64_t base = blk * kQ8Block + lane * 8;
   const bool full = blk * kQ8Block + kQ8Block <= n;
+  const AdamWScalars& s = a.scalars;
   float p[8], g[8], m[8], v[8];
-  load8<kVec>(param, base, n, full, p);
-  load8<kVec>(grad, base, n, full, g);
-  load_moment<F, false, kVec>(exp_avg, blk, base, n, full, m);
-  load_moment<F, true, kVec>(exp_avg_sq, blk, base, n, full, v);
+  load8<kVec>(a.param, base, n, full, p);
+  load8<kVec>(a.grad, base, n, full, g);
+  load_moment<F, false, kVec>(a.exp_avg, blk, base, n, full, m);
+  load_moment<F, true, kVec>(a.exp_avg_sq, blk, base, n, full, v);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     // _multi_tensor_adam, one foreach op per line (each rounds to fp32).
@@ -130,37 +137,43 @@ __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict_
     const float q = __fdiv_rn(m[j], d);                                 // _foreach_addcdiv_
     p[j] = s.step_size == 1.f ? __fadd_rn(p[j], q) : __fmaf_rn(s.step_size, q, p[j]);
   }
-  store8<kVec>(param, base, n, full, p);
-  store_moment<F, false, kVec>(exp_avg, blk, lane, base, n, full, m);
-  store_moment<F, true, kVec>(exp_avg_sq, blk, lane, base, n, full, v);
+  store8<kVec>(a.param, base, n, full, p);
+  store_moment<F, false, kVec>(a.exp_avg, blk, lane, base, n, full, m);
+  store_moment<F, true, kVec>(a.exp_avg_sq, blk, lane, base, n, full, v);
+}
+
+template <MomentFormat F>
+__global__ void adamw_kernel(const __grid_constant__ Batch<Entry> b) {
+  uint32_t cta;
+  const Entry& e = entry_of(b, blockIdx.x, &cta);
+  e.vec ? adamw_cta<F, true>(e.p, cta) : adamw_cta<F, false>(e.p, cta);
 }
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+constexpr int64_t kPerCta = kQ8Block * (kThreads / 32);  // a warp per q8 block
+
 template <MomentFormat F>
-void launch(float* param, const float* grad, Moment m, Moment v, int64_t n,
-            const AdamWScalars& s, cudaStream_t stream) {
-  const int64_t grid = ((n + kQ8Block - 1) / kQ8Block + kThreads / 32 - 1) / (kThreads / 32);
-  if (aligned(param) && aligned(grad) && aligned(m.data) && aligned(v.data)) {
-    adamw_kernel<F, true><<<grid, kThreads, 0, stream>>>(param, grad, m, v, n, s);
-  } else {
-    adamw_kernel<F, false><<<grid, kThreads, 0, stream>>>(param, grad, m, v, n, s);
-  }
+void launch(const std::vector<Entry>& entries, cudaStream_t stream) {
+  launch_batches(entries, [](const Entry& e) { return (e.p.n + kPerCta - 1) / kPerCta; },
+                 [&](const Batch<Entry>& b, uint32_t grid) {
+                   adamw_kernel<F><<<grid, kThreads, 0, stream>>>(b);
+                 }, "adamw_step");
 }
 
 }  // namespace
 
-void adamw_step(float* param, const float* grad, Moment exp_avg, Moment exp_avg_sq,
-                MomentFormat format, int64_t n, const AdamWScalars& scalars, int device,
-                void* stream) {
-  if (n == 0) return;
+void adamw_step(const std::vector<AdamWParam>& params, int device, void* stream) {
   cudaStream_t s = prepare(device, stream, "adamw_step");
-  switch (format) {
-    case MomentFormat::kFp32: launch<MomentFormat::kFp32>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
-    case MomentFormat::kBf16: launch<MomentFormat::kBf16>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
-    case MomentFormat::kQ8: launch<MomentFormat::kQ8>(param, grad, exp_avg, exp_avg_sq, n, scalars, s); break;
+  std::vector<Entry> by_format[3];
+  for (const AdamWParam& p : params) {
+    const bool vec = aligned(p.param) && aligned(p.grad) && aligned(p.exp_avg.data) &&
+                     aligned(p.exp_avg_sq.data);
+    by_format[static_cast<int>(p.format)].push_back({p, vec});
   }
-  check(cudaGetLastError(), "adamw_step");
+  launch<MomentFormat::kFp32>(by_format[static_cast<int>(MomentFormat::kFp32)], s);
+  launch<MomentFormat::kBf16>(by_format[static_cast<int>(MomentFormat::kBf16)], s);
+  launch<MomentFormat::kQ8>(by_format[static_cast<int>(MomentFormat::kQ8)], s);
 }
 
 }  // namespace statepager::kernels

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace statepager::kernels {
 
@@ -28,9 +29,19 @@ struct AdamWScalars {
   float decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size;
 };
 
-// param (fp32, updated in place), grad (fp32), exp_avg and exp_avg_sq in `format`.
-void adamw_step(float* param, const float* grad, Moment exp_avg, Moment exp_avg_sq,
-                MomentFormat format, int64_t n, const AdamWScalars& scalars, int device,
-                void* stream);
+// One parameter's step: param (fp32, updated in place), grad (fp32), exp_avg and
+// exp_avg_sq in `format`, n elements.
+struct AdamWParam {
+  float* param;
+  const float* grad;
+  Moment exp_avg, exp_avg_sq;
+  MomentFormat format;
+  int64_t n;
+  AdamWScalars scalars;
+};
+
+// The steps of many parameters (a bucket's), in as few launches as fit (batch.cuh): they
+// run at once, so no two may share a tensor.
+void adamw_step(const std::vector<AdamWParam>& params, int device, void* stream);
 
 }  // namespace statepager::kernels

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/batch.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/q8.cuh"
 
@@ -18,7 +19,7 @@ constexpr int64_t kPrime = 2147483647;  // codecs.param_checksum's modulus, 2**3
 
 bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The bf16 bits torch's float->bfloat16 cast gives a non-NaN float: round to nearest even.
 __device__ __forceinline__ uint32_t bf16_rne(uint32_t bits) {
@@ -72,7 +73,26 @@ __global__ void q8_decode_kernel(const uint8_t* __restrict__ codes, const float*
 
 // ------------------------------------------------------------------------ residual
 // Four consecutive elements per thread: one float4 of mains, 8 bytes of params and of
-// residuals.
+// residuals. The entries of a batch: a master, and whether its pointers allow vector loads.
+
+constexpr int64_t kResidualPerCta = 4 * kThreads;
+
+struct EncodeEntry {
+  ResidualEncode m;
+  bool vec;
+};
+
+struct RebuildEntry {
+  ResidualRebuild m;
+  bool vec;
+};
+
+struct ScatterEntry {
+  float* main;
+  const int64_t* idx;
+  const int32_t* bits;
+  int64_t n_exc;
+};
 
 __device__ __forceinline__ bool residual_exception(uint32_t bits, uint32_t p, int32_t* r) {
   *r = static_cast<int32_t>(bits - (p << 16));  // wraps like torch's int32 subtraction
@@ -81,27 +101,26 @@ __device__ __forceinline__ bool residual_exception(uint32_t bits, uint32_t p, in
 }
 
 template <bool kVec>
-__global__ void residual_encode_kernel(const float* __restrict__ main, const uint16_t* __restrict__ param,
-                                       int16_t* __restrict__ residual, int64_t n,
-                                       int64_t* __restrict__ exc_idx, int32_t* __restrict__ exc_bits,
-                                       int64_t capacity, unsigned long long* count) {
+__device__ __forceinline__ void residual_encode_cta(const ResidualEncode& m, uint32_t cta) {
   const int lane = threadIdx.x & 31;
-  const int64_t base = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  const int64_t n = m.n;
+  const int64_t base = (static_cast<int64_t>(cta) * blockDim.x + threadIdx.x) * 4;
   uint32_t bits[4] = {0, 0, 0, 0}, p[4] = {0, 0, 0, 0};
   const bool full = base + 4 <= n;
   if (kVec && full) {
-    const uint4 m4 = *reinterpret_cast<const uint4*>(main + base);
-    const uint2 p2 = *reinterpret_cast<const uint2*>(param + base);
+    const uint4 m4 = *reinterpret_cast<const uint4*>(m.main + base);
+    const uint2 p2 = *reinterpret_cast<const uint2*>(m.param + base);
     bits[0] = m4.x; bits[1] = m4.y; bits[2] = m4.z; bits[3] = m4.w;
     p[0] = p2.x & 0xffff; p[1] = p2.x >> 16; p[2] = p2.y & 0xffff; p[3] = p2.y >> 16;
   } else {
     for (int j = 0; j < 4; ++j) {
       if (base + j < n) {
-        bits[j] = __float_as_uint(main[base + j]);
-        p[j] = param[base + j];
+        bits[j] = __float_as_uint(m.main[base + j]);
+        p[j] = m.param[base + j];
       }
     }
   }
+  auto* count = reinterpret_cast<unsigned long long*>(m.count);
   uint16_t out[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -117,9 +136,9 @@ __global__ void residual_encode_kernel(const float* __restrict__ main, const uin
       first = __shfl_sync(kFullMask, first, leader);
       if (exc) {
         const unsigned long long slot = first + __popc(ballot & ((1u << lane) - 1));
-        if (slot < static_cast<unsigned long long>(capacity)) {
-          exc_idx[slot] = base + j;
-          exc_bits[slot] = static_cast<int32_t>(bits[j]);
+        if (slot < static_cast<unsigned long long>(m.capacity)) {
+          m.exc_idx[slot] = base + j;
+          m.exc_bits[slot] = static_cast<int32_t>(bits[j]);
         }
       }
     }
@@ -128,11 +147,17 @@ __global__ void residual_encode_kernel(const float* __restrict__ main, const uin
     uint2 w;
     w.x = out[0] | static_cast<uint32_t>(out[1]) << 16;
     w.y = out[2] | static_cast<uint32_t>(out[3]) << 16;
-    *reinterpret_cast<uint2*>(residual + base) = w;
+    *reinterpret_cast<uint2*>(m.residual + base) = w;
   } else {
     for (int j = 0; j < 4; ++j)
-      if (base + j < n) residual[base + j] = static_cast<int16_t>(out[j]);
+      if (base + j < n) m.residual[base + j] = static_cast<int16_t>(out[j]);
   }
+}
+
+__global__ void residual_encode_kernel(const __grid_constant__ Batch<EncodeEntry> b) {
+  uint32_t cta;
+  const EncodeEntry& e = entry_of(b, blockIdx.x, &cta);
+  e.vec ? residual_encode_cta<true>(e.m, cta) : residual_encode_cta<false>(e.m, cta);
 }
 
 // A rebuilt master, and whether it is inconsistent with its param: it does not round to
@@ -145,38 +170,54 @@ __device__ __forceinline__ uint32_t rebuilt(uint32_t p, uint32_t r16, bool* bad)
 }
 
 template <bool kVec>
-__global__ void residual_rebuild_kernel(const uint16_t* __restrict__ param, const int16_t* __restrict__ residual,
-                                        float* __restrict__ main, int64_t n, uint8_t* bad) {
-  const int64_t base = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+__device__ __forceinline__ void residual_rebuild_cta(const ResidualRebuild& m, uint32_t cta,
+                                                     uint8_t* bad) {
+  const int64_t n = m.n;
+  const int64_t base = (static_cast<int64_t>(cta) * blockDim.x + threadIdx.x) * 4;
   if (base >= n) return;
   bool b = false;
   if (kVec && base + 4 <= n) {
-    const uint2 p2 = *reinterpret_cast<const uint2*>(param + base);
-    const uint2 r2 = *reinterpret_cast<const uint2*>(residual + base);
-    uint4 m;
-    m.x = rebuilt(p2.x & 0xffff, r2.x & 0xffff, &b);
-    m.y = rebuilt(p2.x >> 16, r2.x >> 16, &b);
-    m.z = rebuilt(p2.y & 0xffff, r2.y & 0xffff, &b);
-    m.w = rebuilt(p2.y >> 16, r2.y >> 16, &b);
-    *reinterpret_cast<uint4*>(main + base) = m;
+    const uint2 p2 = *reinterpret_cast<const uint2*>(m.param + base);
+    const uint2 r2 = *reinterpret_cast<const uint2*>(m.residual + base);
+    uint4 out;
+    out.x = rebuilt(p2.x & 0xffff, r2.x & 0xffff, &b);
+    out.y = rebuilt(p2.x >> 16, r2.x >> 16, &b);
+    out.z = rebuilt(p2.y & 0xffff, r2.y & 0xffff, &b);
+    out.w = rebuilt(p2.y >> 16, r2.y >> 16, &b);
+    *reinterpret_cast<uint4*>(m.main + base) = out;
   } else {
     for (int j = 0; j < 4 && base + j < n; ++j) {
-      main[base + j] = __uint_as_float(rebuilt(param[base + j],
-                                               static_cast<uint16_t>(residual[base + j]), &b));
+      m.main[base + j] = __uint_as_float(rebuilt(m.param[base + j],
+                                                 static_cast<uint16_t>(m.residual[base + j]), &b));
     }
   }
   // An exception's residual is 0: it rebuilds to its param's value, never bad.
   if (b) *bad = 1;  // every writer writes 1: no atomic needed
 }
 
-__global__ void scatter_exceptions_kernel(float* __restrict__ main, const int64_t* __restrict__ idx,
-                                          const int32_t* __restrict__ bits, int64_t n_exc) {
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (k < n_exc) main[idx[k]] = __int_as_float(bits[k]);
+__global__ void residual_rebuild_kernel(const __grid_constant__ Batch<RebuildEntry> b,
+                                        uint8_t* bad) {
+  uint32_t cta;
+  const RebuildEntry& e = entry_of(b, blockIdx.x, &cta);
+  e.vec ? residual_rebuild_cta<true>(e.m, cta, bad) : residual_rebuild_cta<false>(e.m, cta, bad);
+}
+
+__global__ void scatter_exceptions_kernel(const __grid_constant__ Batch<ScatterEntry> b) {
+  uint32_t cta;
+  const ScatterEntry& e = entry_of(b, blockIdx.x, &cta);
+  const int64_t k = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x;
+  if (k < e.n_exc) e.main[e.idx[k]] = __int_as_float(e.bits[k]);
 }
 
 // ------------------------------------------------------------------------ checksum
-// One CTA per row of 4096 elements, 16 per thread.
+// One CTA per row of 4096 elements, 16 per thread; then one CTA per param for the total.
+
+struct RowsEntry {
+  const uint16_t* param;
+  int64_t n;
+  int64_t* rows;
+  bool vec;
+};
 
 __device__ __forceinline__ long long warp_sum(long long v) {
 #pragma unroll
@@ -194,17 +235,17 @@ __device__ long long block_sum(long long v) {
   return threadIdx.x < 32 ? warp_sum(v) : 0;
 }
 
-template <bool kVec>
-__global__ void checksum_rows_kernel(const uint16_t* __restrict__ param, int64_t n,
-                                     int64_t* __restrict__ rows) {
-  const int64_t row = blockIdx.x;
+__global__ void checksum_rows_kernel(const __grid_constant__ Batch<RowsEntry> b) {
+  uint32_t cta;
+  const RowsEntry& e = entry_of(b, blockIdx.x, &cta);
+  const int64_t row = cta;
   const int64_t start = row * kChecksumRow;
   const int col0 = threadIdx.x * 16;
   uint32_t p[16];
-  if (kVec && start + kChecksumRow <= n) {
-    const uint4 a = reinterpret_cast<const uint4*>(param + start + col0)[0];
-    const uint4 b = reinterpret_cast<const uint4*>(param + start + col0)[1];
-    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  if (e.vec && start + kChecksumRow <= e.n) {
+    const uint4 a = reinterpret_cast<const uint4*>(e.param + start + col0)[0];
+    const uint4 c = reinterpret_cast<const uint4*>(e.param + start + col0)[1];
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       p[2 * j] = (w[j] & 0xffff) + 1;
@@ -212,7 +253,7 @@ __global__ void checksum_rows_kernel(const uint16_t* __restrict__ param, int64_t
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) p[j] = start + col0 + j < n ? param[start + col0 + j] + 1u : 0u;
+    for (int j = 0; j < 16; ++j) p[j] = start + col0 + j < e.n ? e.param[start + col0 + j] + 1u : 0u;
   }
   long long sum = 0;
 #pragma unroll
@@ -220,19 +261,20 @@ __global__ void checksum_rows_kernel(const uint16_t* __restrict__ param, int64_t
   sum = block_sum(sum);
   if (threadIdx.x == 0) {
     const long long weight = row * 0x9E3779B1LL % (kPrime - 1) + 1;
-    rows[row] = sum % kPrime * weight % kPrime;
+    e.rows[row] = sum % kPrime * weight % kPrime;
   }
 }
 
-__global__ void checksum_total_kernel(const int64_t* __restrict__ rows, int64_t n_rows,
-                                      int64_t* __restrict__ out, const int64_t* expected,
-                                      uint8_t* bad) {
+__global__ void checksum_total_kernel(const __grid_constant__ Batch<Checksum> b, uint8_t* bad) {
+  uint32_t cta;
+  const Checksum& e = entry_of(b, blockIdx.x, &cta);
+  const int64_t n_rows = ceil_div(e.n, kChecksumRow);
   long long sum = 0;
-  for (int64_t i = threadIdx.x; i < n_rows; i += blockDim.x) sum += rows[i];
+  for (int64_t i = threadIdx.x; i < n_rows; i += blockDim.x) sum += e.rows[i];
   sum = block_sum(sum);
   if (threadIdx.x == 0) {
-    *out = sum % kPrime;
-    if (expected != nullptr && sum % kPrime != *expected) *bad = 1;
+    *e.out = sum % kPrime;
+    if (e.expected != nullptr && sum % kPrime != *e.expected) *bad = 1;
   }
 }
 
@@ -270,57 +312,54 @@ void q8_decode(const uint8_t* codes, const float* scales, float* x, int64_t n, b
   check(cudaGetLastError(), "q8_decode");
 }
 
-void residual_encode(const float* main, const uint16_t* param, int16_t* residual, int64_t n,
-                     int64_t* exc_idx, int32_t* exc_bits, int64_t capacity, int64_t* count,
-                     int device, void* stream) {
-  if (n == 0) return;
+void residual_encode(const std::vector<ResidualEncode>& masters, int device, void* stream) {
   cudaStream_t s = prepare(device, stream, "residual_encode");
-  const int64_t grid = ceil_div(ceil_div(n, 4), kThreads);
-  auto* counter = reinterpret_cast<unsigned long long*>(count);
-  if (aligned(main, 16) && aligned(param, 8) && aligned(residual, 8)) {
-    residual_encode_kernel<true><<<grid, kThreads, 0, s>>>(main, param, residual, n, exc_idx,
-                                                           exc_bits, capacity, counter);
-  } else {
-    residual_encode_kernel<false><<<grid, kThreads, 0, s>>>(main, param, residual, n, exc_idx,
-                                                            exc_bits, capacity, counter);
+  std::vector<EncodeEntry> entries;
+  entries.reserve(masters.size());
+  for (const ResidualEncode& m : masters) {
+    entries.push_back({m, aligned(m.main, 16) && aligned(m.param, 8) && aligned(m.residual, 8)});
   }
-  check(cudaGetLastError(), "residual_encode");
+  launch_batches(entries, [](const EncodeEntry& e) { return ceil_div(e.m.n, kResidualPerCta); },
+                 [&](const Batch<EncodeEntry>& b, uint32_t grid) {
+                   residual_encode_kernel<<<grid, kThreads, 0, s>>>(b);
+                 }, "residual_encode");
 }
 
-void residual_rebuild(const uint16_t* param, const int16_t* residual, float* main, int64_t n,
-                      const int64_t* exc_idx, const int32_t* exc_bits, int64_t n_exc,
-                      uint8_t* bad, int device, void* stream) {
-  if (n == 0) return;
+void residual_rebuild(const std::vector<ResidualRebuild>& masters, uint8_t* bad, int device,
+                      void* stream) {
   cudaStream_t s = prepare(device, stream, "residual_rebuild");
-  const int64_t grid = ceil_div(ceil_div(n, 4), kThreads);
-  if (aligned(main, 16) && aligned(param, 8) && aligned(residual, 8)) {
-    residual_rebuild_kernel<true><<<grid, kThreads, 0, s>>>(param, residual, main, n, bad);
-  } else {
-    residual_rebuild_kernel<false><<<grid, kThreads, 0, s>>>(param, residual, main, n, bad);
+  std::vector<RebuildEntry> entries;
+  std::vector<ScatterEntry> exceptions;
+  entries.reserve(masters.size());
+  for (const ResidualRebuild& m : masters) {
+    entries.push_back({m, aligned(m.main, 16) && aligned(m.param, 8) && aligned(m.residual, 8)});
+    if (m.n > 0 && m.n_exc > 0) exceptions.push_back({m.main, m.exc_idx, m.exc_bits, m.n_exc});
   }
-  check(cudaGetLastError(), "residual_rebuild");
-  if (n_exc > 0) {
-    scatter_exceptions_kernel<<<ceil_div(n_exc, kThreads), kThreads, 0, s>>>(main, exc_idx,
-                                                                             exc_bits, n_exc);
-    check(cudaGetLastError(), "residual_rebuild (exceptions)");
-  }
+  launch_batches(entries, [](const RebuildEntry& e) { return ceil_div(e.m.n, kResidualPerCta); },
+                 [&](const Batch<RebuildEntry>& b, uint32_t grid) {
+                   residual_rebuild_kernel<<<grid, kThreads, 0, s>>>(b, bad);
+                 }, "residual_rebuild");
+  // After every rebuild (one stream): an exception overwrites its element's rebuilt bits.
+  launch_batches(exceptions, [](const ScatterEntry& e) { return ceil_div(e.n_exc, kThreads); },
+                 [&](const Batch<ScatterEntry>& b, uint32_t grid) {
+                   scatter_exceptions_kernel<<<grid, kThreads, 0, s>>>(b);
+                 }, "residual_rebuild (exceptions)");
 }
 
-void param_checksum(const uint16_t* param, int64_t n, int64_t* rows, int64_t* out,
-                    int device, void* stream, const int64_t* expected, uint8_t* bad) {
+void param_checksum(const std::vector<Checksum>& params, uint8_t* bad, int device, void* stream) {
   cudaStream_t s = prepare(device, stream, "param_checksum");
-  const int64_t n_rows = ceil_div(n, kChecksumRow);
   static_assert(kChecksumRow == kThreads * 16, "one CTA per checksum row, 16 per thread");
-  if (n_rows > 0) {
-    if (aligned(param, 16)) {
-      checksum_rows_kernel<true><<<n_rows, kThreads, 0, s>>>(param, n, rows);
-    } else {
-      checksum_rows_kernel<false><<<n_rows, kThreads, 0, s>>>(param, n, rows);
-    }
-    check(cudaGetLastError(), "param_checksum");
-  }
-  checksum_total_kernel<<<1, 1024, 0, s>>>(rows, n_rows, out, expected, bad);  // 0 when n == 0
-  check(cudaGetLastError(), "param_checksum (total)");
+  std::vector<RowsEntry> rows;
+  rows.reserve(params.size());
+  for (const Checksum& c : params) rows.push_back({c.param, c.n, c.rows, aligned(c.param, 16)});
+  launch_batches(rows, [](const RowsEntry& e) { return ceil_div(e.n, kChecksumRow); },
+                 [&](const Batch<RowsEntry>& b, uint32_t grid) {
+                   checksum_rows_kernel<<<grid, kThreads, 0, s>>>(b);
+                 }, "param_checksum");
+  launch_batches(params, [](const Checksum&) { return int64_t{1}; },  // 0 when n == 0
+                 [&](const Batch<Checksum>& b, uint32_t grid) {
+                   checksum_total_kernel<<<grid, 1024, 0, s>>>(b, bad);
+                 }, "param_checksum (total)");
 }
 
 }  // namespace statepager::kernels

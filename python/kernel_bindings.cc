@@ -110,16 +110,25 @@ void param_checksum(const torch::Tensor& param, const torch::Tensor& rows, const
        "rows must have one element per 4096 params");
   need(out.numel() == 1, "out must have one element");
   launch([&] {
-    kernels::param_checksum(bf16_bits(param), n, rows.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
-                            dev, as_stream(stream));
+    kernels::param_checksum({{bf16_bits(param), n, rows.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
+                              nullptr}}, nullptr, dev, as_stream(stream));
   });
 }
 
-// The rows scratch param_checksum needs for n params; need()s `rows` holds that many.
-void check_rows(const torch::Tensor& rows, int64_t n, int dev) {
+// The rows scratch of the checksums of `params` (each its own rows, as they run at once):
+// need()s `rows` holds ceil(n / 4096) per param; returns each param's offset into it.
+std::vector<int64_t> rows_of(const torch::Tensor& rows, const std::vector<torch::Tensor>& params,
+                             int dev) {
   check(rows, "rows", torch::kInt64, dev);
-  need(rows.numel() >= (n + kernels::kChecksumRow - 1) / kernels::kChecksumRow,
-       "rows must have one element per 4096 params of the largest param");
+  std::vector<int64_t> at;
+  at.reserve(params.size());
+  int64_t total = 0;
+  for (const torch::Tensor& p : params) {
+    at.push_back(total);
+    total += (p.numel() + kernels::kChecksumRow - 1) / kernels::kChecksumRow;
+  }
+  need(rows.numel() >= total, "rows must have one element per 4096 elements of each param");
+  return at;
 }
 
 // The `bad` flag (one uint8) and `sums` scratch (k int64) of a call over k params: their
@@ -139,7 +148,7 @@ void check_fingerprint(const torch::Tensor& fingerprint, int dev) {
 
 // param_checksum of k params in one call, each compared with its fingerprint (a 1-element
 // int64 of the same device): `bad` (one uint8, zero on entry) is set when any differs.
-// `rows` is scratch (check_rows), `sums` k int64 of scratch.
+// `rows` is scratch (rows_of), `sums` k int64 of scratch.
 void params_changed_many(const std::vector<torch::Tensor>& params,
                          const std::vector<torch::Tensor>& fingerprints,
                          const torch::Tensor& rows, const torch::Tensor& sums,
@@ -152,24 +161,25 @@ void params_changed_many(const std::vector<torch::Tensor>& params,
     need(check(params[i], "param", torch::kBFloat16) == dev,
          "the params of one call must be on one device");
     check_fingerprint(fingerprints[i], dev);
-    check_rows(rows, params[i].numel(), dev);
+  }
+  const std::vector<int64_t> at = rows_of(rows, params, dev);
+  std::vector<kernels::Checksum> sums_of;
+  sums_of.reserve(k);
+  for (size_t i = 0; i < k; i++) {
+    sums_of.push_back({bf16_bits(params[i]), params[i].numel(), rows.data_ptr<int64_t>() + at[i],
+                       sums.data_ptr<int64_t>() + i, fingerprints[i].data_ptr<int64_t>()});
   }
   py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
-  launch([&] {
-    for (size_t i = 0; i < k; i++) {
-      kernels::param_checksum(bf16_bits(params[i]), params[i].numel(), rows.data_ptr<int64_t>(),
-                              sums.data_ptr<int64_t>() + i, dev, as_stream(stream),
-                              fingerprints[i].data_ptr<int64_t>(), bad.data_ptr<uint8_t>());
-    }
-  });
+  launch([&] { kernels::param_checksum(sums_of, bad.data_ptr<uint8_t>(), dev, as_stream(stream)); });
 }
 
 // The residual masters of one bucket, k of them (lists of equal length k): what
 // residual_rebuild and a comparison of param_checksum with the fingerprint do per master,
-// in one call, so that a bucket of many small parameters costs the host no Python per
-// master. fingerprints[i] (a 1-element int64, or None: not checked) is the checksum the
-// residual was encoded against; `bad` is set when any differs or any master does not
-// round to its param. `rows` is scratch (check_rows), `sums` k int64 of scratch.
+// in one call, so that a bucket of many small parameters costs the host no Python and no
+// launch per master. fingerprints[i] (a 1-element int64, or None: not checked) is the
+// checksum the residual was encoded against; `bad` is set when any differs or any master
+// does not round to its param. `rows` is scratch (rows_of, of the fingerprinted params),
+// `sums` k int64 of scratch.
 void residual_rebuild_many(const std::vector<torch::Tensor>& params,
                            const std::vector<torch::Tensor>& residuals,
                            const std::vector<torch::Tensor>& mains,
@@ -184,36 +194,47 @@ void residual_rebuild_many(const std::vector<torch::Tensor>& params,
        "params, residuals, mains, exc_idx, exc_bits and fingerprints differ in length");
   if (k == 0) return;
   const int dev = check_bad_and_sums(bad, sums, k);
+  std::vector<kernels::ResidualRebuild> masters;
+  std::vector<torch::Tensor> checked;  // the fingerprinted params
+  std::vector<size_t> checked_at;
+  masters.reserve(k);
   for (size_t i = 0; i < k; i++) {
     need(check_residual(mains[i], params[i], residuals[i], exc_idx[i], exc_bits[i]) == dev,
          "the masters of one call must be on one device");
-    const int64_t n = mains[i].numel();
     if (fingerprints[i]) {
       check_fingerprint(*fingerprints[i], dev);
-      check_rows(rows, n, dev);
+      checked.push_back(params[i]);
+      checked_at.push_back(i);
+    }
+    masters.push_back({bf16_bits(params[i]), residuals[i].data_ptr<int16_t>(),
+                       mains[i].data_ptr<float>(), mains[i].numel(),
+                       exc_idx[i].data_ptr<int64_t>(), exc_bits[i].data_ptr<int32_t>(),
+                       exc_idx[i].numel()});
+  }
+  std::vector<kernels::Checksum> sums_of;
+  if (!checked.empty()) {
+    const std::vector<int64_t> at = rows_of(rows, checked, dev);
+    for (size_t j = 0; j < checked.size(); j++) {
+      const size_t i = checked_at[j];
+      sums_of.push_back({bf16_bits(params[i]), params[i].numel(),
+                         rows.data_ptr<int64_t>() + at[j], sums.data_ptr<int64_t>() + i,
+                         fingerprints[i]->data_ptr<int64_t>()});
     }
   }
   py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
   launch([&] {
-    for (size_t i = 0; i < k; i++) {
-      const int64_t n = mains[i].numel();
-      if (fingerprints[i]) {
-        kernels::param_checksum(bf16_bits(params[i]), n, rows.data_ptr<int64_t>(),
-                                sums.data_ptr<int64_t>() + i, dev, as_stream(stream),
-                                fingerprints[i]->data_ptr<int64_t>(), bad.data_ptr<uint8_t>());
-      }
-      kernels::residual_rebuild(bf16_bits(params[i]), residuals[i].data_ptr<int16_t>(),
-                                mains[i].data_ptr<float>(), n, exc_idx[i].data_ptr<int64_t>(),
-                                exc_bits[i].data_ptr<int32_t>(), exc_idx[i].numel(),
-                                bad.data_ptr<uint8_t>(), dev, as_stream(stream));
+    if (!sums_of.empty()) {
+      kernels::param_checksum(sums_of, bad.data_ptr<uint8_t>(), dev, as_stream(stream));
     }
+    kernels::residual_rebuild(masters, bad.data_ptr<uint8_t>(), dev, as_stream(stream));
   });
 }
 
 // The residual masters of one bucket encoded in one call: per master i, its param's
 // checksum into fingerprints[i] (given fingerprints) and residual_encode with room for
 // capacities[i] exceptions, at the next offset of exc_idx/exc_bits (one buffer each for
-// all, at least the capacities' sum), counted into counts[i] (zero on entry).
+// all, at least the capacities' sum), counted into counts[i] (zero on entry). `rows` is
+// scratch (rows_of) when fingerprints are asked for.
 void residual_encode_many(const std::vector<torch::Tensor>& mains,
                           const std::vector<torch::Tensor>& params,
                           const std::vector<torch::Tensor>& residuals,
@@ -232,31 +253,33 @@ void residual_encode_many(const std::vector<torch::Tensor>& mains,
     check(*fingerprints, "fingerprints", torch::kInt64, dev);
     need(fingerprints->numel() == counts.numel(), "fingerprints must have one element per master");
   }
+  std::vector<kernels::ResidualEncode> masters;
+  masters.reserve(k);
   int64_t room = 0;
   for (size_t i = 0; i < k; i++) {
     need(check_residual(mains[i], params[i], residuals[i], exc_idx, exc_bits) == dev,
          "the masters of one call must be on one device");
     need(capacities[i] >= 0, "capacities must not be negative");
-    if (fingerprints) check_rows(rows, mains[i].numel(), dev);
+    masters.push_back({mains[i].data_ptr<float>(), bf16_bits(params[i]),
+                       residuals[i].data_ptr<int16_t>(), mains[i].numel(),
+                       exc_idx.data_ptr<int64_t>() + room, exc_bits.data_ptr<int32_t>() + room,
+                       capacities[i], counts.data_ptr<int64_t>() + i});
     room += capacities[i];
   }
   need(exc_idx.numel() >= room, "exc_idx and exc_bits must hold the capacities' sum");
+  std::vector<kernels::Checksum> sums_of;
+  if (fingerprints) {
+    const std::vector<int64_t> at = rows_of(rows, params, dev);
+    sums_of.reserve(k);
+    for (size_t i = 0; i < k; i++) {
+      sums_of.push_back({bf16_bits(params[i]), params[i].numel(), rows.data_ptr<int64_t>() + at[i],
+                         fingerprints->data_ptr<int64_t>() + i, nullptr});
+    }
+  }
   py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
   launch([&] {
-    int64_t at = 0;
-    for (size_t i = 0; i < k; i++) {
-      const int64_t n = mains[i].numel();
-      if (fingerprints) {
-        kernels::param_checksum(bf16_bits(params[i]), n, rows.data_ptr<int64_t>(),
-                                fingerprints->data_ptr<int64_t>() + i, dev, as_stream(stream));
-      }
-      kernels::residual_encode(mains[i].data_ptr<float>(), bf16_bits(params[i]),
-                               residuals[i].data_ptr<int16_t>(), n,
-                               exc_idx.data_ptr<int64_t>() + at, exc_bits.data_ptr<int32_t>() + at,
-                               capacities[i], counts.data_ptr<int64_t>() + i, dev,
-                               as_stream(stream));
-      at += capacities[i];
-    }
+    if (!sums_of.empty()) kernels::param_checksum(sums_of, nullptr, dev, as_stream(stream));
+    kernels::residual_encode(masters, dev, as_stream(stream));
   });
 }
 
@@ -333,22 +356,14 @@ void adamw_step_many(const std::vector<torch::Tensor>& params,
   need(grads.size() == k && exp_avgs.size() == k && exp_avg_sqs.size() == k &&
            formats.size() == k && hypers.size() == k && steps.size() == k,
        "params, grads, exp_avgs, exp_avg_sqs, formats, hypers and steps differ in length");
-  struct Launch {
-    float* param;
-    const float* grad;
-    kernels::Moment m, v;
-    kernels::MomentFormat format;
-    int64_t n;
-    kernels::AdamWScalars scalars;
-    int dev;
-  };
-  std::vector<Launch> launches;
-  launches.reserve(k);
+  std::vector<kernels::AdamWParam> steps_of;
+  steps_of.reserve(k);
+  int dev = -1;
   for (size_t i = 0; i < k; i++) {
     const torch::Tensor& p = params[i];
     need(p.is_cuda() && p.scalar_type() == torch::kFloat32 && p.is_non_overlapping_and_dense(),
          "params must be dense fp32 CUDA tensors");
-    const int dev = p.get_device();
+    dev = p.get_device();
     need(dev == params[0].get_device(), "params of one call must be on one device (its stream's)");
     need(grads[i].is_cuda() && grads[i].get_device() == dev &&
              grads[i].scalar_type() == torch::kFloat32,
@@ -359,18 +374,14 @@ void adamw_step_many(const std::vector<torch::Tensor>& params,
     const kernels::MomentFormat format = f == "fp32"   ? kernels::MomentFormat::kFp32
                                          : f == "bf16" ? kernels::MomentFormat::kBf16
                                                        : kernels::MomentFormat::kQ8;
-    launches.push_back({p.data_ptr<float>(), grads[i].data_ptr<float>(),
+    steps_of.push_back({p.data_ptr<float>(), grads[i].data_ptr<float>(),
                         moment(exp_avgs[i], f, "exp_avg", dev, p),
                         moment(exp_avg_sqs[i], f, "exp_avg_sq", dev, p), format, p.numel(),
-                        adamw_scalars(hypers[i], steps[i]), dev});
+                        adamw_scalars(hypers[i], steps[i])});
   }
+  if (k == 0) return;
   py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
-  launch([&] {
-    for (const Launch& l : launches) {
-      kernels::adamw_step(l.param, l.grad, l.m, l.v, l.format, l.n, l.scalars, l.dev,
-                          as_stream(stream));
-    }
-  });
+  launch([&] { kernels::adamw_step(steps_of, dev, as_stream(stream)); });
 }
 
 }  // namespace

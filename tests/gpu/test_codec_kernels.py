@@ -197,6 +197,68 @@ def test_a_bucket_of_masters_in_one_call_is_the_reference():
         assert bool(C.rebuild_residuals(p2, rd, got, outs, [None] * len(sizes))) == bool(ref)
 
 
+def test_more_masters_than_one_launch_takes_are_each_the_reference():
+    """A call launches its tensors in batches of a few dozen (kernels/batch.cuh): 150
+    masters, sizes 0 to ~9000 at both alignments, are each encoded, fingerprinted and
+    rebuilt as alone, and a change to any one param (one past the first batch too) is
+    told."""
+    sizes = [(i * 997) % 9001 if i % 37 else 0 for i in range(150)]
+    masters_ = [masters(n, seed=100 + i) for i, n in enumerate(sizes)]
+    params = [params_for(m, i, 0.001) for i, m in enumerate(masters_)]
+    md = [misaligned(m, i % 2) for i, m in enumerate(masters_)]
+    pd = [misaligned(p, (i // 2) % 2) for i, p in enumerate(params)]
+    rd = [misaligned(torch.ones(n, dtype=torch.int16), int(i % 3 == 0)) for i, n in enumerate(sizes)]
+    pending = C.PendingExceptions(md, pd, rd, fingerprints=True)
+    got = C.finish_exceptions([pending])
+    for i, (m, p) in enumerate(zip(masters_, params)):
+        r = torch.empty(len(m), dtype=torch.int16)
+        idx, exc_bits = C.residual_encode(m, p, r)
+        assert torch.equal(rd[i].cpu(), r), i
+        listed = C.in_index_order(got[i])
+        assert torch.equal(listed[0].cpu(), idx) and torch.equal(listed[1].cpu(), exc_bits), i
+        assert int(pending.fingerprints[i]) == int(C.param_checksum(p)), i
+    assert sum(len(i) for i, _ in got) > 0  # some exceptions were scattered back
+    outs = [misaligned(torch.zeros(n), (i + 1) % 2) for i, n in enumerate(sizes)]
+    assert not bool(C.rebuild_residuals(pd, rd, got, outs, pending.fingerprints))
+    for i, (m, out) in enumerate(zip(masters_, outs)):
+        assert torch.equal(bits(out), bits(m)), i
+    assert not C.params_changed(pd, pending.fingerprints).item()
+    for i in (1, 70, 149):
+        p2 = list(pd)
+        p2[i] = pd[i].clone()
+        p2[i].view(torch.int16)[-1] ^= 1
+        assert C.params_changed(p2, pending.fingerprints).item(), i
+        assert bool(C.rebuild_residuals(p2, rd, got, outs, pending.fingerprints)), i
+
+
+def test_adamw_of_many_params_in_one_call_is_each_alone():
+    """adamw_step_many over 120 parameters of the three moment formats interleaved
+    (launched per format, in batches) gives each the bits of a call for it alone."""
+    fmts = ["fp32", "bf16", "q8"]
+    hyper = [1e-3, 0.9, 0.999, 1e-8, 0.01]
+    stream = torch.cuda.current_stream().cuda_stream
+    sizes = [1 + (i * 1231) % 6000 for i in range(120)]
+    runs = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(7)
+        run_ = []
+        for i, n in enumerate(sizes):
+            p = misaligned(torch.randn(n, generator=gen), i % 2)
+            g = misaligned(torch.randn(n, generator=gen), i % 2)
+            m = stored_moment(moments("signed", n, seed=i).cuda(), fmts[i % 3], "signed")[0]
+            v = stored_moment(moments("nonneg", n, seed=i).cuda().abs(), fmts[i % 3], "nonneg")[0]
+            run_.append((p, g, m, v, fmts[i % 3]))
+        runs.append(run_)
+    together, alone = runs
+    statepager._C.kernels.adamw_step_many(*[list(x) for x in zip(*together)],
+                                          [hyper] * len(sizes), [3.0] * len(sizes), stream)
+    for p, g, m, v, fmt in alone:
+        statepager._C.kernels.adamw_step_many([p], [g], [m], [v], [fmt], [hyper], [3.0], stream)
+    for i, (a, b) in enumerate(zip(together, alone)):
+        for x, y in zip([a[0], *a[2], *a[3]], [b[0], *b[2], *b[3]]):
+            assert torch.equal(bits(x), bits(y)), i
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 4096 * 5 + 77, (1 << 20) + 3])
 def test_checksum_kernel_is_the_reference(n, offset):

@@ -226,11 +226,10 @@ def params_changed(params: list, fingerprints: list) -> torch.Tensor:
 
 
 def _checksum_rows(tensors: list) -> torch.Tensor:
-    """param_checksum's scratch for the largest of `tensors` (reused for each: the
-    kernels run one after another on one stream)."""
-    largest = max(t.numel() for t in tensors)
-    return torch.empty(max(1, -(-largest // _CHECKSUM_ROW)), dtype=torch.int64,
-                       device=tensors[0].device)
+    """param_checksum's scratch for all of `tensors`, each its own rows (the kernels
+    checksum them at once)."""
+    rows = sum(-(-t.numel() // _CHECKSUM_ROW) for t in tensors)
+    return torch.empty(max(1, rows), dtype=torch.int64, device=tensors[0].device)
 
 
 def finish_exceptions(pending: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
