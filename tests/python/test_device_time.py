@@ -44,9 +44,10 @@ def test_a_step_is_summed_by_kernel_and_by_copy_engine():
     assert got["statepager_kernels_s"] == 105e-6 and got["kernels_s"] == 125e-6
     assert got["h2d_busy_s"] == 200e-6 and got["d2h_busy_s"] == 160e-6
     assert got["both_busy_s"] == 50e-6  # 120-150 and 430-450
+    assert got["statepager_launches"] == 3 and got["launches"] == 4
 
 
 def test_a_step_without_kernels_or_copies():
     assert device_time.summarize([]) == {
         "statepager_kernels_s": 0.0, "kernels_s": 0.0, "by_kernel": {}, "h2d_busy_s": 0.0,
-        "d2h_busy_s": 0.0, "both_busy_s": 0.0}
+        "d2h_busy_s": 0.0, "both_busy_s": 0.0, "statepager_launches": 0, "launches": 0}

@@ -40,12 +40,14 @@ def summarize(events: list) -> dict:
     """From a Chrome trace's events (torch.profiler's export), in seconds: statepager's
     kernels, in all and by kernel (largest first); all kernels (summed: kernels on
     several streams may overlap); the copies' busy time host to device, device to host,
-    and both at once."""
-    ours, kernels = collections.Counter(), 0.0
+    and both at once; and how many kernels ran, statepager's and all (each a launch the
+    host paid for)."""
+    ours, kernels, launches = collections.Counter(), 0.0, collections.Counter()
     for e in events:
         if e.get("cat") == "kernel":
             kernels += e["dur"]
             name = kernel_name(e["name"])
+            launches["statepager" if name else "all"] += 1
             if name:
                 ours[name] += e["dur"]
     h2d, d2h = (interval_union((e["ts"], e["ts"] + e["dur"]) for e in events
@@ -53,6 +55,8 @@ def summarize(events: list) -> dict:
                 for way in ("HtoD", "DtoH"))
     return {"statepager_kernels_s": sum(ours.values()) / 1e6, "kernels_s": kernels / 1e6,
             "by_kernel": {k: v / 1e6 for k, v in ours.most_common()},
+            "statepager_launches": launches["statepager"],
+            "launches": launches["statepager"] + launches["all"],
             "h2d_busy_s": sum(e - s for s, e in h2d) / 1e6,
             "d2h_busy_s": sum(e - s for s, e in d2h) / 1e6,
             "both_busy_s": interval_overlap(h2d, d2h) / 1e6}

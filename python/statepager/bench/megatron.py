@@ -701,7 +701,8 @@ def _device_time_line(t: dict) -> str:
     kernels = ", ".join(f"{name} {ms(s)}" for name, s in list(t["by_kernel"].items())[:4])
     return (f"one more step's optimizer.step() under torch.profiler, on the device: "
             f"statepager's kernels {ms(t['statepager_kernels_s'])}"
-            f"{f' ({kernels})' if kernels else ''} of all kernels' {ms(t['kernels_s'])}; "
+            f"{f' ({kernels})' if kernels else ''} of all kernels' {ms(t['kernels_s'])}, "
+            f"{t['statepager_launches']} of {t['launches']} launches; "
             f"copies busy host to device {ms(t['h2d_busy_s'])}, device to host "
             f"{ms(t['d2h_busy_s'])}, both at once {ms(t['both_busy_s'])}")
 
