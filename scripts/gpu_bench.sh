@@ -18,8 +18,8 @@ run() { echo "\$ python -m statepager $*"; timeout 300 python3 -m statepager "$@
     --io-block 4M --io-depth 64
   run bench formats --device cuda --dir "$DISK" --params ${FORMAT_PARAMS:-2e8}
   run bench ckpt --device cuda --dir "$DISK" --size ${CKPT_SIZE:-4G} --repeat 2
-  run bench step --device cuda --dir "$DISK" --params ${DISK_PARAMS:-5e8} --steps 4
-  run bench step --device cuda --dir /dev/shm/statepager-bench --params ${SHM_PARAMS:-1e9} --steps 4
+  run bench step --device cuda --dir "$DISK" --params ${DISK_PARAMS:-5e8} --steps 3
+  run bench step --device cuda --dir /dev/shm/statepager-bench --params ${SHM_PARAMS:-1e9} --steps 3
   if [ -d /tmp/site/megatron ]; then  # installed by gpu_suite.sh from .whl/
     echo "\$ python examples/megatron_gpt.py --steps 12"
     PYTHONPATH=$PYTHONPATH:/tmp/site timeout 300 python3 examples/megatron_gpt.py --steps 12 \

@@ -48,7 +48,7 @@ print('fio:', f'{fio.path} ({fio.version})' if fio else why)"
   part a 200 bash -c "cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider \
     $PWD/tests/gpu/test_cuda_bench_megatron.py"
   part b 120 python3 -m statepager bench step --device cuda --dir "$SHM" \
-    --params "${STEP_PARAMS:-3.6e8}" --steps 3 --no-baseline --no-in-place
+    --params "${STEP_PARAMS:-3.6e8}" --steps 2 --no-baseline --no-in-place
   timeline=()
   if [ -n "${PLOT:-}" ]; then
     timeline=(--timeline "${TIMELINE:-fp32}" --trace "${PLOT%.*}.json")

@@ -28,7 +28,7 @@ bench() {  # NAME DIR PARAMS LIMIT_S
   [ -n "$PLOT" ] && plot=(--plot "$OUT/step_$1.png")
   echo "\$ python -m statepager bench step --device cuda --dir $2 --params $3 ..."
   timeout "$4" python3 -m statepager bench step --device cuda --dir "$2" --params "$3" \
-    --steps 2 --no-baseline --no-in-place --trace "$OUT/step_$1.json" "${plot[@]}" \
+    --warmup 1 --steps 1 --no-baseline --no-in-place --trace "$OUT/step_$1.json" "${plot[@]}" \
     || { echo "bench step on $1 FAILED"; status=1; }
 }
 {
@@ -39,7 +39,7 @@ bench() {  # NAME DIR PARAMS LIMIT_S
   bench shm /dev/shm/statepager-bench "${SHM_PARAMS:-5e8}" 50
   if command -v nsys >/dev/null; then
     timeout 60 nsys profile -q -o "$OUT/step" --force-overwrite true --trace cuda,nvtx \
-      python3 -m statepager bench step --device cuda --dir "$DISK" --params 1e8 --steps 2 \
+      python3 -m statepager bench step --device cuda --dir "$DISK" --params 1e8 --warmup 1 --steps 1 \
       --no-baseline --no-in-place >/dev/null || { echo "nsys capture FAILED"; status=1; }
     nsys stats -q --report nvtx_sum --format csv "$OUT/step.nsys-rep" > "$OUT/nvtx.txt" 2>&1
     echo "NVTX ranges in the capture (nvtx.txt):"
