@@ -7,12 +7,14 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import pytest
 
 import torch
 
 from statepager import _C, cli
+from statepager.bench import driver_memory
 from statepager.bench import megatron as bench_megatron
 
 GiB = 1 << 30
@@ -118,10 +120,30 @@ def test_a_failed_configuration_is_reported_with_its_log(tmp_path):
 
 def test_the_sampler_keeps_the_largest_value_seen():
     values = iter(range(1, 10**9))
-    with bench_megatron.PeakSampler(lambda: next(values), interval=1e-4) as s:
+    with driver_memory.PeakSampler(lambda: next(values), interval=1e-4) as s:
         while s.samples < 20:
             pass
     assert s.peak >= 21 and s.samples >= 20
+
+
+@pytest.mark.gpu
+def test_the_child_sampler_sees_what_this_process_allocates():
+    """With NVML, a child process samples: it sees memory this process's CUDA context
+    takes and gives back within the block, the peak above what was in use before."""
+    driver = driver_memory.DriverMemory()
+    if not driver.without_context:
+        pytest.skip("no NVML (libnvidia-ml): the driver memory is sampled by a thread")
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    before = driver.used()
+    with driver.sampler() as s:
+        assert isinstance(s, driver_memory.ChildPeakSampler)
+        x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        time.sleep(0.05)
+        del x
+        torch.cuda.empty_cache()
+        time.sleep(0.02)
+    assert s.peak >= before + (2 << 30) and s.samples >= 20
 
 
 def canned(config, *, peak, step=0.5, pager=None, floor=None, error=None, cpu=None):

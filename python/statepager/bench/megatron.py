@@ -13,8 +13,9 @@ installed), on one GPU.
 Per configuration, over the timed steps (after the warm-up steps, whose first creates the
 moments): the step time (a whole training iteration) and optimizer.step()'s share, the
 pager's bytes read and written per step (store files and host tier), and device memory
-at the steps' peak as the driver sees it (NVML, sampled by a thread every millisecond;
-cudaMemGetInfo when NVML is missing) beside torch's own counters and the page pool's,
+at the steps' peak as the driver sees it (NVML, sampled every millisecond by a child
+process, which takes no GIL from the step; cudaMemGetInfo by a thread when NVML is
+missing: statepager.bench.driver_memory) beside torch's own counters and the page pool's,
 and what of the peak is none of them, and the process's CPU time in cores busy
 (statepager.bench.cpu_use: io_uring's workers, the pager's I/O thread, the rest). A
 paged configuration's process then measures the floor of its bytes
@@ -27,7 +28,6 @@ with Megatron's offload and checks issue 13's and 14's targets.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
 import os
@@ -35,7 +35,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -45,6 +44,7 @@ from statepager.bench import device_time
 from statepager.bench import floor as bench_floor
 from statepager.bench.common import bench_directory
 from statepager.bench.cpu_use import CpuUse
+from statepager.bench.driver_memory import DriverMemory
 from statepager.bench.report import faster, multiple, show, spread
 from statepager.cli_args import (FIO_JOBS, at_least, directory, job_counts, output_file,
                                  plot_file, size)
@@ -271,75 +271,6 @@ def run_worker(spec: dict, work: str, timeout: int) -> dict:
 
 # -- the worker: one configuration, in its own process ---------------------------------
 
-class DriverMemory:
-    """Device memory in use as the driver reports it: NVML (libnvidia-ml, no CUDA context
-    needed, so the baseline before this process's context is known), else
-    cudaMemGetInfo (total - free; needs the context)."""
-
-    class _Info(ctypes.Structure):
-        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
-                    ("used", ctypes.c_ulonglong)]
-
-    def __init__(self):
-        self._nvml, self._handle = None, ctypes.c_void_p()
-        try:
-            nvml = ctypes.CDLL("libnvidia-ml.so.1")
-            if nvml.nvmlInit_v2() == 0 and self._find(nvml):
-                self._nvml = nvml
-        except OSError:
-            pass
-        self.source = ("NVML (device-wide used)" if self._nvml is not None
-                       else "cudaMemGetInfo (total - free)")
-
-    def _find(self, nvml) -> bool:
-        """The handle of CUDA device 0: the first of CUDA_VISIBLE_DEVICES (an index or
-        a UUID), else NVML's device 0."""
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-        if first.isdigit():
-            return nvml.nvmlDeviceGetHandleByIndex_v2(int(first),
-                                                      ctypes.byref(self._handle)) == 0
-        return nvml.nvmlDeviceGetHandleByUUID(first.encode(), ctypes.byref(self._handle)) == 0
-
-    @property
-    def without_context(self) -> bool:
-        return self._nvml is not None
-
-    def used(self) -> int:
-        if self._nvml is not None:
-            info = self._Info()
-            if self._nvml.nvmlDeviceGetMemoryInfo(self._handle, ctypes.byref(info)) == 0:
-                return int(info.used)
-        free, total = torch.cuda.mem_get_info(0)
-        return int(total - free)
-
-
-class PeakSampler:
-    """The largest of `read()` seen by a thread sampling every `interval` seconds while
-    the `with` block runs."""
-
-    def __init__(self, read, interval: float = 1e-3):
-        self._read, self._interval = read, interval
-        self._stop = threading.Event()
-        self.peak, self.samples = 0, 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._read())
-            self.samples += 1
-            self._stop.wait(self._interval)
-
-    def __enter__(self):
-        self.peak = self._read()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._read())
-
-
 def _load_example(path: str):
     """examples/megatron_gpt.py as the module megatron_gpt (its dataclass needs it in
     sys.modules)."""
@@ -452,7 +383,7 @@ def run_config(spec: dict) -> dict:
         torch.cuda.synchronize()
         built = {"driver": driver.used(),
                  "pool_mapped": pager.stats()["mapped_bytes"] if pager else None}
-        with PeakSampler(driver.used) as warmup:
+        with driver.sampler() as warmup:
             losses = [gpt.train_step(setup, model, optimizer, scheduler, i)
                       for i in range(spec["warmup"])]
         torch.cuda.synchronize()
@@ -461,7 +392,7 @@ def run_config(spec: dict) -> dict:
         steps, moved, pool, compute, streams = [], [], [], [], []
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
-        with PeakSampler(driver.used) as sampler, CpuUse() as cpu:
+        with driver.sampler() as sampler, CpuUse() as cpu:
             for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
                 before = pager.stats() if pager else None
                 torch.cuda.synchronize()
