@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/codecs.h"  // KernelError
+#include "kernels/launch.cuh"  // check
 
 namespace statepager::kernels {
 
@@ -52,6 +53,7 @@ __device__ __forceinline__ const Entry& entry_of(const Batch<Entry>& b, uint32_t
 template <class Entry, class BlocksOf, class Launch>
 void launch_batches(const std::vector<Entry>& entries, BlocksOf blocks_of, Launch launch,
                     const char* what) {
+  static_assert(sizeof(Batch<Entry>) <= kBatchBytes, "a batch must fit a kernel's parameters");
   Batch<Entry> b;
   b.count = 0;
   uint32_t grid = 0;
@@ -59,10 +61,7 @@ void launch_batches(const std::vector<Entry>& entries, BlocksOf blocks_of, Launc
     if (b.count == 0) return;
     b.first[b.count] = grid;
     launch(b, grid);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-      throw KernelError(std::string("statepager kernel ") + what + " failed: " +
-                        cudaGetErrorString(err));
-    }
+    check(cudaGetLastError(), what);
     b.count = 0;
     grid = 0;
   };
