@@ -135,13 +135,19 @@ class ChildPeakSampler:
         self.peak = self._read()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *_):
         child, self._child = self._child, None
         child.stdin.close()
-        peak, samples = (int(x) for x in child.stdout.readline().split())
+        said = child.stdout.readline().split()
         child.wait()
+        if len(said) != 2 or not all(x.isdigit() for x in said):
+            if exc_type is None:  # else the block's own error is the one to see
+                raise RuntimeError("the driver memory sampler (NVML, a child process) "
+                                   f"ended without its figures (exit status "
+                                   f"{child.returncode}, said {said!r})")
+            return
+        peak, self.samples = int(said[0]), int(said[1])
         self.peak = max(self.peak, peak, self._read())
-        self.samples = samples
 
 
 def _sample(interval: float) -> None:
