@@ -126,6 +126,17 @@ def test_the_sampler_keeps_the_largest_value_seen():
     assert s.peak >= 21 and s.samples >= 20
 
 
+def test_a_child_sampler_without_nvml_says_so():
+    """The child process runs alone (this file as a script, the standard library only)
+    and tells when it cannot sample; DriverMemory then never hands one out."""
+    if driver_memory.DriverMemory().without_context:
+        pytest.skip("NVML is here: the child samples (the GPU test below)")
+    with pytest.raises(RuntimeError, match=r"did not start: it said \['no', 'NVML'\]"):
+        with driver_memory.ChildPeakSampler(lambda: 0):
+            pass
+    assert isinstance(driver_memory.DriverMemory().sampler(), driver_memory.PeakSampler)
+
+
 @pytest.mark.gpu
 def test_the_child_sampler_sees_what_this_process_allocates():
     """With NVML, a child process samples: it sees memory this process's CUDA context
