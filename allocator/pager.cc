@@ -1221,11 +1221,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   for (const Ticket& job : jobs) {
     const bool issued_all = job->error || job->next_chunk == job->chunks.size();
     if (!job->started || job->restart || job->chunks_in_flight > 0 || !issued_all) continue;
-    if (job->fence) {
-      if (!device_->is_done(*job->fence)) continue;
-      device_->release_fence(*job->fence);
-      job->fence.reset();
-    }
+    if (job->fence && !fence_passed_locked(*job)) continue;
     progressed = true;
     if (!job->error && !job->deferred.empty() && !job->placed) {
       try {
@@ -1238,6 +1234,20 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
     complete(*job);
   }
   return progressed;
+}
+
+// Whether the job's fence has passed (then let go). A device that fails the query (a
+// broken context, say after a kernel's illegal address) fails the job instead of ending
+// the I/O thread: its waiter gets the device's error.
+bool Pager::fence_passed_locked(Job& job) {
+  try {
+    if (!device_->is_done(*job.fence)) return false;
+  } catch (...) {
+    if (!job.error) job.error = std::current_exception();
+  }
+  device_->release_fence(*job.fence);
+  job.fence.reset();
+  return true;
 }
 
 // Starts a job's work, or the work place_deferred_locked() added (job.restart). Without
@@ -1263,6 +1273,16 @@ void Pager::start_job(Job& job) {
   }
 }
 
+// Lets an extent's pages go where a bucket completes. A device failing the unmap (a
+// broken context) must not end the I/O thread: the pages stay mapped (a later page-in
+// finds them so), and the next device call or close() meets that device again.
+void Pager::unref_quietly_locked(const Extent& e) {
+  try {
+    pool_.unref(e.addr, e.bytes);
+  } catch (const DeviceError&) {
+  }
+}
+
 // Under the lock: the bucket's extents take their new state (or get their old one back).
 void Pager::complete(Job& job) {
   const bool ok = !job.error;
@@ -1281,7 +1301,7 @@ void Pager::complete(Job& job) {
       if (!ok) drop_host_locked(e);
     } else if (job.out) {
       e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : job.after[i];
-      if (ok && job.before[i] == Residency::kResident) pool_.unref(e.addr, e.bytes);
+      if (ok && job.before[i] == Residency::kResident) unref_quietly_locked(e);
       // A failed page-out lets its fresh host range go; a discard, the host bytes.
       if (ok ? job.discard : !job.discard && job.after[i] == Residency::kHost) {
         drop_host_locked(e);
@@ -1290,7 +1310,7 @@ void Pager::complete(Job& job) {
       e.state = ok ? Residency::kResident : job.before[i];
       if (ok) finish_move_locked(e);
       if (ok) drop_host_locked(e);
-      if (!ok) pool_.unref(e.addr, e.bytes);
+      if (!ok) unref_quietly_locked(e);
     }
   }
   if (ok) {

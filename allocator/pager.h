@@ -314,6 +314,8 @@ class Pager {
   void free_extent_locked(ExtentId id);  // release() of an extent not being paged
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
+  bool fence_passed_locked(Job& job);
+  void unref_quietly_locked(const Extent& e);
   void complete(Job& job);
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, const std::vector<ExtentId>& ids,
                         Pool::PendingMaps* pending);

@@ -1,5 +1,6 @@
 #include "allocator/pool.h"
 
+#include <exception>
 #include <string>
 
 #include "backing/errors.h"
@@ -140,13 +141,23 @@ void Pool::finish_mapping(const PendingMaps& pending) {
 
 void Pool::unref(uintptr_t addr, size_t bytes) {
   const size_t first = first_page(addr), end = end_page(addr, bytes);
-  for (size_t i = first; i < end; i++) drop(i);
+  std::exception_ptr error;  // the first page's, once every page is dropped
+  for (size_t i = first; i < end; i++) {
+    try {
+      drop(i);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 void Pool::drop(size_t index) {
   auto it = table_.find(index);
   if (it == table_.end()) throw UsageError("Pool::unref: page is not mapped");
   if (--it->second.refs > 0) return;
+  // A failed unmap leaves the page in the table, mapped with no reference: a later ref()
+  // finds it mapped.
   if (it->second.mapping == nullptr) device_.unmap(address(index), page_bytes_);
   pages_.release(it->second.page);
   table_.erase(it);

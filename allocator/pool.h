@@ -74,6 +74,8 @@ class Pool {
   // class comment), nothing taken. past_budget: map even beyond the page budget (see
   // PagePool::acquire).
   [[nodiscard]] bool ref(uintptr_t addr, size_t bytes, bool past_budget = false);
+  // Every page is dropped even when an unmap fails (the device's error is rethrown
+  // after; that page stays in the table, mapped, for a later ref()).
   void unref(uintptr_t addr, size_t bytes);
 
   // ref() without the mapping: the pages to map are appended to *pending (one caller's

@@ -445,6 +445,10 @@ class FailingDevice final : public WrappedDevice {
     WrappedDevice::free_staging(p, b);
   }
   void synchronize() override { check(); }
+  bool is_done(Fence f) override {
+    check();
+    return WrappedDevice::is_done(f);
+  }
 
  private:
   void check() const {
@@ -452,6 +456,37 @@ class FailingDevice final : public WrappedDevice {
   }
   const bool& fail_;
 };
+
+// A device that fails while buckets wait for their copies (CUDA after a kernel's illegal
+// address: every later query fails) fails those buckets with its error; the I/O thread
+// goes on (before, the failed query ended the process in std::terminate), their extents
+// keep their states of before, and once the device works the same buckets page again.
+TEST(Pager, ADeviceFailingUnderBucketsInFlightFailsThemAndNothingElse) {
+  bool fail = false;
+  Pager pager(std::make_unique<FailingDevice>(fail), small_options("failing-fence"));
+  const ExtentId kept = pager.create(100000), fresh = pager.create(300000);
+  pager.wait(pager.page_in({kept}));
+  std::memset(reinterpret_cast<void*>(pager.address(kept)), 7, pager.size(kept));
+  fail = true;
+  // A page-in's zero fill and a discard each wait for a fence; the unmap after the
+  // failed page-in fails as well.
+  const Ticket in = pager.page_in({fresh});
+  EXPECT_THROW(pager.wait(in), DeviceError);
+  EXPECT_THROW(pager.wait(pager.discard({kept})), DeviceError);
+  EXPECT_EQ(pager.residency(fresh), Residency::kZero);
+  EXPECT_EQ(pager.residency(kept), Residency::kResident);
+  fail = false;
+  pager.wait(pager.page_in({fresh}));
+  const auto* zeros = reinterpret_cast<const uint8_t*>(pager.address(fresh));
+  EXPECT_EQ(zeros[0], 0);
+  EXPECT_EQ(zeros[pager.size(fresh) - 1], 0);
+  pager.wait(pager.page_out({kept, fresh}));
+  pager.wait(pager.page_in({kept}));
+  const auto* bytes = reinterpret_cast<const uint8_t*>(pager.address(kept));
+  EXPECT_EQ(bytes[0], 7);
+  EXPECT_EQ(bytes[pager.size(kept) - 1], 7);
+  pager.close();
+}
 
 // The host device out of memory (cuMemCreate failing) once `room` more pages are made.
 class NoMemoryDevice final : public WrappedDevice {
