@@ -111,11 +111,28 @@ def test_without_megatron_core_it_names_the_extra_to_install(capsys, tmp_path, m
     assert "pip install 'statepager[megatron]'" in err and "Traceback" not in err
 
 
-def test_a_failed_configuration_is_reported_with_its_log(tmp_path):
+def test_a_failed_configuration_is_reported_with_its_error(tmp_path, monkeypatch):
+    # The worker's interpreter teardown aborts (as torch's does on a broken CUDA context):
+    # the report still names the error the configuration stopped at.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import atexit, os\natexit.register(os.abort)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     spec = {"config": "fp32", "example": str(tmp_path / "no-such-example.py")}
     r = bench_megatron.run_worker(spec, str(tmp_path), timeout=300)
-    assert r["config"] == "fp32" and r["error"] == "exit status 1"
+    assert r["config"] == "fp32" and r["error"].startswith("FileNotFoundError: "), r["error"]
     assert any("no-such-example.py" in line for line in r["log_tail"]), r["log_tail"]
+    assert "fp32      failed (FileNotFoundError: " in bench_megatron.config_lines(r)[0]
+
+
+def test_a_worker_that_dies_is_reported_with_its_log_tail(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.abort()\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    r = bench_megatron.run_worker({"config": "q8"}, str(tmp_path), timeout=300)
+    assert r["config"] == "q8" and r["error"] == "exit status -6", r
+    assert isinstance(r["log_tail"], list)
 
 
 def test_the_sampler_keeps_the_largest_value_seen():

@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
@@ -260,7 +261,7 @@ def run_worker(spec: dict, work: str, timeout: int) -> dict:
             error = f"exit status {rc}"
         except subprocess.TimeoutExpired:
             rc, error = None, f"timed out after {timeout} s"
-    if rc == 0 and os.path.isfile(out):
+    if os.path.isfile(out):  # its result, or the error it stopped at (_worker_main)
         with open(out) as f:
             return dict(json.load(f), seconds=time.perf_counter() - t0)
     with open(log) as f:
@@ -478,7 +479,21 @@ def floor_of(p: dict, directory: str, jobs: tuple[int, ...]) -> dict:
 
 def _worker_main(argv: list[str]) -> int:
     spec, out = json.loads(argv[0]), argv[1]
-    result = run_config(spec)
+    try:
+        result = run_config(spec)
+    except Exception as error:
+        # The error the configuration stopped at, kept for the report. The process then
+        # ends without the interpreter's teardown: after a device error (a kernel's
+        # illegal address) CUDA stays broken, and torch's teardown aborts on it, so the
+        # last lines of the log, all the report showed, were torch's abort, not this.
+        traceback.print_exc()
+        lines = traceback.format_exception(error)
+        with open(out, "w") as f:
+            json.dump({"config": spec["config"], "error": f"{type(error).__name__}: {error}",
+                       "log_tail": "".join(lines).splitlines()[-25:]}, f)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     with open(out, "w") as f:
         json.dump(result, f)
     return 0
