@@ -283,6 +283,23 @@ void Pager::release(ExtentId id) {
     e.dead = true;
     return;
   }
+  if (e.state == Residency::kResident && !closed_) {
+    // As cudaFree does: work queued before the tensor died (a kernel on any stream) may
+    // still read or write its pages, which the release unmaps. Nothing else can page a
+    // dead tensor meanwhile (no bucket holds it), so its state stays as it was.
+    // A broken device (its error rethrown after) has no work left to wait for.
+    std::exception_ptr error;
+    lock.unlock();
+    try {
+      device_->synchronize();
+    } catch (const DeviceError&) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    if (extents_.count(id)) free_extent_locked(id);  // unless close() let it go meanwhile
+    if (error) std::rethrow_exception(error);
+    return;
+  }
   free_extent_locked(id);
 }
 

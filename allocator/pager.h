@@ -191,8 +191,10 @@ class Pager {
   // The store an extent lives in (or moves to, on its next page-in).
   unsigned store_of(ExtentId id) const;
   // Forgets an extent: unmaps its pages if resident, frees its address and file range.
-  // Never waits: an extent being paged is marked dead and freed when its bucket completes
-  // (its address and range stay reserved until then).
+  // A resident extent is let go after the device's queued work, as cudaFree does (work
+  // queued before its tensor died may still use it). Waits for no bucket: an extent
+  // being paged is marked dead and freed when its bucket completes (its address and
+  // range stay reserved until then).
   void release(ExtentId id);
 
   // A resident extent, mapped at once even past the page budget: a segment PyTorch's

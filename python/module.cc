@@ -467,9 +467,11 @@ PYBIND11_MODULE(_C, m) {
              const std::vector<ExtentId> ids =
                  self.pager->create_pieces(sizes, self.pager->open_store(store));
              std::shared_ptr<Pager> keep = self.pager;
-             // Pager::release never waits (a tensor still paging is freed when its bucket
-             // completes), so the deleter needs no GIL release: torch may run it with or
-             // without the GIL, on any thread.
+             // Pager::release waits for no bucket (a tensor still paging is freed when its
+             // bucket completes), only for the device's queued work where the tensor was
+             // resident (as cudaFree does), which never waits for a Python thread: the
+             // deleter needs no GIL release, and torch may run it with or without the
+             // GIL, on any thread.
              auto deleter = [keep, ids](void*) {
                for (ExtentId id : ids) {
                  try {

@@ -488,6 +488,36 @@ TEST(Pager, ADeviceFailingUnderBucketsInFlightFailsThemAndNothingElse) {
   pager.close();
 }
 
+// The host device counting its synchronize() calls.
+class SyncCountingDevice final : public WrappedDevice {
+ public:
+  void synchronize() override {
+    syncs++;
+    WrappedDevice::synchronize();
+  }
+  int syncs = 0;
+};
+
+// A resident tensor (or segment) is let go as cudaFree lets memory go: after the
+// device's queued work, which may still use its pages; one at rest needs no wait.
+TEST(Pager, ReleasingAResidentExtentWaitsForTheDeviceFirst) {
+  auto owned = std::make_unique<SyncCountingDevice>();
+  SyncCountingDevice& device = *owned;
+  Pager pager(std::move(owned), small_options("release-sync"));
+  const ExtentId resident = pager.create(100000), at_rest = pager.create(100000);
+  pager.wait(pager.page_in({resident, at_rest}));
+  pager.wait(pager.page_out({at_rest}));
+  device.syncs = 0;
+  pager.release(at_rest);
+  EXPECT_EQ(device.syncs, 0);
+  pager.release(resident);
+  EXPECT_EQ(device.syncs, 1);
+  EXPECT_EQ(pager.stats().mapped_bytes, 0u);
+  pager.release_at(pager.create_segment(300000));
+  EXPECT_EQ(device.syncs, 2);
+  EXPECT_FALSE(pager.exists(resident));
+}
+
 // The host device out of memory (cuMemCreate failing) once `room` more pages are made.
 class NoMemoryDevice final : public WrappedDevice {
  public:
