@@ -261,9 +261,14 @@ def run_worker(spec: dict, work: str, timeout: int) -> dict:
             error = f"exit status {rc}"
         except subprocess.TimeoutExpired:
             rc, error = None, f"timed out after {timeout} s"
-    if os.path.isfile(out):  # its result, or the error it stopped at (_worker_main)
+    result = None
+    if os.path.isfile(out):
         with open(out) as f:
-            return dict(json.load(f), seconds=time.perf_counter() - t0)
+            result = json.load(f)
+    # Its result, or the error it stopped at (_worker_main); not a result it wrote before
+    # dying at exit.
+    if result is not None and (rc == 0 or "error" in result):
+        return dict(result, seconds=time.perf_counter() - t0)
     with open(log) as f:
         tail = f.read().splitlines()[-25:]
     return {"config": spec["config"], "error": error, "log_tail": tail,
