@@ -276,18 +276,10 @@ bool Pager::owns_address(uintptr_t addr) const {
 
 void Pager::release(ExtentId id) {
   std::unique_lock lock(mu_);
-  Extent& e = extent_locked(id);
-  // A tensor may die while its bucket is in flight (its page-out may even wait for a
-  // range a save holds): never wait here, the bucket frees it when it completes.
-  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut || e.tier_moving) {
-    e.dead = true;
-    return;
-  }
-  if (e.state == Residency::kResident && !closed_) {
+  if (extent_locked(id).state == Residency::kResident && !closed_) {
     // As cudaFree does: work queued before the tensor died (a kernel on any stream) may
-    // still read or write its pages, which the release unmaps. Nothing else can page a
-    // dead tensor meanwhile (no bucket holds it), so its state stays as it was.
-    // A broken device (its error rethrown after) has no work left to wait for.
+    // still read or write its pages, which the release unmaps. A broken device (its
+    // error rethrown after) has no work left to wait for.
     std::exception_ptr error;
     lock.unlock();
     try {
@@ -296,8 +288,19 @@ void Pager::release(ExtentId id) {
       error = std::current_exception();
     }
     lock.lock();
-    if (extents_.count(id)) free_extent_locked(id);  // unless close() let it go meanwhile
+    release_locked(id);  // pause() may have begun paging it out meanwhile
     if (error) std::rethrow_exception(error);
+    return;
+  }
+  release_locked(id);
+}
+
+void Pager::release_locked(ExtentId id) {
+  Extent& e = extent_locked(id);
+  // A tensor may die while its bucket is in flight (its page-out may even wait for a
+  // range a save holds): never wait here, the bucket frees it when it completes.
+  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut || e.tier_moving) {
+    e.dead = true;
     return;
   }
   free_extent_locked(id);

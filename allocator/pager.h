@@ -313,6 +313,7 @@ class Pager {
   void mapping_failed_locked(Job& job, std::exception_ptr error);
   bool advance(std::unique_lock<std::mutex>& lock);
   bool waits_for_hold_locked(Job& job);
+  void release_locked(ExtentId id);      // release() once the device's work is done
   void free_extent_locked(ExtentId id);  // release() of an extent not being paged
   bool only_held_jobs_locked();
   Placement placement_locked(const Extent& e, uint64_t store_offset) const;
