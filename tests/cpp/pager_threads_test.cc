@@ -365,5 +365,77 @@ TEST(PagerThreads, APageInWaitingWhenThePagerClosesIsRefused) {
   EXPECT_NE(refused.find("closed"), std::string::npos) << "a page-in went on: " << refused;
 }
 
+// A point a device call stops at, once armed, until let go.
+class Gate {
+ public:
+  void arm() {
+    std::lock_guard lock(mu_);
+    armed_ = true;
+  }
+  void pass() {
+    std::unique_lock lock(mu_);
+    if (!armed_) return;
+    reached_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return !armed_; });
+  }
+  void wait_reached() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return reached_; });
+  }
+  void let_go() {
+    std::lock_guard lock(mu_);
+    armed_ = false;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false, reached_ = false;
+};
+
+// The host device whose synchronize() and device-to-host copies stop at gates.
+class GatedDevice final : public WrappedDevice {
+ public:
+  void synchronize() override {
+    sync_gate.pass();
+    WrappedDevice::synchronize();
+  }
+  void copy_to_host(void* d, uintptr_t s, size_t b) override {
+    copy_gate.pass();
+    WrappedDevice::copy_to_host(d, s, b);
+  }
+  Gate sync_gate, copy_gate;
+};
+
+// A resident tensor released while another thread pages it out by its id (as pause()
+// pages every resident extent): release() waits for the device without the lock, and
+// the page-out that began meanwhile frees the extent when it completes, not release()
+// under it.
+TEST(PagerThreads, AReleaseWaitingForTheDeviceLeavesAPageOutBegunMeanwhileToFreeIt) {
+  TempDir dir;
+  auto owned = std::make_unique<GatedDevice>();
+  GatedDevice& device = *owned;
+  Pager pager(std::move(owned), options(dir));
+  const ExtentId id = pager.create(3 * kBlock);
+  pager.wait(pager.page_in({id}));
+  fill(pager, id, 5);
+  device.sync_gate.arm();
+  std::thread releasing([&] { pager.release(id); });
+  device.sync_gate.wait_reached();  // release() waits for the device
+  device.copy_gate.arm();
+  const Ticket out = pager.page_out({id});
+  device.copy_gate.wait_reached();  // the page-out is under way
+  device.sync_gate.let_go();
+  releasing.join();
+  EXPECT_TRUE(pager.exists(id)) << "freed under its page-out";
+  device.copy_gate.let_go();
+  pager.wait(out);
+  EXPECT_FALSE(pager.exists(id));
+  EXPECT_EQ(pager.stats().extents, 0u);
+  EXPECT_EQ(pager.stats().mapped_bytes, 0u);
+}
+
 }  // namespace
 }  // namespace statepager
