@@ -168,28 +168,23 @@ TEST(PagerThreads, RequestsAreCountedOnceAndOnlyForBucketsThatMoved) {
   EXPECT_EQ(after.buckets_in, s.buckets_in);
 }
 
-// The host device whose map() waits, once armed, until let go: a page-in mapping for as
-// long as cuMemSetAccess may take while a device-to-host copy runs.
-class SlowMapDevice final : public WrappedDevice {
+// A point a device call stops at, once armed, until let go.
+class Gate {
  public:
-  void map(uintptr_t a, size_t b, PhysicalPage p) override {
-    {
-      std::unique_lock lock(mu_);
-      if (armed_) {
-        mapping_ = true;
-        cv_.notify_all();
-        cv_.wait(lock, [&] { return !armed_; });
-      }
-    }
-    WrappedDevice::map(a, b, p);
-  }
   void arm() {
     std::lock_guard lock(mu_);
     armed_ = true;
   }
-  void wait_until_mapping() {
+  void pass() {
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return mapping_; });
+    if (!armed_) return;
+    reached_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return !armed_; });
+  }
+  void wait_reached() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return reached_; });
   }
   void let_go() {
     std::lock_guard lock(mu_);
@@ -200,7 +195,23 @@ class SlowMapDevice final : public WrappedDevice {
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  bool armed_ = false, mapping_ = false;
+  bool armed_ = false, reached_ = false;
+};
+
+// The host device whose map() waits, once armed, until let go: a page-in mapping for as
+// long as cuMemSetAccess may take while a device-to-host copy runs.
+class SlowMapDevice final : public WrappedDevice {
+ public:
+  void map(uintptr_t a, size_t b, PhysicalPage p) override {
+    gate_.pass();
+    WrappedDevice::map(a, b, p);
+  }
+  void arm() { gate_.arm(); }
+  void wait_until_mapping() { gate_.wait_reached(); }
+  void let_go() { gate_.let_go(); }
+
+ private:
+  Gate gate_;
 };
 
 // A Pager on a SlowMapDevice, in a store of its own.
@@ -364,36 +375,6 @@ TEST(PagerThreads, APageInWaitingWhenThePagerClosesIsRefused) {
   closing.join();
   EXPECT_NE(refused.find("closed"), std::string::npos) << "a page-in went on: " << refused;
 }
-
-// A point a device call stops at, once armed, until let go.
-class Gate {
- public:
-  void arm() {
-    std::lock_guard lock(mu_);
-    armed_ = true;
-  }
-  void pass() {
-    std::unique_lock lock(mu_);
-    if (!armed_) return;
-    reached_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return !armed_; });
-  }
-  void wait_reached() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return reached_; });
-  }
-  void let_go() {
-    std::lock_guard lock(mu_);
-    armed_ = false;
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool armed_ = false, reached_ = false;
-};
 
 // The host device whose synchronize() and device-to-host copies stop at gates.
 class GatedDevice final : public WrappedDevice {
