@@ -42,10 +42,6 @@ struct Driver {
   STATEPAGER_CUDA_FUNCTIONS(STATEPAGER_DECLARE)
 #undef STATEPAGER_DECLARE
   std::string error;  // why the driver is unusable; empty when every function was found
-#if CUDA_VERSION >= 13000
-  // Optional (CUDA 13 drivers; 12.8's has another signature): null means copy by copy.
-  decltype(&::cuMemcpyBatchAsync) cuMemcpyBatchAsync = nullptr;
-#endif
 };
 
 Driver load_driver() {
@@ -80,13 +76,6 @@ Driver load_driver() {
   }
   STATEPAGER_CUDA_FUNCTIONS(STATEPAGER_LOAD)
 #undef STATEPAGER_LOAD
-#if CUDA_VERSION >= 13000
-  void* batch = nullptr;
-  if (get_proc("cuMemcpyBatchAsync", &batch, 13000, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
-               nullptr) == CUDA_SUCCESS) {
-    d.cuMemcpyBatchAsync = reinterpret_cast<decltype(d.cuMemcpyBatchAsync)>(batch);
-  }
-#endif
   return d;
 }
 
@@ -249,33 +238,6 @@ class CudaDevice final : public Device {
     check(d_.cuMemcpyHtoDAsync(dst, src, bytes, stream(CopyQueue::kToDevice)),
           "cuMemcpyHtoDAsync");
   }
-
-#if CUDA_VERSION >= 13000
-  void copy_batch(CopyQueue queue, const HostCopy* copies, size_t n) override {
-    if (d_.cuMemcpyBatchAsync == nullptr) return Device::copy_batch(queue, copies, n);
-    const bool to_host = queue == CopyQueue::kToHost;
-    std::vector<CUdeviceptr> dst(n), src(n);
-    std::vector<size_t> sizes(n);
-    for (size_t i = 0; i < n; i++) {
-      const auto host = reinterpret_cast<CUdeviceptr>(copies[i].host);
-      dst[i] = to_host ? host : copies[i].addr;
-      src[i] = to_host ? copies[i].addr : host;
-      sizes[i] = copies[i].bytes;
-    }
-    // Stream order: the sources are read when the copies run, as by cuMemcpy*Async.
-    CUmemcpyAttributes attr = {};
-    attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-    attr.srcLocHint = to_host ? prop_.location : CUmemLocation{CU_MEM_LOCATION_TYPE_HOST, 0};
-    attr.dstLocHint = to_host ? CUmemLocation{CU_MEM_LOCATION_TYPE_HOST, 0} : prop_.location;
-    size_t attr_index = 0;
-    ScopedContext scope(d_, ctx_);
-    if (n > 0) {
-      check(d_.cuMemcpyBatchAsync(dst.data(), src.data(), sizes.data(), n, &attr, &attr_index,
-                                  1, stream(queue)),
-            "cuMemcpyBatchAsync");
-    }
-  }
-#endif
 
   void fill_zero(uintptr_t dst, size_t bytes) override {
     ScopedContext scope(d_, ctx_);

@@ -71,12 +71,13 @@ class Device {
   virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes) = 0;         // kToHost
   virtual void copy_to_device(uintptr_t dst, const void* src, size_t bytes) = 0; // kToDevice
   virtual void fill_zero(uintptr_t dst, size_t bytes) = 0;                       // kToDevice
-  // `n` copies on `queue` (kToHost: device -> host) in one call where the device can: a
-  // copy queued alone costs the caller's thread about 9 us at 1 MiB on the H200, one in a
-  // batch (cuMemcpyBatchAsync) 0.6 us. Copies in a batch may run in any order among
-  // themselves, so their destinations must not overlap; the batch as a whole keeps its
-  // place on the queue. A failure may leave some of them queued. By default, one by one.
-  virtual void copy_batch(CopyQueue queue, const HostCopy* copies, size_t n) {
+  // `n` copies on `queue` (kToHost: device -> host), queued one by one in order. Not
+  // cuMemcpyBatchAsync (CUDA 13), though it costs the caller's thread 0.6 us a 1 MiB copy
+  // against about 9 us: on the H200's driver (580.159.04) it intermittently corrupted the
+  // copy queue's push buffer (Xid 32), breaking the CUDA context mid-step
+  // (docs/DESIGN-NOTES.md, "The intermittent fault was cuMemcpyBatchAsync"). A failure
+  // leaves the copies before it queued.
+  void copy_batch(CopyQueue queue, const HostCopy* copies, size_t n) {
     for (size_t i = 0; i < n; i++) {
       if (queue == CopyQueue::kToHost) {
         copy_to_host(copies[i].host, copies[i].addr, copies[i].bytes);

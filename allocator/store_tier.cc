@@ -226,10 +226,10 @@ bool StoreTier::copied(std::optional<Fence>& copy, Job& job, bool* pending) {
 }
 
 // Queues the device copies of `job`'s next chunks whose store ranges are mapped (RamMap),
-// up to the first that is not (a staging slot takes that one), in one batch under one
+// up to the first that is not (a staging slot takes that one), together under one
 // fence: a mapped chunk needs no staging, so it does not wait for a slot, and the copy
 // engines see a bucket's copies at once rather than a slot's worth at a time. Returns
-// whether it queued any. If the batch fails, its chunks are counted queued, the job
+// whether it queued any. If queuing fails, its chunks are counted queued, the job
 // failed, and the fence holds them like the rest (some copies may still run into the
 // job's memory).
 bool StoreTier::start_mapped(Job& job) {
