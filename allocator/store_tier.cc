@@ -290,8 +290,16 @@ void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
   size_t at = 0;
   for (const StagingCopy& p : chunk.pieces) {
     if (out) each(at, p.buf_offset - at, zero);
-    each(p.buf_offset, p.bytes,
-         [&](char* h, size_t done, size_t k) { copies->push_back(HostCopy{p.addr + done, h, k}); });
+    each(p.buf_offset, p.bytes, [&](char* h, size_t done, size_t k) {
+      // One copy where this one continues the last on both sides (an extent across
+      // chunks of an unstriped file, see UringFile's Striping).
+      HostCopy* last = copies->empty() ? nullptr : &copies->back();
+      if (last && last->addr + last->bytes == p.addr + done && last->host + last->bytes == h) {
+        last->bytes += k;
+      } else {
+        copies->push_back(HostCopy{p.addr + done, h, k});
+      }
+    });
     at = p.buf_offset + p.bytes;
   }
   if (out) each(at, chunk.file_bytes - at, zero);

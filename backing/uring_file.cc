@@ -200,7 +200,7 @@ struct UringFile::Impl {
       f->direct = probe_direct(f->fds[0], f->path) != EINVAL;
       if (!f->direct) set_direct(f->fds[0], false, f->path);
     }
-    if (!f->direct && f->ram) {
+    if (!f->direct && f->ram && options.stripe_ram) {
       // In RAM nothing but the per-inode serialization of buffered writes (see the header)
       // limits them: stripe.
       for (unsigned k = 1; k < kStripes; ++k) {

@@ -18,7 +18,9 @@
 // have. Deleting the store means deleting every physical file (remove_files()). A unit
 // never written nor allocated reads as the end of the file (ENODATA), even below size().
 // In RAM allocate() only sets the size: preallocating would zero every page in one
-// thread before the writes copy over it.
+// thread before the writes copy over it. Options::stripe_ram = false keeps a file in RAM
+// whole, for a store whose bytes the device copies through a mapping of its files
+// (allocator/ram_map.h): there stripes only cut every copy into 1 MiB pieces.
 //
 // Opening: a file is named by a directory descriptor and a name in it (Location), and
 // opened relative to that descriptor with O_NOFOLLOW: a symbolic link in the file's place
@@ -62,6 +64,7 @@ class UringFile {
     unsigned queue_depth = 32;  // requests in flight at most: 1 to kMaxQueueDepth
     bool try_direct = true;     // false: always buffered I/O
     bool create_new = false;    // true: every physical file must not exist yet (O_EXCL)
+    bool stripe_ram = true;     // false: a file in RAM is one physical file (see Striping)
   };
 
   // The file `name` in the directory open as `dir_fd`; `dir` is that directory's path,

@@ -148,8 +148,8 @@ std::vector<char> read_striped(const std::string& path, unsigned stripes, size_t
 // Writes random data with many requests in flight (in shuffled order), reads it back the
 // same way, and checks it against both the source and a plain pread of the file(s).
 void round_trip(const std::string& dir, bool registered, bool try_direct, bool expect_direct,
-                unsigned expect_stripes = 1) {
-  UringFile f(dir + "/data", UringFile::Options{16, try_direct});
+                unsigned expect_stripes = 1, bool stripe_ram = true) {
+  UringFile f(dir + "/data", UringFile::Options{16, try_direct, false, stripe_ram});
   EXPECT_EQ(f.direct(), expect_direct);
 
   // 300 chunks of 1 to 4 pages, laid out back to back.
@@ -210,6 +210,15 @@ TEST(UringFile, BufferedOnTmpfs) {
   UringFile::remove_files(dir.file("data"));
   expect_physical_files(dir.file("data"), 0);
   round_trip(dir.path(), true, true, false, kRamStripes);
+}
+
+// A store mapped for the device's copies keeps its file in RAM whole (stripe_ram off):
+// one physical file, the logical bytes at their own offsets.
+TEST(UringFile, UnstripedOnTmpfsIsOneFile) {
+  TempDir dir("/dev/shm");
+  round_trip(dir.path(), false, true, false, 1, false);
+  UringFile::remove_files(dir.file("data"));
+  round_trip(dir.path(), true, true, false, 1, false);
 }
 
 TEST(UringFile, BufferedWhenDirectNotTried) {
