@@ -143,7 +143,8 @@ class UringFile {
   // striped, its siblings.
   std::vector<std::string> physical_paths() const;
   // The physical files of logical file `file`: indices [first, first + count) of
-  // physical_paths(), and whether they lie in RAM (tmpfs, ramfs: buffered and striped).
+  // physical_paths(), and whether they lie in RAM (tmpfs, ramfs: buffered, striped unless
+  // Options::stripe_ram is off).
   struct Physical {
     unsigned first = 0;
     unsigned count = 0;
