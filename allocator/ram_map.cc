@@ -98,7 +98,7 @@ bool RamMap::resolve(uint64_t offset, size_t bytes, std::vector<Piece>* out) con
                               [](uint64_t at, const Mapping& x) { return at < x.offset; }) - 1;
     for (uint64_t at = s.offset, end = s.offset + s.length; at < end; ++m) {
       const uint64_t n = std::min(end, m->offset + m->bytes) - at;
-      found.push_back(Piece{m->host + (at - m->offset), n});
+      found.push_back(Piece{m->host + (at - m->offset), n, m->host});
       at += n;
     }
   }

@@ -59,6 +59,7 @@ class RamMap {
   struct Piece {
     char* host;
     size_t bytes;
+    const char* mapping;  // the start of the mapping holding it: one registration each
   };
   // Appends the memory of logical store bytes [offset, offset + bytes) to *out and
   // returns true when all of it is mapped; otherwise returns false, *out unchanged.

@@ -235,6 +235,7 @@ bool StoreTier::copied(std::optional<Fence>& copy, Job& job, bool* pending) {
 bool StoreTier::start_mapped(Job& job) {
   if (!job.started || job.error) return false;
   std::vector<HostCopy> copies;
+  const char* last_mapping = nullptr;  // the mapping copies.back() is in
   std::vector<RamMap::Piece> mem;
   size_t queued = 0;
   for (; job.next_chunk < job.chunks.size(); job.next_chunk++, queued++) {
@@ -243,7 +244,7 @@ bool StoreTier::start_mapped(Job& job) {
     if (chunk.buf != nullptr || !ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) {
       break;
     }
-    add_mapped_copies(job.out, chunk, mem, &copies);
+    add_mapped_copies(job.out, chunk, mem, &copies, &last_mapping);
     for (const StagingCopy& p : chunk.pieces) job.mapped_bytes += p.bytes;
   }
   if (queued == 0) return false;
@@ -269,12 +270,15 @@ bool StoreTier::start_mapped(Job& job) {
 // Appends one mapped chunk's copies to *copies: each piece straight between device memory
 // and the files' pages `mem` (the chunk's store range, in order). A page-out also zeroes
 // the bytes between and after them (a store range holds zeros past its extent's bytes, as
-// the staging path writes them).
+// the staging path writes them). A piece that continues the last copy on both sides, in
+// the same mapping (*last_mapping, kept up to date), joins it: an extent across chunks of
+// an unstriped file goes as one copy (see UringFile's Striping). Two mappings are never
+// joined, even where the host placed them end to end: each is a registration of its own.
 void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
                                   const std::vector<RamMap::Piece>& mem,
-                                  std::vector<HostCopy>* copies) {
-  // Calls f(host, done, k) over the chunk's bytes [at, at + n), k at a time (as `mem`
-  // cuts them), `done` of them before.
+                                  std::vector<HostCopy>* copies, const char** last_mapping) {
+  // Calls f(piece, host, done, k) over the chunk's bytes [at, at + n), k at a time (as
+  // `mem` cuts them), `done` of them before.
   size_t m = 0, m_start = 0;  // mem[m] holds the chunk's bytes from m_start on
   auto each = [&](size_t at, size_t n, auto&& f) {
     if (n == 0) return;
@@ -282,22 +286,22 @@ void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
     for (size_t done = 0; done < n;) {
       if (m_start + mem[m].bytes <= at + done) m_start += mem[m++].bytes;
       const size_t k = std::min(n - done, m_start + mem[m].bytes - (at + done));
-      f(mem[m].host + (at + done - m_start), done, k);
+      f(mem[m], mem[m].host + (at + done - m_start), done, k);
       done += k;
     }
   };
-  auto zero = [](char* h, size_t, size_t k) { std::memset(h, 0, k); };
+  auto zero = [](const RamMap::Piece&, char* h, size_t, size_t k) { std::memset(h, 0, k); };
   size_t at = 0;
   for (const StagingCopy& p : chunk.pieces) {
     if (out) each(at, p.buf_offset - at, zero);
-    each(p.buf_offset, p.bytes, [&](char* h, size_t done, size_t k) {
-      // One copy where this one continues the last on both sides (an extent across
-      // chunks of an unstriped file, see UringFile's Striping).
+    each(p.buf_offset, p.bytes, [&](const RamMap::Piece& in, char* h, size_t done, size_t k) {
       HostCopy* last = copies->empty() ? nullptr : &copies->back();
-      if (last && last->addr + last->bytes == p.addr + done && last->host + last->bytes == h) {
+      if (last && *last_mapping == in.mapping && last->addr + last->bytes == p.addr + done &&
+          last->host + last->bytes == h) {
         last->bytes += k;
       } else {
         copies->push_back(HostCopy{p.addr + done, h, k});
+        *last_mapping = in.mapping;
       }
     });
     at = p.buf_offset + p.bytes;

@@ -85,7 +85,7 @@ class StoreTier {
   bool start_mapped(Job& job);
   static void add_mapped_copies(bool out, const Chunk& chunk,
                                 const std::vector<RamMap::Piece>& mem,
-                                std::vector<HostCopy>* copies);
+                                std::vector<HostCopy>* copies, const char** last_mapping);
   bool copied(std::optional<Fence>& copy, Job& job, bool* pending);
   bool hold_for_copies(StagingSlot& slot, CopyQueue queue);
   void finish_slot(StagingSlot& slot, int error, uint64_t offset);
