@@ -1,6 +1,6 @@
 // All-or-nothing changes: Pager epochs (commit, abort, buckets in flight, failures inside
 // an epoch, store growth, background saves) and all-or-nothing restores, on a disk store,
-// a striped RAM store and that store mapped (tests/cpp/store_media.h).
+// a striped RAM store and a mapped RAM store (tests/cpp/store_media.h).
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>

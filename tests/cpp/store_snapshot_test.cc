@@ -1,5 +1,5 @@
 // The store seen from outside: Pager::hold/unhold, StoreSnapshot and Pager::restore, on a
-// disk store, a striped RAM store and that store mapped (tests/cpp/store_media.h).
+// disk store, a striped RAM store and a mapped RAM store (tests/cpp/store_media.h).
 #include "allocator/store_restore.h"
 #include "allocator/store_snapshot.h"
 

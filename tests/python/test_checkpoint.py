@@ -144,7 +144,7 @@ def pair_state(pager, *opts):
 @pytest.mark.parametrize("fmt", ["fp32", "q8"])
 def test_store_copy_is_byte_identical_to_the_device_path(tmp_path, where, fmt):
     """Checkpoints copied from the store (striped over files on a RAM filesystem, and
-    those mapped for the device's copies) and streamed through the device are the same
+    one file mapped for the device's copies) and streamed through the device are the same
     bytes, before any step (no moments yet, as in torch; residual masters ZERO, recorded
     and not copied) and after some."""
     base = str(tmp_path) if where == "disk" else f"/dev/shm/statepager-test-{os.getpid()}"

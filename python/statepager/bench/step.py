@@ -80,7 +80,7 @@ def _unowned_params(pager: Pager, n: int, device: torch.device) -> list:
 
 
 def _store_bytes(directory: str) -> int:
-    """Apparent size of a store's files (a RAM store stripes over several)."""
+    """Apparent size of a store's files (a RAM store may stripe over several)."""
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
 
 
