@@ -234,8 +234,7 @@ bool StoreTier::copied(std::optional<Fence>& copy, Job& job, bool* pending) {
 // job's memory).
 bool StoreTier::start_mapped(Job& job) {
   if (!job.started || job.error) return false;
-  std::vector<HostCopy> copies;
-  const char* last_mapping = nullptr;  // the mapping copies.back() is in
+  CopyList copies;
   std::vector<RamMap::Piece> mem;
   size_t queued = 0;
   for (; job.next_chunk < job.chunks.size(); job.next_chunk++, queued++) {
@@ -244,14 +243,14 @@ bool StoreTier::start_mapped(Job& job) {
     if (chunk.buf != nullptr || !ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) {
       break;
     }
-    add_mapped_copies(job.out, chunk, mem, &copies, &last_mapping);
+    add_mapped_copies(job.out, chunk, mem, &copies);
     for (const StagingCopy& p : chunk.pieces) job.mapped_bytes += p.bytes;
   }
   if (queued == 0) return false;
   job.chunks_in_flight += queued;
   const CopyQueue queue = job.out ? CopyQueue::kToHost : CopyQueue::kToDevice;
   try {
-    device_.copy_batch(queue, copies.data(), copies.size());
+    device_.copy_batch(queue, copies.copies().data(), copies.copies().size());
   } catch (...) {
     job.error = std::current_exception();
   }
@@ -267,16 +266,14 @@ bool StoreTier::start_mapped(Job& job) {
   return true;
 }
 
-// Appends one mapped chunk's copies to *copies: each piece straight between device memory
-// and the files' pages `mem` (the chunk's store range, in order). A page-out also zeroes
-// the bytes between and after them (a store range holds zeros past its extent's bytes, as
-// the staging path writes them). A piece that continues the last copy on both sides, in
-// the same mapping (*last_mapping, kept up to date), joins it: an extent across chunks of
-// an unstriped file goes as one copy (see UringFile's Striping). Two mappings are never
-// joined, even where the host placed them end to end: each is a registration of its own.
+// Adds one mapped chunk's copies to *copies: each piece straight between device memory
+// and the files' pages `mem` (the chunk's store range, in order), joined to the copy
+// before where it continues it (an extent across chunks of an unstriped file goes as one
+// copy: see UringFile's Striping). A page-out also zeroes the bytes between and after
+// them (a store range holds zeros past its extent's bytes, as the staging path writes
+// them).
 void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
-                                  const std::vector<RamMap::Piece>& mem,
-                                  std::vector<HostCopy>* copies, const char** last_mapping) {
+                                  const std::vector<RamMap::Piece>& mem, CopyList* copies) {
   // Calls f(piece, host, done, k) over the chunk's bytes [at, at + n), k at a time (as
   // `mem` cuts them), `done` of them before.
   size_t m = 0, m_start = 0;  // mem[m] holds the chunk's bytes from m_start on
@@ -295,14 +292,7 @@ void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
   for (const StagingCopy& p : chunk.pieces) {
     if (out) each(at, p.buf_offset - at, zero);
     each(p.buf_offset, p.bytes, [&](const RamMap::Piece& in, char* h, size_t done, size_t k) {
-      HostCopy* last = copies->empty() ? nullptr : &copies->back();
-      if (last && *last_mapping == in.mapping && last->addr + last->bytes == p.addr + done &&
-          last->host + last->bytes == h) {
-        last->bytes += k;
-      } else {
-        copies->push_back(HostCopy{p.addr + done, h, k});
-        *last_mapping = in.mapping;
-      }
+      copies->add(p.addr + done, h, k, in.mapping);
     });
     at = p.buf_offset + p.bytes;
   }

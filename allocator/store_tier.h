@@ -27,6 +27,7 @@
 #include <optional>
 #include <vector>
 
+#include "allocator/copy_list.h"
 #include "allocator/device.h"
 #include "allocator/job.h"
 #include "allocator/ram_map.h"
@@ -84,8 +85,7 @@ class StoreTier {
   void start_chunk(StagingSlot& slot);
   bool start_mapped(Job& job);
   static void add_mapped_copies(bool out, const Chunk& chunk,
-                                const std::vector<RamMap::Piece>& mem,
-                                std::vector<HostCopy>* copies, const char** last_mapping);
+                                const std::vector<RamMap::Piece>& mem, CopyList* copies);
   bool copied(std::optional<Fence>& copy, Job& job, bool* pending);
   bool hold_for_copies(StagingSlot& slot, CopyQueue queue);
   void finish_slot(StagingSlot& slot, int error, uint64_t offset);
