@@ -242,6 +242,31 @@ std::vector<ExtentId> Pager::pieces(ExtentId first) const {
   return ids;
 }
 
+std::vector<ExtentId> Pager::extents_in(const std::vector<ByteRange>& ranges,
+                                        size_t* unknown) const {
+  std::unique_lock lock(mu_);
+  std::vector<ExtentId> ids;
+  ids.reserve(ranges.size());
+  for (size_t i = 0; i < ranges.size(); i++) {
+    const ByteRange& r = ranges[i];
+    auto it = by_address_.find(r.storage);
+    if (it == by_address_.end() || extent_locked(it->second).segment) {
+      *unknown = i;
+      return {};
+    }
+    if (extent_locked(it->second).next_piece == 0) {
+      ids.push_back(it->second);
+      continue;
+    }
+    for (ExtentId id = it->second; id != 0; id = extent_locked(id).next_piece) {
+      const Extent& e = extent_locked(id);
+      if (e.addr >= r.end) break;  // pieces lie in address order
+      if (e.addr + e.bytes > r.begin) ids.push_back(id);
+    }
+  }
+  return ids;
+}
+
 uintptr_t Pager::create_segment(size_t bytes) {
   const ExtentId id = create(bytes);
   std::unique_lock lock(mu_);

@@ -182,6 +182,18 @@ class Pager {
   // The extents of the tensor whose first extent is `first`: [first] for one create()
   // made, all its pieces, in address order, for one create_pieces() made.
   std::vector<ExtentId> pieces(ExtentId first) const;
+  // Bytes [begin, end) of the tensor whose storage starts at `storage` (a view's span).
+  struct ByteRange {
+    uintptr_t storage;
+    uintptr_t begin;
+    uintptr_t end;
+  };
+  // The extents holding each range's bytes, in order: of a tensor create_pieces() made,
+  // the pieces the range touches; of any other, its extent. One acquisition of the lock
+  // for them all (a step names a few thousand tensors, a large one in hundreds of pieces).
+  // A storage that is no extent of this Pager (or is a segment) sets *unknown to its
+  // index and returns nothing.
+  std::vector<ExtentId> extents_in(const std::vector<ByteRange>& ranges, size_t* unknown) const;
 
   // The store named `name` ("" is the default store, 0), opened on first use as
   // <directory>/<name>/state.bin. UsageError for a name that is not a plain file name.

@@ -35,41 +35,39 @@ struct PyPager {
 
   ExtentId extent_of(const torch::Tensor& t) const {
     auto id = pager->find(reinterpret_cast<uintptr_t>(t.storage().data()));
-    if (!id) {
-      throw UsageError("tensor of shape " + std::to_string(t.numel()) +
-                       " elements was not created by this Pager: create it with "
-                       "Pager.empty()/empty_like() or inside Pager.scope()");
-    }
+    if (!id) throw not_created(t);
     return *id;
   }
 
-  // The extents holding t's elements: its storage's extent, or of a tensor made of
-  // pieces (Pager.empty(pieces=...)) the pieces its elements lie in, so that a view of
-  // one piece pages that piece alone.
-  std::vector<ExtentId> extents_of(const torch::Tensor& t) const {
-    std::vector<ExtentId> ids = pager->pieces(extent_of(t));
-    if (ids.size() == 1) return ids;
-    const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
-    size_t span = t.numel() == 0 ? 0 : 1;  // elements from the first to the last, inclusive
-    for (int64_t d = 0; d < t.dim(); d++) {
-      if (t.numel() != 0) span += static_cast<size_t>((t.size(d) - 1) * t.stride(d));
-    }
-    const uintptr_t end = start + span * t.element_size();
-    std::vector<ExtentId> inside;
-    for (ExtentId id : ids) {
-      const uintptr_t a = pager->address(id);
-      if (a < end && a + pager->size(id) > start) inside.push_back(id);
-    }
-    return inside;
+  static UsageError not_created(const torch::Tensor& t) {
+    return UsageError("tensor of shape " + std::to_string(t.numel()) +
+                      " elements was not created by this Pager: create it with "
+                      "Pager.empty()/empty_like() or inside Pager.scope()");
   }
 
+  // The extents holding the tensors' elements: each one's storage's extent, or of a
+  // tensor made of pieces (Pager.empty(pieces=...)) the pieces its elements lie in, so
+  // that a view of one piece pages that piece alone.
   std::vector<ExtentId> extents_of(const std::vector<torch::Tensor>& tensors) const {
-    std::vector<ExtentId> ids;
-    ids.reserve(tensors.size());
+    std::vector<Pager::ByteRange> ranges;
+    ranges.reserve(tensors.size());
     for (const auto& t : tensors) {
-      for (ExtentId id : extents_of(t)) ids.push_back(id);
+      const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+      size_t span = t.numel() == 0 ? 0 : 1;  // elements from the first to the last, inclusive
+      for (int64_t d = 0; d < t.dim(); d++) {
+        if (t.numel() != 0) span += static_cast<size_t>((t.size(d) - 1) * t.stride(d));
+      }
+      ranges.push_back({reinterpret_cast<uintptr_t>(t.storage().data()), start,
+                        start + span * t.element_size()});
     }
+    size_t unknown = tensors.size();
+    std::vector<ExtentId> ids = pager->extents_in(ranges, &unknown);
+    if (unknown < tensors.size()) throw not_created(tensors[unknown]);
     return ids;
+  }
+
+  std::vector<ExtentId> extents_of(const torch::Tensor& t) const {
+    return extents_of(std::vector<torch::Tensor>{t});
   }
 };
 
@@ -571,6 +569,24 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("owns", [](PyPager& self, const torch::Tensor& t) {
              return self.pager->find(reinterpret_cast<uintptr_t>(t.storage().data())).has_value();
+           })
+      .def("owns_each",
+           [](PyPager& self, const py::list& values) {
+             // Pager.owns() of each value, in one call: a step's snapshot asks it of an
+             // optimizer's every state entry (a few per parameter).
+             std::vector<bool> owned;
+             owned.reserve(values.size());
+             for (py::handle v : values) {
+               bool mine = false;
+               if (THPVariable_Check(v.ptr())) {
+                 const torch::Tensor& t = THPVariable_Unpack(v.ptr());
+                 mine = t.layout() == torch::kStrided &&
+                        self.pager->find(reinterpret_cast<uintptr_t>(t.storage().data()))
+                            .has_value();
+               }
+               owned.push_back(mine);
+             }
+             return owned;
            })
       .def("stats",
            [](PyPager& self) {

@@ -108,6 +108,32 @@ TEST(Pager, AddressStableAcrossPaging) {
   }
 }
 
+TEST(Pager, ExtentsInAreThePiecesARangeTouches) {
+  PagerOptions o = small_options("extents_in");
+  Pager pager(make_host_device(), o);
+  const size_t page = o.pool.page_bytes;
+  const ExtentId single = pager.create(1000);
+  const std::vector<ExtentId> ids = pager.create_pieces({2 * page, 2 * page, 12345});
+  const uintptr_t a = pager.address(ids[0]), s = pager.address(single);
+  using R = Pager::ByteRange;
+  size_t unknown = 99;
+  // A tensor of one extent is that extent, whatever part of it a view spans; one of
+  // pieces, the pieces its bytes touch, in order (an empty view: the piece it points into).
+  EXPECT_EQ(pager.extents_in({R{s, s + 10, s + 20}, R{a, a, a + 4 * page + 12345},
+                              R{a, a + 2 * page, a + 2 * page + 1}, R{a, a + 2 * page - 1,
+                              a + 2 * page + 1}, R{a, a + page, a + page}}, &unknown),
+            (std::vector<ExtentId>{single, ids[0], ids[1], ids[2], ids[1], ids[0], ids[1],
+                                   ids[0]}));
+  EXPECT_EQ(unknown, 99u);
+  // An address that starts no extent: its index, and nothing.
+  EXPECT_TRUE(pager.extents_in({R{s, s, s + 1}, R{s + 8, s + 8, s + 9}}, &unknown).empty());
+  EXPECT_EQ(unknown, 1u);
+  const uintptr_t segment = pager.create_segment(page);  // PyTorch's memory: never found
+  EXPECT_TRUE(pager.extents_in({R{segment, segment, segment + 1}}, &unknown).empty());
+  EXPECT_EQ(unknown, 0u);
+  pager.release_at(segment);
+}
+
 TEST(Pager, PiecesAreAdjacentAndPagedOnTheirOwn) {
   PagerOptions o = small_options("pieces");
   Pager pager(make_host_device(), o);
