@@ -41,6 +41,21 @@ def test_a_piece_pages_on_its_own(store_dir):
         assert pager.stats()["extents"] == 0
 
 
+def test_owns_each_is_owns_of_each_value(store_dir):
+    with Pager(store_dir, page_size=PAGE) as pager:
+        t = pager.empty(1000)
+        pieces = pager.empty((2 * 4 * PAGE) // 4, pieces=[4 * PAGE, 4 * PAGE])
+        values = [t, t[10:20], pieces[5:], torch.zeros(3), torch.zeros(3).to_sparse(), 1.5,
+                  None, "t"]
+        assert pager.owns_each(values) == [pager.owns(v) for v in values] == \
+            [True, True, True, False, False, False, False, False]
+        # A list naming a tensor of no pager's fails whole, naming it; nothing moves.
+        with pytest.raises(statepager.UsageError, match="tensor of shape 7 elements was not "
+                                                        "created by this Pager"):
+            pager.page_in([t, torch.zeros(7)])
+        assert pager.residency(t) == "zero"
+
+
 def test_pieces_that_do_not_fit_are_refused(store_dir):
     with Pager(store_dir, page_size=PAGE) as pager:
         with pytest.raises(statepager.UsageError, match="add up"):

@@ -206,6 +206,10 @@ class Pager:
         included); False for anything else (sparse tensors, numbers)."""
         return isinstance(t, torch.Tensor) and t.layout == torch.strided and self._core.owns(t)
 
+    def owns_each(self, values: Iterable) -> list[bool]:
+        """owns() of each value, in one call."""
+        return self._core.owns_each(list(values))
+
     def store_of(self, t: torch.Tensor) -> str:
         """The name of the store t's bytes live in ("" the default one)."""
         return self._core.store_of(t)
