@@ -85,6 +85,7 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
 
     measured = {t["what"] for t in r["targets"] if t["value"] is not None}
     assert measured == {"fp32 opt.step / its floor", "host-q8 step / offload step",
+                        "host-q8 opt.step / offload opt.step",
                         "host-q8 driver peak / offload's"}  # q8 and host-fp32 did not run
     # --device-time: one more step's optimizer.step() under torch.profiler.
     for c in (fp32, host):

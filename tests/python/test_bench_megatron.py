@@ -268,14 +268,15 @@ def test_the_targets_are_ratios_to_their_references():
         "q8 opt.step / fp32 opt.step": (13, 0.7, 0.45, False),
         "q8 step's kernels (codecs, AdamW) / 30 ms": (13, None, 1.0, None),  # no --device-time
         "host-fp32 step / offload step": (14, 0.8333, 1.0, True),   # 0.35 / 0.42
+        "host-fp32 opt.step / offload opt.step": (14, 0.8333, 1.0, True),  # 0.245 / 0.294
         "host-q8 step / offload step": (14, None, 0.35, None),      # it failed
+        "host-q8 opt.step / offload opt.step": (14, None, 0.35, None),
         "host-fp32 driver peak / offload's": (14, 0.4762, 1.0, True),  # 10 / 21 GiB
         "host-q8 driver peak / offload's": (14, None, 1.0, None),
     }
     without_offload = bench_megatron.targets([c for c in r["configs"]
                                               if c["config"] != "offload"])
-    assert [t["met"] for t in without_offload] == [False, False, False, None, None, None,
-                                                   None, None]
+    assert [t["met"] for t in without_offload] == [False, False, False] + [None] * 7
     r["configs"][3]["device_time"] = DEVICE_TIME  # q8's, with --device-time
     kernels = next(t for t in bench_megatron.targets(r["configs"])
                    if t["what"] == "q8 step's kernels (codecs, AdamW) / 30 ms")
@@ -364,6 +365,8 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             in summary)
     assert "issue 14: host-fp32 step / offload step <= 1: 0.83 (0.350 / 0.420 s): met" in summary
     assert "issue 14: host-q8 step / offload step <= 0.35: not measured" in summary
+    assert "issue 14: host-fp32 opt.step / offload opt.step <= 1: 0.83 (0.245 / 0.294 s): " \
+        "met" in summary
     assert ("issue 14: host-fp32 driver peak / offload's <= 1: 0.48 (10.00 / 21.00 GiB): met"
             in summary)
     assert "failed: host-q8 (their logs above)" in summary
