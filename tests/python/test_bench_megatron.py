@@ -207,7 +207,9 @@ def paged(stored, *, undo=0, host=False):
             "peak_mapped": int(1.5 * GiB), "held": int(2.25 * GiB), "buckets": 70,
             "largest_bucket": 750 << 20, "window": int(2.5 * GiB),
             "mapped_before_first_step": 5 * GiB, "mapped_read_bytes": [0] * 5,
-            "mapped_written_bytes": [0] * 5}
+            "mapped_written_bytes": [0] * 5,
+            "parts_s": bench_megatron.opt_step_parts([0.30, 0.28, 0.32, 0.29, 0.31],
+                                                     [[0.010, 0.25, 0.002]] * 5)}
 
 
 def floor(read, written, *, host_in=0, host_out=0, pcie_s, fio_s=None):
@@ -331,6 +333,10 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             "over the timed steps: 0.00 GB") in out
     assert ("70 buckets, largest 750 MiB; pool peak mapped 1.50 GiB of a window of 2.50 "
             "GiB") in out
+    # opt.step less the pager's set-up, loop and commit: the rest is Megatron's own.
+    assert ("opt.step's host time (medians): the pager's set-up 10.0 ms (the epoch, the "
+            "first page-ins, the snapshot), its bucket loop 250.0 ms, commit 2.0 ms; the rest, "
+            "Megatron's own (grad copies, norm, clip, the params' sync), 38.0 ms") in out
     assert ("warm-up steps: driver peak 14.00 GiB; pool mapped before the first step 5.00 "
             "GiB; loss 10.5000 -> 9.2500") in out
     assert ("driver peak - torch max allocated = 4.00 GiB: CUDA context 0.50 + torch cache "

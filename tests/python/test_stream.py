@@ -2,6 +2,7 @@
 optimizer, bounded memory, state_dict round trips, PagedAdamW."""
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -95,6 +96,30 @@ def test_adam_moments_are_deferred_until_first_step(store_dir):
         assert binding.last.bytes_read == moment_bytes
         # (the params' undo copies, statepager.atomic, are in host memory)
         assert binding.last.bytes_written == moment_bytes
+
+
+@pytest.mark.parametrize("how", ["atomic", "begun", "in-place"])
+def test_a_step_times_its_parts(store_dir, how):
+    """StepStats: the host's set-up before the bucket loop (at begin_step() too, when
+    begun), the loop and the commit, each inside the step's own time."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        binding = pager.attach(opt, bucket_size=64 * KiB, atomic=how != "in-place")
+        train(model, opt, None, 2)
+        loss = model(torch.randn(8, 37)).square().mean()
+        loss.backward()
+        t0 = time.monotonic()
+        if how == "begun":
+            binding.begin_step()
+            assert binding.begun
+        opt.step()
+        took = time.monotonic() - t0
+        s = binding.last
+        assert s.setup_seconds > 0 and s.loop_seconds > 0
+        assert (s.commit_seconds > 0) == (how != "in-place")
+        assert s.setup_seconds + s.loop_seconds + s.commit_seconds <= took
+        assert s.loop_seconds <= s.seconds
 
 
 def test_step_memory_bounded_by_depth_times_bucket(store_dir):

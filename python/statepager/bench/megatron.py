@@ -317,6 +317,15 @@ def _profiled_opt_step(optimizer, train_step) -> dict:
     return seen
 
 
+def opt_step_parts(opt_times: list, parts: list) -> dict:
+    """The host's time in each timed opt.step's parts (StepStats: the pager's set-up, its
+    bucket loop, its commit) and the rest, Megatron's own work, as spreads."""
+    rest = [t - sum(p) for t, p in zip(opt_times, parts)]
+    keys = ("setup", "loop", "commit")
+    return dict({k: spread([p[i] for p in parts]) for i, k in enumerate(keys)},
+                rest=spread(rest))
+
+
 def _scope_pool_bytes() -> int:
     """Bytes torch reserved in MemPools other than its default pool (Pager.scope()'s,
     backed by the page pool: counted both in torch's reserved and in the pool's mapped)."""
@@ -395,7 +404,7 @@ def run_config(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
-        steps, moved, pool, compute, streams = [], [], [], [], []
+        steps, moved, pool, compute, streams, parts = [], [], [], [], [], []
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
         with driver.sampler() as sampler, CpuUse() as cpu:
@@ -413,6 +422,8 @@ def run_config(spec: dict) -> dict:
                                  after["cached_bytes"]))
                     compute.append(sum(s.compute_seconds for s in binding.last))
                     streams.append(sum(s.seconds for s in binding.last))
+                    parts.append([sum(getattr(s, k) for s in binding.last)
+                                  for k in ("setup_seconds", "loop_seconds", "commit_seconds")])
         result = {
             "config": spec["config"], "what": config["what"],
             "params": sum(p.numel() for p in model.parameters()),
@@ -437,6 +448,7 @@ def run_config(spec: dict) -> dict:
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
                 io_block=stats["io_block_bytes"],
                 compute_s=spread(compute), stream_s=spread(streams),
+                parts_s=opt_step_parts(opt_times, parts),
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
@@ -608,6 +620,13 @@ def config_lines(c: dict) -> list[str]:
                      f"peak mapped {p['peak_mapped'] / GiB:.2f} GiB of a window of "
                      f"{p['window'] / GiB:.2f} GiB; pager compute (codecs + optimizer math) "
                      f"{show(p['compute_s'], 's', 3)}")
+        if p.get("parts_s"):
+            ms = {k: 1e3 * v["median"] for k, v in p["parts_s"].items()}
+            notes.append(f"opt.step's host time (medians): the pager's set-up {ms['setup']:.1f} "
+                         f"ms (the epoch, the first page-ins, the snapshot), its bucket loop "
+                         f"{ms['loop']:.1f} ms, commit {ms['commit']:.1f} ms; the rest, "
+                         f"Megatron's own (grad copies, norm, clip, the params' sync), "
+                         f"{ms['rest']:.1f} ms")
     if c.get("cpu_cores"):
         notes.append("CPU over the timed steps, in cores busy: " + ", ".join(
             f"{kind} {cores:.1f}" for kind, cores in c["cpu_cores"].items())

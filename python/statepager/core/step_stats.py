@@ -14,6 +14,13 @@ class StepStats:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0            # from its first page-in (at begin_step(), when begun)
+    # The host's time in the step's parts (a Megatron step's opt.step holds these and
+    # Megatron's own work: grad copies, norm, clip, the params' sync):
+    setup_seconds: float = 0.0      # before the bucket loop: the epoch opened, the first
+                                    # page-ins issued (at begin_step(), when begun), the
+                                    # snapshot taken
+    loop_seconds: float = 0.0       # the bucket loop, its last page-outs waited for
+    commit_seconds: float = 0.0     # the epoch's commit (atomic steps)
     wait_in_seconds: float = 0.0    # stalled waiting for a bucket's page-in
     compute_seconds: float = 0.0    # the optimizer's own step on the buckets
     wait_out_seconds: float = 0.0   # stalled waiting for page-outs (window or final flush)

@@ -75,6 +75,7 @@ class _Run:
     ins: dict = field(default_factory=dict)       # bucket index -> its page-in's handle
     aheads: dict = field(default_factory=dict)    # bucket index -> its read-ahead's handle
     fused_groups: tuple | None = None             # StreamedOptimizer._fused_groups()
+    setup_seconds: float = 0.0                    # StepStats.setup_seconds, so far
 
 
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
@@ -606,6 +607,7 @@ class StreamedOptimizer:
         if self._begun is not None or not self.atomic or self.pager.paused:
             return
         self._end_others_begun()
+        t0 = time.monotonic()
         try:
             step = AtomicStep(self, self._undo, self._mirror())
         except Exception as error:
@@ -613,6 +615,7 @@ class StreamedOptimizer:
             return
         try:
             self._begun = self._start(step)
+            self._begun.setup_seconds = time.monotonic() - t0
         except BaseException as error:
             step.abandon()
             if not isinstance(error, Exception):  # an interrupt: after the epoch is closed
@@ -649,8 +652,11 @@ class StreamedOptimizer:
         if run is not None and (not self.atomic or run.fused_groups != self._fused_groups()):
             _end_run(run)  # begun as atomic, or with param groups the fused step differs on
             run = None
+        t0 = time.monotonic()
         if not self.atomic:
-            self._stream(self._start(None))
+            run = self._start(None)
+            run.setup_seconds = time.monotonic() - t0
+            self._stream(run)
             return
         step = run.atomic if run is not None else AtomicStep(self, self._undo, self._mirror())
         try:
@@ -662,7 +668,10 @@ class StreamedOptimizer:
                 step.abandon()
             raise
         try:
-            self._stream(run if run is not None else self._start(step))
+            if run is None:
+                run = self._start(step)
+            run.setup_seconds += time.monotonic() - t0
+            self._stream(run)
         except BaseException as error:
             try:
                 step.roll_back()
@@ -672,7 +681,9 @@ class StreamedOptimizer:
                 error.add_note(f"statepager: undoing the failed step failed too ({failed!r}): "
                                "the optimizer state may be partly stepped")
             raise
+        t0 = time.monotonic()
         step.commit()
+        self.last.commit_seconds = time.monotonic() - t0
 
     def _start(self, atomic: AtomicStep | None) -> "_Run":
         """A step's pipeline, its first page-ins issued (the rest as buckets step)."""
@@ -743,6 +754,7 @@ class StreamedOptimizer:
         counting = ExceptionCounts(pager)  # the exceptions of the buckets stepped last
         checks = ParamChecks() if atomic else None
         trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
+        t_loop = time.monotonic()
         try:
             for i, b in enumerate(buckets):
                 t0 = time.monotonic()
@@ -802,6 +814,7 @@ class StreamedOptimizer:
         t_end = time.monotonic()
         stats.wait_out_seconds += t_end - t0
         stats.seconds = t_end - run.t_start
+        stats.setup_seconds, stats.loop_seconds = run.setup_seconds, t_end - t_loop
         after = pager.stats()
         stats.bytes_read = after["bytes_read"] - run.before["bytes_read"]
         stats.bytes_written = after["bytes_written"] - run.before["bytes_written"]
