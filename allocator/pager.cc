@@ -123,8 +123,9 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
                                   : std::max(io_shape_for(true).depth, io_shape_for(false).depth);
   // A store mapped for the device's copies (map_ram) is kept whole: striped, a bucket's
   // extent would go as one copy per 1 MiB unit (each costs the I/O thread about 9 us).
-  // With a host tier it stays striped: its spills are io_uring writes from host memory.
-  const bool stripe_ram = !options_.map_ram || options_.host_budget_bytes > 0;
+  // With a host tier too: what the tier cannot hold goes to the mapped store every step,
+  // while its spills (io_uring writes from host memory, one inode's rate) are rare.
+  const bool stripe_ram = !options_.map_ram;
   file_ = std::make_unique<UringFile>(
       dir_->store_file(""),
       UringFile::Options{ring_depth, options_.try_direct, true, stripe_ram});

@@ -107,8 +107,8 @@ struct PagerOptions {
                                             // construction: 0 (none) to kMaxHostBudget
   bool map_ram = true;                      // store files in RAM mapped for the device's
                                             // copies (allocator/ram_map.h), one file each
-                                            // without a host tier (not striped: an extent
-                                            // is one copy each way); false: io_uring
+                                            // (not striped: an extent is one copy each
+                                            // way); false: io_uring
 };
 // The user address space of x86-64: more could never be allocated.
 constexpr size_t kMaxHostBudget = size_t(1) << 47;

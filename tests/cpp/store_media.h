@@ -1,6 +1,6 @@
 // The media the Pager suites run on: a store on disk, a striped store in RAM, and a RAM
 // store mapped for the device's copies (PagerOptions::map_ram, allocator/ram_map.h; one
-// file, not striped, without a host tier).
+// file, not striped).
 #pragma once
 
 #include <gtest/gtest.h>
