@@ -189,7 +189,8 @@ class Pager {
     uintptr_t end;
   };
   // The extents holding each range's bytes, in order: of a tensor create_pieces() made,
-  // the pieces the range touches; of any other, its extent. One acquisition of the lock
+  // the pieces the range's bytes lie in (an empty range: the piece it points into, none
+  // at a piece's start); of any other, its extent. One acquisition of the lock
   // for them all (a step names a few thousand tensors, a large one in hundreds of pieces).
   // A storage that is no extent of this Pager (or is a segment) sets *unknown to its
   // index and returns nothing.

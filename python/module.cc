@@ -40,9 +40,10 @@ struct PyPager {
   }
 
   static UsageError not_created(const torch::Tensor& t) {
-    return UsageError("tensor of shape " + std::to_string(t.numel()) +
-                      " elements was not created by this Pager: create it with "
-                      "Pager.empty()/empty_like() or inside Pager.scope()");
+    std::string shape;
+    for (int64_t d : t.sizes()) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+    return UsageError("a tensor of shape [" + shape + "] was not created by this Pager: "
+                      "create it with Pager.empty()/empty_like() or inside Pager.scope()");
   }
 
   // The extents holding the tensors' elements: each one's storage's extent, or of a

@@ -118,10 +118,12 @@ TEST(Pager, ExtentsInAreThePiecesARangeTouches) {
   using R = Pager::ByteRange;
   size_t unknown = 99;
   // A tensor of one extent is that extent, whatever part of it a view spans; one of
-  // pieces, the pieces its bytes touch, in order (an empty view: the piece it points into).
+  // pieces, the pieces its bytes touch, in order (an empty view: the piece it points into,
+  // none where it points at a piece's start).
   EXPECT_EQ(pager.extents_in({R{s, s + 10, s + 20}, R{a, a, a + 4 * page + 12345},
                               R{a, a + 2 * page, a + 2 * page + 1}, R{a, a + 2 * page - 1,
-                              a + 2 * page + 1}, R{a, a + page, a + page}}, &unknown),
+                              a + 2 * page + 1}, R{a, a + page, a + page},
+                              R{a, a + 2 * page, a + 2 * page}}, &unknown),
             (std::vector<ExtentId>{single, ids[0], ids[1], ids[2], ids[1], ids[0], ids[1],
                                    ids[0]}));
   EXPECT_EQ(unknown, 99u);

@@ -333,10 +333,11 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             "over the timed steps: 0.00 GB") in out
     assert ("70 buckets, largest 750 MiB; pool peak mapped 1.50 GiB of a window of 2.50 "
             "GiB") in out
-    # opt.step less the pager's set-up, loop and commit: the rest is Megatron's own.
+    # opt.step less the pager's set-up, loop and commit: the rest is mostly Megatron's own.
     assert ("opt.step's host time (medians): the pager's set-up 10.0 ms (the epoch, the "
             "first page-ins, the snapshot), its bucket loop 250.0 ms, commit 2.0 ms; the rest, "
-            "Megatron's own (grad copies, norm, clip, the params' sync), 38.0 ms") in out
+            "Megatron's own (grad copies, norm, clip, the params' sync) and the pager's "
+            "bookkeeping after the loop, 38.0 ms") in out
     assert ("warm-up steps: driver peak 14.00 GiB; pool mapped before the first step 5.00 "
             "GiB; loss 10.5000 -> 9.2500") in out
     assert ("driver peak - torch max allocated = 4.00 GiB: CUDA context 0.50 + torch cache "

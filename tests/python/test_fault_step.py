@@ -17,6 +17,7 @@ import torch
 
 import statepager
 from statepager import PagedAdamW, Pager
+from statepager.core.atomic import KEPT_BYTES, UndoCopies
 from statepager.formats import codecs
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -728,3 +729,48 @@ def test_a_group_changed_after_begin_step_steps_as_changed(tmp_path, device):
 
     assert same(_changed_before_step(adam, str(tmp_path / "a"), device, False, decay),
                 _changed_before_step(adam, str(tmp_path / "b"), device, True, decay))
+
+
+def test_the_snapshot_copies_unpaged_state_keeping_small_copies(store_dir):
+    """UndoCopies.copy_state: each unpaged state tensor is copied with its bits; a copy of
+    at most KEPT_BYTES is kept and reused by the next snapshot while its tensor's shape,
+    dtype and device stay; larger ones and sparse ones are new each time; paged tensors
+    and other values are not copied; a parameter gone lets its copies go."""
+    with Pager(store_dir, page_size=64 * 1024) as pager:
+        undo = UndoCopies(pager)
+        a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+        paged = pager.empty(16)
+        pager.page_in(paged)
+        large = torch.randn(KEPT_BYTES // 4 + 1)
+        state = {a: {"step": torch.tensor(3.0), "exp_avg": paged, "large": large, "lr": 0.1,
+                     "sparse": torch.eye(3).to_sparse()},
+                 b: {"step": torch.tensor(5.0)}}
+
+        def snapshot():
+            saved = undo.copy_state(state)
+            for p, values in state.items():
+                for name, v in values.items():
+                    value, copy = saved[p][name]
+                    assert value is v
+                    if name in ("exp_avg", "lr"):
+                        assert copy is None
+                    else:
+                        assert copy is not v and torch.equal(copy.to_dense(), v.to_dense())
+            return saved
+
+        first = snapshot()
+        state[a]["step"].add_(1)  # as a step does, in place
+        state[b]["step"] = torch.tensor([5.0, 6.0])  # another shape
+        second = snapshot()
+        assert second[a]["step"][1] is first[a]["step"][1]  # kept: refilled with 4.0
+        assert second[a]["step"][1].item() == 4.0
+        assert second[b]["step"][1] is not first[b]["step"][1]
+        assert second[a]["large"][1] is not first[a]["large"][1]
+        assert second[a]["sparse"][1] is not first[a]["sparse"][1]
+        state[b]["step"] = torch.tensor([5.0, 6.0], dtype=torch.float64)  # another dtype
+        del state[a]
+        third = snapshot()
+        assert third[b]["step"][1].dtype == torch.float64
+        assert set(third) == {b}
+        state[a] = {"step": torch.tensor(9.0)}
+        assert snapshot()[a]["step"][1] is not second[a]["step"][1]  # let go with a

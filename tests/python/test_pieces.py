@@ -49,10 +49,15 @@ def test_owns_each_is_owns_of_each_value(store_dir):
                   None, "t"]
         assert pager.owns_each(values) == [pager.owns(v) for v in values] == \
             [True, True, True, False, False, False, False, False]
-        # A list naming a tensor of no pager's fails whole, naming it; nothing moves.
-        with pytest.raises(statepager.UsageError, match="tensor of shape 7 elements was not "
+
+
+def test_a_list_naming_a_tensor_of_no_pager_s_fails_whole(store_dir):
+    """The tensor is named by its shape, and nothing of the list moves."""
+    with Pager(store_dir, page_size=PAGE) as pager:
+        t = pager.empty(1000)
+        with pytest.raises(statepager.UsageError, match=r"a tensor of shape \[7, 2\] was not "
                                                         "created by this Pager"):
-            pager.page_in([t, torch.zeros(7)])
+            pager.page_in([t, torch.zeros(7, 2)])
         assert pager.residency(t) == "zero"
 
 

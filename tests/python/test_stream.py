@@ -9,6 +9,7 @@ import torch
 
 import statepager
 from statepager import PagedAdamW, Pager
+from statepager.core.atomic import AtomicStep
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -99,9 +100,10 @@ def test_adam_moments_are_deferred_until_first_step(store_dir):
 
 
 @pytest.mark.parametrize("how", ["atomic", "begun", "in-place"])
-def test_a_step_times_its_parts(store_dir, how):
+def test_a_step_times_its_parts(store_dir, how, monkeypatch):
     """StepStats: the host's set-up before the bucket loop (at begin_step() too, when
-    begun), the loop and the commit, each inside the step's own time."""
+    begun), the loop and the commit, each inside the step's own time; the gap between
+    begin_step() and step() in `seconds` but in no part."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with Pager(store_dir, page_size=64 * KiB) as pager:
@@ -109,17 +111,27 @@ def test_a_step_times_its_parts(store_dir, how):
         train(model, opt, None, 2)
         loss = model(torch.randn(8, 37)).square().mean()
         loss.backward()
+        start = binding._start  # the pipeline's start: set-up, where begun in begin_step()
+
+        def slow_start(atomic):
+            time.sleep(0.05)
+            return start(atomic)
+        monkeypatch.setattr(binding, "_start", slow_start)
         t0 = time.monotonic()
         if how == "begun":
             binding.begin_step()
             assert binding.begun
+            time.sleep(0.1)
         opt.step()
         took = time.monotonic() - t0
         s = binding.last
-        assert s.setup_seconds > 0 and s.loop_seconds > 0
+        assert s.setup_seconds >= 0.05 and s.loop_seconds > 0
         assert (s.commit_seconds > 0) == (how != "in-place")
         assert s.setup_seconds + s.loop_seconds + s.commit_seconds <= took
         assert s.loop_seconds <= s.seconds
+        if how == "begun":
+            assert s.setup_seconds + s.loop_seconds + s.commit_seconds <= took - 0.1
+            assert s.seconds >= 0.1
 
 
 def test_step_memory_bounded_by_depth_times_bucket(store_dir):
@@ -238,15 +250,23 @@ def test_attach_twice_is_refused(store_dir):
             pager.attach(opt)
 
 
-def test_step_log_line(store_dir, caplog):
+def test_step_log_line(store_dir, caplog, monkeypatch):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters())
+    commit = AtomicStep.commit
+
+    def slow_commit(step):
+        time.sleep(0.01)
+        commit(step)
+    monkeypatch.setattr(AtomicStep, "commit", slow_commit)
     with Pager(store_dir, page_size=64 * KiB) as pager:
-        pager.attach(opt, bucket_size=100 * KiB, log_steps=True)
+        binding = pager.attach(opt, bucket_size=100 * KiB, log_steps=True)
         with caplog.at_level("INFO", logger="statepager"):
             train(model, opt, None, 2)
     lines = [r.getMessage() for r in caplog.records if "statepager step" in r.getMessage()]
     assert len(lines) == 2 and "GB/s" in lines[1]
+    assert binding.last.commit_seconds >= 0.01
+    assert lines[1] == f"statepager {binding.last.summary()}"  # logged once committed
 
 
 class GroupCountedSGD(torch.optim.SGD):

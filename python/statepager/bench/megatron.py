@@ -319,7 +319,8 @@ def _profiled_opt_step(optimizer, train_step) -> dict:
 
 def opt_step_parts(opt_times: list, parts: list) -> dict:
     """The host's time in each timed opt.step's parts (StepStats: the pager's set-up, its
-    bucket loop, its commit) and the rest, Megatron's own work, as spreads."""
+    bucket loop, its commit) and the rest (Megatron's own work, the pager's bookkeeping
+    after the loop), as spreads."""
     rest = [t - sum(p) for t, p in zip(opt_times, parts)]
     keys = ("setup", "loop", "commit")
     return dict({k: spread([p[i] for p in parts]) for i, k in enumerate(keys)},
@@ -625,8 +626,8 @@ def config_lines(c: dict) -> list[str]:
             notes.append(f"opt.step's host time (medians): the pager's set-up {ms['setup']:.1f} "
                          f"ms (the epoch, the first page-ins, the snapshot), its bucket loop "
                          f"{ms['loop']:.1f} ms, commit {ms['commit']:.1f} ms; the rest, "
-                         f"Megatron's own (grad copies, norm, clip, the params' sync), "
-                         f"{ms['rest']:.1f} ms")
+                         f"Megatron's own (grad copies, norm, clip, the params' sync) and the "
+                         f"pager's bookkeeping after the loop, {ms['rest']:.1f} ms")
     if c.get("cpu_cores"):
         notes.append("CPU over the timed steps, in cores busy: " + ", ".join(
             f"{kind} {cores:.1f}" for kind, cores in c["cpu_cores"].items())

@@ -48,6 +48,11 @@ from statepager.core.late_reads import LateRead
 from statepager.formats import codecs
 
 
+# copy_state() keeps copies of unpaged state tensors up to this size between steps: step
+# counters and other scalars, a few bytes per parameter.
+KEPT_BYTES = 4096
+
+
 class UndoCopies:
     """Per binding: one host tensor for each tensor a step overwrites outside the pager,
     created on first use and kept between steps (Pager.host_like: pinned for a CUDA pager,
@@ -63,16 +68,18 @@ class UndoCopies:
         # take_before_step()'s: ({id(bucket): (its copies, their event)}, [(residual
         # form, its fingerprint then)]), until the step takes them (taken_before_step).
         self._before = None
-        # copy_state()'s copies of unpaged state tensors, by (id(param), name): kept
-        # between steps, so that a step's snapshot allocates nothing and copies them all
-        # in one multi-tensor copy (a clone each cost the 1.34 B GPT's step 2-4 ms).
+        # copy_state()'s copies of small unpaged state tensors (step counters), by
+        # (id(param), name): kept between steps, so that a step's snapshot allocates
+        # nothing for them (a clone each cost the 1.34 B GPT's step 2-4 ms).
         self._state_copies: dict[tuple, torch.Tensor] = {}
 
     def copy_state(self, state) -> dict:
         """param -> {name: (value, copy of it or None)} of an optimizer's state: unpaged
         tensors (step counters, the state of resident parameters, sparse state) are
         copied, as the step may update them in place; paged ones and other values are
-        kept as they are."""
+        kept as they are. The copies of tensors of at most KEPT_BYTES are kept for the
+        next step; larger ones (a resident parameter's moments) are made per step and
+        let go with it, so that between steps they take no memory."""
         entries = [(p, name, v) for p, values in state.items() for name, v in values.items()]
         owned = self.pager.owns_each(v for _, _, v in entries)
         saved = {p: {} for p in state}
@@ -83,8 +90,11 @@ class UndoCopies:
                 if isinstance(v, torch.Tensor) and not mine:
                     if v.layout != torch.strided:  # sparse: no multi-tensor copy
                         copy = v.clone()
+                    elif v.numel() * v.element_size() > KEPT_BYTES:
+                        copy = torch.empty_like(v)
                     else:
                         copy = kept[(id(p), name)] = self._state_copy((id(p), name), v)
+                    if copy.layout == torch.strided:
                         targets.append(copy)
                         sources.append(v)
                 saved[p][name] = (v, copy)
@@ -93,10 +103,10 @@ class UndoCopies:
         return saved
 
     def _state_copy(self, key: tuple, v: torch.Tensor) -> torch.Tensor:
-        """The copy kept for `key` when it still fits v (its shape and dtype: a copy_ back
-        then restores v's bits exactly), else a new one."""
+        """The copy kept for `key` when it still fits v (its shape, dtype and device: a
+        copy_ back then restores v's bits exactly, within one device), else a new one."""
         copy = self._state_copies.get(key)
-        if copy is None or copy.shape != v.shape or copy.dtype != v.dtype:
+        if copy is None or (copy.shape, copy.dtype, copy.device) != (v.shape, v.dtype, v.device):
             copy = torch.empty_like(v)
         return copy
 

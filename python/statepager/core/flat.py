@@ -21,6 +21,13 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 
 def copy_each(targets: list, sources: list) -> None:
     """targets[i].copy_(sources[i]) for every i, as torch's multi-tensor copy: on CUDA a
-    few kernels for all (dtypes converted as copy_ converts them), not one per pair."""
-    if targets:
-        torch._foreach_copy_(targets, sources)
+    few kernels for all (dtypes converted as copy_ converts them), not one per pair. The
+    pairs go in groups of one (device, dtype) each way: torch copies a list that mixes
+    them pair by pair."""
+    groups = {}
+    for t, s in zip(targets, sources):
+        lists = groups.setdefault((t.device, t.dtype, s.device, s.dtype), ([], []))
+        lists[0].append(t)
+        lists[1].append(s)
+    for group_targets, group_sources in groups.values():
+        torch._foreach_copy_(group_targets, group_sources)

@@ -13,9 +13,12 @@ class StepStats:
     buckets: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    seconds: float = 0.0            # from its first page-in (at begin_step(), when begun)
+    seconds: float = 0.0            # from its first page-in to the loop's end; when begun,
+                                    # from begin_step(), so with what ran until step()
     # The host's time in the step's parts (a Megatron step's opt.step holds these and
-    # Megatron's own work: grad copies, norm, clip, the params' sync):
+    # Megatron's own work: grad copies, norm, clip, the params' sync). setup + loop is
+    # not `seconds`: it leaves out the gap between begin_step() and step(), and holds
+    # the snapshot of a step not begun, taken before its first page-in.
     setup_seconds: float = 0.0      # before the bucket loop: the epoch opened, the first
                                     # page-ins issued (at begin_step(), when begun), the
                                     # snapshot taken
@@ -60,7 +63,8 @@ class StepStats:
                 f"{self.write_busy_seconds:.3f} s, both {self.both_busy_seconds:.3f} s = "
                 f"{100 * self.overlap:.0f}% overlap; stalled on reads "
                 f"{self.wait_in_seconds:.3f} s, writes {self.wait_out_seconds:.3f} s; compute "
-                f"{self.compute_seconds:.3f} s; peak mapped "
+                f"{self.compute_seconds:.3f} s; set-up {self.setup_seconds:.3f} s, loop "
+                f"{self.loop_seconds:.3f} s, commit {self.commit_seconds:.3f} s; peak mapped "
                 f"{self.peak_mapped_bytes / (1 << 20):.1f} MiB)")
 
 

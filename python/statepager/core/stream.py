@@ -646,17 +646,18 @@ class StreamedOptimizer:
         return self._model_param if self.mains == "fp32" else None
 
     def _step_all(self) -> None:
+        t0 = time.monotonic()
         self._plan_anew_if_changed()
         self._end_others_begun()
         run, self._begun = self._begun, None
         if run is not None and (not self.atomic or run.fused_groups != self._fused_groups()):
             _end_run(run)  # begun as atomic, or with param groups the fused step differs on
             run = None
-        t0 = time.monotonic()
         if not self.atomic:
             run = self._start(None)
             run.setup_seconds = time.monotonic() - t0
             self._stream(run)
+            self._log_step()
             return
         step = run.atomic if run is not None else AtomicStep(self, self._undo, self._mirror())
         try:
@@ -684,6 +685,11 @@ class StreamedOptimizer:
         t0 = time.monotonic()
         step.commit()
         self.last.commit_seconds = time.monotonic() - t0
+        self._log_step()
+
+    def _log_step(self) -> None:
+        if self.log_steps:
+            log.info("statepager %s", self.last.summary())
 
     def _start(self, atomic: AtomicStep | None) -> "_Run":
         """A step's pipeline, its first page-ins issued (the rest as buckets step)."""
@@ -824,8 +830,6 @@ class StreamedOptimizer:
                           for b, i, s, o in zip(buckets, done_in, stepping, done_out)]
         self._steps += 1
         self.last = stats
-        if self.log_steps:
-            log.info("statepager %s", stats.summary())
 
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None,
                      checks: ParamChecks | None, fused: list | None) -> list:
