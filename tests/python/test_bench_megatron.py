@@ -208,8 +208,8 @@ def paged(stored, *, undo=0, host=False):
             "largest_bucket": 750 << 20, "window": int(2.5 * GiB),
             "mapped_before_first_step": 5 * GiB, "mapped_read_bytes": [0] * 5,
             "mapped_written_bytes": [0] * 5,
-            "parts_s": bench_megatron.opt_step_parts([0.30, 0.28, 0.32, 0.29, 0.31],
-                                                     [[0.010, 0.25, 0.002]] * 5)}
+            "parts_s": bench_megatron.opt_step_parts([0.30, 0.28, 0.32, 0.29, 0.31, 0.05],
+                                                     [[0.010, 0.25, 0.002]] * 5 + [None])}
 
 
 def floor(read, written, *, host_in=0, host_out=0, pcie_s, fio_s=None):

@@ -320,8 +320,13 @@ def _profiled_opt_step(optimizer, train_step) -> dict:
 def opt_step_parts(opt_times: list, parts: list) -> dict:
     """The host's time in each timed opt.step's parts (StepStats: the pager's set-up, its
     bucket loop, its commit) and the rest (Megatron's own work, the pager's bookkeeping
-    after the loop), as spreads."""
-    rest = [t - sum(p) for t, p in zip(opt_times, parts)]
+    after the loop), as spreads; parts[i] is None where step i did not stream (Megatron
+    skipped it: inf or nan in the grads). None if no step streamed."""
+    pairs = [(t, p) for t, p in zip(opt_times, parts) if p is not None]
+    if not pairs:
+        return None
+    rest = [t - sum(p) for t, p in pairs]
+    parts = [p for _, p in pairs]
     keys = ("setup", "loop", "commit")
     return dict({k: spread([p[i] for p in parts]) for i, k in enumerate(keys)},
                 rest=spread(rest))
@@ -411,6 +416,7 @@ def run_config(spec: dict) -> dict:
         with driver.sampler() as sampler, CpuUse() as cpu:
             for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
                 before = pager.stats() if pager else None
+                last_before = binding.last if pager else None
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
@@ -418,6 +424,9 @@ def run_config(spec: dict) -> dict:
                 steps.append(time.perf_counter() - t0)
                 if pager is not None:
                     after = pager.stats()
+                    if any(a is b for a, b in zip(binding.last, last_before)):
+                        parts.append(None)  # skipped by Megatron: last holds an older step
+                        continue
                     moved.append({k: after[k] - before[k] for k in counters})
                     pool.append((after["peak_mapped_bytes"], after["mapped_bytes"],
                                  after["cached_bytes"]))
@@ -441,9 +450,14 @@ def run_config(spec: dict) -> dict:
             "cpu_cores": cpu.cores(), "cpus": os.cpu_count(),
         }
         if pager is not None:
+            if not compute:
+                raise _C.UsageError(
+                    f"Megatron skipped every timed step of {spec['config']} (inf or nan in the "
+                    "grads), so no step streamed: raise --warmup, or lower the learning rate")
             stats = pager.stats()
             result["pager"] = dict(
                 {k: [m[k] for m in moved] for k in counters},
+                skipped_steps=parts.count(None),
                 stored_bytes=_bytes(binding, "stored"), undo_bytes=_bytes(binding, "undo"),
                 host_budget=host_budget, host_used=stats["host_used_bytes"],
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
@@ -603,6 +617,9 @@ def config_lines(c: dict) -> list[str]:
         written = all(x == p["stored_bytes"] for x in writes)
         notes.append(f"stored state {p['stored_bytes'] / 1e9:.2f} GB; per step read = stored: "
                      f"{one_pass}, written = stored: {written}")
+        if p.get("skipped_steps"):
+            notes.append(f"{p['skipped_steps']} timed steps skipped by Megatron (inf or nan in "
+                         "the grads): the pager's figures are of the others")
         if any(p["mapped_read_bytes"]) or any(p["mapped_written_bytes"]):
             notes.append(f"through the mapped store files (map_ram): "
                          f"{_median(p['mapped_read_bytes']) / 1e9:.2f} GB of the read and "
