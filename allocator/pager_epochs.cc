@@ -1,0 +1,271 @@
+// Pager's copy-on-write (allocator/pager.h): page-outs in an epoch into fresh ranges,
+// holds of ranges at rest for snapshots, restores, and epochs' begin, commit and abort.
+#include <algorithm>
+
+#include "allocator/pager.h"
+#include "allocator/pager_internal.h"
+#include "backing/errors.h"
+
+namespace statepager {
+
+// In an epoch a page-out never overwrites committed bytes: an extent whose range holds
+// them is written to a fresh range of its store (copy-on-write).
+void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
+  std::vector<std::pair<Extent*, uint64_t>> fresh;
+  try {
+    for (ExtentId id : ids) {
+      Extent& e = extent_locked(id);
+      if (e.epoch == 0 || e.committed_state != Residency::kFile ||
+          e.store_offset != e.committed_offset) {
+        continue;
+      }
+      Arena& space = stores_[store_index(e.store_offset)]->space;
+      fresh.emplace_back(&e, space.allocate(e.file_bytes, kFileAlign));
+    }
+  } catch (...) {
+    for (auto [e, range] : fresh) free_range_locked(range);
+    throw;
+  }
+  for (auto [e, range] : fresh) e->store_offset = range;
+}
+
+// kNoOffset: a placement without bytes at rest (no spans).
+Placement Pager::placement_locked(const Extent& e, uint64_t store_offset) const {
+  Placement p;
+  p.state = e.state;
+  p.bytes = e.bytes;
+  p.store_offset = store_offset;
+  p.store_bytes = align_up(e.bytes, kFileAlign);
+  if (HostTier::is_host(store_offset) && store_offset != kNoOffset) {
+    p.host = host_tier_->host(store_offset);
+  } else if (store_offset != kNoOffset) {
+    p.spans = file_->spans(p.store_offset, p.store_bytes);
+  }
+  return p;
+}
+
+std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  if (!held_.empty()) {
+    throw UsageError("a checkpoint copy still holds ranges of this Pager's store: wait for it "
+                     "to finish before taking another");
+  }
+  wait_tier_moves_locked(lock, ids);
+  std::vector<Placement> out;
+  for (ExtentId id : ids) {
+    const Extent& e = extent_locked(id);
+    if (!at_rest(e.state)) {
+      throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
+                       "out (and wait) before copying the store");
+    }
+    check_not_in_epoch_locked(e, id, "be copied");
+    out.push_back(placement_locked(e, e.state == Residency::kHost ? e.host_offset : e.store_offset));
+  }
+  for (const Placement& p : out) {
+    if (p.state != Residency::kZero && p.store_bytes > 0) {
+      held_[p.store_offset] = p.store_offset + p.store_bytes;
+    }
+  }
+  return out;
+}
+
+std::shared_ptr<const HostTier> Pager::host_memory() const {
+  std::unique_lock lock(mu_);
+  return host_tier_;
+}
+
+void Pager::unhold(uint64_t store_offset) {
+  std::unique_lock lock(mu_);
+  if (held_.erase(store_offset) == 0) return;
+  auto freed = freed_held_.find(store_offset);
+  if (freed != freed_held_.end()) {
+    const size_t punch_bytes = freed->second;
+    freed_held_.erase(freed);
+    free_range_locked(store_offset, punch_bytes);
+  }
+  work_cv_.notify_one();  // a page-out may be waiting for this range
+}
+
+// True when the (unstarted) job is a page-out into a held range; counts it once.
+bool Pager::waits_for_hold_locked(Job& job) {
+  if (!job.out || job.discard || held_.empty()) return false;
+  for (const Chunk& c : job.chunks) {
+    auto next = held_.upper_bound(c.store_offset);  // ranges are disjoint: check two
+    const bool before = next != held_.begin() && std::prev(next)->second > c.store_offset;
+    const bool after = next != held_.end() && next->first < c.store_offset + c.file_bytes;
+    if (before || after) {
+      if (!job.held) counters_.buckets_held++;
+      job.held = true;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Pager::only_held_jobs_locked() {
+  for (const Ticket& job : queue_) {
+    if (job->started || !waits_for_hold_locked(*job)) return false;
+  }
+  return true;
+}
+
+std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
+                                            const std::vector<bool>& zero) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  wait_tier_moves_locked(lock, ids);
+  for (ExtentId id : ids) {
+    const Extent& e = extent_locked(id);
+    if (!at_rest(e.state)) {
+      throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
+                       "it out or discard it (and wait) before restoring it");
+    }
+    if (held_.count(e.store_offset) != 0 || held_.count(e.host_offset) != 0) {
+      throw UsageError("a checkpoint copy still holds the store range of extent " +
+                       std::to_string(id) + ": wait for the save to finish first");
+    }
+    check_not_in_epoch_locked(e, id, "be restored");
+  }
+  std::vector<uint64_t> fresh(ids.size(), kNoOffset);  // where the new bytes go
+  try {
+    for (size_t i = 0; i < ids.size(); i++) {
+      if (zero[i]) continue;
+      const Extent& e = extent_locked(ids[i]);
+      // In the store it moves to, if it moves: the move is done once the bytes are there.
+      const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
+      fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
+    }
+  } catch (...) {
+    for (uint64_t range : fresh) {
+      if (range != kNoOffset) free_range_locked(range);
+    }
+    throw;
+  }
+  std::vector<Placement> places(ids.size());
+  for (size_t i = 0; i < ids.size(); i++) {
+    Extent& e = extent_locked(ids[i]);
+    places[i] = zero[i] ? placement_locked(e, kNoOffset) : placement_locked(e, fresh[i]);
+    places[i].state = zero[i] ? Residency::kZero : Residency::kFile;
+    e.restore_from = e.state;
+    e.state = Residency::kPagingIn;
+  }
+  return places;
+}
+
+void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Placement>& places,
+                        bool ok) {
+  std::unique_lock lock(mu_);
+  for (size_t i = 0; i < ids.size(); i++) {
+    Extent& e = extent_locked(ids[i]);
+    const bool zero = places[i].state == Residency::kZero;
+    if (!ok) {
+      if (!zero) free_range_locked(places[i].store_offset);
+      e.state = e.restore_from;
+    } else if (zero) {
+      drop_host_locked(e);
+      e.state = Residency::kZero;
+      finish_move_locked(e);
+    } else {
+      drop_host_locked(e);
+      for (uint64_t range : e.ranges()) free_range_locked(range);
+      e.store_offset = places[i].store_offset;
+      e.next_offset = kNoOffset;
+      e.state = Residency::kFile;
+    }
+  }
+  done_cv_.notify_all();
+}
+
+// ---- epochs ----------------------------------------------------------------------------
+
+uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  std::vector<ExtentId> members = ids;
+  std::sort(members.begin(), members.end());
+  members.erase(std::unique(members.begin(), members.end()), members.end());
+  wait_tier_moves_locked(lock, members);
+  for (ExtentId id : members) {
+    const Extent& e = extent_locked(id);
+    if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot be in an epoch");
+    if (!at_rest(e.state)) {
+      throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
+                       "out (and wait) before an epoch begins");
+    }
+    check_not_in_epoch_locked(e, id, "join another one");
+  }
+  const uint64_t epoch = next_epoch_++;
+  for (ExtentId id : members) {
+    Extent& e = extent_locked(id);
+    e.epoch = epoch;
+    e.committed_state = e.state;
+    e.committed_offset = e.store_offset;
+    e.committed_next = e.next_offset;
+    e.committed_host = e.host_offset;
+  }
+  epochs_[epoch] = std::move(members);
+  return epoch;
+}
+
+// The epoch's extents (those not released meanwhile), once none is being paged.
+std::vector<Pager::Extent*> Pager::settled_epoch_locked(std::unique_lock<std::mutex>& lock,
+                                                        uint64_t epoch) {
+  check_open_locked();
+  auto it = epochs_.find(epoch);
+  if (it == epochs_.end()) throw UsageError("no open epoch " + std::to_string(epoch));
+  std::vector<Extent*> members;
+  done_cv_.wait(lock, [&] {
+    members.clear();
+    for (ExtentId id : it->second) {
+      auto e = extents_.find(id);
+      if (e == extents_.end() || e->second->epoch != epoch) continue;
+      const Residency s = e->second->state;
+      if (s == Residency::kPagingIn || s == Residency::kPagingOut) return false;
+      members.push_back(e->second.get());
+    }
+    return true;
+  });
+  return members;
+}
+
+// Ends e's epoch. keep: what it holds now becomes committed; else it returns to what it
+// committed. The ranges it no longer refers to are freed.
+void Pager::end_epoch_locked(Extent& e, bool keep) {
+  const std::vector<uint64_t> before = e.ranges();
+  if (!keep) {
+    if (e.state == Residency::kResident) pool_.unref(e.addr, e.bytes);
+    e.state = e.committed_state;
+    e.store_offset = e.committed_offset;
+    e.next_offset = e.committed_next;
+    e.host_offset = e.committed_host;
+  }
+  e.epoch = 0;
+  e.committed_offset = e.committed_next = e.committed_host = kNoOffset;
+  const std::vector<uint64_t> now = e.ranges();
+  for (uint64_t range : before) {
+    if (std::find(now.begin(), now.end(), range) == now.end()) free_range_locked(range);
+  }
+}
+
+void Pager::commit_epoch(uint64_t epoch) {
+  std::unique_lock lock(mu_);
+  for (Extent* e : settled_epoch_locked(lock, epoch)) end_epoch_locked(*e, true);
+  epochs_.erase(epoch);
+}
+
+void Pager::abort_epoch(uint64_t epoch) {
+  std::unique_lock lock(mu_);
+  std::vector<Extent*> members = settled_epoch_locked(lock, epoch);
+  if (std::any_of(members.begin(), members.end(),
+                  [](const Extent* e) { return e->state == Residency::kResident; })) {
+    lock.unlock();
+    device_->synchronize();  // kernels may still use what is about to be unmapped
+    lock.lock();
+    members = settled_epoch_locked(lock, epoch);
+  }
+  for (Extent* e : members) end_epoch_locked(*e, false);
+  epochs_.erase(epoch);
+}
+
+}  // namespace statepager

@@ -1,0 +1,180 @@
+// Pager's host tier (allocator/pager.h, PagerOptions::host_budget_bytes): where each
+// extent of a page-out goes, which HOST extents spill to make room, and read-ahead from
+// the store into free host room.
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+
+#include "allocator/pager.h"
+#include "allocator/pager_internal.h"
+#include "backing/errors.h"
+
+namespace statepager {
+
+// Where each extent of a page-out goes: into a fresh host range while the host tier has
+// room (a page-out never writes a host range in use, so committed host bytes stay as they
+// are); short of room, after spills of the least recently used HOST extents (deferred,
+// after[i] kResident until place_deferred_locked() decides); else to its store range.
+// Returns those going to the store now.
+std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
+  std::vector<ExtentId> to_store;
+  size_t short_bytes = 0;
+  for (ExtentId id : job.extents) {
+    Extent& e = extent_locked(id);
+    std::optional<uint64_t> range;
+    if (host_tier_) range = host_tier_->allocate(e.file_bytes);
+    if (!range && host_tier_ && e.file_bytes <= host_tier_->budget_bytes()) {
+      job.after.push_back(Residency::kResident);
+      job.deferred.push_back(id);
+      short_bytes += e.file_bytes;
+      continue;
+    }
+    if (!range) {
+      job.after.push_back(Residency::kFile);
+      to_store.push_back(id);
+      continue;
+    }
+    e.host_offset = *range;
+    // Past its bytes a range holds zeros, as a store range does (checkpoints copy them).
+    std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
+    job.after.push_back(Residency::kHost);
+    job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
+    job.host_bytes += e.bytes;
+  }
+  if (!job.deferred.empty()) choose_spills_locked(job, short_bytes);
+  if (job.spills.empty()) {  // no room to make: the store takes them now
+    for (size_t i = 0; i < job.extents.size(); i++) {
+      if (job.after[i] != Residency::kResident) continue;
+      job.after[i] = Residency::kFile;
+      to_store.push_back(job.extents[i]);
+    }
+    job.deferred.clear();
+  }
+  return to_store;
+}
+
+// HOST extents whose host range no save holds, until their ranges add up to short_bytes
+// (see the class comment for the order): the job writes them back before placing its
+// deferred extents. They are 'paging_out' (tier_moving) meanwhile.
+void Pager::choose_spills_locked(Job& job, size_t short_bytes) {
+  uint64_t needed = kNoUse;  // when the job's own extents are needed next, if known
+  for (ExtentId id : job.deferred) needed = std::min(needed, extent_locked(id).next_use);
+  // Ordered by (hinted, hinted: farthest next use first, else least recently used).
+  std::vector<std::tuple<bool, uint64_t, ExtentId>> order;
+  for (const auto& [id, e] : extents_) {
+    if (e->state != Residency::kHost || held_.count(e->host_offset) != 0) continue;
+    if (e->next_use == kNoUse) {
+      order.emplace_back(false, e->last_use, id);
+    } else if (needed == kNoUse || e->next_use > needed) {
+      order.emplace_back(true, kNoUse - e->next_use, id);
+    }
+  }
+  std::sort(order.begin(), order.end());
+  size_t freed = 0;
+  for (auto [known, rank, id] : order) {
+    if (freed >= short_bytes) break;
+    job.spills.push_back(id);
+    freed += extent_locked(id).file_bytes;
+  }
+  redirect_writes_locked(job.spills);  // committed store bytes are never overwritten
+  for (ExtentId id : job.spills) {
+    extent_locked(id).state = Residency::kPagingOut;
+    extent_locked(id).tier_moving = true;
+  }
+}
+
+// Phase two of a page-out short of host room, once its spills are written: they let
+// their host ranges go and the deferred extents take what room there is; the rest goes
+// to the store. start_job() starts the work added (job.restart).
+void Pager::place_deferred_locked(Job& job) {
+  job.placed = true;
+  for (ExtentId id : job.spills) {
+    Extent& e = extent_locked(id);
+    counters_.spills++;
+    counters_.spilled_bytes += e.bytes;
+    spilled_locked(e);
+  }
+  std::vector<ExtentId> to_store;
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    if (job.after[i] != Residency::kResident) continue;  // placed at submit
+    Extent& e = extent_locked(job.extents[i]);
+    const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
+    if (!range) {
+      job.after[i] = Residency::kFile;
+      to_store.push_back(job.extents[i]);
+      continue;
+    }
+    e.host_offset = *range;
+    std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
+    job.after[i] = Residency::kHost;
+    job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
+    job.host_bytes += e.bytes;
+  }
+  redirect_writes_locked(to_store);
+  std::vector<StoreTier::Move> moves;
+  for (ExtentId id : to_store) {
+    const Extent& e = extent_locked(id);
+    moves.push_back(StoreTier::Move{e.addr, e.bytes, e.store_offset, e.file_bytes});
+  }
+  store_tier_->plan(job, std::move(moves));
+  job.held_back = waits_for_hold_locked(job);
+  job.restart = true;
+}
+
+// A spill landed: the extent's bytes are in its store range, its host range goes. In an
+// epoch whose committed bytes were that host range, the store range holds them now.
+void Pager::spilled_locked(Extent& e) {
+  if (e.epoch != 0 && e.host_offset == e.committed_host) {
+    e.committed_state = Residency::kFile;
+    e.committed_offset = e.store_offset;
+    e.committed_host = kNoOffset;
+  }
+  drop_host_locked(e);
+  e.state = Residency::kFile;
+  e.tier_moving = false;
+}
+
+// Waits until none of `ids` is being spilled or read ahead.
+void Pager::wait_tier_moves_locked(std::unique_lock<std::mutex>& lock,
+                                   const std::vector<ExtentId>& ids) {
+  done_cv_.wait(lock, [&] {
+    for (ExtentId id : ids) {
+      auto it = extents_.find(id);
+      if (it != extents_.end() && it->second->tier_moving) return false;
+    }
+    return true;
+  });
+}
+
+Ticket Pager::read_ahead(const std::vector<ExtentId>& bucket) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  auto job = std::make_shared<Job>();
+  job->tier_move = true;
+  std::vector<ExtentId> ids = bucket;
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  wait_tier_moves_locked(lock, ids);
+  for (ExtentId id : ids) {
+    Extent& e = extent_locked(id);
+    if (!host_tier_ || e.state != Residency::kFile) continue;
+    const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
+    if (!range) break;  // no room: the rest stays FILE
+    e.host_offset = *range;
+    e.state = Residency::kPagingIn;
+    e.tier_moving = true;
+    e.last_use = ++use_clock_;
+    job->extents.push_back(id);
+    job->before.push_back(Residency::kFile);
+  }
+  plan_locked(*job);
+  if (job->extents.empty()) {
+    job->done = true;
+    return job;
+  }
+  queue_.push_back(job);
+  work_cv_.notify_one();
+  return job;
+}
+
+}  // namespace statepager

@@ -1,0 +1,441 @@
+// Pager's buckets (allocator/pager.h): submitting a page-in, page-out or discard as a
+// Job, mapping its pages on the map thread, planning its store moves, and the I/O
+// thread that starts, advances and completes jobs.
+#include <pthread.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "allocator/pager.h"
+#include "allocator/pager_internal.h"
+#include "allocator/trace_range.h"
+#include "backing/errors.h"
+
+namespace statepager {
+
+namespace {
+
+// Zero fills of adjacent extents (a tensor's, of 1 MiB each) as one: a fill is a memset
+// queued on the page-in stream, between its copies (~4,700 a step of the 1.34 B GPT's
+// q8 step apart, on the H200).
+void add_zero_fill(std::vector<std::pair<uintptr_t, size_t>>& fills, uintptr_t addr,
+                   size_t bytes) {
+  if (!fills.empty() && fills.back().first + fills.back().second == addr) {
+    fills.back().second += bytes;
+  } else {
+    fills.emplace_back(addr, bytes);
+  }
+}
+
+}  // namespace
+
+Ticket Pager::page_in(const std::vector<ExtentId>& bucket) {
+  return submit(bucket, false, 0, false);
+}
+
+Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream,
+                        uint64_t reuse_after) {
+  return submit(bucket, true, stream, false, reuse_after);
+}
+
+Ticket Pager::discard(const std::vector<ExtentId>& bucket, uintptr_t stream) {
+  return submit(bucket, true, stream, true);
+}
+
+// References on the pages of every extent of `ids` (Pool::ref_begin), all or none: what
+// is not mapped yet is appended to *pending. It waits for pages another submit is mapping
+// (map_unlocked() notifies), and for room while page-outs that will free some are in
+// flight (with none in flight the budget is simply too small: OutOfMemoryError), holding
+// none meanwhile, so that two submits never wait for each other.
+void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock,
+                             const std::vector<ExtentId>& ids, Pool::PendingMaps* pending) {
+  while (true) {
+    size_t taken = 0;
+    try {
+      while (taken < ids.size()) {
+        const Extent& e = extent_locked(ids[taken]);
+        if (!pool_.ref_begin(e.addr, e.bytes, pending)) break;
+        taken++;
+      }
+      if (taken == ids.size()) return;
+    } catch (const OutOfMemoryError&) {
+      if (outs_in_flight_ == 0) {
+        unref_pages_locked(ids, taken);
+        pending->clear();
+        throw;
+      }
+    } catch (...) {  // a device error: nothing kept
+      unref_pages_locked(ids, taken);
+      pending->clear();
+      throw;
+    }
+    unref_pages_locked(ids, taken);
+    pending->clear();
+    done_cv_.wait(lock);
+    check_open_locked();  // close() does not wait for a submit that waits here
+  }
+}
+
+void Pager::unref_pages_locked(const std::vector<ExtentId>& ids, size_t count) {
+  for (size_t i = 0; i < count; i++) {
+    const Extent& e = extent_locked(ids[i]);
+    pool_.unref(e.addr, e.bytes);
+  }
+}
+
+// The map thread: maps each queued page-in's pages (Job::maps) without the lock, then
+// queues the job for the I/O thread. The submitting thread does not wait for the mapping:
+// cuMemSetAccess takes about 1 ms a page while a device-to-host copy runs
+// (docs/DESIGN-NOTES.md, "Mapping costs"), and a streamed step always has one running.
+// Meanwhile the pages are the job's alone (Pool: others wait for them), its extents
+// PAGING_IN and in no queued job.
+void Pager::run_map_thread() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    if (map_queue_.empty()) {
+      if (stopping_) return;
+      map_cv_.wait(lock);
+      continue;
+    }
+    Ticket job = map_queue_.front();
+    map_queue_.pop_front();
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      pool_.map_pending(job->maps);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    maps_in_flight_--;
+    if (error) {
+      mapping_failed_locked(*job, error);
+    } else {
+      pool_.finish_mapping(job->maps);
+      job->maps.clear();
+      queue_.push_back(job);
+      work_cv_.notify_one();
+    }
+    done_cv_.notify_all();
+  }
+}
+
+// A page-in whose mapping failed: its pages let go, its extents back in their states of
+// before, its error for wait(). Its new pages were never mapped (released without
+// unmapping); a page it shared, whose other references went meanwhile, is unmapped here,
+// and a device failing that (a broken context) must not end the map thread: the bucket
+// has failed already, and close() meets that device again.
+void Pager::mapping_failed_locked(Job& job, std::exception_ptr error) {
+  try {
+    unref_pages_locked(job.extents, job.extents.size());
+  } catch (...) {
+  }
+  job.maps.clear();
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    Extent& e = extent_locked(job.extents[i]);
+    e.state = job.before[i];
+    if (e.dead && !e.tier_moving) free_extent_locked(job.extents[i]);  // released meanwhile
+  }
+  job.error = error;
+  job.done = true;
+}
+
+Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream,
+                     bool discard, uint64_t reuse_after) {
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  auto job = std::make_shared<Job>();
+  job->out = out;
+  job->discard = discard;
+  std::vector<ExtentId> ids = bucket;
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  wait_tier_moves_locked(lock, ids);
+  for (ExtentId id : ids) {
+    const Residency s = extent_locked(id).state;
+    if (s == Residency::kPagingIn || s == Residency::kPagingOut) {
+      throw UsageError("extent " + std::to_string(id) +
+                       " is already being paged by another bucket: wait for that bucket first");
+    }
+    extent_locked(id).last_use = ++use_clock_;
+    const bool at_rest_with_bytes = s == Residency::kFile || s == Residency::kHost;
+    const bool moves = !out ? s != Residency::kResident
+                            : s == Residency::kResident || (discard && at_rest_with_bytes);
+    if (moves) job->extents.push_back(id);
+  }
+  // The clock and hints of the spill choice; an extent already at rest keeps its hint.
+  if (!out) {
+    for (ExtentId id : ids) paged_in_bytes_ += extent_locked(id).bytes;
+  } else {
+    for (ExtentId id : job->extents) {
+      extent_locked(id).next_use = reuse_after > 0 ? paged_in_bytes_ + reuse_after : kNoUse;
+    }
+  }
+  if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
+  if (out && !discard) {
+    try {
+      redirect_writes_locked(place_outs_locked(*job));
+    } catch (...) {  // the store has no room left: nothing moves
+      for (ExtentId id : job->extents) drop_host_locked(extent_locked(id));
+      for (ExtentId id : job->spills) {
+        extent_locked(id).state = Residency::kHost;
+        extent_locked(id).tier_moving = false;
+      }
+      throw;
+    }
+  }
+  for (ExtentId id : job->extents) {
+    Extent& e = extent_locked(id);
+    job->before.push_back(e.state);
+    if (!out && e.state == Residency::kZero) add_zero_fill(job->zero_fills, e.addr, e.bytes);
+    if (!out && e.state == Residency::kHost) {
+      job->host_copies.push_back(HostCopy{e.addr, host_tier_->host(e.host_offset), e.bytes});
+      job->host_bytes += e.bytes;
+    }
+    e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
+  }
+  if (!out) {
+    try {
+      ref_pages_locked(lock, job->extents, &job->maps);
+    } catch (...) {
+      if (closed_) throw;  // closed while it waited: close() lets every extent go
+      std::vector<ExtentId> released;  // by release() while it waited for room
+      for (size_t i = 0; i < job->extents.size(); i++) {
+        Extent& e = extent_locked(job->extents[i]);
+        e.state = job->before[i];
+        if (e.dead && !e.tier_moving) released.push_back(job->extents[i]);
+      }
+      for (ExtentId id : released) free_extent_locked(id);
+      done_cv_.notify_all();
+      throw;
+    }
+  }
+  if (!discard) plan_locked(*job);
+  if (job->extents.empty()) {
+    job->done = true;
+    return job;
+  }
+  if (!job->maps.empty()) {  // queued for the I/O thread once mapped
+    maps_in_flight_++;
+    map_queue_.push_back(job);
+    map_cv_.notify_one();
+    return job;
+  }
+  queue_.push_back(job);
+  if (out) outs_in_flight_++;
+  work_cv_.notify_one();
+  return job;
+}
+
+// The bucket's moves to or from the store files.
+void Pager::plan_locked(Job& job) {
+  std::vector<StoreTier::Move> moves;
+  auto host_move = [&](const Extent& e) {
+    moves.push_back(StoreTier::Move{0, e.bytes, e.store_offset, e.file_bytes,
+                                    host_tier_->host(e.host_offset)});
+  };
+  for (ExtentId id : job.spills) host_move(extent_locked(id));
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    const Extent& e = extent_locked(job.extents[i]);
+    if (job.tier_move) {
+      host_move(e);
+      continue;
+    }
+    const bool to_store = job.out ? job.after[i] == Residency::kFile
+                                  : job.before[i] == Residency::kFile;
+    if (to_store) {
+      moves.push_back(StoreTier::Move{e.addr, e.bytes, e.store_offset, e.file_bytes});
+    }
+  }
+  store_tier_->plan(job, std::move(moves));
+}
+
+void Pager::wait(const Ticket& ticket) {
+  std::unique_lock lock(mu_);
+  done_cv_.wait(lock, [&] { return ticket->done; });
+  if (ticket->error) std::rethrow_exception(ticket->error);
+}
+
+bool Pager::is_done(const Ticket& ticket) const {
+  std::unique_lock lock(mu_);
+  return ticket->done;
+}
+
+// ---- I/O thread ----------------------------------------------------------------------
+
+void Pager::run_io_thread() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    // Page-outs waiting for held ranges are woken by unhold().
+    if (queue_.empty() || only_held_jobs_locked()) {
+      if (stopping_ && queue_.empty()) return;
+      work_cv_.wait(lock);
+      continue;
+    }
+    if (!advance(lock)) {
+      // Only device copies are pending: poll them again shortly.
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      lock.lock();
+    }
+  }
+}
+
+// One round of the pipeline: start buckets, hand free slots to the oldest buckets,
+// move finished copies on to I/O and finished I/O on to copies, complete buckets.
+// Called with the lock held; drops it around device and file calls.
+bool Pager::advance(std::unique_lock<std::mutex>& lock) {
+  std::vector<Ticket> jobs;
+  std::vector<Job*> running;  // those whose chunks may be issued
+  for (const Ticket& job : queue_) {
+    if (job->held_back && !waits_for_hold_locked(*job)) job->held_back = false;
+    if (job->started || !waits_for_hold_locked(*job)) {
+      jobs.push_back(job);
+      if (!job->held_back) running.push_back(job.get());
+    }
+  }
+  lock.unlock();
+  bool progressed = false;
+  for (Job* job : running) {
+    if (job->started && !job->restart) continue;
+    start_job(*job);
+    progressed = true;
+  }
+  progressed = store_tier_->pump(running, progressed);
+  lock.lock();
+  for (const Ticket& job : jobs) {
+    const bool issued_all = job->error || job->next_chunk == job->chunks.size();
+    if (!job->started || job->restart || job->chunks_in_flight > 0 || !issued_all) continue;
+    if (job->fence && !fence_passed_locked(*job)) continue;
+    progressed = true;
+    if (!job->error && !job->deferred.empty() && !job->placed) {
+      try {
+        place_deferred_locked(*job);
+        continue;
+      } catch (...) {
+        job->error = std::current_exception();
+      }
+    }
+    complete(*job);
+  }
+  return progressed;
+}
+
+// Whether the job's fence has passed (then let go). A device that fails the query (a
+// broken context, say after a kernel's illegal address) fails the job instead of ending
+// the I/O thread: its waiter gets the device's error.
+bool Pager::fence_passed_locked(Job& job) {
+  try {
+    if (!device_->is_done(*job.fence)) return false;
+  } catch (...) {
+    if (!job.error) job.error = std::current_exception();
+  }
+  device_->release_fence(*job.fence);
+  job.fence.reset();
+  return true;
+}
+
+// Starts a job's work, or the work place_deferred_locked() added (job.restart). Without
+// the lock: the fields it touches are the I/O thread's.
+void Pager::start_job(Job& job) {
+  if (!job.started) {
+    job.started = true;
+    job.start_time = std::chrono::steady_clock::now();
+    job.trace.start(io_range_name(job.out, job.discard, job.bytes_moved),
+                    job.out ? TraceKind::kWrite : TraceKind::kRead);
+  }
+  job.restart = false;
+  try {
+    store_tier_->start(job);
+    if (host_tier_) host_tier_->start(job);
+    for (auto [addr, bytes] : job.zero_fills) device_->fill_zero(addr, bytes);
+    // A discard unmaps once the work queued before it on the caller's stream is done.
+    if (!job.zero_fills.empty() || !job.host_copies.empty() || job.discard) {
+      job.fence = device_->record(job.out ? CopyQueue::kToHost : CopyQueue::kToDevice);
+    }
+  } catch (...) {
+    job.error = std::current_exception();
+  }
+}
+
+// Lets an extent's pages go where a bucket completes. A device failing the unmap (a
+// broken context) must not end the I/O thread: the pages stay mapped (a later page-in
+// finds them so), and the next device call or close() meets that device again.
+void Pager::unref_quietly_locked(const Extent& e) {
+  try {
+    pool_.unref(e.addr, e.bytes);
+  } catch (const DeviceError&) {
+  }
+}
+
+// Under the lock: the bucket's extents take their new state (or get their old one back).
+void Pager::complete(Job& job) {
+  const bool ok = !job.error;
+  if (!ok && !job.placed) {  // spills not landed: their host bytes stay
+    for (ExtentId id : job.spills) {
+      extent_locked(id).state = Residency::kHost;
+      extent_locked(id).tier_moving = false;
+    }
+  }
+  for (size_t i = 0; i < job.extents.size(); i++) {
+    Extent& e = extent_locked(job.extents[i]);
+    if (job.tier_move) {  // a read-ahead
+      e.tier_moving = false;
+      e.state = ok ? Residency::kHost : Residency::kFile;
+      if (ok) finish_move_locked(e);
+      if (!ok) drop_host_locked(e);
+    } else if (job.out) {
+      e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : job.after[i];
+      if (ok && job.before[i] == Residency::kResident) unref_quietly_locked(e);
+      // A failed page-out lets its fresh host range go; a discard, the host bytes.
+      if (ok ? job.discard : !job.discard && job.after[i] == Residency::kHost) {
+        drop_host_locked(e);
+      }
+    } else {
+      e.state = ok ? Residency::kResident : job.before[i];
+      if (ok) finish_move_locked(e);
+      if (ok) drop_host_locked(e);
+      if (!ok) unref_quietly_locked(e);
+    }
+  }
+  if (ok) {
+    const uint64_t file_bytes = job.bytes_moved;
+    if (job.out) {
+      counters_.bytes_to_host += job.host_bytes;
+      counters_.bytes_written += file_bytes;
+      counters_.write_requests += job.requests;
+      counters_.mapped_written_bytes += job.mapped_bytes;
+      counters_.buckets_out++;
+    } else if (job.tier_move) {
+      counters_.read_aheads += job.extents.size();
+      counters_.read_ahead_bytes += file_bytes;
+      counters_.bytes_read += file_bytes;
+      counters_.read_requests += job.requests;
+    } else {
+      counters_.bytes_from_host += job.host_bytes;
+      counters_.bytes_read += file_bytes;
+      counters_.read_requests += job.requests;
+      counters_.mapped_read_bytes += job.mapped_bytes;
+      counters_.buckets_in++;
+      for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
+    }
+  }
+  for (const auto* ids : {&job.extents, &job.spills}) {
+    for (ExtentId id : *ids) {
+      const Extent& e = extent_locked(id);
+      if (e.dead && !e.tier_moving && e.state != Residency::kPagingIn &&
+          e.state != Residency::kPagingOut) {
+        free_extent_locked(id);
+      }
+    }
+  }
+  if (job.out) outs_in_flight_--;
+  job.end_time = std::chrono::steady_clock::now();
+  job.trace.end();
+  job.done = true;
+  queue_.erase(std::find_if(queue_.begin(), queue_.end(),
+                            [&](const Ticket& t) { return t.get() == &job; }));
+  done_cv_.notify_all();
+}
+
+}  // namespace statepager
