@@ -9,18 +9,25 @@
 namespace statepager {
 
 // In an epoch a page-out never overwrites committed bytes: an extent whose range holds
-// them is written to a fresh range of its store (copy-on-write).
+// them is written to a fresh range of its store (copy-on-write). The fresh ranges are
+// taken in address order, so that neighbours in memory tend to be neighbours in the store
+// too, and their page-ins join into one copy (page_in_bytes).
 void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
+  std::vector<Extent*> moving;
+  for (ExtentId id : ids) {
+    Extent& e = extent_locked(id);
+    if (e.epoch != 0 && e.committed_state == Residency::kFile &&
+        e.store_offset == e.committed_offset) {
+      moving.push_back(&e);
+    }
+  }
+  std::sort(moving.begin(), moving.end(),
+            [](const Extent* a, const Extent* b) { return a->addr < b->addr; });
   std::vector<std::pair<Extent*, uint64_t>> fresh;
   try {
-    for (ExtentId id : ids) {
-      Extent& e = extent_locked(id);
-      if (e.epoch == 0 || e.committed_state != Residency::kFile ||
-          e.store_offset != e.committed_offset) {
-        continue;
-      }
-      Arena& space = stores_[store_index(e.store_offset)]->space;
-      fresh.emplace_back(&e, space.allocate(e.file_bytes, kFileAlign));
+    for (Extent* e : moving) {
+      Arena& space = stores_[store_index(e->store_offset)]->space;
+      fresh.emplace_back(e, space.allocate(e->file_bytes, kFileAlign));
     }
   } catch (...) {
     for (auto [e, range] : fresh) free_range_locked(range);

@@ -33,6 +33,15 @@ inline unsigned store_index(uint64_t store_offset) {
   return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
 }
 
+// What a page-in writes of an extent of `bytes`: them and the rest of their last 4 KiB
+// block. Those rounding bytes are the extent's own (the arena hands out kAddressAlign-
+// aligned addresses, and every piece of a tensor but the last is a multiple of it),
+// mapped with its last byte, and zero in its store range and host range; written, they
+// let the fills and copies of neighbouring small extents (a q8 tensor's scales, a norm's
+// codes) join into one. StoreTier rounds its page-ins' pieces the same way.
+static_assert(kAddressAlign % kFileAlign == 0, "a piece's rounding must be its extent's own");
+inline size_t page_in_bytes(size_t bytes) { return align_up(bytes, kFileAlign); }
+
 // Guarded by mu_.
 struct Pager::Store {
   std::string name;

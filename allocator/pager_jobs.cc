@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "allocator/copy_list.h"
 #include "allocator/pager.h"
 #include "allocator/pager_internal.h"
 #include "allocator/trace_range.h"
@@ -15,9 +16,9 @@ namespace statepager {
 
 namespace {
 
-// Zero fills of adjacent extents (a tensor's, of 1 MiB each) as one: a fill is a memset
-// queued on the page-in stream, between its copies (~4,700 a step of the 1.34 B GPT's
-// q8 step apart, on the H200).
+// Zero fills of adjacent extents (a tensor's, of 1 MiB each; small ones by their rounded
+// ranges, page_in_bytes) as one: a fill is a memset queued on the page-in stream, between
+// its copies (~4,700 a step of the 1.34 B GPT's q8 step apart, on the H200).
 void add_zero_fill(std::vector<std::pair<uintptr_t, size_t>>& fills, uintptr_t addr,
                    size_t bytes) {
   if (!fills.empty() && fills.back().first + fills.back().second == addr) {
@@ -187,9 +188,12 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   for (ExtentId id : job->extents) {
     Extent& e = extent_locked(id);
     job->before.push_back(e.state);
-    if (!out && e.state == Residency::kZero) add_zero_fill(job->zero_fills, e.addr, e.bytes);
-    if (!out && e.state == Residency::kHost) {
-      job->host_copies.push_back(HostCopy{e.addr, host_tier_->host(e.host_offset), e.bytes});
+    if (!out && e.state == Residency::kZero) {
+      add_zero_fill(job->zero_fills, e.addr, page_in_bytes(e.bytes));
+    }
+    if (!out && e.state == Residency::kHost) {  // one host allocation: one mapping
+      append_joined(job->host_copies,
+                    HostCopy{e.addr, host_tier_->host(e.host_offset), page_in_bytes(e.bytes)});
       job->host_bytes += e.bytes;
     }
     e.state = out ? Residency::kPagingOut : Residency::kPagingIn;

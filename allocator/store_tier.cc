@@ -154,9 +154,11 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     slot.job->requests++;
     if (c.error == 0 && !slot.job->out && !slot.job->error && slot.chunk->buf == nullptr) {
       try {
+        CopyList copies;  // the pieces, rounded (see the header), joined where they can be
         for (const StagingCopy& p : slot.chunk->pieces) {
-          device_.copy_to_device(p.addr, slot.buf + p.buf_offset, p.bytes);
+          copies.add(p.addr, slot.buf + p.buf_offset, align_up(p.bytes, kFileAlign), staging_);
         }
+        device_.copy_batch(CopyQueue::kToDevice, copies.copies().data(), copies.copies().size());
         slot.copy = device_.record(CopyQueue::kToDevice);
         continue;
       } catch (...) {
@@ -269,9 +271,9 @@ bool StoreTier::start_mapped(Job& job) {
 // Adds one mapped chunk's copies to *copies: each piece straight between device memory
 // and the files' pages `mem` (the chunk's store range, in order), joined to the copy
 // before where it continues it (an extent across chunks of an unstriped file goes as one
-// copy: see UringFile's Striping). A page-out also zeroes the bytes between and after
-// them (a store range holds zeros past its extent's bytes, as the staging path writes
-// them).
+// copy: see UringFile's Striping; small neighbours, rounded on page-in, as one too). A
+// page-out also zeroes the bytes between and after them (a store range holds zeros past
+// its extent's bytes, as the staging path writes them).
 void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
                                   const std::vector<RamMap::Piece>& mem, CopyList* copies) {
   // Calls f(piece, host, done, k) over the chunk's bytes [at, at + n), k at a time (as
@@ -291,10 +293,11 @@ void StoreTier::add_mapped_copies(bool out, const Chunk& chunk,
   size_t at = 0;
   for (const StagingCopy& p : chunk.pieces) {
     if (out) each(at, p.buf_offset - at, zero);
-    each(p.buf_offset, p.bytes, [&](const RamMap::Piece& in, char* h, size_t done, size_t k) {
+    const size_t n = out ? p.bytes : align_up(p.bytes, kFileAlign);  // see the header
+    each(p.buf_offset, n, [&](const RamMap::Piece& in, char* h, size_t done, size_t k) {
       copies->add(p.addr + done, h, k, in.mapping);
     });
-    at = p.buf_offset + p.bytes;
+    at = p.buf_offset + n;
   }
   if (out) each(at, chunk.file_bytes - at, zero);
 }

@@ -45,7 +45,9 @@ class StoreTier {
 
   // An extent's bytes at `addr` (device memory, through staging) or `buf` (host-tier
   // memory of file_bytes, read or written directly), and its range of the store files
-  // (4 KiB-aligned).
+  // (4 KiB-aligned). A page-in writes the device memory from `addr` up to the next 4 KiB
+  // boundary past its bytes (from the store range's zeros there), so that small
+  // neighbours' copies join: `addr` must be 4 KiB-aligned and those bytes its own.
   struct Move {
     uintptr_t addr;
     size_t bytes;

@@ -183,20 +183,6 @@ TEST(PagerMappedRam, EveryByteGoesThroughTheMapping) {
   EXPECT_EQ(pager.stats().read_requests + pager.stats().write_requests, 0u);
 }
 
-// Counts the copies queued each way.
-class CopyCountingDevice : public WrappedDevice {
- public:
-  void copy_to_host(void* d, uintptr_t s, size_t b) override {
-    to_host++;
-    WrappedDevice::copy_to_host(d, s, b);
-  }
-  void copy_to_device(uintptr_t d, const void* s, size_t b) override {
-    to_device++;
-    WrappedDevice::copy_to_device(d, s, b);
-  }
-  int to_host = 0, to_device = 0;
-};
-
 // A mapped store without a host tier is one file (not striped): an extent of many I/O
 // blocks goes each way as one copy, not one per block or 1 MiB stripe unit (each copy
 // costs the I/O thread about 9 us on the H200).

@@ -40,4 +40,22 @@ class WrappedDevice : public Device {
   std::unique_ptr<Device> host_ = make_host_device();
 };
 
+// Counts the copies queued each way, and the zero fills.
+class CopyCountingDevice : public WrappedDevice {
+ public:
+  void copy_to_host(void* d, uintptr_t s, size_t b) override {
+    to_host++;
+    WrappedDevice::copy_to_host(d, s, b);
+  }
+  void copy_to_device(uintptr_t d, const void* s, size_t b) override {
+    to_device++;
+    WrappedDevice::copy_to_device(d, s, b);
+  }
+  void fill_zero(uintptr_t d, size_t b) override {
+    fills++;
+    WrappedDevice::fill_zero(d, b);
+  }
+  int to_host = 0, to_device = 0, fills = 0;
+};
+
 }  // namespace statepager
