@@ -421,7 +421,11 @@ void Pager::complete(Job& job) {
       counters_.read_requests += job.requests;
       counters_.mapped_read_bytes += job.mapped_bytes;
       counters_.buckets_in++;
-      for (auto [addr, bytes] : job.zero_fills) counters_.zero_filled_bytes += bytes;
+      for (size_t i = 0; i < job.extents.size(); i++) {  // their bytes, not the fills' rounding
+        if (job.before[i] == Residency::kZero) {
+          counters_.zero_filled_bytes += extent_locked(job.extents[i]).bytes;
+        }
+      }
     }
   }
   for (const auto* ids : {&job.extents, &job.spills}) {

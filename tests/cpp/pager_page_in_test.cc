@@ -60,6 +60,7 @@ TEST_P(PageInJoins, SmallNeighboursFillAndCopyAsOne) {
   for (int i = 0; i < kCount; i++) ids.push_back(pager.create(kBytes));
   pager.wait(pager.page_in(ids));  // zero: one fill for all
   EXPECT_EQ(device_->fills, 1);
+  EXPECT_EQ(pager.stats().zero_filled_bytes, kCount * kBytes);  // their bytes, not blocks
   std::vector<std::vector<char>> want;
   for (int i = 0; i < kCount; i++) {
     want.push_back(random_bytes(kBytes, i));

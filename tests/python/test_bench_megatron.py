@@ -208,8 +208,8 @@ def paged(stored, *, undo=0, host=False):
             "largest_bucket": 750 << 20, "window": int(2.5 * GiB),
             "mapped_before_first_step": 5 * GiB, "mapped_read_bytes": [0] * 5,
             "mapped_written_bytes": [0] * 5,
-            "parts_s": bench_megatron.opt_step_parts([0.30, 0.28, 0.32, 0.29, 0.31, 0.05],
-                                                     [[0.010, 0.25, 0.002]] * 5 + [None])}
+            "parts_s": bench_megatron.opt_step_parts([0.30, 0.28, 0.32, 0.29, 0.31],
+                                                     [[0.010, 0.25, 0.002]] * 5)}
 
 
 def floor(read, written, *, host_in=0, host_out=0, pcie_s, fio_s=None):
@@ -299,6 +299,7 @@ def test_the_targets_are_ratios_to_their_references():
 def test_the_report_puts_the_configurations_side_by_side(capsys):
     r = canned_run()
     r["configs"][3]["device_time"] = DEVICE_TIME  # q8 ran with --device-time
+    r["configs"][3]["pager"]["skipped_steps"] = 1  # Megatron skipped one of q8's steps
     r["targets"] = bench_megatron.targets(r["configs"])
     json.dumps(r)  # what --json prints
     b = bench_megatron.breakdown(r["configs"][2])
@@ -322,6 +323,9 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert "host-q8   failed (timed out after 240 s):" in out and "OutOfMemory" in out
     assert "1.340 B params; 31 s in all (build, steps, floor)" in out
     assert "stored state 16.00 GB; per step read = stored: True, written = stored: True\n" in out
+    assert out.count("timed steps skipped by Megatron") == 1
+    assert ("1 timed steps skipped by Megatron (inf or nan in the grads): left out, the "
+            "figures are of the others") in out
     # q8 keeps the undo copies of its residual mains' bf16 params in host memory.
     assert ("stored state 5.00 GB; per step read = stored: True, written = stored: True\n"
             in out)

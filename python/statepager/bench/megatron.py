@@ -320,13 +320,8 @@ def _profiled_opt_step(optimizer, train_step) -> dict:
 def opt_step_parts(opt_times: list, parts: list) -> dict:
     """The host's time in each timed opt.step's parts (StepStats: the pager's set-up, its
     bucket loop, its commit) and the rest (Megatron's own work, the pager's bookkeeping
-    after the loop), as spreads; parts[i] is None where step i did not stream (Megatron
-    skipped it: inf or nan in the grads). None if no step streamed."""
-    pairs = [(t, p) for t, p in zip(opt_times, parts) if p is not None]
-    if not pairs:
-        return None
-    rest = [t - sum(p) for t, p in pairs]
-    parts = [p for _, p in pairs]
+    after the loop), as spreads."""
+    rest = [t - sum(p) for t, p in zip(opt_times, parts)]
     keys = ("setup", "loop", "commit")
     return dict({k: spread([p[i] for p in parts]) for i, k in enumerate(keys)},
                 rest=spread(rest))
@@ -411,6 +406,7 @@ def run_config(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
         steps, moved, pool, compute, streams, parts = [], [], [], [], [], []
+        skipped = 0
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
         with driver.sampler() as sampler, CpuUse() as cpu:
@@ -425,7 +421,11 @@ def run_config(spec: dict) -> dict:
                 if pager is not None:
                     after = pager.stats()
                     if any(a is b for a, b in zip(binding.last, last_before)):
-                        parts.append(None)  # skipped by Megatron: last holds an older step
+                        # Skipped by Megatron (inf or nan in the grads): nothing streamed,
+                        # and `last` holds an older step. Left out of every figure.
+                        skipped += 1
+                        steps.pop()
+                        opt_times.pop()
                         continue
                     moved.append({k: after[k] - before[k] for k in counters})
                     pool.append((after["peak_mapped_bytes"], after["mapped_bytes"],
@@ -434,6 +434,10 @@ def run_config(spec: dict) -> dict:
                     streams.append(sum(s.seconds for s in binding.last))
                     parts.append([sum(getattr(s, k) for s in binding.last)
                                   for k in ("setup_seconds", "loop_seconds", "commit_seconds")])
+        if not steps:
+            raise _C.UsageError(
+                f"Megatron skipped every timed step of {spec['config']} (inf or nan in the "
+                "grads), so no step streamed: raise --warmup, or lower the learning rate")
         result = {
             "config": spec["config"], "what": config["what"],
             "params": sum(p.numel() for p in model.parameters()),
@@ -450,14 +454,10 @@ def run_config(spec: dict) -> dict:
             "cpu_cores": cpu.cores(), "cpus": os.cpu_count(),
         }
         if pager is not None:
-            if not compute:
-                raise _C.UsageError(
-                    f"Megatron skipped every timed step of {spec['config']} (inf or nan in the "
-                    "grads), so no step streamed: raise --warmup, or lower the learning rate")
             stats = pager.stats()
             result["pager"] = dict(
                 {k: [m[k] for m in moved] for k in counters},
-                skipped_steps=parts.count(None),
+                skipped_steps=skipped,
                 stored_bytes=_bytes(binding, "stored"), undo_bytes=_bytes(binding, "undo"),
                 host_budget=host_budget, host_used=stats["host_used_bytes"],
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
@@ -619,7 +619,7 @@ def config_lines(c: dict) -> list[str]:
                      f"{one_pass}, written = stored: {written}")
         if p.get("skipped_steps"):
             notes.append(f"{p['skipped_steps']} timed steps skipped by Megatron (inf or nan in "
-                         "the grads): the pager's figures are of the others")
+                         "the grads): left out, the figures are of the others")
         if any(p["mapped_read_bytes"]) or any(p["mapped_written_bytes"]):
             notes.append(f"through the mapped store files (map_ram): "
                          f"{_median(p['mapped_read_bytes']) / 1e9:.2f} GB of the read and "

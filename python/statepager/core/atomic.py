@@ -79,7 +79,7 @@ class UndoCopies:
         copied, as the step may update them in place; paged ones and other values are
         kept as they are. The copies of tensors of at most KEPT_BYTES are kept for the
         next step; larger ones (a resident parameter's moments) are made per step and
-        let go with it, so that between steps they take no memory."""
+        let go with it, so that between steps their memory serves other tensors."""
         entries = [(p, name, v) for p, values in state.items() for name, v in values.items()]
         owned = self.pager.owns_each(v for _, _, v in entries)
         saved = {p: {} for p in state}
