@@ -16,6 +16,7 @@
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
 #include "tests/cpp/child_process.h"
+#include "tests/cpp/pager_options.h"
 #include "tests/cpp/store_media.h"
 #include "tests/cpp/temp_dir.h"
 
@@ -26,13 +27,8 @@ class EpochTest : public ::testing::TestWithParam<StoreMedium> {
  protected:
   EpochTest() : dir_(GetParam().root) {}
   PagerOptions options() const {
-    PagerOptions o;
-    o.directory = dir_.file("store");
+    PagerOptions o = test_options(dir_.file("store"));
     o.map_ram = GetParam().map_ram;
-    o.pool.page_bytes = 64 << 10;
-    o.pool.arena_bytes = size_t(1) << 32;
-    o.io_depth = 8;
-    o.io_block_bytes = 128 << 10;
     return o;
   }
   std::string file(const std::string& name) const { return dir_.file(name); }

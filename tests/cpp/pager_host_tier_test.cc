@@ -13,6 +13,7 @@
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
 #include "child_process.h"
+#include "pager_options.h"
 #include "temp_dir.h"
 
 namespace statepager {
@@ -24,12 +25,7 @@ constexpr size_t kRounded = 303104;      // its host range: 4 KiB-rounded
 class HostTierTest : public ::testing::Test {
  protected:
   PagerOptions options(size_t host_budget) const {
-    PagerOptions o;
-    o.directory = dir_.file("store");
-    o.pool.page_bytes = 64 << 10;
-    o.pool.arena_bytes = size_t(1) << 32;
-    o.io_depth = 8;
-    o.io_block_bytes = 128 << 10;
+    PagerOptions o = test_options(dir_.file("store"));
     o.host_budget_bytes = host_budget;
     return o;
   }

@@ -6,10 +6,10 @@
 
 #include <cstring>
 #include <memory>
-#include <random>
 #include <vector>
 
 #include "allocator/pager.h"
+#include "tests/cpp/pager_options.h"
 #include "tests/cpp/temp_dir.h"
 #include "tests/cpp/wrapped_device.h"
 
@@ -31,12 +31,7 @@ class PageInJoins : public ::testing::TestWithParam<Setup> {
   PageInJoins() : dir_(GetParam().root) {
     auto owned = std::make_unique<CopyCountingDevice>();
     device_ = owned.get();
-    PagerOptions o;
-    o.directory = dir_.file("store");
-    o.pool.page_bytes = 64 << 10;
-    o.pool.arena_bytes = size_t(1) << 32;
-    o.io_depth = 8;
-    o.io_block_bytes = 128 << 10;
+    PagerOptions o = test_options(dir_.file("store"));
     o.map_ram = GetParam().map_ram;
     o.host_budget_bytes = GetParam().host_budget;
     pager_ = std::make_unique<Pager>(std::move(owned), o);
@@ -46,13 +41,6 @@ class PageInJoins : public ::testing::TestWithParam<Setup> {
   CopyCountingDevice* device_;
   std::unique_ptr<Pager> pager_;
 };
-
-std::vector<char> random_bytes(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::vector<char> out(n);
-  for (char& c : out) c = char(gen());
-  return out;
-}
 
 TEST_P(PageInJoins, SmallNeighboursFillAndCopyAsOne) {
   Pager& pager = *pager_;

@@ -13,6 +13,7 @@
 #include "allocator/arena.h"
 #include "backing/errors.h"
 #include "backing/uring_file.h"
+#include "pager_options.h"
 #include "wrapped_device.h"
 
 namespace statepager {
@@ -23,13 +24,7 @@ std::string test_dir(const char* name) {
 }
 
 PagerOptions small_options(const char* name) {
-  PagerOptions o;
-  o.directory = test_dir(name);
-  o.pool.page_bytes = 64 << 10;  // many pages, many extents sharing pages
-  o.pool.arena_bytes = size_t(1) << 32;
-  o.io_depth = 8;
-  o.io_block_bytes = 32 << 10;
-  return o;
+  return test_options(test_dir(name), 32 << 10);  // buckets of several requests
 }
 
 void fill_random(uintptr_t addr, size_t bytes, uint32_t seed) {

@@ -14,6 +14,7 @@
 
 #include "allocator/pager.h"
 #include "backing/errors.h"
+#include "pager_options.h"
 #include "temp_dir.h"
 #include "wrapped_device.h"
 
@@ -22,15 +23,7 @@ namespace {
 
 constexpr size_t kBlock = 16 << 10;  // bytes per request: buckets of many requests
 
-PagerOptions options(const TempDir& dir) {
-  PagerOptions o;
-  o.directory = dir.file("store");
-  o.pool.page_bytes = 64 << 10;
-  o.pool.arena_bytes = size_t(1) << 32;
-  o.io_depth = 4;
-  o.io_block_bytes = kBlock;
-  return o;
-}
+PagerOptions options(const TempDir& dir) { return test_options(dir.file("store"), kBlock, 4); }
 
 void fill(Pager& pager, ExtentId id, uint8_t value) {
   std::memset(reinterpret_cast<void*>(pager.address(id)), value, pager.size(id));

@@ -10,10 +10,10 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <random>
 
 #include "allocator/pager.h"
 #include "backing/errors.h"
+#include "tests/cpp/pager_options.h"
 #include "tests/cpp/temp_dir.h"
 #include "tests/cpp/wrapped_device.h"
 
@@ -21,13 +21,6 @@ namespace statepager {
 namespace {
 
 constexpr size_t kMiB = size_t(1) << 20;
-
-std::vector<char> random_bytes(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::vector<char> out(n);
-  for (char& c : out) c = char(gen());
-  return out;
-}
 
 // Logical store bytes [offset, offset + n) through the mapping (write: copy `bytes` in).
 bool through_map(const RamMap& map, uint64_t offset, char* bytes, size_t n, bool write) {
@@ -139,12 +132,7 @@ TEST_F(RamMapTest, WhereTheDeviceRefusesNothingIsMapped) {
 }
 
 PagerOptions mapped_options(const TempDir& dir) {
-  PagerOptions o;
-  o.directory = dir.file("store");
-  o.pool.page_bytes = 64 << 10;
-  o.pool.arena_bytes = size_t(1) << 32;
-  o.io_depth = 8;
-  o.io_block_bytes = 128 << 10;
+  PagerOptions o = test_options(dir.file("store"));
   o.map_ram = true;
   return o;
 }

@@ -16,6 +16,7 @@
 
 #include "backing/crc32c.h"
 #include "backing/errors.h"
+#include "tests/cpp/pager_options.h"
 #include "tests/cpp/store_media.h"
 
 namespace statepager {
@@ -28,14 +29,10 @@ size_t align_up(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 class StoreSnapshotTest : public ::testing::TestWithParam<StoreMedium> {
  protected:
   PagerOptions options() const {
-    PagerOptions o;
-    o.directory = std::string(GetParam().root) + "/statepager-snapshot-test-" + test_name() +
-                  "-" + std::to_string(getpid());
+    PagerOptions o = test_options(std::string(GetParam().root) + "/statepager-snapshot-test-" +
+                                      test_name() + "-" + std::to_string(getpid()),
+                                  256 << 10);
     o.map_ram = GetParam().map_ram;
-    o.pool.page_bytes = 64 << 10;
-    o.pool.arena_bytes = size_t(1) << 32;
-    o.io_depth = 8;
-    o.io_block_bytes = 256 << 10;
     return o;
   }
   std::string out_path() const { return options().directory + ".out"; }
