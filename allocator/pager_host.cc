@@ -151,9 +151,7 @@ Ticket Pager::read_ahead(const std::vector<ExtentId>& bucket) {
   check_open_locked();
   auto job = std::make_shared<Job>();
   job->tier_move = true;
-  std::vector<ExtentId> ids = bucket;
-  std::sort(ids.begin(), ids.end());
-  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const std::vector<ExtentId> ids = sorted_unique(bucket);
   wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
     Extent& e = extent_locked(id);

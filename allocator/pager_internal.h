@@ -33,6 +33,13 @@ inline unsigned store_index(uint64_t store_offset) {
   return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
 }
 
+// A bucket's extents in id order, each once (a bucket may name an extent twice).
+inline std::vector<ExtentId> sorted_unique(std::vector<ExtentId> ids) {
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
 // What a page-in writes of an extent of `bytes`: them and the rest of their last 4 KiB
 // block. Those rounding bytes are the extent's own (the arena hands out kAddressAlign-
 // aligned addresses, and every piece of a tensor but the last is a multiple of it),

@@ -148,9 +148,7 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
   auto job = std::make_shared<Job>();
   job->out = out;
   job->discard = discard;
-  std::vector<ExtentId> ids = bucket;
-  std::sort(ids.begin(), ids.end());
-  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const std::vector<ExtentId> ids = sorted_unique(bucket);
   wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
     const Residency s = extent_locked(id).state;
