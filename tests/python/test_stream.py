@@ -159,6 +159,47 @@ def test_step_memory_bounded_by_depth_times_bucket(store_dir):
         assert 0 < binding.last.peak_mapped_bytes <= bound < total
 
 
+def test_small_parameters_are_dealt_over_the_buckets(store_dir):
+    """Norms and biases in a param group of their own, last (as Megatron lists them): each
+    bucket steps its share of them (their host work hides under its copies) instead of
+    the last bucket stepping all of them, every bucket within bucket_size, each bucket's
+    parameters in the param groups' order, and the steps bit-exact with unpaged."""
+    def model_and_groups():
+        torch.manual_seed(0)
+        layers = [m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.LayerNorm(128))]
+        model = torch.nn.Sequential(*layers)
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        small = [p for p in model.parameters() if p.dim() == 1]
+        return model, [{"params": matrices}, {"params": small, "weight_decay": 0.0}]
+
+    ref_model, ref_groups = model_and_groups()
+    model, param_groups = model_and_groups()
+    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(param_groups, lr=1e-3, foreach=True)
+    bucket = 300 * KiB  # two matrices' moments (2 x 128 KiB) a bucket; 1 KiB per small one
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        binding = pager.attach(opt, bucket_size=bucket)
+        order = {id(p): i for i, p in enumerate(binding.params_in_order())}
+        small = {id(p) for p in param_groups[1]["params"]}
+        assert [sum(id(p) in small for p in b.params) for b in binding.buckets] == [6, 6, 6, 6]
+        for b in binding.buckets:
+            assert b.planned <= bucket
+            assert [order[id(p)] for p in b.params] == sorted(order[id(p)] for p in b.params)
+            assert b.groups[1] == [p for p in param_groups[1]["params"] if any(p is q for q in b.params)]
+        x = torch.randn(8, 128)
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            for _ in range(3):
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+        for p, q in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+        ref_sd, sd = ref_opt.state_dict(), opt.state_dict()
+        for i in ref_sd["state"]:
+            for k in ref_sd["state"][i]:
+                assert torch.equal(sd["state"][i][k], ref_sd["state"][i][k])
+
+
 def test_state_dict_round_trip_and_resume(store_dir, tmp_path):
     ref_model, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(groups(ref_model), lr=1e-3)
