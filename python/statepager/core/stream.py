@@ -6,8 +6,8 @@ each bucket is paged in, stepped by the optimizer's own algorithm on just those
 parameters, and paged out, while the next bucket is read and the previous one written.
 A parameter whose state is larger than a bucket steps in chunks (statepager.core.slices),
 consecutive buckets holding consecutive chunks: its pager tensors are made of pieces
-(Pager.empty's pieces), so that a chunk pages alone. Small parameters (norms, biases)
-are dealt over the buckets rather than packed in order (StreamedOptimizer._deal).
+(Pager.empty's pieces), so that a chunk pages alone. Which parameters step together is
+statepager.core.plan's.
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 import torch
 
 from statepager import _C
-from statepager.core import slices, state_dict, support
+from statepager.core import plan, slices, state_dict, support
 from statepager.core.atomic import AtomicStep, UndoCopies
 from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.step_stats import StepStats
-from statepager.core.slices import Chunk
+from statepager.core.plan import Bucket
 from statepager.formats.stored import (MAIN_FORMATS, MOMENT_FORMATS, StoredForm,
                                        decode_residuals, encode_residuals)
 from statepager.formats import codecs
@@ -38,29 +38,6 @@ from statepager.formats.fused_adamw import FusedStep, applies_to
 log = logging.getLogger("statepager")
 
 MiB = 1 << 20
-# A parameter planned at most bucket_size / SMALL_SHARE bytes is small: dealt over the
-# buckets (StreamedOptimizer._deal).
-SMALL_SHARE = 64
-
-
-@dataclass
-class Bucket:
-    params: list                                 # distinct parameters, in param_groups order
-    groups: list = field(default_factory=list)   # per param group: its params in this bucket
-    chunks: list = field(default_factory=list)   # Chunks of parameters that step in chunks
-    chunk_forms: list = field(default_factory=list)  # per chunk: its StoredForms by name
-    stored: list = field(default_factory=list)   # paged tensors that persist (moved by I/O)
-    working: list = field(default_factory=list)  # scratch fp32 tensors of narrow formats
-    forms: list = field(default_factory=list)    # StoredForm of every paged tensor
-    undo: list = field(default_factory=list)     # host copies of what a step overwrites
-                                                 # outside the pager (statepager.atomic)
-    nbytes: int = 0                              # bytes mapped while the bucket steps
-    planned: int = 0                             # bytes planned for it (state to come included)
-    # As of its forms (StreamedOptimizer._fill): _fused_forms(), _incoming() and the bytes
-    # of `stored`; a step finds them again unless the fused step's choice changed.
-    fused: list | None = None
-    incoming: list = field(default_factory=list)
-    stored_bytes: int = 0
 
 
 @dataclass
@@ -270,75 +247,13 @@ class StreamedOptimizer:
         return nbytes
 
     def _plan(self) -> list[Bucket]:
-        """Buckets of about bucket_size over the param groups' parameters, in order (a
-        parameter listed twice in a group steps twice, as in torch, in one bucket); a
-        parameter larger than a bucket in chunks (_chunking), over consecutive buckets;
-        small parameters dealt over the buckets (_deal). Within a bucket, its parameters
-        keep the param groups' order."""
-        groups = self.optimizer.param_groups
-        buckets, home, small, split = [], {}, [], {}
-
-        def room(nbytes: int) -> Bucket:
-            """The last bucket, or a new one when nbytes more would pass bucket_size;
-            nbytes are counted in it."""
-            cur = buckets[-1] if buckets else None
-            if cur is None or ((cur.params or cur.chunks)
-                               and cur.planned + nbytes > self.bucket_size):
-                cur = _new_bucket(buckets, len(groups))
-            cur.planned += nbytes
-            return cur
-
-        for gi, group in enumerate(groups):
-            for p in group["params"]:
-                if id(p) in home:
-                    continue
-                nbytes = self._planned_bytes(p, group)
-                bounds = self._chunking(p, nbytes)
-                if bounds:
-                    split[id(p)] = bounds
-                    for start, stop in bounds:
-                        part = -(-nbytes * (stop - start) // p.numel())
-                        room(part).chunks.append(Chunk(p, gi, start, stop))
-                    home[id(p)] = None
-                elif nbytes * SMALL_SHARE <= self.bucket_size:
-                    small.append((p, nbytes))
-                    home[id(p)] = None
-                else:
-                    home[id(p)] = b = room(nbytes)
-                    b.params.append(p)
-        self._deal(small, buckets, home, len(groups))
-        _list_members(buckets, groups, home)
-        self._split = split
+        """The buckets for the param groups as they are now (statepager.core.plan), filled."""
+        buckets, self._split = plan.plan(self.optimizer.param_groups, self.bucket_size,
+                                         self._planned_bytes, self._chunking)
         for b in buckets:
             self._fill(b)
         self._planned_layout = self._layout()
         return buckets
-
-    def _deal(self, small: list, buckets: list, home: dict, ngroups: int) -> None:
-        """Deals the small parameters, (param, planned bytes) in order, one to each bucket
-        with room in turn (a new bucket when none has). A bucket's host work (launches,
-        per-tensor bookkeeping) grows with its tensors, not its bytes: packed in order,
-        the small parameters (norms, biases: Megatron lists them in a param group of
-        their own, last) made one bucket of hundreds of tensors whose step took the host
-        11 ms while the copy engines idled at the step's end (the 1.34 B GPT's q8 step
-        on the H200, 1 ms for the others); dealt, each bucket's share hides under its
-        copies."""
-        open_, turn = list(buckets), 0
-        for p, nbytes in small:
-            while open_:
-                turn %= len(open_)
-                b = open_[turn]
-                if b.planned + nbytes <= self.bucket_size:
-                    break
-                del open_[turn]  # full for this one: out of the deal
-            else:
-                b = _new_bucket(buckets, ngroups)
-                open_.append(b)
-                turn = len(open_) - 1
-            b.planned += nbytes
-            b.params.append(p)
-            home[id(p)] = b
-            turn += 1
 
     def _chunking(self, p, nbytes: int) -> list[tuple[int, int]] | None:
         """The chunks p steps in when its `nbytes` are more than a bucket and it can: the
@@ -944,31 +859,6 @@ class StreamedOptimizer:
 
 
 _ABSENT = object()
-
-
-def _new_bucket(buckets: list, ngroups: int) -> Bucket:
-    b = Bucket(params=[], groups=[[] for _ in range(ngroups)])
-    buckets.append(b)
-    return b
-
-
-def _list_members(buckets: list, groups: list, home: dict) -> None:
-    """Puts each bucket's params (placed by _plan and _deal) in the param groups' order
-    and lists its per-group members (a parameter listed twice steps twice); home:
-    id(param) -> its bucket, None for one that steps in chunks."""
-    first = {}
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            b = home[id(p)]
-            if b is None and id(p) in first:
-                raise _C.UsageError(
-                    f"param group {gi} lists a parameter twice that steps in chunks (its "
-                    "state is larger than bucket_size): list it once, or raise bucket_size")
-            first.setdefault(id(p), len(first))
-            if b is not None:
-                b.groups[gi].append(p)
-    for b in buckets:
-        b.params.sort(key=lambda p: first[id(p)])
 
 
 def _tensor_key(v):
