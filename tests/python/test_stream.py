@@ -198,6 +198,42 @@ def test_small_parameters_are_dealt_over_the_buckets(store_dir):
         for i in ref_sd["state"]:
             for k in ref_sd["state"][i]:
                 assert torch.equal(sd["state"][i][k], ref_sd["state"][i][k])
+    # Resident ones are not dealt: in a bucket of paged ones they would turn off its fused
+    # step (on CUDA), which needs every member's moments paged.
+    model, param_groups = model_and_groups()
+    opt = torch.optim.AdamW(param_groups, lr=1e-3, foreach=True)
+    small = {id(p) for p in param_groups[1]["params"]}
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        binding = pager.attach(opt, bucket_size=bucket, keep_resident=lambda p: id(p) in small)
+        assert [sum(id(p) in small for p in b.params) for b in binding.buckets] == [0, 0, 0, 24]
+
+
+def test_dealt_small_masters_keep_the_step_within_its_window(tmp_path):
+    """PagedAdamW makes its masters in parameter order, so the small ones lie together: a
+    bucket's share of them is one run, and the buckets in flight map those pages once.
+    The step runs under an hbm_budget of its window and a page (dealt one by one, every
+    bucket touched every page of them: it needed 64 pages of 64 KiB here)."""
+    torch.manual_seed(0)
+    big = [torch.nn.Parameter(torch.randn(50_000)) for _ in range(8)]
+    small = [torch.nn.Parameter(torch.randn(1_300)) for _ in range(256)]
+    groups = [{"params": big}, {"params": small, "weight_decay": 0.0}]
+    page = 64 * KiB
+
+    def window():
+        with Pager(str(tmp_path / "plan"), page_size=page) as pager:
+            opt = PagedAdamW(groups, pager=pager, bucket_size=MiB, depth=3, foreach=True)
+            return opt.binding.window_bytes
+
+    budget = (-(-window() // page) + 1) * page
+    with Pager(str(tmp_path / "run"), page_size=page, hbm_budget=budget) as pager:
+        opt = PagedAdamW(groups, pager=pager, bucket_size=MiB, depth=3, foreach=True)
+        masters = {id(m) for m in opt.param_groups[1]["params"]}
+        assert sum(id(m) in masters for m in opt.binding.buckets[0].params) > 1  # dealt
+        for _ in range(3):
+            for p in big + small:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        assert opt.binding.last.peak_mapped_bytes <= budget
 
 
 def test_state_dict_round_trip_and_resume(store_dir, tmp_path):

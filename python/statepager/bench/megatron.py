@@ -119,8 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "it is not timed"), default=3)
     p.add_argument("--steps", type=at_least(1, "timed steps"), default=5)
     p.add_argument("--bucket", type=size, default=size("512M"),
-                   help="the pager's bucket_size (default 512M: half the buckets of 256M, half "
-                        "the stepping thread's work per byte moved; docs/DESIGN-NOTES.md)")
+                   help="the pager's bucket_size (default 512M: half the buckets of 256M, so "
+                        "half the stepping thread's per-bucket work per byte moved; "
+                        "docs/DESIGN-NOTES.md)")
     p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=4,
                    help="the pager's depth (attach(depth=...)); the default 4 keeps two "
                         "page-ins in flight, so that a bucket's page mapping overlaps another's "

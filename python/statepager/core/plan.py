@@ -2,10 +2,9 @@
 
 plan() puts an optimizer's parameters into buckets of about bucket_size bytes each, in
 param-group order; a parameter larger than a bucket steps in chunks over consecutive
-buckets; small parameters are dealt over the buckets rather than packed in order. The
-binding says how many bytes a parameter's step maps and whether it can step in chunks;
-plan() knows nothing of pagers or formats. Not thread-safe: a binding plans on the
-thread that steps it.
+buckets; small parameters are dealt over the buckets in runs rather than packed in
+order. The binding says how many bytes a parameter's step maps, whether it can step in
+chunks and whether it may be dealt; plan() knows nothing of pagers or formats.
 """
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ class Bucket:
     stored_bytes: int = 0
 
 
-def plan(groups: list, bucket_size: int, planned_bytes: Callable,
-         chunking: Callable) -> tuple[list[Bucket], dict]:
+def plan(groups: list, bucket_size: int, planned_bytes: Callable, chunking: Callable,
+         dealable: Callable) -> tuple[list[Bucket], dict]:
     """(buckets, split) for the param groups `groups`: buckets of about bucket_size over
     their parameters, in order (a parameter listed twice steps twice, as in torch, in
     one bucket); a parameter larger than a bucket in chunks, over consecutive buckets;
@@ -49,8 +48,10 @@ def plan(groups: list, bucket_size: int, planned_bytes: Callable,
     the param groups' order. split: id(param) -> its chunks' (start, stop) bounds.
 
     planned_bytes(p, group): the bytes p's step maps. chunking(p, nbytes): p's chunk
-    bounds, or None when it steps whole. UsageError when a group lists twice a parameter
-    that steps in chunks."""
+    bounds, or None when it steps whole. dealable(p, group): whether p, when small, may
+    join any bucket without changing how that bucket steps (a resident parameter, or one
+    the fused step cannot run, would turn a bucket's fused step off: those stay in
+    order). UsageError when a parameter that steps in chunks is listed twice."""
     buckets, home, small, split = [], {}, [], {}
 
     def room(nbytes: int) -> Bucket:
@@ -75,7 +76,7 @@ def plan(groups: list, bucket_size: int, planned_bytes: Callable,
                     part = -(-nbytes * (stop - start) // p.numel())
                     room(part).chunks.append(Chunk(p, gi, start, stop))
                 home[id(p)] = None
-            elif nbytes * SMALL_SHARE <= bucket_size:
+            elif nbytes * SMALL_SHARE <= bucket_size and dealable(p, group):
                 small.append((p, nbytes))
                 home[id(p)] = None
             else:
@@ -87,29 +88,39 @@ def plan(groups: list, bucket_size: int, planned_bytes: Callable,
 
 
 def _deal(small: list, buckets: list, home: dict, ngroups: int, bucket_size: int) -> None:
-    """Deals the small parameters, (param, planned bytes) in order, one to each bucket with
-    room in turn (a new bucket when none has). A bucket's host work (launches, per-tensor
-    bookkeeping) grows with its tensors, not its bytes: packed in order, the small
-    parameters (norms, biases: Megatron lists them in a param group of their own, last)
-    made one bucket of hundreds of tensors whose step took the host 11 ms while the copy
-    engines idled at the step's end (the 1.34 B GPT's q8 step on the H200, 1 ms for the
-    others); dealt, each bucket's share hides under its copies."""
-    open_, turn = list(buckets), 0
-    for p, nbytes in small:
-        while open_:
-            turn %= len(open_)
-            b = open_[turn]
-            if b.planned + nbytes <= bucket_size:
+    """Deals the small parameters, (param, planned bytes) in order, over the buckets in
+    order, a run to each: an equal share of what is left, as far as the bucket has room;
+    what none has room for fills new buckets at the end.
+
+    Why deal: a bucket's host work (launches, per-tensor bookkeeping) grows with its
+    tensors, not its bytes. Packed in order, the small parameters (norms, biases: Megatron
+    lists them in a param group of their own, last) made one bucket of hundreds of
+    tensors whose step took the host 11 ms while the copy engines idled at the step's end
+    (the 1.34 B GPT's q8 step on the H200, 1 ms for the others); dealt, each bucket's
+    share hides under its copies. Why runs: a pager makes the masters in parameter order,
+    so the small ones lie together; a run is one stretch of them, and the buckets in
+    flight, consecutive, map consecutive stretches, their pages once. Dealt one by one,
+    every bucket touched every page of that stretch, past the window
+    (StreamedOptimizer.window_bytes) that bounds a step."""
+    i = 0
+    for k, b in enumerate(list(buckets)):
+        share = -(-(len(small) - i) // (len(buckets) - k))
+        for p, nbytes in small[i:i + share]:
+            if b.planned + nbytes > bucket_size:
                 break
-            del open_[turn]  # full for this one: out of the deal
-        else:
-            b = _new_bucket(buckets, ngroups)
-            open_.append(b)
-            turn = len(open_) - 1
-        b.planned += nbytes
-        b.params.append(p)
-        home[id(p)] = b
-        turn += 1
+            _take(b, p, nbytes, home)
+            i += 1
+    cur = None
+    for p, nbytes in small[i:]:
+        if cur is None or cur.planned + nbytes > bucket_size:
+            cur = _new_bucket(buckets, ngroups)
+        _take(cur, p, nbytes, home)
+
+
+def _take(b: Bucket, p, nbytes: int, home: dict) -> None:
+    b.planned += nbytes
+    b.params.append(p)
+    home[id(p)] = b
 
 
 def _new_bucket(buckets: list, ngroups: int) -> Bucket:
@@ -128,7 +139,7 @@ def _list_members(buckets: list, groups: list, home: dict) -> None:
             b = home[id(p)]
             if b is None and id(p) in first:
                 raise _C.UsageError(
-                    f"param group {gi} lists a parameter twice that steps in chunks (its "
+                    f"param group {gi} lists a parameter again that steps in chunks (its "
                     "state is larger than bucket_size): list it once, or raise bucket_size")
             first.setdefault(id(p), len(first))
             if b is not None:

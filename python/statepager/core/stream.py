@@ -247,9 +247,18 @@ class StreamedOptimizer:
         return nbytes
 
     def _plan(self) -> list[Bucket]:
-        """The buckets for the param groups as they are now (statepager.core.plan), filled."""
-        buckets, self._split = plan.plan(self.optimizer.param_groups, self.bucket_size,
-                                         self._planned_bytes, self._chunking)
+        """The buckets for the param groups as they are now (statepager.core.plan), filled.
+        Small parameters are dealt unless resident; where the fused step runs some, only
+        those it runs (another would turn off the fused step of each bucket it joined)."""
+        groups = self.optimizer.param_groups
+        fused = self._fused and {id(p) for g in groups for p in g["params"]
+                                 if self._fused.may_step(g, p)}
+
+        def dealable(p, group: dict) -> bool:
+            return not self._resident(p) and (not fused or id(p) in fused)
+
+        buckets, self._split = plan.plan(groups, self.bucket_size, self._planned_bytes,
+                                         self._chunking, dealable)
         for b in buckets:
             self._fill(b)
         self._planned_layout = self._layout()
