@@ -8,23 +8,17 @@ layer's weight: in 4 of 63 two-rank runs, none in 247 with the step thrown away 
 docs/DESIGN-NOTES.md, the sixteenth session). These tests compare bits, so the
 reference must reproduce."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ports import free_port
 from statepager import PagedAdamW, Pager
 
 KiB = 1 << 10
 STEPS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model():

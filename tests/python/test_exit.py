@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from ports import free_port
 
 RUNNER = os.path.join(os.path.dirname(__file__), "exit_run.py")
 
@@ -26,8 +27,11 @@ CASES = {
 
 
 def run_case(case: str, store: str, device: str = "cpu", timeout: float = 300):
+    # A port of its own for the Megatron cases' process group: the one an earlier test
+    # of this pytest process left in os.environ is taken by that process's store.
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, RUNNER, case, store, "--device", device],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     return proc
 
 

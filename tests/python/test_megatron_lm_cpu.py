@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import statepager
+from ports import free_port
 from statepager import megatron_lm
 from statepager.megatron_lm import IntervalStats, RanksFailedError, Run, agree
 from statepager.integrations.megatron_lm_config import (Options, RefusedConfiguration, add_arguments,
@@ -175,11 +176,7 @@ torch.distributed.destroy_process_group()
 
 
 def test_agree_fails_every_rank_naming_the_failed_one(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     script = tmp_path / "child.py"
     script.write_text(_AGREE_CHILD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
