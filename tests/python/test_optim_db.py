@@ -26,13 +26,13 @@ import torch
 # for a machine without an index): without it, this module skips and says so instead of
 # stopping the whole run at collection.
 pytest.importorskip("expecttest", reason="expecttest is not installed: pip install '.[test]'")
-from torch.testing._internal.common_optimizers import (
+from torch.testing._internal.common_optimizers import (  # noqa: E402
     _get_optim_inputs_including_global_cliquey_kwargs,
     optim_db,
 )
 
-import statepager
-from statepager import Pager
+import statepager  # noqa: E402
+from statepager import Pager  # noqa: E402
 
 KiB = 1 << 10
 STEPS = 5
