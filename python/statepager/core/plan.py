@@ -103,7 +103,7 @@ def _deal(small: list, buckets: list, home: dict, ngroups: int, bucket_size: int
     every bucket touched every page of that stretch, past the window
     (StreamedOptimizer.window_bytes) that bounds a step."""
     i = 0
-    for k, b in enumerate(list(buckets)):
+    for k, b in enumerate(buckets):
         share = -(-(len(small) - i) // (len(buckets) - k))
         for p, nbytes in small[i:i + share]:
             if b.planned + nbytes > bucket_size:
