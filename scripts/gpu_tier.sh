@@ -47,17 +47,17 @@ run tier_pytest.log cd_tmp_pytest "$ROOT/tests/gpu/test_cuda_host_tier.py" \
 # a page-out waits; a shorter first page-in and last page-out, the only copies not
 # overlapped).
 run tier_bench_step.log python3 -m statepager bench step --device cuda --dir /dev/shm \
-  --params 2.5e8 --bucket 256M --page-size 256M --host-budget 7G --steps 4 --no-baseline \
+  --params 2.5e8 --bucket 256M --page-size 256M --host-budget 7G --steps 8 --no-baseline \
   --no-in-place
 run tier_bench_step_d4.log python3 -m statepager bench step --device cuda --dir /dev/shm \
-  --params 2.5e8 --bucket 128M --page-size 128M --depth 4 --host-budget 7G --steps 4 \
+  --params 2.5e8 --bucket 128M --page-size 128M --depth 4 --host-budget 7G --steps 8 \
   --no-baseline --no-in-place
 
 # Half the state: 1.5 GB of host tier for 3 GB (with the in-place run: bit-exact check),
 # in 128 MiB buckets x 6 (seventeenth session: 1.04 x its floor; at depth 4 1.10 x and
 # 1.14 x in two sessions, 256 MiB x 3 1.12 x).
 run tier_bench_step_half.log python3 -m statepager bench step --device cuda --dir /dev/shm \
-  --params 2.5e8 --bucket 128M --page-size 128M --depth 6 --host-budget 1500M --steps 4 \
+  --params 2.5e8 --bucket 128M --page-size 128M --depth 6 --host-budget 1500M --steps 10 \
   --no-baseline
 
 # 8 GiB of mixed tensors; the host tier holds them with their 4 KiB rounding.

@@ -503,17 +503,19 @@ def test_streamed_step_exceptions_past_the_kernels_room(tmp_path, depth):
 
 @pytest.mark.parametrize("shapes,bucket_size", [(SHAPES, 256 << 10), (BIG_SHAPES, 1 << 20)])
 @pytest.mark.parametrize("zero_grad", [False, True])
+@pytest.mark.parametrize("atomic", [True, False])
 def test_streamed_step_syncs_once_per_step(store_dir, monkeypatch, shapes, bucket_size,
-                                           zero_grad):
+                                           zero_grad, atomic):
     """q8 moments and residual mains, fused: the host waits for the device as a whole once
-    per step (the residual checks, after the last bucket), never per bucket, chunk or
-    tensor: each bucket's exception counts are waited for alone (an event), two buckets
-    later, and a chunk keeps its own exceptions. Undo copies taken at zero_grad() are
-    checked the same way (an event)."""
+    per step (the residual checks: after the last bucket when atomic, before the first
+    in place), never per bucket, chunk or tensor: each bucket's exception counts are
+    waited for alone (an event), two buckets later, and a chunk keeps its own exceptions.
+    Undo copies taken at zero_grad() are checked the same way (an event)."""
     ps = model(shapes=shapes)
     with Pager(store_dir, device="cuda", page_size=2 * MiB) as pager:
         opt = PagedAdamW(ps, pager=pager, lr=1e-2, bucket_size=bucket_size, moments="q8",
                          mains="residual")  # 4 buckets; BIG_SHAPES: chunks
+        opt.binding.atomic = atomic
         takes, take = [], opt.binding._undo.take
         monkeypatch.setattr(opt.binding._undo, "take", lambda copies, targets: (
             takes.append(1), take(copies, targets))[1])
@@ -534,7 +536,8 @@ def test_streamed_step_syncs_once_per_step(store_dir, monkeypatch, shapes, bucke
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         assert len(opt.binding.buckets) >= 3 and len(syncs) == 1, [str(w.message) for w in syncs]
-        assert len(takes) == (0 if zero_grad else len(opt.binding.buckets))  # in that step
+        # Undo copies in that step: none in place, none left to it after zero_grad().
+        assert len(takes) == (0 if zero_grad or not atomic else len(opt.binding.buckets))
         assert shapes is SHAPES or any(b.chunks for b in opt.binding.buckets)
 
 

@@ -116,11 +116,14 @@ def stored_bytes(opt) -> list:
 
 
 @pytest.mark.parametrize("atomic", [True, False])
-def test_residual_refuses_a_changed_model_param(store_dir, atomic):
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_residual_refuses_a_changed_model_param(store_dir, atomic, where):
     """A model param changed behind the optimizer's back fails the step, which changes
-    nothing: atomic, the checks are read once, after the last bucket, and the step rolled
-    back (a retry with the param put back steps as if nothing happened); not atomic, the
-    bucket is refused before it steps."""
+    nothing, whichever bucket holds it: atomic, the checks are read once, after the last
+    bucket, and the step rolled back (a retry with the param put back steps as if
+    nothing happened); not atomic, every bucket's params are checked before the first
+    steps (they were checked per bucket: a change in the last bucket was found after the
+    others had stepped in place)."""
     ref = model()
     with Pager(store_dir + "-ref", page_size=64 * KiB) as pager:
         opt = PagedAdamW(ref.parameters(), pager=pager, lr=1e-3, mains="residual",
@@ -133,17 +136,19 @@ def test_residual_refuses_a_changed_model_param(store_dir, atomic):
         opt.binding.atomic = atomic
         train(m, opt, 2)
         assert len(opt.binding.buckets) >= 3
-        first = next(m.parameters())  # in the first bucket
-        kept = first.detach().clone()
+        bucket = opt.binding.buckets[0 if where == "first" else -1]
+        # A model parameter (or the chunk of one) of that bucket's masters alone.
+        changed = next(f for f in bucket.forms if f.fmt == "residual").flat_model_param
+        kept = changed.detach().clone()
         with torch.no_grad():
-            first.add_(1.0)
+            changed.add_(1.0)
         params, stored = [p.detach().clone() for p in m.parameters()], stored_bytes(opt)
         with pytest.raises(ValueError, match="no longer matches"):
             train(m, opt, 1, first=2)
         assert all(torch.equal(a, b) for a, b in zip(m.parameters(), params))
         assert all(torch.equal(a, b) for a, b in zip(stored_bytes(opt), stored))
         with torch.no_grad():
-            first.copy_(kept)
+            changed.copy_(kept)
         train(m, opt, 1, first=2)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
 

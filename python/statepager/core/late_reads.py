@@ -86,8 +86,9 @@ class ParamChecks:
     """An atomic step's residual checks (stored.decode_residuals: a model param changed),
     gathered on the device and read once, after the last bucket: a changed model
     param then fails the whole step, which is rolled back. The host never waits for the
-    device to check a bucket; a step that is not atomic reads each bucket's before it
-    steps (refuse())."""
+    device to check a bucket. A step that is not atomic cannot roll back: it checks every
+    bucket's params against their fingerprints before the first bucket steps (one
+    sync), or, where a fingerprint is not known yet, each bucket's before it steps."""
 
     def __init__(self):
         self._flags: list = []  # 0-dim bool tensors: True where a bucket's param changed

@@ -57,6 +57,7 @@ class _Run:
     aheads: dict = field(default_factory=dict)    # bucket index -> its read-ahead's handle
     fused_groups: tuple | None = None             # StreamedOptimizer._fused_groups()
     setup_seconds: float = 0.0                    # StepStats.setup_seconds, so far
+    checked: bool = False                         # residual masters' params checked up front
 
 
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
@@ -608,8 +609,9 @@ class StreamedOptimizer:
             _end_run(run)  # begun as atomic, or with param groups the fused step differs on
             run = None
         if not self.atomic:
+            checked = self._params_checked_up_front()
             run = self._start(None)
-            run.setup_seconds = time.monotonic() - t0
+            run.checked, run.setup_seconds = checked, time.monotonic() - t0
             self._stream(run)
             self._log_step()
             return
@@ -644,6 +646,21 @@ class StreamedOptimizer:
     def _log_step(self) -> None:
         if self.log_steps:
             log.info("statepager %s", self.last.summary())
+
+    def _params_checked_up_front(self) -> bool:
+        """An in-place step's residual checks, every bucket's at once before any bucket
+        steps: a model parameter changed since its master was encoded (its fingerprint)
+        is refused here, with nothing written, and the host waits for the device once
+        per step instead of once per bucket. True when done; False where some master's
+        fingerprint is not known yet (its state new, or loaded), whose bucket's decode
+        then checks it before the bucket steps, as before."""
+        forms = [f for b in self.buckets for f in b.forms if f.fmt == "residual"]
+        if not forms or any(f.fingerprint is None for f in forms):
+            return False
+        if bool(codecs.params_changed([f.flat_model_param for f in forms],
+                                      [f.fingerprint for f in forms])):
+            ParamChecks.refuse()
+        return True
 
     def _start(self, atomic: AtomicStep | None) -> "_Run":
         """A step's pipeline, its first page-ins issued (the rest as buckets step)."""
@@ -728,7 +745,7 @@ class StreamedOptimizer:
                 if atomic and i + 1 < n:
                     atomic.take_ahead(buckets[i + 1])
                 trace.start(f"step bucket {i}", "step")
-                pending = self._step_bucket(b, atomic, checks, fused[i])
+                pending = self._step_bucket(b, atomic, checks, fused[i], run.checked)
                 trace.end()
                 t2 = time.monotonic()
                 stepping.append((t1, t2))
@@ -786,13 +803,14 @@ class StreamedOptimizer:
         self.last = stats
 
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None,
-                     checks: ParamChecks | None, fused: list | None) -> list:
-        """Steps one bucket, its residual masters' checks left to `checks` where given;
-        `fused` is _fused_forms(bucket). Returns the bucket's pending exceptions
-        (StreamedOptimizer._encode)."""
+                     checks: ParamChecks | None, fused: list | None,
+                     checked: bool = False) -> list:
+        """Steps one bucket, its residual masters' checks left to `checks` where given,
+        skipped where `checked` (up front); `fused` is _fused_forms(bucket). Returns the
+        bucket's pending exceptions (StreamedOptimizer._encode)."""
         # The fused step (statepager.formats.fused_adamw) reads and writes the moments in their
         # stored form: they are not decoded unless it turns out not to apply.
-        self._decode(bucket, skip=fused or (), checks=checks)
+        self._decode(bucket, not checked, skip=fused or (), checks=checks)
         if atomic:
             atomic.save(bucket)
         if self.before_bucket:
