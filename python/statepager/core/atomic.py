@@ -45,7 +45,7 @@ import torch
 
 from statepager.core.flat import copy_each
 from statepager.core.late_reads import LateRead
-from statepager.formats import codecs
+from statepager.formats.stored import params_changed_since_encoded, residual_forms
 
 
 # copy_state() keeps copies of unpaged state tensors up to this size between steps: step
@@ -130,7 +130,7 @@ class UndoCopies:
         """Takes the next step's copies of every bucket now, where all its targets are
         residual masters' model parameters whose fingerprints are known (see the module
         doc); nothing else, and nothing again until a step takes them."""
-        forms = _mirrored_forms(buckets)
+        forms = residual_forms(buckets)
         if self.mirror is None or self._before is not None or not forms or any(
                 f.fingerprint is None for f in forms) or self.written_by_the_step(
                 [p for b in buckets for p in b.params], [c for b in buckets for c in b.chunks]):
@@ -151,14 +151,13 @@ class UndoCopies:
         if before is None:
             return {}, None
         taken, fingerprinted = before
-        forms = _mirrored_forms(buckets)
+        forms = residual_forms(buckets)
         if [id(b) for b in buckets] != list(taken) or any(
                 taken[id(b)][0] is not b.undo for b in buckets) or len(forms) != len(
                 fingerprinted) or any(f is not g or f.fingerprint is not fp
                                       for f, (g, fp) in zip(forms, fingerprinted)):
             return {}, None
-        changed = codecs.params_changed([f.flat_model_param for f in forms],
-                                        [fp for _, fp in fingerprinted])
+        changed = params_changed_since_encoded(forms)  # each fingerprint is as taken
         return {key: event for key, (_, event) in taken.items()}, LateRead(changed)
 
     def join(self, taken) -> None:
@@ -323,12 +322,6 @@ class AtomicStep:
                 mirror.copy_(m)
         finally:
             epoch.abort()
-
-
-def _mirrored_forms(buckets) -> list:
-    """The residual masters' StoredForms of the buckets, in order: whose model parameters
-    are undo copies' targets."""
-    return [f for b in buckets for f in b.forms if f.fmt == "residual"]
 
 
 def _restore_state(state, saved: dict) -> None:

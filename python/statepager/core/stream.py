@@ -31,7 +31,8 @@ from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.step_stats import StepStats
 from statepager.core.plan import Bucket
 from statepager.formats.stored import (MAIN_FORMATS, MOMENT_FORMATS, StoredForm,
-                                       decode_residuals, encode_residuals)
+                                       decode_residuals, encode_residuals,
+                                       params_changed_since_encoded, residual_forms)
 from statepager.formats import codecs
 from statepager.formats.fused_adamw import FusedStep, applies_to
 
@@ -444,7 +445,8 @@ class StreamedOptimizer:
         for f in forms:
             if f.fmt != "residual":
                 f.decode()
-        changed = decode_residuals([f for f in forms if f.fmt == "residual"])
+        # Without check_params nobody reads `changed`: the params' checksums are skipped.
+        changed = decode_residuals([f for f in forms if f.fmt == "residual"], check_params)
         if changed is None or not check_params:
             return
         if checks is not None:
@@ -654,11 +656,10 @@ class StreamedOptimizer:
         per step instead of once per bucket. True when done; False where some master's
         fingerprint is not known yet (its state new, or loaded), whose bucket's decode
         then checks it before the bucket steps, as before."""
-        forms = [f for b in self.buckets for f in b.forms if f.fmt == "residual"]
-        if not forms or any(f.fingerprint is None for f in forms):
+        changed = params_changed_since_encoded(residual_forms(self.buckets))
+        if changed is None:
             return False
-        if bool(codecs.params_changed([f.flat_model_param for f in forms],
-                                      [f.fingerprint for f in forms])):
+        if bool(changed):
             ParamChecks.refuse()
         return True
 

@@ -221,18 +221,35 @@ class StoredForm:
         self.exceptions = exceptions
 
 
-def decode_residuals(forms: list) -> torch.Tensor | None:
+def residual_forms(buckets) -> list:
+    """The residual masters' StoredForms of `buckets` (anything with `.forms`), in order."""
+    return [f for b in buckets for f in b.forms if f.fmt == "residual"]
+
+
+def params_changed_since_encoded(forms: list) -> torch.Tensor | None:
+    """A 0-dim device bool: True when some residual form's model parameter differs from
+    its fingerprint (its checksum when the residual was last encoded). None when there
+    are no forms or some fingerprint is not known yet (state new or loaded). One kernel
+    call for all of them on CUDA."""
+    if not forms or any(f.fingerprint is None for f in forms):
+        return None
+    return codecs.params_changed([f.flat_model_param for f in forms],
+                                 [f.fingerprint for f in forms])
+
+
+def decode_residuals(forms: list, checksums: bool = True) -> torch.Tensor | None:
     """Decodes residual forms (a bucket's) into their working tensors: a device bool, True
     when some model parameter changed: it differs from the one its residual was encoded
-    against (its checksum, where known), or is not the bf16 rounding of the rebuilt
-    master. Changed behind the optimizer's back, the residual would rebuild wrong masters.
-    None when there are no forms. One kernel call for all of them on CUDA."""
+    against (its checksum, where known and `checksums`: False where the caller checked
+    them already), or is not the bf16 rounding of the rebuilt master. Changed behind the
+    optimizer's back, the residual would rebuild wrong masters. None when there are no
+    forms. One kernel call for all of them on CUDA."""
     if not forms:
         return None
     return codecs.rebuild_residuals(
         [f.flat_model_param for f in forms], [f.tensors[0] for f in forms],
         [f.exceptions_as_set for f in forms], [f.flat_working for f in forms],
-        [f.fingerprint for f in forms])
+        [f.fingerprint if checksums else None for f in forms])
 
 
 def encode_residuals(forms: list) -> codecs.PendingExceptions | None:
