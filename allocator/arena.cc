@@ -24,7 +24,7 @@ uintptr_t Arena::allocate(size_t bytes, size_t align) {
   }
   throw OutOfMemoryError("the pager's address arena (" + std::to_string(size_ >> 30) +
                          " GiB) has no free range of " + std::to_string(bytes) +
-                         " bytes: create the Pager with a larger arena_bytes");
+                         " bytes: create the Pager with a larger arena_size");
 }
 
 void Arena::free(uintptr_t addr) {

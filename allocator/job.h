@@ -7,7 +7,8 @@
 // Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes (maps:
 // read by the map thread without the lock while the job waits for it), except
 // what phase two (Pager::place_deferred_locked, on the I/O thread under the lock, with none
-// of the job's work in flight) adds. The I/O thread's alone: host_copies_issued .. fence,
+// of the job's work in flight) adds. The I/O thread's alone: part_crcs, part_known (sized by
+// plan), host_copies_issued .. fence,
 // requests, mapped_bytes, error and the times (error and the times are read by others once done is
 // set). Under the Pager's lock: done.
 #pragma once
@@ -45,16 +46,34 @@ struct Chunk {
   size_t file_bytes = 0;
   std::vector<StagingCopy> pieces;
   char* buf = nullptr;  // host-tier memory read or written directly (no pieces, no staging)
+  // Its parts of the job's store checksums (Job::crc_ranges): pieces[i] is part
+  // first_part + i; a chunk with buf is part first_part alone.
+  size_t first_part = 0;
+};
+
+// The crc32c of one store range a job reads or writes (see Note [Store checksums]): the
+// combination of its parts, Job::part_crcs[first, first + parts), in store order.
+struct RangeCrc {
+  uint64_t store_offset;
+  size_t first;
+  size_t parts;
 };
 
 struct Job {
   bool out = false;
   bool tier_move = false;              // a read-ahead: store -> host tier, no device
   bool discard = false;                // page-out that drops the bytes instead of writing
+  bool for_read = false;               // page-in keeping bytes at rest (Pager::page_in)
+  bool unchanged = false;              // page-out of extents the caller did not write
   std::vector<ExtentId> extents;       // the extents this bucket moves
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<Residency> after;        // page-out: their states once done (file or host)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
+  // A page-out of unchanged extents (Pager::release_unchanged): those whose bytes also
+  // lie at rest go back there without a write (unmapped once the fence passes), in
+  // these states; the others are in `extents`, written.
+  std::vector<ExtentId> returned;
+  std::vector<Residency> returned_to;
   // A page-in's pages still to map (Pool::ref_begin), mapped by the Pager's map thread
   // before the job is queued for the I/O thread; its Pool entries point here meanwhile.
   Pool::PendingMaps maps;
@@ -68,6 +87,10 @@ struct Job {
   std::vector<Chunk> chunks;           // store requests (staging or host-tier memory)
   std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
   uint64_t bytes_moved = 0;            // to or from the store files
+  std::vector<RangeCrc> crc_ranges;    // the store ranges it moves, and their parts'
+  std::vector<size_t> part_bytes;      // lengths (StoreTier::plan)
+  std::vector<uint32_t> part_crcs;     // I/O thread: each part's crc32c once its bytes pass,
+  std::vector<char> part_known;        // or not known (copied straight to mapped files)
   uint64_t host_bytes = 0;             // to or from the host tier
   size_t host_copies_issued = 0;       // I/O thread: host_copies[0, this) are queued
   bool restart = false;                // phase two's work is still to start

@@ -4,9 +4,11 @@
 #include "allocator/pager.h"
 
 #include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
+#include <limits>
 
 #include "allocator/pager_internal.h"
 #include "backing/errors.h"
@@ -18,9 +20,16 @@ IoShape io_shape_for(bool direct_io) {
 }
 
 Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
-    : device_(std::move(device)),
+    : owner_(::getpid()),
+      device_(std::move(device)),
       options_(std::move(options)),
-      pool_(*device_, options_.pool) {
+      pool_owner_(std::make_unique<Pool>(*device_, options_.pool)),
+      pool_(*pool_owner_),
+      sync_(std::make_unique<Sync>()),
+      mu_(sync_->mu),
+      work_cv_(sync_->work),
+      map_cv_(sync_->map),
+      done_cv_(sync_->done) {
   if (options_.io_depth > kMaxIoDepth) {
     throw UsageError("io_depth (PagerOptions::io_depth) " + std::to_string(options_.io_depth) +
                      " is not allowed: it must be 1 to " + std::to_string(kMaxIoDepth) +
@@ -40,6 +49,30 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   // A file-size limit must surface as EFBIG on the write, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
   dir_ = std::make_unique<StoreDir>(options_.directory);
+  try {
+    open_stores();
+  } catch (...) {
+    // A Pager that could not be made (a full disk, too large a host budget) leaves no
+    // store behind.
+    store_tier_.reset();
+    host_tier_.reset();
+    file_.reset();
+    try {
+      dir_->remove();
+    } catch (...) {
+    }
+    throw;
+  }
+  io_thread_ = std::thread([this] { run_io_thread(); });
+  map_thread_ = std::thread([this] { run_map_thread(); });
+  // Named for profilers and for the benches' count of CPU time per thread
+  // (statepager/bench/cpu_use.py); io_uring's own workers are named iou-wrk-<tid>.
+  pthread_setname_np(io_thread_.native_handle(), "statepager-io");
+  pthread_setname_np(map_thread_.native_handle(), "statepager-map");
+}
+
+// The default store's file, the tiers and the counters of a new Pager.
+void Pager::open_stores() {
   const unsigned ring_depth = options_.io_depth != 0
                                   ? options_.io_depth
                                   : std::max(io_shape_for(true).depth, io_shape_for(false).depth);
@@ -51,6 +84,7 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   file_ = std::make_unique<UringFile>(
       dir_->store_file(""),
       UringFile::Options{ring_depth, options_.try_direct, true, stripe_ram});
+  dir_->adopt(*file_);
   const IoShape shape = io_shape_for(file_->direct());
   if (options_.io_depth == 0) options_.io_depth = shape.depth;
   if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
@@ -70,19 +104,53 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   counters_.direct_io = file_->direct();
   counters_.io_depth = options_.io_depth;
   counters_.io_block_bytes = options_.io_block_bytes;
-  io_thread_ = std::thread([this] { run_io_thread(); });
-  map_thread_ = std::thread([this] { run_map_thread(); });
-  // Named for profilers and for the benches' count of CPU time per thread
-  // (statepager/bench/cpu_use.py); io_uring's own workers are named iou-wrk-<tid>.
-  pthread_setname_np(io_thread_.native_handle(), "statepager-io");
-  pthread_setname_np(map_thread_.native_handle(), "statepager-map");
 }
 
 Pager::~Pager() {
+  if (::getpid() != owner_) {
+    abandon();
+    return;
+  }
   try {
     close();
   } catch (...) {
   }
+}
+
+// Note [A Pager across fork]: fork() copies the Pager's memory into the child, but not
+// its I/O and map threads, and the child shares the parent's store files, lock (one open
+// file description: flock(LOCK_UN) or a punch there is the parent's), host memory (the
+// host backend's pages are shared memfds) and CUDA context (unusable there). So in the
+// child nothing may wait for the threads (they never answer: a hang), join them (they do
+// not exist), destroy what they waited on (destroying a condition variable with waiters
+// counted blocks forever), free device memory or touch a file. Every entry point that
+// could do one of these checks the process first (check_owner()), before taking mu_,
+// which a parent's thread may have held at the fork; release() does nothing. The
+// destructor leaves the threads' handles, the condition variables, the device, the pool,
+// the tiers and the ring undestroyed (abandon()): the child's copies vanish with it.
+void Pager::abandon() noexcept {
+  for (std::thread* t : {&io_thread_, &map_thread_}) new std::thread(std::move(*t));
+  new std::shared_ptr<HostTier>(std::move(host_tier_));
+  (void)store_tier_.release();
+  (void)file_.release();
+  (void)pool_owner_.release();
+  (void)sync_.release();
+  (void)device_.release();
+}
+
+void Pager::check_owner() const {
+  if (::getpid() == owner_) return;
+  throw UsageError("this Pager belongs to process " + std::to_string(owner_) +
+                   ": a forked child (process " + std::to_string(::getpid()) + ") cannot use "
+                   "it (its I/O threads, device memory and store are the parent's) and "
+                   "nothing was touched; create a Pager of the child's own, on another "
+                   "directory");
+}
+
+void Pager::check_usable() const {
+  check_owner();
+  std::unique_lock lock(mu_);
+  check_open_locked();
 }
 
 const std::string& Pager::file_path() const { return file_->path(); }
@@ -104,8 +172,10 @@ const Pager::Extent& Pager::extent_locked(ExtentId id) const {
 
 ExtentId Pager::create(size_t bytes, unsigned store) { return create_pieces({bytes}, store)[0]; }
 
-std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, unsigned store) {
-  size_t total = 0;
+size_t Pager::check_pieces(const std::vector<size_t>& pieces) const {
+  if (pieces.empty()) throw UsageError("a tensor of no pieces");
+  constexpr size_t kMax = std::numeric_limits<size_t>::max();
+  size_t total = 0;  // saturating: a sum that would wrap stays above the arena
   for (size_t i = 0; i < pieces.size(); i++) {
     const bool last = i + 1 == pieces.size();
     if ((!last && pieces[i] % kAddressAlign != 0) || (pieces.size() > 1 && pieces[i] == 0)) {
@@ -113,18 +183,23 @@ std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, un
                        " bytes: every piece of a tensor but the last must be a multiple of " +
                        std::to_string(kAddressAlign) + " bytes, and none of several empty");
     }
-    total += pieces[i];
+    total = pieces[i] > kMax - total ? kMax : total + pieces[i];
   }
-  if (pieces.empty()) throw UsageError("a tensor of no pieces");
-  std::unique_lock lock(mu_);
-  check_open_locked();
-  check_store_locked(store);
-  if (total > pool_.arena_bytes()) {
+  if (total > pool_.arena_bytes()) {  // fixed at construction: no lock needed
     throw UsageError("a tensor of " + std::to_string(total) + " bytes is larger than the "
                      "pager's whole address arena (arena_size " +
                      std::to_string(pool_.arena_bytes()) + " bytes): create the Pager with "
                      "a larger arena_size");
   }
+  return total;
+}
+
+std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, unsigned store) {
+  const size_t total = check_pieces(pieces);
+  check_owner();
+  std::unique_lock lock(mu_);
+  check_open_locked();
+  check_store_locked(store);
   // The file ranges, then the address range: what can fail, undone if it does.
   std::vector<uint64_t> offsets;
   uintptr_t addr;
@@ -210,6 +285,7 @@ uintptr_t Pager::create_segment(size_t bytes) {
 }
 
 void Pager::release_at(uintptr_t addr) {
+  if (::getpid() != owner_) return;  // the parent's (see Note [A Pager across fork])
   ExtentId id;
   {
     std::unique_lock lock(mu_);
@@ -228,6 +304,7 @@ bool Pager::owns_address(uintptr_t addr) const {
 }
 
 void Pager::release(ExtentId id) {
+  if (::getpid() != owner_) return;  // the parent's (see Note [A Pager across fork])
   std::unique_lock lock(mu_);
   if (extent_locked(id).state == Residency::kResident && !closed_) {
     // As cudaFree does: work queued before the tensor died (a kernel on any stream) may
@@ -269,12 +346,14 @@ void Pager::free_extent_locked(ExtentId id) {
 }
 
 unsigned Pager::open_store(const std::string& name) {
+  check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
   for (unsigned i = 0; i < stores_.size(); i++) {
     if (stores_[i]->name == name) return i;
   }
   file_->add_file(dir_->store_file(name));
+  dir_->adopt(*file_);
   return add_store_locked(name);
 }
 
@@ -299,6 +378,7 @@ const std::string& Pager::store_name(unsigned store) const {
 }
 
 void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
+  check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
   check_store_locked(store);
@@ -327,6 +407,7 @@ void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
     } else {
       free_range_locked(e.store_offset);
       e.store_offset = to;
+      if (e.rest == Residency::kFile) e.rest = Residency::kResident;  // the new range is empty
     }
   }
 }
@@ -350,6 +431,7 @@ void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
     return;
   }
   if (punch_bytes > 0 && store_tier_) store_tier_->punch(store_offset, punch_bytes);
+  stores_[store_index(store_offset)]->crcs.erase(store_offset);
   stores_[store_index(store_offset)]->space.free(store_offset);
 }
 
@@ -433,27 +515,32 @@ std::vector<ExtentId> Pager::resident_extents() const {
 }
 
 void Pager::trim() {
+  check_owner();
   std::unique_lock lock(mu_);
   pool_.trim();
 }
 
 void Pager::set_keep_bytes(size_t keep_bytes) {
+  check_owner();
   std::unique_lock lock(mu_);
   pool_.pages().set_keep_bytes(keep_bytes);
 }
 
 void Pager::reset_peak() {
+  check_owner();
   std::unique_lock lock(mu_);
   pool_.pages().reset_peak();
 }
 
 std::vector<std::string> Pager::store_files() const {
+  check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
   return file_->physical_paths();
 }
 
 void Pager::close() {
+  check_owner();
   std::unique_lock lock(mu_);
   if (closed_) return;
   closed_ = true;

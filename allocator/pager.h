@@ -50,11 +50,22 @@
 //
 // Ownership: the Pager owns its Device, Pool, store directory and file. Extent addresses
 // stay valid (reserved) until the Pager is destroyed, also after close().
+// Processes: a Pager belongs to the process that constructed it; its I/O and map threads,
+// device memory, lock and store are that process's. In a forked child (see Note [A Pager
+// across fork]) every call that would change, wait for or delete anything (page_in and
+// the other buckets, wait, create, stores, trim, holds, restores, epochs, close) throws
+// UsageError at once, touching nothing; release() and release_at() (a tensor dying
+// there) do nothing; queries read the child's copy of the table. Its destructor there
+// joins no thread and frees nothing of the device or the store: it leaves them as they
+// are (the child's copies vanish when it exits).
 // Thread-safety: all public methods may be called from any thread. Fields shared with
 // the I/O and map threads are guarded by mu_; fields marked "I/O thread" are touched only
 // by the I/O thread while it runs (and by close() once it has stopped).
 // Errors: typed statepager errors (backing/errors.h); wait() rethrows a bucket's error,
-// a device error while mapping its pages included. page_in() itself throws what it finds
+// a device error while mapping its pages included, and CorruptStoreError for a page-in
+// that reads back other bytes than its store range was written with (changed from
+// outside: see Note [Store checksums] in allocator/pager_crc.cc; the bucket's extents
+// stay at rest). page_in() itself throws what it finds
 // before queuing anything: a page budget or device memory too small (OutOfMemoryError).
 // Construction refuses options outside their ranges (UsageError naming the option, its
 // value and the range) before touching the store directory.
@@ -71,6 +82,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+
+#include <sys/types.h>
 #include <unordered_map>
 #include <vector>
 
@@ -131,6 +144,7 @@ struct PagerStats {
   uint64_t read_requests = 0;
   uint64_t write_requests = 0;
   uint64_t zero_filled_bytes = 0; // ZERO extents paged in without I/O
+  uint64_t unchanged_bytes = 0;   // release_unchanged(): returned to their bytes at rest
   uint64_t buckets_in = 0;
   uint64_t buckets_out = 0;
   uint64_t buckets_held = 0;      // page-outs that waited for a held range (see hold())
@@ -179,6 +193,10 @@ class Pager {
   // (paged, stored and released on its own). Returns their ids in address order. Errors
   // as create(), and UsageError for empty or misaligned pieces; nothing is created then.
   std::vector<ExtentId> create_pieces(const std::vector<size_t>& pieces, unsigned store = 0);
+  // The UsageErrors of create_pieces() that depend on the pieces alone (misaligned or no
+  // pieces, more bytes than the arena), raised before any store is opened; returns their
+  // total bytes. Thread-safe: reads only what construction fixed.
+  size_t check_pieces(const std::vector<size_t>& pieces) const;
   // The extents of the tensor whose first extent is `first`: [first] for one create()
   // made, all its pieces, in address order, for one create_pieces() made.
   std::vector<ExtentId> pieces(ExtentId first) const;
@@ -229,13 +247,29 @@ class Pager {
 
   // Buckets. Extents already in the requested state are skipped; an extent being paged
   // by another bucket is a UsageError. `stream`: see the class comment.
-  Ticket page_in(const std::vector<ExtentId>& bucket);
+  // for_read: for a caller that will only read them and hand them back with
+  // release_unchanged(): where their bytes lie at rest is remembered, and HOST extents
+  // keep their host range (its room stays taken while they are resident), so that
+  // handing them back writes nothing. A page-in not for a read that names a resident
+  // extent makes it forget (its caller may write it).
+  Ticket page_in(const std::vector<ExtentId>& bucket, bool for_read = false);
   // reuse_after > 0: the bucket will be paged in again once about that many more bytes
   // have been named in page-ins (of any bucket, resident extents included: the clock
   // the spill choice compares, see the class comment); 0: not known. Extents already at
   // rest keep the hint they had.
   Ticket page_out(const std::vector<ExtentId>& bucket, uintptr_t stream = 0,
                   uint64_t reuse_after = 0);
+  // A page-out of extents the caller promises it did not write since their page-in for
+  // a read (state_dict, a save through the device). Each that such a page-in brought in,
+  // and whose bytes still lie at rest where they came from, goes back to them without a
+  // write: zeros (ZERO), its store range (FILE, not moved to another store since), its
+  // host range (HOST). The others (paged in otherwise, or named since by a page-in not
+  // for a read, a page-out or a discard, or moved to another store) are paged out as
+  // page_out() does. Exact in copy-on-write epochs: an extent goes back to the range it
+  // was read from, which nothing but a page-out of it writes. Ordered after `stream`
+  // like page_out(); a failure leaves every extent resident.
+  Ticket release_unchanged(const std::vector<ExtentId>& bucket, uintptr_t stream = 0,
+                           uint64_t reuse_after = 0);
   // Drops extents' bytes: resident ones are unmapped without writing, FILE ones forget
   // their bytes at rest; all become ZERO (scratch tensors whose bytes live elsewhere in
   // another form, or are no longer needed). Ordered after `stream` like page_out().
@@ -301,19 +335,29 @@ class Pager {
   Device& device() { return *device_; }
   const std::string& file_path() const;  // the default store's file
   const std::string& directory() const;  // the store directory, absolute and resolved
+  // The process that made it (see Processes).
+  pid_t owner() const { return owner_; }
+  // UsageError in any process but the one that made it (a forked child).
+  void check_owner() const;
+  // UsageError unless this Pager can be used here: made by this process and not closed.
+  void check_usable() const;
 
   // Waits for all buckets and the device, unmaps everything but PyTorch's segments
   // (those stay mapped until PyTorch frees them), stops the I/O thread and deletes what
   // it created in the store directory (StoreDir::remove()). Idempotent; later calls other
-  // than release() throw UsageError. When the device fails meanwhile, every step is still
-  // taken and the first error thrown at the end. The destructor closes and never throws.
+  // than release() and queries throw UsageError. When the device fails meanwhile, every
+  // step is still taken and the first error thrown at the end. The destructor closes and
+  // never throws. In a forked child: UsageError, nothing touched (see Processes).
   void close();
 
  private:
   struct Extent;
   struct Store;
-  Ticket submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream, bool discard,
+  Ticket submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t stream = 0,
                 uint64_t reuse_after = 0);
+  void return_unchanged_locked(Job& job);
+  void forget_rest_locked(Extent& e);
+  void paged_in_locked(Extent& e, Residency before, bool for_read);
   void plan_locked(Job& job);
   std::vector<ExtentId> place_outs_locked(Job& job);
   void choose_spills_locked(Job& job, size_t short_bytes);
@@ -335,6 +379,7 @@ class Pager {
   bool fence_passed_locked(Job& job);
   void unref_quietly_locked(const Extent& e);
   void complete(Job& job);
+  void settle_crcs_locked(Job& job);  // allocator/pager_crc.cc
   void ref_pages_locked(std::unique_lock<std::mutex>& lock, const std::vector<ExtentId>& ids,
                         Pool::PendingMaps* pending);
   void unref_pages_locked(const std::vector<ExtentId>& ids, size_t count);
@@ -349,11 +394,22 @@ class Pager {
   Extent& extent_locked(ExtentId id);
   const Extent& extent_locked(ExtentId id) const;
   void check_open_locked() const;
+  void abandon() noexcept;
+  void open_stores();
+
+  // The mutex and condition variables live apart from the Pager: a forked child leaves
+  // them undestroyed (see abandon()).
+  struct Sync {
+    std::mutex mu;
+    std::condition_variable work, map, done;
+  };
 
   // Fields shared with the I/O thread are guarded by mu_, except those marked otherwise.
+  const pid_t owner_;                  // the process that made it
   std::unique_ptr<Device> device_;     // set at construction; Device is thread-safe
   PagerOptions options_;               // set at construction (io shape resolved), then read
-  Pool pool_;                          // mu_
+  std::unique_ptr<Pool> pool_owner_;   // pool_'s memory (abandon() keeps it)
+  Pool& pool_;                         // mu_
   std::unique_ptr<StoreDir> dir_;      // mu_ (close() removes it)
   // All stores' files, one ring: submit/reap/allocate on the I/O thread only; add_file(),
   // punch() and the path and span queries under mu_ (UringFile allows them alongside).
@@ -363,10 +419,11 @@ class Pager {
   std::shared_ptr<HostTier> host_tier_;    // null without a host budget; allocate/free
                                            // under mu_, start() on the I/O thread
 
-  mutable std::mutex mu_;
-  std::condition_variable work_cv_;    // wakes the I/O thread
-  std::condition_variable map_cv_;     // wakes the map thread
-  std::condition_variable done_cv_;    // wakes waiters
+  std::unique_ptr<Sync> sync_;
+  std::mutex& mu_;                     // sync_->mu
+  std::condition_variable& work_cv_;   // wakes the I/O thread
+  std::condition_variable& map_cv_;    // wakes the map thread
+  std::condition_variable& done_cv_;   // wakes waiters
   std::unordered_map<ExtentId, std::unique_ptr<Extent>> extents_;  // mu_
   std::unordered_map<uintptr_t, ExtentId> by_address_;             // mu_
   ExtentId next_id_ = 1;               // mu_

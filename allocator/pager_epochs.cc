@@ -52,6 +52,7 @@ Placement Pager::placement_locked(const Extent& e, uint64_t store_offset) const 
 }
 
 std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
+  check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
   if (!held_.empty()) {
@@ -83,6 +84,7 @@ std::shared_ptr<const HostTier> Pager::host_memory() const {
 }
 
 void Pager::unhold(uint64_t store_offset) {
+  check_owner();
   std::unique_lock lock(mu_);
   if (held_.erase(store_offset) == 0) return;
   auto freed = freed_held_.find(store_offset);
@@ -119,6 +121,7 @@ bool Pager::only_held_jobs_locked() {
 
 std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
                                             const std::vector<bool>& zero) {
+  check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
   wait_tier_moves_locked(lock, ids);
@@ -162,6 +165,7 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
 
 void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Placement>& places,
                         bool ok) {
+  check_owner();
   std::unique_lock lock(mu_);
   for (size_t i = 0; i < ids.size(); i++) {
     Extent& e = extent_locked(ids[i]);
@@ -187,6 +191,7 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
 // ---- epochs ----------------------------------------------------------------------------
 
 uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
+  check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
   std::vector<ExtentId> members = ids;
@@ -256,12 +261,14 @@ void Pager::end_epoch_locked(Extent& e, bool keep) {
 }
 
 void Pager::commit_epoch(uint64_t epoch) {
+  check_owner();
   std::unique_lock lock(mu_);
   for (Extent* e : settled_epoch_locked(lock, epoch)) end_epoch_locked(*e, true);
   epochs_.erase(epoch);
 }
 
 void Pager::abort_epoch(uint64_t epoch) {
+  check_owner();
   std::unique_lock lock(mu_);
   std::vector<Extent*> members = settled_epoch_locked(lock, epoch);
   if (std::any_of(members.begin(), members.end(),

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "allocator/pager.h"
@@ -53,6 +54,9 @@ inline size_t page_in_bytes(size_t bytes) { return align_up(bytes, kFileAlign); 
 struct Pager::Store {
   std::string name;
   Arena space;       // its ranges, as logical offsets of file_ (see UringFile)
+  // The crc32c of what statepager last wrote into a range of it, by the range's offset,
+  // where known (see Note [Store checksums]).
+  std::unordered_map<uint64_t, uint32_t> crcs;
 };
 
 // Guarded by mu_ (a Job carries copies of what the I/O thread needs: addresses, ranges).
@@ -79,6 +83,12 @@ struct Pager::Extent {
   bool tier_moving = false;  // being spilled or read ahead (a Job with spills or tier_move)
   Residency restore_from = Residency::kZero;  // its state before a restore (see begin_restore)
   ExtentId next_piece = 0;  // create_pieces(): the tensor's next piece (0: none)
+  // RESIDENT: where its bytes as paged in for a read also lie at rest, untouched since
+  // (see Pager::release_unchanged): kZero (they were zeros), kFile (its store range),
+  // kHost (its host range, kept), or kResident (nowhere else, or not known: paged in
+  // not for a read, named by such a page-in since, moved to another store since, or
+  // named by a page-out or discard since).
+  Residency rest = Residency::kResident;
 
   // The store ranges it refers to now, and in an epoch also those it committed.
   std::vector<uint64_t> ranges() const {

@@ -30,17 +30,23 @@ void add_zero_fill(std::vector<std::pair<uintptr_t, size_t>>& fills, uintptr_t a
 
 }  // namespace
 
-Ticket Pager::page_in(const std::vector<ExtentId>& bucket) {
-  return submit(bucket, false, 0, false);
+Ticket Pager::page_in(const std::vector<ExtentId>& bucket, bool for_read) {
+  auto job = std::make_shared<Job>();
+  job->for_read = for_read;
+  return submit(job, bucket);
 }
 
 Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream,
                         uint64_t reuse_after) {
-  return submit(bucket, true, stream, false, reuse_after);
+  auto job = std::make_shared<Job>();
+  job->out = true;
+  return submit(job, bucket, stream, reuse_after);
 }
 
 Ticket Pager::discard(const std::vector<ExtentId>& bucket, uintptr_t stream) {
-  return submit(bucket, true, stream, true);
+  auto job = std::make_shared<Job>();
+  job->out = job->discard = true;
+  return submit(job, bucket, stream);
 }
 
 // References on the pages of every extent of `ids` (Pool::ref_begin), all or none: what
@@ -141,13 +147,14 @@ void Pager::mapping_failed_locked(Job& job, std::exception_ptr error) {
   job.done = true;
 }
 
-Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t stream,
-                     bool discard, uint64_t reuse_after) {
+// `job` says what kind of bucket (out, discard, for_read, unchanged); submit plans the
+// rest of it.
+Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t stream,
+                     uint64_t reuse_after) {
+  check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
-  auto job = std::make_shared<Job>();
-  job->out = out;
-  job->discard = discard;
+  const bool out = job->out, discard = job->discard;
   const std::vector<ExtentId> ids = sorted_unique(bucket);
   wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
@@ -157,6 +164,9 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
                        " is already being paged by another bucket: wait for that bucket first");
     }
     extent_locked(id).last_use = ++use_clock_;
+    if (s == Residency::kResident && !out && !job->for_read) {
+      forget_rest_locked(extent_locked(id));  // its caller may write it now
+    }
     const bool at_rest_with_bytes = s == Residency::kFile || s == Residency::kHost;
     const bool moves = !out ? s != Residency::kResident
                             : s == Residency::kResident || (discard && at_rest_with_bytes);
@@ -169,6 +179,11 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
     for (ExtentId id : job->extents) {
       extent_locked(id).next_use = reuse_after > 0 ? paged_in_bytes_ + reuse_after : kNoUse;
     }
+  }
+  if (job->unchanged) return_unchanged_locked(*job);
+  // What a page-out may write (or a discard drop) no longer lies at rest unchanged.
+  if (out) {
+    for (ExtentId id : job->extents) forget_rest_locked(extent_locked(id));
   }
   if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
   if (out && !discard) {
@@ -212,8 +227,9 @@ Ticket Pager::submit(const std::vector<ExtentId>& bucket, bool out, uintptr_t st
       throw;
     }
   }
+  for (ExtentId id : job->returned) extent_locked(id).state = Residency::kPagingOut;
   if (!discard) plan_locked(*job);
-  if (job->extents.empty()) {
+  if (job->extents.empty() && job->returned.empty()) {
     job->done = true;
     return job;
   }
@@ -253,6 +269,7 @@ void Pager::plan_locked(Job& job) {
 }
 
 void Pager::wait(const Ticket& ticket) {
+  check_owner();
   std::unique_lock lock(mu_);
   done_cv_.wait(lock, [&] { return ticket->done; });
   if (ticket->error) std::rethrow_exception(ticket->error);
@@ -318,6 +335,7 @@ bool Pager::advance(std::unique_lock<std::mutex>& lock) {
         job->error = std::current_exception();
       }
     }
+    settle_crcs_locked(*job);
     complete(*job);
   }
   return progressed;
@@ -351,8 +369,10 @@ void Pager::start_job(Job& job) {
     store_tier_->start(job);
     if (host_tier_) host_tier_->start(job);
     for (auto [addr, bytes] : job.zero_fills) device_->fill_zero(addr, bytes);
-    // A discard unmaps once the work queued before it on the caller's stream is done.
-    if (!job.zero_fills.empty() || !job.host_copies.empty() || job.discard) {
+    // A discard, or extents returned unchanged, unmap once the work queued before it on
+    // the caller's stream is done.
+    if (!job.zero_fills.empty() || !job.host_copies.empty() || job.discard ||
+        !job.returned.empty()) {
       job.fence = device_->record(job.out ? CopyQueue::kToHost : CopyQueue::kToDevice);
     }
   } catch (...) {
@@ -395,10 +415,15 @@ void Pager::complete(Job& job) {
       }
     } else {
       e.state = ok ? Residency::kResident : job.before[i];
-      if (ok) finish_move_locked(e);
-      if (ok) drop_host_locked(e);
+      if (ok) paged_in_locked(e, job.before[i], job.for_read);
       if (!ok) unref_quietly_locked(e);
     }
+  }
+  for (size_t i = 0; i < job.returned.size(); i++) {
+    Extent& e = extent_locked(job.returned[i]);
+    e.state = ok ? job.returned_to[i] : Residency::kResident;
+    if (ok) unref_quietly_locked(e);
+    if (ok) counters_.unchanged_bytes += e.bytes;
   }
   if (ok) {
     const uint64_t file_bytes = job.bytes_moved;
@@ -426,7 +451,7 @@ void Pager::complete(Job& job) {
       }
     }
   }
-  for (const auto* ids : {&job.extents, &job.spills}) {
+  for (const auto* ids : {&job.extents, &job.spills, &job.returned}) {
     for (ExtentId id : *ids) {
       const Extent& e = extent_locked(id);
       if (e.dead && !e.tier_moving && e.state != Residency::kPagingIn &&

@@ -20,10 +20,12 @@ const PoolOptions& checked(const PoolOptions& o, const Device& device) {
                      "'s granularity (" + std::to_string(grain) + " bytes) and at most " +
                      std::to_string(kMaxPageBytes) + " (1 GiB); 32 MiB is a good size");
   }
-  if (o.arena_bytes == 0 || o.arena_bytes > kMaxArenaBytes) {
+  if (o.arena_bytes < o.page_bytes || o.arena_bytes > kMaxArenaBytes) {
     throw UsageError("arena_size (PoolOptions::arena_bytes) " + std::to_string(o.arena_bytes) +
-                     " is not allowed: it must be between 1 and " +
-                     std::to_string(kMaxArenaBytes) + " (128 TiB, the user address space)");
+                     " is not allowed: it must be between one page (page_size " +
+                     std::to_string(o.page_bytes) + ", the arena is reserved in whole pages) "
+                     "and " + std::to_string(kMaxArenaBytes) +
+                     " (128 TiB, the user address space)");
   }
   if (o.budget_bytes < o.page_bytes) {
     throw UsageError("hbm_budget (PoolOptions::budget_bytes) " + std::to_string(o.budget_bytes) +

@@ -44,8 +44,8 @@ struct PoolOptions {
 // page_bytes: a positive multiple of the device's granularity, at most kMaxPageBytes (a
 // page is created whole: a larger one only costs memory and time per map).
 constexpr size_t kMaxPageBytes = size_t(1) << 30;
-// arena_bytes: 1 to kMaxArenaBytes, the user address space of x86-64 (rounded up to
-// whole pages). budget_bytes: at least one page.
+// arena_bytes: one page to kMaxArenaBytes, the user address space of x86-64 (rounded up
+// to whole pages). budget_bytes: at least one page.
 constexpr size_t kMaxArenaBytes = size_t(1) << 47;
 
 class Pool {

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "backing/crc32c.h"
 #include "backing/errors.h"
 
 namespace statepager {
@@ -16,6 +17,22 @@ size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 unsigned store_index(uint64_t store_offset) {
   return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
+}
+
+// The crc32c of each of the chunk's parts (Job::crc_ranges) as its bytes lie in memory:
+// `staging` (the slot's buffer) or the chunk's host-tier memory.
+void checksum(Job& job, const Chunk& chunk, const char* staging) {
+  auto part = [&](size_t k, const char* at) {
+    job.part_crcs[k] = crc32c(0, at, job.part_bytes[k]);
+    job.part_known[k] = 1;
+  };
+  if (chunk.buf != nullptr) {
+    part(chunk.first_part, chunk.buf);
+    return;
+  }
+  for (size_t i = 0; i < chunk.pieces.size(); i++) {
+    part(chunk.first_part + i, staging + chunk.pieces[i].buf_offset);
+  }
 }
 
 }  // namespace
@@ -56,11 +73,15 @@ void StoreTier::plan(Job& job, std::vector<Move> moves) const {
     chunk = Chunk{};
   };
   for (const Move& m : moves) {
+    // Its checksum covers its bytes and their last block's zeros, as a page-in reads them.
+    const size_t first_part = job.part_bytes.size();
+    const size_t crc_bytes = align_up(m.bytes, kFileAlign);
     if (m.buf != nullptr) {  // its own requests: host ranges are not neighbours in the file
       flush();
       for (size_t pos = 0; pos < m.file_bytes; pos += block) {
-        job.chunks.push_back(
-            Chunk{m.store_offset + pos, std::min(block, m.file_bytes - pos), {}, m.buf + pos});
+        job.chunks.push_back(Chunk{m.store_offset + pos, std::min(block, m.file_bytes - pos),
+                                   {}, m.buf + pos, job.part_bytes.size()});
+        job.part_bytes.push_back(pos < crc_bytes ? std::min(block, crc_bytes - pos) : 0);
       }
     }
     size_t pos = m.buf != nullptr ? m.bytes : 0;
@@ -70,9 +91,13 @@ void StoreTier::plan(Job& job, std::vector<Move> moves) const {
           (chunk.file_bytes > 0 && chunk.store_offset + chunk.file_bytes != at)) {
         flush();
       }
-      if (chunk.file_bytes == 0) chunk.store_offset = at;
+      if (chunk.file_bytes == 0) {
+        chunk.store_offset = at;
+        chunk.first_part = job.part_bytes.size();
+      }
       const size_t n = std::min(block - chunk.file_bytes, m.bytes - pos);
       chunk.pieces.push_back(StagingCopy{chunk.file_bytes, m.addr + pos, n});
+      job.part_bytes.push_back(align_up(n, kFileAlign));
       chunk.file_bytes += align_up(n, kFileAlign);
       pos += n;
     }
@@ -83,8 +108,14 @@ void StoreTier::plan(Job& job, std::vector<Move> moves) const {
       job.file_ends.back() = std::max(job.file_ends.back(), end);
     }
     job.bytes_moved += m.bytes;
+    if (job.part_bytes.size() > first_part) {
+      job.crc_ranges.push_back(
+          RangeCrc{m.store_offset, first_part, job.part_bytes.size() - first_part});
+    }
   }
   flush();
+  job.part_crcs.resize(job.part_bytes.size());
+  job.part_known.resize(job.part_bytes.size(), 0);
 }
 
 void StoreTier::start(Job& job) {
@@ -137,6 +168,7 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     if (!copied(slot.copy, *slot.job, &copies_pending)) continue;
     progressed = true;
     if (slot.job->out && !slot.job->error) {
+      checksum(*slot.job, *slot.chunk, slot.buf);  // the bytes as the file gets them
       file_.submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
                                       slot.chunk->store_offset, 0});
     } else {
@@ -152,6 +184,9 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     progressed = true;
     StagingSlot& slot = slots_[c.tag];
     slot.job->requests++;
+    if (c.error == 0 && !slot.job->out && !slot.job->error) {
+      checksum(*slot.job, *slot.chunk, slot.buf);  // the bytes as the file held them
+    }
     if (c.error == 0 && !slot.job->out && !slot.job->error && slot.chunk->buf == nullptr) {
       try {
         CopyList copies;  // the pieces, rounded (see the header), joined where they can be
@@ -175,6 +210,7 @@ void StoreTier::start_chunk(StagingSlot& slot) {
   const Chunk& chunk = *slot.chunk;
   try {
     if (chunk.buf != nullptr) {
+      if (slot.job->out) checksum(*slot.job, chunk, nullptr);
       file_.submit(UringFile::Request{slot.index, slot.job->out, chunk.buf, chunk.file_bytes,
                                       chunk.store_offset, -1});
     } else if (slot.job->out) {

@@ -9,7 +9,10 @@
 // mapped at once (no slot: the copy engines, not the staging, bound them), hands free
 // slots to the other chunks, passes finished device copies on to the file and finished
 // reads on to device copies, and records each chunk's outcome in its job
-// (chunks_in_flight, requests, mapped_bytes, error).
+// (chunks_in_flight, requests, mapped_bytes, error). plan() also cuts each store range
+// into parts (Job::crc_ranges), and pump() takes each part's crc32c where its bytes lie in
+// a staging slot or host-tier memory, never where they are copied straight to or from
+// mapped files (see Note [Store checksums] in allocator/pager_crc.cc).
 //
 // Ownership: borrows the Device and the UringFile (both must outlive it); owns the staging
 // memory (depth x block_bytes from Device::alloc_staging) and the RamMap, freed by the

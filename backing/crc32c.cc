@@ -56,24 +56,6 @@ uint32_t table_crc(uint32_t c, const unsigned char* p, size_t n) {
   return c;
 }
 
-// The CPU's instruction: one step of 8 bytes (and of 1, for the tail).
-#if defined(__x86_64__)
-#define HW_TARGET __attribute__((target("sse4.2")))
-HW_TARGET inline uint32_t hw_step8(uint32_t c, uint64_t w) {
-  return static_cast<uint32_t>(_mm_crc32_u64(c, w));
-}
-HW_TARGET inline uint32_t hw_step1(uint32_t c, unsigned char b) { return _mm_crc32_u8(c, b); }
-bool has_hw() { return __builtin_cpu_supports("sse4.2"); }
-constexpr const char* kHwName = "sse4.2";
-#elif defined(__aarch64__)
-#define HW_TARGET __attribute__((target("+crc")))
-HW_TARGET inline uint32_t hw_step8(uint32_t c, uint64_t w) { return __crc32cd(c, w); }
-HW_TARGET inline uint32_t hw_step1(uint32_t c, unsigned char b) { return __crc32cb(c, b); }
-bool has_hw() { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
-constexpr const char* kHwName = "armv8-crc";
-#endif
-
-#ifdef HW_TARGET
 // a * b modulo the polynomial, both reflected (zlib's multmodp, Castagnoli's polynomial).
 uint32_t mult_mod_p(uint32_t a, uint32_t b) {
   uint32_t product = 0;
@@ -94,6 +76,24 @@ uint32_t shift_factor(uint64_t n) {
   return factor;
 }
 
+// The CPU's instruction: one step of 8 bytes (and of 1, for the tail).
+#if defined(__x86_64__)
+#define HW_TARGET __attribute__((target("sse4.2")))
+HW_TARGET inline uint32_t hw_step8(uint32_t c, uint64_t w) {
+  return static_cast<uint32_t>(_mm_crc32_u64(c, w));
+}
+HW_TARGET inline uint32_t hw_step1(uint32_t c, unsigned char b) { return _mm_crc32_u8(c, b); }
+bool has_hw() { return __builtin_cpu_supports("sse4.2"); }
+constexpr const char* kHwName = "sse4.2";
+#elif defined(__aarch64__)
+#define HW_TARGET __attribute__((target("+crc")))
+HW_TARGET inline uint32_t hw_step8(uint32_t c, uint64_t w) { return __crc32cd(c, w); }
+HW_TARGET inline uint32_t hw_step1(uint32_t c, unsigned char b) { return __crc32cb(c, b); }
+bool has_hw() { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
+constexpr const char* kHwName = "armv8-crc";
+#endif
+
+#ifdef HW_TARGET
 // The instruction's latency is three times its issue interval, so one dependent chain
 // runs at a third of its speed: each block of 3 lanes is summed as three independent
 // chains, joined by linearity (crc(a b) = crc(a) * x^(8 |b|) + crc(0, b)). 2.7 x faster
@@ -144,6 +144,10 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
 
 uint32_t crc32c_table(uint32_t crc, const void* data, size_t n) {
   return ~table_crc(~crc, static_cast<const unsigned char*>(data), n);
+}
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t b_bytes) {
+  return mult_mod_p(shift_factor(b_bytes), crc_a) ^ crc_b;
 }
 
 const char* crc32c_engine() { return engine() == hw_crc && has_hw() ? kHwName : "table"; }

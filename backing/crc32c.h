@@ -8,7 +8,8 @@
 //
 // ChunkCrcs splits a stream of bytes into chunks of a fixed size and keeps one crc32c per
 // chunk (the last one may be shorter), so a range can be checked chunk by chunk.
-// Thread-safety: crc32c() is reentrant; a ChunkCrcs belongs to one thread at a time.
+// Thread-safety: crc32c() and crc32c_combine() are reentrant; a ChunkCrcs belongs to one
+// thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -18,6 +19,10 @@
 namespace statepager {
 
 uint32_t crc32c(uint32_t crc, const void* data, size_t n);
+
+// The crc32c of a followed by b from crc32c(0, a), crc32c(0, b) and b's length (zlib's
+// crc32_combine): checksums of pieces computed apart, in any order, joined in file order.
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t b_bytes);
 
 // "sse4.2", "armv8-crc" or "table": what crc32c() runs on this machine.
 const char* crc32c_engine();

@@ -12,7 +12,11 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <optional>
 #include <random>
+#include <sstream>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -26,7 +30,9 @@ namespace statepager {
 namespace {
 
 constexpr const char* kLock = ".lock";
-constexpr const char* kFormat = "statepager-store 1";  // the marker's first line
+constexpr const char* kFormat = "statepager-store 2";  // the marker's first line
+// A marker is read up to this size: 256 stores of 8 files take about 100 KiB.
+constexpr size_t kMarkerMaxBytes = size_t(4) << 20;
 // A refused directory is searched this deep, in at most this many directories, for a
 // store inside it, to name that store in the message.
 constexpr int kScanDepth = 2;
@@ -96,6 +102,21 @@ mode_t type_at(int fd, const std::string& name) {
   return ::fstatat(fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 ? st.st_mode & S_IFMT : 0;
 }
 
+using Identity = StoreDir::Identity;
+
+std::optional<Identity> identity_at(int fd, const std::string& name, mode_t type) {
+  struct stat st;
+  if (::fstatat(fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return std::nullopt;
+  if ((st.st_mode & S_IFMT) != type) return std::nullopt;
+  return Identity{st.st_dev, st.st_ino};
+}
+
+Identity identity_of(int fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) throw_io_error(errno, "fstat", path, 0);
+  return {st.st_dev, st.st_ino};
+}
+
 // Names a store may have, and so its subdirectory: never hidden, never a path.
 bool is_plain_name(std::string_view name) {
   return !name.empty() && name.size() <= 128 && name[0] != '.' &&
@@ -103,10 +124,6 @@ bool is_plain_name(std::string_view name) {
            return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' ||
                   c == '.';
          });
-}
-
-bool is_store_file(int fd, const std::string& name) {
-  return UringFile::is_physical_name(name, StoreDir::kStoreFile) && type_at(fd, name) == S_IFREG;
 }
 
 // Unlinks `name` in `fd` unless it is already gone.
@@ -124,27 +141,43 @@ void remove_dir_at(int fd, const std::string& dir, const std::string& name) {
   }
 }
 
-// Unlinks the store files (regular files named as one) in the directory `fd`.
-void unlink_store_files(int fd, const std::string& path) {
-  for (const std::string& name : list(fd, path)) {
-    if (is_store_file(fd, name)) unlink_at(fd, path, name, 0);
+// Unlinks `name` in `fd` while it is still the entry `id` of type `type`; an entry someone
+// put in its place stays.
+void unlink_own(int fd, const std::string& dir, const std::string& name, const Identity& id,
+                mode_t type) {
+  if (identity_at(fd, name, type) != id) return;
+  if (type == S_IFDIR) {
+    remove_dir_at(fd, dir, name);
+  } else {
+    unlink_at(fd, dir, name, 0);
   }
 }
 
-// The first entry below the directory `fd` that statepager does not create there ("" if
-// none): at the top the marker, the lock, store files and store subdirectories; in a
-// subdirectory store files only.
-std::string foreign_entry(int fd, const std::string& path, bool top) {
+// The first entry in the store directory `fd` that its marker does not record ("" if none).
+// Besides the marker and the lock (regular files) only the recorded files and the recorded
+// subdirectories, holding only recorded files, each still the entry recorded (the same
+// device and inode): a file of the user's named like a store file is not statepager's.
+std::string foreign_entry(int fd, const std::string& path,
+                          const std::map<std::string, Identity>& files,
+                          const std::map<std::string, Identity>& dirs) {
+  auto recorded = [](const std::map<std::string, Identity>& in, const std::string& name,
+                     int at, const std::string& entry, mode_t type) {
+    auto it = in.find(name);
+    return it != in.end() && identity_at(at, entry, type) == it->second;
+  };
   for (const std::string& name : list(fd, path)) {
-    if (is_store_file(fd, name)) continue;
-    if (!top) return name;
-    const mode_t type = type_at(fd, name);
-    if (type == S_IFREG && (name == StoreDir::kMarker || name == kLock)) continue;
-    if (type != S_IFDIR || !is_plain_name(name)) return name;
+    if (name == StoreDir::kMarker || name == kLock) {
+      if (type_at(fd, name) == S_IFREG) continue;
+      return name;
+    }
+    if (recorded(files, name, fd, name, S_IFREG)) continue;
+    if (!recorded(dirs, name, fd, name, S_IFDIR)) return name;
     Fd sub(open_dir_at(fd, name));
     if (sub.get() < 0) throw_io_error(errno, "open directory", join(path, name), 0);
-    const std::string inner = foreign_entry(sub.get(), join(path, name), false);
-    if (!inner.empty()) return name + "/" + inner;
+    for (const std::string& inner : list(sub.get(), join(path, name))) {
+      const std::string rel = name + "/" + inner;
+      if (!recorded(files, rel, sub.get(), inner, S_IFREG)) return rel;
+    }
   }
   return "";
 }
@@ -186,17 +219,34 @@ std::string find_store_below(int fd, const std::string& path, int depth, int* bu
 struct Marker {
   std::string format;              // the first line; "" when the marker cannot be read
   bool created_directory = false;  // statepager made the directory (remove() deletes it)
+  std::map<std::string, Identity> files, dirs;  // what it records statepager created
 };
 
-Marker read_marker(int dir_fd) {
-  Fd fd(::openat(dir_fd, StoreDir::kMarker, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-  struct stat st;
-  if (fd.get() < 0 || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return {};
-  char buf[256] = {};
-  const ssize_t n = ::pread(fd.get(), buf, sizeof(buf) - 1, 0);
-  if (n <= 0) return {};
-  const std::string text(buf, static_cast<size_t>(n));
-  return {text.substr(0, text.find('\n')), text.find("\ndirectory created\n") != std::string::npos};
+// Reads the marker open as `fd`. Records are "file <name> <dev> <ino>" and
+// "dir <name> <dev> <ino>"; other lines are the header.
+Marker read_marker(int fd) {
+  std::string text;
+  char buf[65536];
+  for (off_t at = 0; text.size() < kMarkerMaxBytes;) {
+    const ssize_t n = ::pread(fd, buf, sizeof(buf), at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    at += n;
+  }
+  Marker m;
+  std::istringstream lines(text);
+  std::getline(lines, m.format);
+  for (std::string line; std::getline(lines, line);) {
+    if (line == "directory created") m.created_directory = true;
+    std::istringstream fields(line);
+    std::string kind, name;
+    unsigned long long dev = 0, ino = 0;
+    if (!(fields >> kind >> name >> dev >> ino) || (kind != "file" && kind != "dir")) continue;
+    (kind == "file" ? m.files : m.dirs)[name] = Identity{static_cast<dev_t>(dev),
+                                                         static_cast<ino_t>(ino)};
+  }
+  return m;
 }
 
 void write_all(int fd, const std::string& text, const std::string& path) {
@@ -209,22 +259,41 @@ void write_all(int fd, const std::string& text, const std::string& path) {
   }
 }
 
-// Creates the marker of a new store: its format, a random id, this process's pid and
-// whether statepager made the directory. Returns false when another process created it
-// first.
-bool create_marker(int dir_fd, const std::string& dir, bool created_directory) {
-  const std::string path = join(dir, StoreDir::kMarker);
-  Fd fd(::openat(dir_fd, StoreDir::kMarker, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                 0644));
-  if (fd.get() < 0 && errno == EEXIST) return false;
-  if (fd.get() < 0) throw_io_error(errno, "create", path, 0);
+std::string marker_header(bool created_directory) {
   std::random_device random;
   char id[33];
   std::snprintf(id, sizeof(id), "%08x%08x%08x%08x", random(), random(), random(), random());
-  write_all(fd.get(), std::string(kFormat) + "\nid " + id + "\npid " +
-                          std::to_string(::getpid()) + "\ndirectory " +
-                          (created_directory ? "created" : "given") + "\n", path);
-  return true;
+  return std::string(kFormat) + "\nid " + id + "\npid " + std::to_string(::getpid()) +
+         "\ndirectory " + (created_directory ? "created" : "given") + "\n";
+}
+
+// Appends `text` to the file open as `fd` with O_APPEND.
+void append_all(int fd, const std::string& text, const std::string& path) {
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw_io_error(n < 0 ? errno : EIO, "write", path, done);
+    done += static_cast<size_t>(n);
+  }
+}
+
+// Creates the marker of a new store (its header: format, a random id, this process's pid
+// and whether statepager made the directory) and returns its descriptor, open for
+// appending; -1 when another process created it first. A marker that cannot be written
+// whole (a full disk) is removed again.
+int create_marker(int dir_fd, const std::string& dir, bool created_directory) {
+  const std::string path = join(dir, StoreDir::kMarker);
+  Fd fd(::openat(dir_fd, StoreDir::kMarker,
+                 O_RDWR | O_APPEND | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
+  if (fd.get() < 0 && errno == EEXIST) return -1;
+  if (fd.get() < 0) throw_io_error(errno, "create", path, 0);
+  try {
+    append_all(fd.get(), marker_header(created_directory), path);
+  } catch (...) {
+    ::unlinkat(dir_fd, StoreDir::kMarker, 0);
+    throw;
+  }
+  return fd.release();
 }
 
 // The pid the holder wrote into the lock file, or "" when it has not written one yet.
@@ -298,30 +367,41 @@ std::string existing_ancestor(const std::string& path) {
 
 }  // namespace
 
-StoreDir::StoreDir(const std::string& path) {
+StoreDir::StoreDir(const std::string& path) : owner_(::getpid()) {
   try {
     claim(path);
   } catch (...) {
-    // A store this StoreDir started is undone; one that another process got first stays.
-    if (lock_fd_ >= 0 && created_marker_) {
-      ::unlinkat(dir_fd_, kMarker, 0);
-      ::unlinkat(dir_fd_, kLock, 0);
-    }
-    if (created_) ::unlinkat(parent_fd_, leaf_.c_str(), AT_REMOVEDIR);  // when still empty
-    release();
+    undo_claim();
     throw;
   }
 }
 
 StoreDir::~StoreDir() { release(); }
 
+// A refused or failed claim leaves the directory as it was: what this StoreDir made is
+// removed (a store that another process got first stays).
+void StoreDir::undo_claim() noexcept {
+  if (created_marker_) ::unlinkat(dir_fd_, kMarker, 0);
+  if (created_lock_) ::unlinkat(dir_fd_, kLock, 0);
+  if (created_) ::unlinkat(parent_fd_, leaf_.c_str(), AT_REMOVEDIR);  // when still empty
+  release();
+}
+
 void StoreDir::release() {
   for (auto& [name, fd] : subdirs_) ::close(fd);
   subdirs_.clear();
-  for (int* fd : {&lock_fd_, &dir_fd_, &parent_fd_}) {
+  for (int* fd : {&marker_fd_, &lock_fd_, &dir_fd_, &parent_fd_}) {
     if (*fd >= 0) ::close(*fd);
     *fd = -1;
   }
+}
+
+void StoreDir::check_owner(const char* what) const {
+  if (::getpid() == owner_) return;
+  throw UsageError("store directory " + path_ + " belongs to process " +
+                   std::to_string(owner_) + ": a forked child (process " +
+                   std::to_string(::getpid()) + ") cannot " + what +
+                   "; nothing was touched; give the child a store directory of its own");
 }
 
 // Resolves the path, makes or checks the directory, locks it and clears what a previous
@@ -358,12 +438,16 @@ void StoreDir::claim(const std::string& given) {
   dir_fd_ = open_dir_at(parent_fd_, leaf_);
   if (dir_fd_ < 0 && errno == ELOOP) refuse_symlink(path_);
   if (dir_fd_ < 0) throw_io_error(errno, "open directory", path_, 0);
+  identity_ = identity_of(dir_fd_, path_);
 
   const std::vector<std::string> names = list(dir_fd_, path_);
   const bool marked = std::find(names.begin(), names.end(), kMarker) != names.end();
   if (!marked && !names.empty()) refuse_not_empty(dir_fd_, path_, names);
   // When another process made the marker first, the lock decides between us.
-  if (!marked) created_marker_ = create_marker(dir_fd_, path_, created_);
+  if (!marked) {
+    marker_fd_ = create_marker(dir_fd_, path_, created_);
+    created_marker_ = marker_fd_ >= 0;
+  }
   take_lock();
   clear_leftovers();
   const std::string pid = std::to_string(::getpid()) + "\n";
@@ -374,7 +458,11 @@ void StoreDir::claim(const std::string& given) {
 void StoreDir::take_lock() {
   const std::string path = join(path_, kLock);
   // O_NONBLOCK: a planted FIFO or device must not hang the open; it is refused below.
-  Fd fd(::openat(dir_fd_, kLock, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+  constexpr int kFlags = O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+  int opened = ::openat(dir_fd_, kLock, kFlags | O_CREAT | O_EXCL, 0644);
+  created_lock_ = opened >= 0;  // a refusal below removes it again (undo_claim)
+  if (!created_lock_ && errno == EEXIST) opened = ::openat(dir_fd_, kLock, kFlags);
+  Fd fd(opened);
   if (fd.get() < 0 && errno == ELOOP) {
     throw UsageError(path + " is a symbolic link: statepager never opens its files through one "
                      "and touched nothing; remove the link, or " + kChoose);
@@ -402,37 +490,59 @@ void StoreDir::take_lock() {
   lock_fd_ = fd.release();
 }
 
-// Under the lock: a store left by an earlier run is cleared when it holds nothing but
-// statepager's own entries, and refused, untouched, otherwise.
+// Under the lock: a store left by an earlier run is cleared when it holds nothing but what
+// its marker records statepager created, and refused, untouched, otherwise. The marker of
+// a cleared store starts afresh (a new id, this process's pid, no records).
 void StoreDir::clear_leftovers() {
-  const Marker marker = read_marker(dir_fd_);
-  const std::string& format = marker.format;
-  if (format != kFormat) {
-    const std::string found =
-        format.empty() ? "not a readable file" : "it begins '" + format.substr(0, 40) + "'";
+  const std::string marker_path = join(path_, kMarker);
+  if (marker_fd_ < 0) {
+    marker_fd_ = ::openat(dir_fd_, kMarker, O_RDWR | O_APPEND | O_NOFOLLOW | O_NONBLOCK |
+                                                O_CLOEXEC);
+  }
+  struct stat st;
+  const bool own_file = marker_fd_ >= 0 && ::fstat(marker_fd_, &st) == 0 &&
+                        S_ISREG(st.st_mode) && st.st_nlink == 1;
+  const Marker marker = own_file ? read_marker(marker_fd_) : Marker{};
+  if (marker.format != kFormat) {
+    const std::string found = marker.format.empty()
+                                  ? "not a readable file of its own"
+                                  : "it begins '" + marker.format.substr(0, 40) + "'";
     throw UsageError("store directory " + path_ + " holds a " + kMarker + " that is not a '" +
                      kFormat + "' marker (" + found + "): another program or another version "
                      "of statepager made it; nothing was touched; " + kChoose);
   }
-  const std::string foreign = foreign_entry(dir_fd_, path_, true);
+  const std::string foreign = foreign_entry(dir_fd_, path_, marker.files, marker.dirs);
   if (!foreign.empty()) {
     throw UsageError("store directory " + path_ + " holds a statepager store and also " +
-                     quoted(foreign) + ", which statepager did not create: it deletes only "
-                     "what it creates and touched nothing; move " + quoted(foreign) +
-                     " out, or " + kChoose);
+                     quoted(foreign) + ", which statepager did not create (its marker does "
+                     "not record it): it deletes only what it creates and touched nothing; "
+                     "move " + quoted(foreign) + " out, or " + kChoose);
   }
-  for (const std::string& name : list(dir_fd_, path_)) {
-    if (type_at(dir_fd_, name) != S_IFDIR) continue;  // only store subdirectories are
-    Fd sub(open_dir_at(dir_fd_, name));
-    if (sub.get() < 0) throw_io_error(errno, "open directory", join(path_, name), 0);
-    unlink_store_files(sub.get(), join(path_, name));
-    remove_dir_at(dir_fd_, path_, name);
+  if (created_marker_) return;  // a new store: nothing left to clear
+  for (const auto& [name, id] : marker.files) {
+    const size_t slash = name.find('/');
+    if (slash == std::string::npos) {
+      unlink_own(dir_fd_, path_, name, id, S_IFREG);
+      continue;
+    }
+    const std::string sub = name.substr(0, slash);
+    Fd fd(open_dir_at(dir_fd_, sub));
+    if (fd.get() >= 0) unlink_own(fd.get(), join(path_, sub), name.substr(slash + 1), id, S_IFREG);
   }
-  unlink_store_files(dir_fd_, path_);
+  for (const auto& [name, id] : marker.dirs) unlink_own(dir_fd_, path_, name, id, S_IFDIR);
   created_ = created_ || marker.created_directory;  // a store left: made by statepager?
+  if (::ftruncate(marker_fd_, 0) != 0) throw_io_error(errno, "ftruncate", marker_path, 0);
+  append_all(marker_fd_, marker_header(created_), marker_path);
+}
+
+void StoreDir::record(const char* kind, const std::string& name, const Identity& id) {
+  (std::string(kind) == "file" ? files_ : dirs_)[name] = id;
+  append_all(marker_fd_, std::string(kind) + " " + name + " " + std::to_string(id.dev) + " " +
+                             std::to_string(id.ino) + "\n", join(path_, kMarker));
 }
 
 UringFile::Location StoreDir::store_file(std::string_view name) {
+  check_owner("open a store in it");
   if (name.empty()) return {dir_fd_, path_, kStoreFile};
   if (!is_plain_name(name)) {
     throw UsageError("store name '" + std::string(name) + "' is not a plain file name: use up "
@@ -453,20 +563,40 @@ UringFile::Location StoreDir::store_file(std::string_view name) {
     const int fd = open_dir_at(dir_fd_, sub);
     if (fd < 0) throw_io_error(errno, "open directory", path, 0);
     it = subdirs_.emplace(sub, fd).first;
+    record("dir", sub, identity_of(fd, path));
   }
   return {it->second, join(path_, sub), kStoreFile};
 }
 
+void StoreDir::adopt(const UringFile& file) {
+  check_owner("record files in it");
+  const std::vector<std::string> paths = file.physical_paths();
+  const std::string prefix = path_ + "/";
+  for (unsigned i = 0; i < paths.size(); ++i) {
+    if (paths[i].rfind(prefix, 0) != 0) continue;  // not in this directory
+    const std::string name = paths[i].substr(prefix.size());
+    if (files_.count(name) == 0) record("file", name, identity_of(file.physical_fd(i), paths[i]));
+  }
+}
+
 void StoreDir::remove() {
   if (lock_fd_ < 0) return;
-  for (const auto& [name, fd] : subdirs_) {
-    unlink_store_files(fd, join(path_, name));
-    remove_dir_at(dir_fd_, path_, name);
+  check_owner("remove it");
+  for (const auto& [name, id] : files_) {
+    const size_t slash = name.find('/');
+    if (slash == std::string::npos) {
+      unlink_own(dir_fd_, path_, name, id, S_IFREG);
+    } else if (auto it = subdirs_.find(name.substr(0, slash)); it != subdirs_.end()) {
+      unlink_own(it->second, join(path_, it->first), name.substr(slash + 1), id, S_IFREG);
+    }
   }
-  unlink_store_files(dir_fd_, path_);
-  unlink_at(dir_fd_, path_, kMarker, 0);
-  unlink_at(dir_fd_, path_, kLock, 0);  // while still holding the lock
-  if (created_) remove_dir_at(parent_fd_, parent_of(path_), leaf_);
+  for (const auto& [name, id] : dirs_) unlink_own(dir_fd_, path_, name, id, S_IFDIR);
+  unlink_own(dir_fd_, path_, kMarker, identity_of(marker_fd_, join(path_, kMarker)), S_IFREG);
+  // While still holding the lock.
+  unlink_own(dir_fd_, path_, kLock, identity_of(lock_fd_, join(path_, kLock)), S_IFREG);
+  if (created_) unlink_own(parent_fd_, parent_of(path_), leaf_, identity_, S_IFDIR);
+  files_.clear();
+  dirs_.clear();
   release();
 }
 

@@ -29,11 +29,55 @@ using namespace statepager;
 
 namespace {
 
+// The storages of the tensors a Pager made (Pager.empty), so that its close() can take
+// their memory away from them: a storage marked so makes torch raise (kClosedMessage) on
+// any access to its data, where reading the unmapped arena would fault. A null data
+// pointer alone does not do: torch 2.11's CPU kernels (sum, add_, clone) read through it.
+// Weak: a storage that died is skipped. Deleters run on any thread, hence the mutex.
+class PagerStorages {
+ public:
+  void add(const c10::Storage& s) {
+    std::lock_guard lock(mu_);
+    if (all_.size() >= 2 * pruned_size_ + 64) {  // amortized: the dead ones go
+      std::erase_if(all_, [](const auto& w) { return w.expired(); });
+      pruned_size_ = all_.size();
+    }
+    all_.emplace_back(s.getWeakStorageImpl());
+  }
+  static constexpr const char* kClosedMessage =
+      "statepager: this tensor's Pager is closed, and its memory with it: read what you "
+      "need before Pager.close()";
+
+  // Gives each live one a null DataPtr of its device (its bytes' count kept; the old
+  // DataPtr's deleter releases the extents) and makes every access to its data raise.
+  void cut_off() {
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> all;
+    {
+      std::lock_guard lock(mu_);
+      all.swap(all_);
+      pruned_size_ = 0;
+    }
+    for (auto& w : all) {
+      if (auto impl = w.lock()) {
+        impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+        impl->release_data_and_set_meta_custom_data_ptr_error_msg_(kClosedMessage);
+      }
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> all_;  // mu_
+  size_t pruned_size_ = 0;                                       // mu_
+};
+
 struct PyPager {
   std::shared_ptr<Pager> pager;
   torch::Device device{torch::kCPU};
+  std::shared_ptr<PagerStorages> storages = std::make_shared<PagerStorages>();
 
   ExtentId extent_of(const torch::Tensor& t) const {
+    pager->check_usable();  // a closed Pager's tensors have no data to look up
     auto id = pager->find(reinterpret_cast<uintptr_t>(t.storage().data()));
     if (!id) throw not_created(t);
     return *id;
@@ -50,6 +94,7 @@ struct PyPager {
   // tensor made of pieces (Pager.empty(pieces=...)) the pieces its elements lie in, so
   // that a view of one piece pages that piece alone.
   std::vector<ExtentId> extents_of(const std::vector<torch::Tensor>& tensors) const {
+    pager->check_usable();  // a closed Pager's tensors have no data to look up
     std::vector<Pager::ByteRange> ranges;
     ranges.reserve(tensors.size());
     for (const auto& t : tensors) {
@@ -456,8 +501,7 @@ PYBIND11_MODULE(_C, m) {
               std::optional<std::vector<size_t>> pieces) {
              const size_t bytes = tensor_bytes(shape, strides, scalar);
              std::vector<size_t> sizes = pieces.value_or(std::vector<size_t>{bytes});
-             size_t total = 0;
-             for (size_t n : sizes) total += n;
+             const size_t total = self.pager->check_pieces(sizes);  // before the store opens
              if (total != bytes) {
                throw UsageError("Pager.empty: pieces of " + std::to_string(total) +
                                 " bytes in all for a tensor of " + std::to_string(bytes) +
@@ -486,10 +530,12 @@ PYBIND11_MODULE(_C, m) {
              // so torch must not try to infer the device from it.
              auto blob = at::for_blob(reinterpret_cast<void*>(self.pager->address(ids[0])), shape);
              if (strides) blob.strides(*strides);
-             return blob.deleter(deleter)
-                 .options(torch::TensorOptions().dtype(scalar).device(self.device))
-                 .target_device(self.device)
-                 .make_tensor();
+             torch::Tensor t = blob.deleter(deleter)
+                                   .options(torch::TensorOptions().dtype(scalar).device(self.device))
+                                   .target_device(self.device)
+                                   .make_tensor();
+             self.storages->add(t.storage());
+             return t;
            },
            py::arg("shape"), py::arg("dtype"), py::arg("store") = "",
            py::arg("strides") = py::none(), py::arg("pieces") = py::none())
@@ -524,10 +570,17 @@ PYBIND11_MODULE(_C, m) {
              return self.pager->store_name(self.pager->store_of(self.extent_of(t)));
            })
       .def("page_in",
-           [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
-             return PyTicket{self.pager->page_in(self.extents_of(tensors))};
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors, bool for_read) {
+             return PyTicket{self.pager->page_in(self.extents_of(tensors), for_read)};
            },
-           release_gil())
+           py::arg("tensors"), py::arg("for_read") = false, release_gil())
+      .def("release_unchanged",
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream,
+              uint64_t reuse_after) {
+             return PyTicket{
+                 self.pager->release_unchanged(self.extents_of(tensors), stream, reuse_after)};
+           },
+           py::arg("tensors"), py::arg("stream") = 0, py::arg("reuse_after") = 0, release_gil())
       .def("page_out",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream,
               uint64_t reuse_after) {
@@ -605,6 +658,7 @@ PYBIND11_MODULE(_C, m) {
              d["read_requests"] = s.read_requests;
              d["write_requests"] = s.write_requests;
              d["zero_filled_bytes"] = s.zero_filled_bytes;
+             d["unchanged_bytes"] = s.unchanged_bytes;
              d["buckets_in"] = s.buckets_in;
              d["buckets_out"] = s.buckets_out;
              d["buckets_held"] = s.buckets_held;
@@ -664,5 +718,22 @@ PYBIND11_MODULE(_C, m) {
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })
       .def_property_readonly("file_path", [](PyPager& self) { return self.pager->file_path(); })
       .def_property_readonly("directory", [](PyPager& self) { return self.pager->directory(); })
-      .def("close", [](PyPager& self) { self.pager->close(); }, release_gil());
+      .def_property_readonly("owner_pid", [](PyPager& self) { return self.pager->owner(); })
+      .def("check_owner", [](PyPager& self) { self.pager->check_owner(); })
+      .def("check_usable", [](PyPager& self) { self.pager->check_usable(); })
+      // After close() the arena is unmapped: its tensors' storages lose their memory, so
+      // that reading one raises in torch instead of faulting (the tensors stay valid
+      // objects; their views too, sharing the storage).
+      .def("close",
+           [](PyPager& self) {
+             self.pager->check_owner();  // a forked child's close touches nothing
+             try {
+               self.pager->close();
+             } catch (...) {  // closed all the same (see Pager::close)
+               self.storages->cut_off();
+               throw;
+             }
+             self.storages->cut_off();
+           },
+           release_gil());
 }

@@ -11,8 +11,9 @@ import sys
 import torch
 
 from statepager import _C
-from statepager.cli_args import (FIO_JOBS, at_least, count, device, device_name, directory,
-                                 io_block, job_counts, output_file, plot_file, size)
+from statepager.cli_args import (FIO_JOBS, at_least, count, dash_values_joined, device,
+                                 device_name, directory, io_block, job_counts, output_file,
+                                 plot_file, size)
 
 
 def _bench(bench, name: str, help: str, *, dir: bool = True, default_device: str | None = None):
@@ -141,7 +142,8 @@ def parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv=None, prog: str = "statepager") -> int:
-    args = parser(prog).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser(prog).parse_args(dash_values_joined(argv))
     try:
         if args.command == "doctor":
             from statepager import doctor

@@ -6,10 +6,30 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 
 import torch
 
 from statepager.core.args import parse_size
+
+# A value starting with '-' and a digit that argparse would take for an option: only
+# plain negative numbers ("-5", "-1.5") are values to it.
+_DASH_VALUE = re.compile(r"-\d")
+_PLAIN_NEGATIVE = re.compile(r"-\d+|-\d*\.\d+")
+
+
+def dash_values_joined(argv: list[str]) -> list[str]:
+    """argv with each value like "-5G" joined to the option before it ("--size=-5G"), so
+    that the option's type refuses it by name, not argparse as a missing value (no option
+    of this command line starts with a digit)."""
+    out = []
+    for arg in argv:
+        if (out and out[-1].startswith("--") and "=" not in out[-1]
+                and _DASH_VALUE.match(arg) and not _PLAIN_NEGATIVE.fullmatch(arg)):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 def size(text: str) -> int:
     """A byte count above 0, with an optional unit."""

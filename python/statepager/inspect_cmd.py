@@ -42,9 +42,10 @@ def inspect(path: str, *, verify: bool) -> dict:
                 "failed": any(c.get("error") for c in found)}
     if os.path.isfile(os.path.join(path, _LOCK)):
         return _store(path)
-    what = "does not exist" if not os.path.exists(path) else "holds neither"
+    if not os.path.exists(path):
+        return {"kind": "unknown", "path": path, "error": f"{path} does not exist"}
     return {"kind": "unknown", "path": path,
-            "error": f"{path} {what} a statepager checkpoint ({_MANIFEST}, or "
+            "error": f"{path} holds neither a statepager checkpoint ({_MANIFEST}, or "
                      f"statepager/rank*/{_MANIFEST} under a save_to() base) nor a store "
                      f"directory ({_LOCK})"}
 

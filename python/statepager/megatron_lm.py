@@ -258,11 +258,8 @@ class Run:
                 optimizer.reload_model_params()
             return result
         directory = m.iteration_directory(base, iteration)
-        # Checked first, so a missing part is not taken for a fresh start (load_from's
-        # False) anywhere: it fails every rank.
-        loaded, ok, reason = False, True, ""
-        if _holds_checkpoint(rank_part(directory)):
-            loaded, ok, reason = _attempt(lambda: self.pager.load_from(directory))
+        # A missing part is not taken for a fresh start anywhere: it fails every rank.
+        loaded, ok, reason = _attempt(lambda: self.pager.load_from(directory, missing_ok=True))
         if ok and not loaded:
             ok, reason = False, (f"{rank_part(directory)} holds no statepager checkpoint "
                                  "(saved without statepager, or with --no-save-optim); pass "

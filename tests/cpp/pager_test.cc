@@ -428,6 +428,7 @@ TEST(Pager, OptionsOutOfRangeAreRefused) {
   refused([](PagerOptions& o) { o.pool.page_bytes = size_t(1) << 40; }, "page_bytes");
   refused([](PagerOptions& o) { o.pool.arena_bytes = 0; }, "arena_bytes");
   refused([](PagerOptions& o) { o.pool.arena_bytes = size_t(1) << 50; }, "arena_bytes");
+  refused([](PagerOptions& o) { o.pool.arena_bytes = o.pool.page_bytes - 4096; }, "one page");
   refused([](PagerOptions& o) { o.pool.budget_bytes = 4096; }, "budget_bytes");
   refused([](PagerOptions& o) { o.io_depth = kMaxIoDepth + 1; }, "io_depth");
   refused([](PagerOptions& o) { o.io_block_bytes = 1000; }, "io_block_bytes");

@@ -2,16 +2,20 @@
 #include "backing/store_dir.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "backing/errors.h"
 #include "backing/uring_file.h"
@@ -68,6 +72,27 @@ std::map<std::string, std::string> snapshot(const std::string& root) {
 // A store statepager left: made by a StoreDir that was never removed.
 void leave_store(const std::string& path) { StoreDir dir(path); }
 
+// A store file of `dir`'s store `name`, created and recorded as the Pager does.
+std::unique_ptr<UringFile> store_file(StoreDir& dir, const std::string& name = "") {
+  auto file = std::make_unique<UringFile>(dir.store_file(name), UringFile::Options{4, true, true});
+  dir.adopt(*file);
+  return file;
+}
+
+// A store statepager left with its default store and the store "opt0" in it.
+void leave_store_with_files(const std::string& path) {
+  StoreDir dir(path);
+  store_file(dir);
+  store_file(dir, "opt0");
+}
+
+std::vector<std::string> entries(const std::string& path) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(path)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 // Runs `make` and expects a UsageError whose message names every one of `names`.
 template <typename F>
 void expect_refused(F make, const std::vector<std::string>& names) {
@@ -88,7 +113,7 @@ TEST(StoreDir, CreatesParentsMarksAndLocks) {
   EXPECT_TRUE(fs::is_directory(path));
   EXPECT_EQ(dir.path(), path);
   const std::string marker = slurp(path + "/" + StoreDir::kMarker);
-  EXPECT_EQ(marker.rfind("statepager-store 1\nid ", 0), 0u) << marker;
+  EXPECT_EQ(marker.rfind("statepager-store 2\nid ", 0), 0u) << marker;
   EXPECT_NE(marker.find("\npid " + std::to_string(::getpid()) + "\n"), std::string::npos);
   EXPECT_NE(marker.find("\ndirectory created\n"), std::string::npos) << marker;
   EXPECT_EQ(slurp(path + "/.lock"), std::to_string(::getpid()) + "\n");
@@ -115,8 +140,8 @@ TEST(StoreDir, EmptyDirectoryGivenStaysEmptyAfterRemove) {
   const std::string path = tmp.sub("given");
   fs::create_directory(path);
   StoreDir dir(path);
-  UringFile file(dir.store_file(""), UringFile::Options{4, true, true});
-  UringFile sub(dir.store_file("opt0"), UringFile::Options{4, true, true});
+  auto file = store_file(dir);
+  auto sub = store_file(dir, "opt0");
   EXPECT_TRUE(fs::exists(path + "/opt0/state.bin"));
   dir.remove();
   ASSERT_TRUE(fs::is_directory(path)) << "a directory the user gave was deleted";
@@ -138,10 +163,8 @@ TEST(StoreDir, CreatedDirectoryIsRemovedWithEverythingItMade) {
   TempDir tmp;
   const std::string path = tmp.sub("store");
   StoreDir dir(path);
-  {
-    UringFile file(dir.store_file(""), UringFile::Options{4, true, true});
-    UringFile sub(dir.store_file("0-dense"), UringFile::Options{4, true, true});
-  }
+  store_file(dir);
+  store_file(dir, "0-dense");
   dir.remove();
   EXPECT_FALSE(fs::exists(path));
   EXPECT_TRUE(fs::exists(tmp.sub(""))) << "the parent must stay";
@@ -152,7 +175,7 @@ TEST(StoreDir, EntriesAddedByOthersSurviveRemove) {
   TempDir tmp;
   const std::string path = tmp.sub("store");
   StoreDir dir(path);
-  UringFile sub(dir.store_file("opt0"), UringFile::Options{4, true, true});
+  auto sub = store_file(dir, "opt0");
   touch(path + "/notes.txt", "keep me");
   touch(path + "/opt0/notes.txt", "keep me too");
   dir.remove();
@@ -176,7 +199,7 @@ TEST(StoreDir, RelativePathThenChdirRemovesOnlyItsOwn) {
   fs::current_path(tmp.sub("here"));
   {
     StoreDir dir("store");
-    UringFile sub(dir.store_file("opt0"), UringFile::Options{4, true, true});
+    auto sub = store_file(dir, "opt0");
     EXPECT_EQ(dir.path(), tmp.sub("here/store"));
     fs::current_path(tmp.sub("there"));
     dir.remove();
@@ -220,34 +243,37 @@ TEST(StoreDir, LeftoverStoreOfOursIsClearedAndReused) {
   const std::string path = tmp.sub("store");
   {
     StoreDir dir(path);
-    UringFile file(dir.store_file(""), UringFile::Options{4, true, true});
-    UringFile sub(dir.store_file("1-expert"), UringFile::Options{4, true, true});
+    store_file(dir);
+    store_file(dir, "1-expert");
   }  // no remove(): as after a crash
-  touch(path + "/state.bin.3", "stripe");  // a RAM store's stripe
   ASSERT_TRUE(fs::exists(path + "/1-expert/state.bin"));
+  EXPECT_NE(slurp(path + "/" + StoreDir::kMarker).find("\nfile 1-expert/state.bin "),
+            std::string::npos);
   StoreDir again(path);
-  std::vector<std::string> left;
-  for (const auto& e : fs::directory_iterator(path)) left.push_back(e.path().filename());
-  std::sort(left.begin(), left.end());
-  EXPECT_EQ(left, (std::vector<std::string>{".lock", StoreDir::kMarker}));
-  UringFile file(again.store_file(""), UringFile::Options{4, true, true});  // new again
+  EXPECT_EQ(entries(path), (std::vector<std::string>{".lock", StoreDir::kMarker}));
+  EXPECT_EQ(slurp(path + "/" + StoreDir::kMarker).find("\nfile "), std::string::npos)
+      << "the records of the cleared store stay in the marker";
+  store_file(again);  // new again
   again.remove();
   EXPECT_FALSE(fs::exists(path)) << "a store left by a crash is statepager's to remove";
 }
 
 TEST(StoreDir, LeftoverWithForeignEntriesIsRefusedUntouched) {
   TempDir tmp;
-  // An entry statepager does not create, and how the refusal names it.
+  // An entry statepager did not create, and how the refusal names it: files and folders
+  // of the user's, also those named like store files and store subdirectories.
   const std::vector<std::pair<std::string, std::string>> extras = {
-      {"notes.txt", "notes.txt"}, {"opt0/notes.txt", "opt0/notes.txt"},
-      {".hidden", ".hidden"}, {"sub/deeper/file", "sub/deeper"}};
+      {"notes.txt", "notes.txt"},     {"opt0/notes.txt", "opt0/notes.txt"},
+      {".hidden", ".hidden"},         {"sub/deeper/file", "sub"},
+      {"results/", "results"},        {"results/metrics.csv", "results"},
+      {"state.bin.7", "state.bin.7"}, {"opt0/state.bin.5", "opt0/state.bin.5"},
+      {"opt1/state.bin", "opt1"}};
   for (size_t i = 0; i < extras.size(); ++i) {
     const auto& [extra, named] = extras[i];
     const std::string path = tmp.sub("store" + std::to_string(i));
-    leave_store(path);
-    touch(path + "/state.bin", "left");
+    leave_store_with_files(path);
     fs::create_directories(fs::path(path + "/" + extra).parent_path());
-    touch(path + "/" + extra, "mine");
+    if (extra.back() != '/') touch(path + "/" + extra, "mine");
     const auto before = snapshot(path);
     expect_refused([&] { StoreDir dir(path); }, {path, named, "did not create"});
     EXPECT_EQ(snapshot(path), before) << extra;
@@ -310,7 +336,7 @@ TEST(StoreDir, StoreInsideAStoreIsRefused) {
   const std::string outer = tmp.sub("outer");
   {
     StoreDir live(outer);
-    UringFile file(live.store_file(""), UringFile::Options{4, true, true});
+    auto file = store_file(live);
     expect_refused([&] { StoreDir dir(outer + "/inner"); }, {outer + "/inner", outer});
     expect_refused([&] { StoreDir dir(outer + "/x/y/inner"); }, {outer + "/x/y/inner", outer});
     EXPECT_FALSE(fs::exists(outer + "/inner"));
@@ -338,8 +364,109 @@ TEST(StoreDir, ForeignMarkerIsRefused) {
   fs::create_directories(path);
   touch(path + "/" + StoreDir::kMarker, "statepager-store 99\n");
   touch(path + "/state.bin", "left");
-  expect_refused([&] { StoreDir dir(path); }, {path, "statepager-store 99"});
-  EXPECT_EQ(slurp(path + "/state.bin"), "left");
+  const auto before = snapshot(path);
+  expect_refused([&] { StoreDir dir(path); }, {path, "statepager-store 99", "nothing was touched"});
+  EXPECT_EQ(snapshot(path), before) << "a refused StoreDir left a .lock or changed a file";
+}
+
+TEST(StoreDir, RefusedLeftoverKeepsItsLockAndMarker) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  leave_store_with_files(path);
+  touch(path + "/results.csv", "mine");
+  const auto before = snapshot(path);
+  expect_refused([&] { StoreDir dir(path); }, {path, "results.csv"});
+  EXPECT_EQ(snapshot(path), before);
+}
+
+TEST(StoreDir, RemoveSparesUserFilesNamedLikeStoreFiles) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  StoreDir dir(path);
+  auto file = store_file(dir);
+  auto sub = store_file(dir, "opt0");
+  touch(path + "/state.bin.7", "mine");       // named like a stripe
+  touch(path + "/opt0/state.bin.5", "mine");
+  fs::rename(path + "/opt0/state.bin", tmp.sub("moved"));  // and one put in a file's place
+  touch(path + "/opt0/state.bin", "mine too");
+  dir.remove();
+  EXPECT_EQ(slurp(path + "/state.bin.7"), "mine");
+  EXPECT_EQ(slurp(path + "/opt0/state.bin.5"), "mine");
+  EXPECT_EQ(slurp(path + "/opt0/state.bin"), "mine too");
+  EXPECT_FALSE(fs::exists(path + "/state.bin"));
+  EXPECT_EQ(entries(path), (std::vector<std::string>{"opt0", "state.bin.7"}));
+}
+
+TEST(StoreDir, DirectoryPutInItsPlaceIsNotRemoved) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  StoreDir dir(path);
+  store_file(dir);
+  fs::rename(path, tmp.sub("moved"));
+  fs::create_directory(path);  // the user's, empty
+  dir.remove();
+  EXPECT_TRUE(fs::is_directory(path)) << "remove() deleted a directory it did not create";
+  EXPECT_TRUE(fs::is_empty(tmp.sub("moved"))) << "its own entries stay where it moved";
+}
+
+TEST(StoreDir, AMarkerThatCannotBeWrittenIsRemoved) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  fs::create_directory(path);
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  // A file-size limit of 1 byte stands in for a full disk (SIGXFSZ ignored: EFBIG).
+  const auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit one = old;
+  one.rlim_cur = 1;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &one), 0);
+  bool threw = false;
+  try {
+    StoreDir dir(path);
+  } catch (const IoError&) {
+    threw = true;
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  EXPECT_TRUE(threw);
+  EXPECT_TRUE(fs::is_empty(path)) << "a failed StoreDir left a marker or a lock";
+  StoreDir dir(path);  // the directory is usable again
+}
+
+TEST(StoreDir, ForkedChildCannotRemoveAndLeavesTheLockHeld) {
+  TempDir tmp;
+  const std::string path = tmp.sub("store");
+  auto dir = std::make_unique<StoreDir>(path);
+  auto file = store_file(*dir);
+  const auto before = snapshot(path);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 0;
+    try {
+      dir->remove();
+      code = 1;
+    } catch (const UsageError& e) {
+      if (std::string(e.what()).find("forked child") == std::string::npos) code = 2;
+    } catch (...) {
+      code = 3;
+    }
+    try {
+      dir->store_file("opt0");
+      code = 4;
+    } catch (const UsageError&) {
+    }
+    file.reset();
+    dir.reset();  // the child's copies of the descriptors, the lock's included, close
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: removed, 2: unclear error, 3: other, 4: store made";
+  EXPECT_EQ(snapshot(path), before);
+  EXPECT_THROW(StoreDir again(path), StoreBusyError) << "the child released the parent's lock";
+  dir->remove();
+  EXPECT_FALSE(fs::exists(path));
 }
 
 TEST(StoreDir, SecondInSameProcessIsBusy) {
@@ -397,7 +524,7 @@ TEST(StoreDir, HeldByAnotherProcessIsBusyUntilItExits) {
     std::unique_ptr<UringFile> file;
     try {
       dir = std::make_unique<StoreDir>(path);
-      file = std::make_unique<UringFile>(dir->store_file(""), UringFile::Options{4, true, true});
+      file = store_file(*dir);
       c = 1;
     } catch (...) {
     }

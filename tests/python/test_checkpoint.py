@@ -196,9 +196,10 @@ def test_save_to_load_from_round_trips_two_named_optimizers(tmp_path, caplog):
     assert equal(pair_state(pager2, opt_b, opt2_b), pair_state(pager3, opt_c, opt2_c))
     assert equal(list(dense2.parameters()), list(dense3.parameters()))
 
-    with caplog.at_level("WARNING", logger="statepager"):
-        assert pager3.load_from(str(tmp_path / "iter_without_statepager")) is False
-    assert "starts fresh" in caplog.text
+    with caplog.at_level("INFO", logger="statepager"):
+        assert pager3.load_from(str(tmp_path / "iter_without_statepager"),
+                                missing_ok=True) is False
+    assert "no checkpoint at" in caplog.text
     for p in (pager, pager2, pager3):
         p.close()
 
@@ -381,11 +382,13 @@ def test_a_version_3_checkpoint_loads_and_its_crc32s_are_verified(tmp_path):
     refused(tmp_path, new, statepager.CorruptStoreError, "fails its checksum .*crc32 ")
 
 
-def test_missing_checkpoint_starts_fresh_with_a_notice(tmp_path, caplog):
+def test_missing_checkpoint_is_an_error_unless_missing_ok(tmp_path, caplog):
     model, pager, opt = fresh(tmp_path)
-    with caplog.at_level("WARNING", logger="statepager"):
-        assert pager.load(str(tmp_path / "nothing-here")) is False
-    assert "starts fresh" in caplog.text
+    with pytest.raises(statepager.UsageError, match="no checkpoint at .*nothing-here"):
+        pager.load(str(tmp_path / "nothing-here"))
+    with caplog.at_level("INFO", logger="statepager"):
+        assert pager.load(str(tmp_path / "nothing-here"), missing_ok=True) is False
+    assert "no checkpoint at" in caplog.text
     pager.close()
 
 

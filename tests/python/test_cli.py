@@ -12,6 +12,8 @@ import torch
 
 import statepager
 from statepager import cli
+from statepager.bench import common
+from statepager.bench.floor import Fio, find_fio
 from statepager.bench.report import faster, show, spread
 
 
@@ -27,6 +29,10 @@ def refused(capsys, argv, message):
     (["bench", "store", "--size", "512X"], "'512X' is not a size"),
     (["bench", "store", "--size", "0"], "the size must be more than 0"),
     (["bench", "store", "--size=-1G"], "the size must be more than 0"),
+    (["bench", "store", "--size", "-5G"], "argument --size: '-5G' is -5368709120 bytes: the "
+                                          "size must be more than 0"),
+    (["bench", "step", "--bucket", "-1.5M"], "argument --bucket: '-1.5M' is"),
+    (["bench", "store", "--repeat", "-2"], "argument --repeat: -2 is too small"),
     (["bench", "store", "--size", "inf"], "'inf' is not a size"),
     (["bench", "store", "--repeat", "0"], "rounds (at least 1)"),
     (["bench", "store", "--io-block", "1000"], "not a multiple of 4 KiB"),
@@ -87,6 +93,31 @@ def test_bench_store_reports_spreads_over_its_rounds(capsys, tmp_path):
     for line in out.splitlines():
         if " x " in line:
             assert " x faster" in line or " x slower" in line, line
+
+
+def test_bench_store_of_less_than_one_io_block(capsys, tmp_path):
+    if find_fio()[0] is None:
+        pytest.skip("no fio here: the store bench's fio floor is what a small size broke")
+    assert cli.main(["bench", "store", "--dir", str(tmp_path), "--size", "1M", "--repeat",
+                     "1", "--io-block", "4M", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["data_intact"] and r["fio_write_gbps"]["n"] == 1
+
+
+def test_a_failing_fio_is_an_error_message_not_a_traceback(capsys, tmp_path, monkeypatch):
+    false = Fio("/bin/false", dict(os.environ), "fio-that-fails")
+    monkeypatch.setattr(common, "find_fio", lambda: (false, ""))
+    assert cli.main(["bench", "store", "--dir", str(tmp_path), "--size", "1M",
+                     "--repeat", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "ChildProcessError: fio write of 1048576 bytes failed (exit status 1)" in err
+    assert "Traceback" not in err
+
+
+def test_inspect_of_a_missing_path_says_it_does_not_exist(capsys, tmp_path):
+    missing = tmp_path / "nothing-here"
+    assert cli.main(["inspect", str(missing)]) == 1
+    assert capsys.readouterr().out == f"{missing} does not exist\n"
 
 
 def test_bench_map_reports_a_spread(capsys):

@@ -220,6 +220,86 @@ def test_a_symlink_out_of_the_checkpoint_is_refused(tmp_path, saved, link):
             str(outside))
 
 
+# -- what a load reads: regular files inside the checkpoint, and a checkpoint at all ----
+
+LOAD_IN_A_CHILD = """
+import sys
+sys.path.insert(0, {here!r})
+import ckpt_run, statepager
+model, pager, opt, sched = ckpt_run.model_and_opt({store!r})
+try:
+    pager.load({ckpt!r})
+except statepager.Error as e:
+    print(type(e).__name__, e)
+finally:
+    pager.close()
+"""
+
+
+def load_in_a_child(tmp_path, ckpt) -> str:
+    """What pager.load(ckpt) raises, from a child process (a load that hangs, on a FIFO,
+    fails the test after the timeout instead of hanging it)."""
+    code = LOAD_IN_A_CHILD.format(here=HERE, store=str(tmp_path / "child-store"), ckpt=ckpt)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("which", ["manifest.json", "opt0/state.bin"])
+def test_a_fifo_in_the_checkpoint_is_refused_at_once(tmp_path, saved, which):
+    path = os.path.join(saved, which)
+    os.remove(path)
+    os.mkfifo(path)
+    out = load_in_a_child(tmp_path, saved)
+    assert out.startswith("CorruptStoreError") and (
+        "is a FIFO, not a regular file" in out or "is not a regular file in a" in out), out
+
+
+@pytest.mark.parametrize("target", ["outside", "inside"])
+def test_a_manifest_that_is_a_symlink_is_refused(tmp_path, saved, target):
+    """The link leads to an intact copy of the manifest: only the link is refused."""
+    manifest = os.path.join(saved, "manifest.json")
+    where = tmp_path / "elsewhere.json" if target == "outside" else \
+        os.path.join(saved, "opt0", "copy.json")
+    shutil.copy(manifest, where)
+    os.remove(manifest)
+    os.symlink(where, manifest)
+    refused(tmp_path, saved, statepager.CorruptStoreError,
+            "manifest.json is a symlink .*never through a link", str(where))
+
+
+@pytest.mark.parametrize("what,match", [
+    ("missing", "no checkpoint at .*nothing exists there"),
+    ("file", "is not a checkpoint: it is a regular file"),
+    ("no-manifest", "is not a checkpoint: it holds no manifest.json"),
+])
+def test_a_path_without_a_checkpoint_is_an_error(tmp_path, what, match):
+    """A mistyped resume path never trains from scratch: an error, unless the caller asks
+    to load only where something exists (missing_ok=True), which then changes nothing."""
+    path = tmp_path / "ckpt"
+    if what == "file":
+        path.write_text("not a checkpoint")
+    elif what == "no-manifest":
+        (path / "opt0").mkdir(parents=True)
+    refused(tmp_path, str(path), statepager.UsageError, match)
+    model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "live2"))
+    try:
+        ckpt_run.steps(model, opt, sched, 0, 1)
+        before = live(model, opt, pager)
+        if what == "missing":
+            assert pager.load(str(path), missing_ok=True) is False
+            assert pager.load_from(str(tmp_path / "run"), missing_ok=True) is False
+        else:
+            with pytest.raises(statepager.UsageError, match=match):
+                pager.load(str(path), missing_ok=True)
+        with pytest.raises(statepager.UsageError, match="no checkpoint at .*rank00000"):
+            pager.load_from(str(tmp_path / "run"))
+        assert equal(live(model, opt, pager), before)
+    finally:
+        pager.close()
+
+
 # -- sizes, ranges, dtypes ----------------------------------------------------------------
 
 def misaligned(m):
@@ -316,6 +396,64 @@ def test_a_refused_load_into_a_fresh_optimizer_leaves_it_without_state(tmp_path,
     creates the checkpoint's first and drops it again when a later check fails."""
     edit(saved, step_dtype("torch.float99"))
     refused(tmp_path, saved, statepager.CorruptStoreError, "unknown dtype", steps=0)
+
+
+# -- each parameter's state entries: whole, and as the optimizer's ----------------------
+
+def without_step(m):
+    del opt0(m)["small_state"]["0"]["step"]
+
+
+def without_a_moment(m):
+    opt0(m)["tensors"] = [t for t in opt0(m)["tensors"]
+                          if not (t["param"] == 1 and t["name"].startswith("exp_avg_sq"))]
+
+
+def without_step_anywhere(m):
+    """The step counter gone from the small state and from the list of entries: a
+    manifest consistent in itself, incomplete all the same."""
+    without_step(m)
+    opt0(m)["state_names"]["0"].remove("step")
+
+
+def with_an_unlisted_entry(m):
+    opt0(m)["small_state"]["2"]["extra"] = 1.0
+
+
+@pytest.mark.parametrize("steps", [1, 0], ids=["stepped", "fresh"])
+@pytest.mark.parametrize("change,error,match", [
+    (without_step, statepager.CorruptStoreError,
+     "parameter 0 state entry 'step' is missing: its state lists"),
+    (without_a_moment, statepager.CorruptStoreError,
+     "parameter 1 state entry 'exp_avg_sq' is missing"),
+    (without_step_anywhere, (statepager.CorruptStoreError, statepager.CheckpointMismatchError),
+     r"parameter 0 .*(without \['step'\]|differing in \['step'\])"),
+    (with_an_unlisted_entry, statepager.CorruptStoreError,
+     "parameter 2 state entry 'extra' is not in its state's entries"),
+])
+def test_a_checkpoint_with_part_of_a_parameters_state_is_refused(tmp_path, saved, steps,
+                                                                  change, error, match):
+    """A step counter or a moment missing: a load would leave moments of one step with
+    the step counter of another (or none), in a fresh optimizer as in one with state."""
+    edit(saved, change)
+    refused(tmp_path, saved, error, match, steps=steps)
+
+
+def test_a_checkpoint_without_state_the_optimizer_has_is_refused(tmp_path):
+    """Parameter 0 without state in the checkpoint (no gradient before the save), with
+    state in the optimizer: loading would leave it that state beside the others'."""
+    model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "s1"))
+    first = next(iter(opt.param_groups[0]["params"]))
+    ckpt_run.steps(model, opt, sched, 0, 1)
+    state = opt.state.pop(first)
+    opt.binding.state_changed()
+    pager.save(str(tmp_path / "ckpt"))
+    opt.state[first] = state
+    opt.binding.state_changed()
+    pager.close()
+    refused(tmp_path, str(tmp_path / "ckpt"), statepager.CheckpointMismatchError,
+            r"parameter 0 has the state entries \[\] in the checkpoint and \['step', "
+            r"'exp_avg', 'exp_avg_sq'\] in the attached optimizer")
 
 
 def unknown_key(m):
@@ -585,7 +723,7 @@ def test_a_load_removes_a_killed_saves_temporary_beside_it(tmp_path, saved):
     open(os.path.join(dead, ".statepager-save"), "w").close()
     model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "fresh"))
     try:
-        assert pager.load_from(str(tmp_path / "iter")) is False
+        assert pager.load_from(str(tmp_path / "iter"), missing_ok=True) is False
     finally:
         pager.close()
     assert os.listdir(tmp_path / "iter" / "statepager") == []

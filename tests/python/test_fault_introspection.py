@@ -73,13 +73,15 @@ def paged_adamw(store, device, moments="fp32"):
 
 
 def paged(pager, opt) -> list:
-    """The optimizer's pager tensors (its state, and its params where the pager owns them)."""
-    out = [v for s in opt.state.values() for v in s.values() if pager.owns(v)]
+    """The optimizer's pager tensors (its state as held, nothing paged in, and its params
+    where the pager owns them)."""
+    out = [v for s in opt.state.as_held().values() for v in s.values() if pager.owns(v)]
     return out + [p for g in opt.param_groups for p in g["params"] if pager.owns(p)]
 
 
 def exp_avg(opt) -> torch.Tensor:
-    return next(iter(opt.state.values()))["exp_avg"]
+    """The first exp_avg as held (read through opt.state it would be paged in)."""
+    return next(iter(opt.state.as_held().values()))["exp_avg"]
 
 
 def refused(what, fn) -> None:
@@ -281,8 +283,14 @@ def tensors_after_close(store, device):
     t = pager.empty(1000)
     pager.page_in(t)
     pager.close()
-    assert repr(t).startswith(PLACEHOLDER) and "residency 'zero'" in repr(t)
+    assert repr(t).startswith(PLACEHOLDER) and "residency 'closed'" in repr(t)
     refused("pickle after close", lambda: pickle.dumps(t))
+    try:
+        t.sum()  # its memory went with the Pager: torch raises, naming why
+    except RuntimeError as e:
+        assert "Pager is closed" in str(e), e
+    else:
+        raise AssertionError("reading a closed Pager's tensor was not refused")
     orphan = statepager.Pager(store + "-b", device=device).empty(10)
     print(orphan)
     assert repr(orphan).startswith(PLACEHOLDER)

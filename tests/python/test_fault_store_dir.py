@@ -58,26 +58,31 @@ def round_trip(pager: Pager) -> None:
 
 
 @pytest.fixture(scope="module")
-def killed_store(tmp_path_factory):
-    """A store left by a kill -9: a child process paged out into it and was killed."""
-    path = tmp_path_factory.mktemp("killed") / "store"
+def killed_stores(tmp_path_factory):
+    """Stores left by a kill -9: a child process paged out into each and was killed."""
+    root = tmp_path_factory.mktemp("killed")
+    paths = [root / f"store{i}" for i in range(16)]
     code = textwrap.dedent(f"""
         import os, signal, statepager
-        p = statepager.Pager({str(path)!r}, page_size=64 << 10)
-        t = p.empty(100_000, store="0-dense")
-        p.page_in(t); t.fill_(3.0); p.page_out(t)
+        pagers = []
+        for path in {[str(p) for p in paths]!r}:
+            p = statepager.Pager(path, page_size=64 << 10)
+            t = p.empty(100_000, store="0-dense")
+            p.page_in(t); t.fill_(3.0); p.page_out(t)
+            pagers.append(p)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
-    return path
+    return paths
 
 
 @pytest.fixture
-def leave_store(killed_store):
-    """leave_store(path): a copy of the killed process's store at `path` (one child
-    process for the module: starting one takes seconds)."""
-    return lambda path: shutil.copytree(killed_store, path, symlinks=True)
+def leave_store(killed_stores):
+    """leave_store(path): one of the killed process's stores, moved to `path` (one child
+    process for the module: starting one takes seconds). Moved, not copied: statepager
+    recognizes its files by their inodes (backing/store_dir.h)."""
+    return lambda path: os.rename(killed_stores.pop(), path)
 
 
 def test_dot_in_a_project_folder_is_refused_and_its_files_survive(tmp_path, monkeypatch):

@@ -46,6 +46,13 @@ FOREIGN = {
         "_optimizer_load_state_dict_pre_hooks": "torch's load_state_dict hooks, run once",
         "_optimizer_load_state_dict_post_hooks": "torch's load_state_dict hooks, run once",
     },
+    "statepager.core.serial": {
+        "_is_owned": "threading.RLock has no public test of whether this thread holds it",
+    },
+    "statepager.core.guard": {
+        "_untyped_storage": "a TypedStorage's bytes: its public untyped() warns that "
+                            "TypedStorage is deprecated, from inside a repr",
+    },
     "statepager.core.support": {
         "_init_group": "torch's Adam creates its state here: whether it is torch's own",
     },

@@ -1,6 +1,10 @@
 """Where checkpoints live on disk (statepager.checkpoint): never inside a store, written
 into a temporary directory beside their path, and read only from inside themselves.
 
+A load reads only regular files of the checkpoint, none of them reached through a symlink
+(open_file: a link could lead out of it, a FIFO would block the read forever), and refuses
+a path that holds no checkpoint, naming what is missing (require_checkpoint).
+
 A save writes into `<path>.tmp-<pid>-<8 hex digits>/`, which holds LOCK: the saving
 process keeps an exclusive flock on it until the directory is renamed to `path` or
 removed. The kernel drops a flock with its process, so a temporary whose LOCK can be
@@ -10,8 +14,9 @@ manifest.json, <name>/state.bin). Anything else, and any temporary whose lock ca
 tested (a filesystem without flock), is left alone.
 
 Thread-safety: none needed; every function works on the paths it is given.
-Errors: UsageError for a save into a store, CorruptStoreError for a data file that is not
-inside its checkpoint, OSError from the filesystem otherwise.
+Errors: UsageError for a save into a store and for a load of a path that holds no
+checkpoint, CorruptStoreError for a checkpoint file that is a link, not a regular file, or
+not inside its checkpoint, OSError from the filesystem otherwise.
 """
 from __future__ import annotations
 
@@ -160,6 +165,66 @@ def _foreign_entry(tmp: str) -> str | None:
             if inner != DATA or not stat.S_ISREG(os.lstat(os.path.join(tmp, name, inner)).st_mode):
                 return os.path.join(name, inner)
     return None
+
+
+def require_checkpoint(path: str) -> None:
+    """UsageError unless `path` is a directory holding a manifest, naming what is missing:
+    a mistyped path is an error, never an empty checkpoint."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise _C.UsageError(f"no checkpoint at {path}: nothing exists there. Check the path "
+                            "(Pager.load(path, missing_ok=True) loads a checkpoint only where "
+                            "one exists)") from None
+    if not stat.S_ISDIR(mode):
+        raise _C.UsageError(f"{path} is not a checkpoint: it is {_kind(mode)}, a checkpoint "
+                            "is the directory Pager.save() wrote")
+    if not os.path.lexists(os.path.join(path, MANIFEST)):
+        raise _C.UsageError(f"{path} is not a checkpoint: it holds no {MANIFEST} (a checkpoint "
+                            "is the directory Pager.save() wrote, which has one from the "
+                            "moment it exists)")
+
+
+def open_file(path: str) -> int:
+    """A read-only file descriptor of `path`, a file of a checkpoint, once it is known to be
+    a regular file that is not a symlink: CorruptStoreError naming it otherwise, without
+    reading from it (O_NONBLOCK: opening a FIFO does not wait for a writer). The caller
+    closes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise _C.CorruptStoreError(
+            f"{path} is a symlink (to {_link_target(path)}): statepager reads a checkpoint's "
+            "files only from inside it, never through a link. Nothing was loaded") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _C.CorruptStoreError(f"{path} is {_kind(mode)}, not a regular file: a "
+                                       "checkpoint holds regular files only. Nothing was loaded")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
+def _link_target(path: str) -> str:
+    try:
+        return repr(os.readlink(path))
+    except OSError:
+        return "?"
 
 
 def data_file(root: str, recorded, name: str, manifest_path: str) -> str:

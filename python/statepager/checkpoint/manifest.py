@@ -58,10 +58,13 @@ def digest(manifest: dict) -> str:
 
 def read_manifest(path: str) -> dict:
     """The manifest of checkpoint `path`, once its format, version and checksum are right
-    and its optimizer entries have distinct plain names."""
+    and its optimizer entries have distinct plain names. UsageError when `path` holds no
+    checkpoint (checkpoint_dirs.require_checkpoint); CorruptStoreError for a manifest that
+    is a symlink or not a regular file (checkpoint_dirs.open_file)."""
+    checkpoint_dirs.require_checkpoint(path)
     manifest_path = os.path.join(path, checkpoint_dirs.MANIFEST)
     try:
-        with open(manifest_path) as f:
+        with open(checkpoint_dirs.open_file(manifest_path), encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise _C.CorruptStoreError(f"{manifest_path} is not a readable manifest: {e}") from e
@@ -122,7 +125,7 @@ class DataFile:
         data_bytes = entry.get("data_bytes")
         if not is_int(data_bytes) or data_bytes < 0:
             self._corrupt(f"data_bytes {data_bytes!r} is not a byte count")
-        size = os.path.getsize(self.path)
+        size = os.lstat(self.path).st_size  # data_file: a regular file, not a link
         if size < data_bytes:
             raise _C.CorruptStoreError(f"{self.path} is truncated: {size} bytes, the manifest "
                                        f"records {data_bytes}. Nothing was loaded")
@@ -192,9 +195,19 @@ def stored(binding, p) -> list:
 
 
 def valid_name(name: str) -> bool:
-    """An optimizer name that can name its checkpoint directory."""
-    return (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name) is not None
+    """An optimizer name that can name its checkpoint directory and its store directory
+    (backing/store_dir.cc takes up to 128 of these characters, not starting with '.')."""
+    return (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", name) is not None
             and name != checkpoint_dirs.MANIFEST)
+
+
+def check_name(name: str) -> None:
+    """UsageError for an optimizer name that is not valid_name() (attach and save)."""
+    if not valid_name(name):
+        raise _C.UsageError(f"optimizer name {name!r} names its checkpoint and store "
+                            "directories: use 1 to 128 letters, digits and _ . -, starting "
+                            f"with a letter, digit or _, other than {checkpoint_dirs.MANIFEST} "
+                            "(attach(..., name=...))")
 
 
 def align(n: int) -> int:

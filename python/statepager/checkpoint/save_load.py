@@ -20,9 +20,14 @@ crash leaves either the complete checkpoint or none, and the next save or load b
 removes the temporary of a killed save (statepager.checkpoint.dirs). A path inside a
 store directory is refused before anything is written.
 
-A load is all or nothing. First it checks the manifest's format, version and own checksum
+A load is all or nothing. First it checks that `path` holds a checkpoint (a UsageError
+naming what is missing otherwise; load(..., missing_ok=True) returns False where nothing
+exists), that each file it reads is a regular file inside the checkpoint, not a link
+(statepager.checkpoint.dirs), the manifest's format, version and own checksum
 (statepager.checkpoint.manifest), each data file's place inside the checkpoint and each tensor's
-range in it, the layout against the attached optimizers, and every tensor's crc32s. Then
+range in it, the layout against the attached optimizers, each parameter's state entries
+(whole, and the same as the optimizer's where it has state: staging.check_entries), and
+every tensor's crc32s. Then
 it creates, ZERO, the state entries the checkpoint holds for parameters that have none
 yet, checks each stored tensor against the live one (dtype, shape, strides, size) and
 decodes the small state and hyperparameters into staging (statepager.checkpoint.staging);
@@ -47,11 +52,11 @@ import torch
 from statepager import _C
 from statepager.checkpoint import dirs as checkpoint_dirs
 from statepager.checkpoint.dirs import DATA, MANIFEST
-from statepager.checkpoint.staging import Staged, check_layout, missing_state
+from statepager.checkpoint.staging import Staged, check_entries, check_layout, missing_state
 from statepager.checkpoint.manifest import (CHECKSUMS, CHUNK, DIGEST, FORMAT, CheckpointMismatchError,
-                                 DataFile, align, checked_bytes, digest, encode, read_manifest,
-                                 stored, valid_name)
-from statepager.core import ranks
+                                 DataFile, align, check_name, checked_bytes, digest, encode,
+                                 read_manifest, stored)
+from statepager.core import args, ranks
 from statepager.core.flat import flat_view
 
 log = logging.getLogger("statepager")
@@ -108,9 +113,9 @@ def rank_directory(base: str) -> str:
 
 
 def check_save_options(background: bool, via: str, checksum: str = "crc32c") -> None:
-    if via not in _VIAS:
-        raise _C.UsageError(f"via must be one of {_VIAS}, not {via!r}")
-    if checksum not in _VERSION_OF:
+    args.flag("background", background)
+    args.choice("via", via, _VIAS)
+    if not isinstance(checksum, str) or checksum not in _VERSION_OF:
         raise _C.UsageError(f"checksum must be one of {tuple(_VERSION_OF)}, not {checksum!r} "
                             "(crc32: the format-3 checkpoints of older statepagers)")
     if background and via != "store":
@@ -130,7 +135,7 @@ def save(pager, core, path: str, *, background: bool = False,
         raise _C.UsageError(f"checkpoint {path} exists: checkpoints are written once, "
                             "give each one a new path (e.g. one per step)")
     for binding in pager.bindings:
-        _check_name(binding.name)
+        check_name(binding.name)
     checkpoint_dirs.remove_dead_temporaries(path)
     # At rest: a save between steps finds nothing resident, so this moves no bytes.
     for h in [pager.page_out_async(b.stored) for bd in pager.bindings for b in bd.buckets]:
@@ -271,8 +276,9 @@ class _Plan:
         self.entry["data_bytes"] = offset
 
     def write_through_device(self, path: str, checksum: str) -> list:
-        """The bytes via the device, bucket by bucket (page in, write, page out): the same
-        file as the store copy makes, without touching the store's files. Returns each
+        """The bytes via the device, bucket by bucket (page in, write, hand back unchanged:
+        nothing written to the store): the same file as the store copy makes, without
+        touching the store's files. Returns each
         entry's checksums, of the bytes as they were written for crc32c ([] when ZERO;
         none at all for crc32, which is computed from the file afterwards)."""
         pager = self.binding.pager
@@ -280,7 +286,7 @@ class _Plan:
         with open(path, "r+b") as f:
             for items in self.buckets:
                 moved = [(e, t) for e, t in items if not e["zero"]]
-                pager.page_in([t for _, t in moved])
+                pager.page_in_async([t for _, t in moved], for_read=True).wait()
                 try:
                     for e, t in moved:
                         data = flat_view(t.detach()).view(torch.uint8).cpu().numpy()
@@ -291,7 +297,7 @@ class _Plan:
                         if checksum == "crc32c":
                             sums[id(e)] = _chunk_crc32c(memoryview(data), pad)
                 finally:
-                    pager.page_out([t for _, t in moved])
+                    pager.release_unchanged_async([t for _, t in moved]).wait()
             f.flush()
             os.fsync(f.fileno())
         return [sums.get(id(e), []) for e in self.entries] if checksum == "crc32c" else []
@@ -322,8 +328,7 @@ def checksums(ranges: list, checksum: str) -> list:
     summed = _SUM[checksum]
     chunks = [(i, path, offset + k, min(CHUNK, n - k))
               for i, (path, offset, n) in enumerate(ranges) for k in range(0, n, CHUNK)]
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # a load checked each path first
-    fds = {path: os.open(path, flags) for path in {r[0] for r in ranges}}
+    fds = {}
     local = threading.local()
 
     def crc(chunk) -> int:
@@ -342,6 +347,8 @@ def checksums(ranges: list, checksum: str) -> list:
         return value
 
     try:
+        for path in {r[0] for r in ranges}:
+            fds[path] = checkpoint_dirs.open_file(path)
         # Disks need several reads in flight even where cores are few.
         threads = max(1, min(len(chunks), 16, max(4, os.cpu_count() or 1)))
         with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -355,15 +362,17 @@ def checksums(ranges: list, checksum: str) -> list:
     return out
 
 
-def load(pager, core, path: str) -> bool:
+def load(pager, core, path: str, missing_ok: bool = False) -> bool:
     """Loads `path` into the attached optimizers, all or nothing (see the module
-    docstring; core: the pager's _C.Pager, whose restore() copies the bytes in). False
-    (with a logged notice) when `path` holds no statepager checkpoint, so runs from older
-    checkpoints start fresh. The caller has settled a background save."""
+    docstring; core: the pager's _C.Pager, whose restore() copies the bytes in) and
+    returns True. A path that holds no checkpoint is a UsageError naming what is missing
+    (checkpoint_dirs.require_checkpoint), except that with missing_ok=True a path where
+    nothing exists returns False (with a logged notice), changing nothing. The caller has
+    settled a background save."""
     path = os.path.abspath(path)
     checkpoint_dirs.remove_dead_temporaries(path)
-    if not os.path.exists(os.path.join(path, MANIFEST)):
-        log.warning("statepager: no checkpoint at %s; the optimizer state starts fresh", path)
+    if missing_ok and not os.path.lexists(path):
+        log.info("statepager: no checkpoint at %s; the optimizer state is left as it is", path)
         return False
     manifest = read_manifest(path)
     saved = {e["name"]: e for e in manifest["optimizers"]}
@@ -378,6 +387,7 @@ def load(pager, core, path: str) -> bool:
     data = [DataFile(entry, path, manifest["checksum"]) for entry in entries]
     for binding, entry, d in zip(bindings, entries, data):
         check_layout(binding, entry, d)
+        check_entries(binding, entry, d)
     missing = [missing_state(binding, d) for binding, d in zip(bindings, data)]
     _verify(data, manifest["checksum"])
     # The live state changes from here on; until an optimizer is loaded, what changed in
@@ -470,9 +480,3 @@ def _drop_state(binding, created: dict) -> None:
         binding.optimizer.state.pop(p, None)
     if created:
         binding.state_changed()
-
-
-def _check_name(name: str) -> None:
-    if not valid_name(name):
-        raise _C.UsageError(f"optimizer name {name!r} names its checkpoint directory: use "
-                            "letters, digits and _ . + - (attach(..., name=...))")

@@ -2,6 +2,13 @@
 checked against the attached optimizer, with everything the load assigns decoded first.
 
 check_layout(binding, entry, data)   class, formats, parameter shapes, param group count
+check_entries(binding, entry, data)  each parameter's state entries: those state_names
+                                     lists, each held as a paged tensor or small state,
+                                     and nothing more; whole (statepager.core.whole_state:
+                                     no step counter or moment missing); and, where the
+                                     parameter has state in the attached optimizer, the
+                                     same entries as there (a load never leaves a live
+                                     entry beside loaded ones)
 missing_state(binding, data)         the paged state the checkpoint holds for parameters
                                      that have none yet (torch creates state in the first
                                      step): the load creates it, ZERO, and drops it again
@@ -11,8 +18,9 @@ Staged(binding, entry, data)         each stored tensor against the live one (dt
                                      small state, residual exception lists, hyperparameters
                                      and state entry order, decoded. Constructing it changes
                                      nothing; apply() only assigns, so it cannot fail.
-`data` is the optimizer's manifest.DataFile. Errors: CorruptStoreError for malformed
-values, CheckpointMismatchError for values that do not fit the attached optimizer.
+`data` is the optimizer's manifest.DataFile; Staged expects check_entries passed.
+Errors: CorruptStoreError for malformed values, CheckpointMismatchError for values that do
+not fit the attached optimizer.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch
 
 from statepager import _C
 from statepager.checkpoint.manifest import CheckpointMismatchError, DataFile, stored
+from statepager.core import whole_state
 
 
 def check_layout(binding, entry: dict, data: DataFile) -> None:
@@ -37,6 +46,52 @@ def check_layout(binding, entry: dict, data: DataFile) -> None:
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
         saved = len(groups) if isinstance(groups, list) else groups
         _mismatch(data, f"{saved!r} param groups saved, {len(opt.param_groups)} attached")
+
+
+def check_entries(binding, entry: dict, data: DataFile) -> None:
+    """Refuses a checkpoint whose state entries of a parameter are incomplete (a step
+    counter or a moment missing) or differ from the attached optimizer's, naming the
+    parameter and the entry (see the module docstring)."""
+    names, small = entry.get("state_names"), entry.get("small_state")
+    if not isinstance(names, dict) or not all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in names.values()):
+        _corrupt(data, "'state_names' is not a mapping to lists of names")
+    if not isinstance(small, dict) or not all(isinstance(v, dict) for v in small.values()):
+        _corrupt(data, "'small_state' is not a mapping to mappings")
+    params = binding.params_in_order()
+    if set(names) != {str(j) for j in range(len(params))}:
+        _corrupt(data, f"'state_names' lists the entries of parameters {sorted(names)}, not of "
+                 f"each of its {len(params)} parameters")
+    paged = {}  # parameter index -> the state entries held as paged tensors
+    for j, name in data.tensors:
+        base = name.partition(":")[0]
+        if base != "param":  # the parameter itself (an fp32 master), not a state entry
+            paged.setdefault(j, set()).add(base)
+    for j, p in enumerate(params):
+        listed = names[str(j)]
+        held = paged.get(j, set()) | {k for k in small.get(str(j), {})
+                                      if not k.endswith(":exceptions")}
+        for name in listed:
+            if name not in held:
+                _corrupt(data, f"parameter {j} state entry {name!r} is missing: its state "
+                         f"lists {listed}, the checkpoint holds no value of {name!r}")
+        for name in sorted(held - set(listed)):
+            _corrupt(data, f"parameter {j} state entry {name!r} is not in its state's "
+                     f"entries {listed}")
+        live = list(binding.optimizer.state.get(p, {}))  # .get: state is a defaultdict
+        if live and set(live) != set(listed):
+            _mismatch(data, f"parameter {j} has the state entries {listed} in the checkpoint "
+                      f"and {live} in the attached optimizer (differing in "
+                      f"{sorted(set(live) ^ set(listed))})")
+    index = {id(p): j for j, p in enumerate(params)}
+    for g, (group, saved) in enumerate(zip(binding.optimizer.param_groups,
+                                           entry["param_groups"])):
+        members = [(j, p.shape, names[str(j)], paged.get(j, set()))
+                   for p in group["params"] if names[str(j := index[id(p)])]]
+        found = whole_state.gap(binding.optimizer, g, saved if isinstance(saved, dict) else {},
+                                members)
+        if found is not None:
+            _corrupt(data, f"{found}: the checkpoint is incomplete")
 
 
 def missing_state(binding, data: DataFile) -> dict:
@@ -73,7 +128,7 @@ class Staged:
         self._stage_tensors()
         self._stage_small_state(entry.get("small_state"))
         self._stage_param_groups(entry["param_groups"])
-        self._stage_state_names(entry.get("state_names"))
+        self._stage_state_names(entry["state_names"])
 
     def apply(self) -> None:
         """Assigns the staged small state, exception lists, state entry order and
@@ -186,12 +241,9 @@ class Staged:
                               f"{_kind(group[k])}")
             self._groups.append((group, values))
 
-    def _stage_state_names(self, names) -> None:
-        """self._orders [(param, [state names])]: torch's order of its state entries."""
-        if not isinstance(names, dict) or not all(
-                isinstance(v, list) and all(isinstance(n, str) for n in v)
-                for v in names.values()):
-            _corrupt(self.data, "'state_names' is not a mapping to lists of names")
+    def _stage_state_names(self, names: dict) -> None:
+        """self._orders [(param, [state names])]: torch's order of its state entries
+        (checked by check_entries)."""
         self._orders = [(self._params[self._param_index(i)], v) for i, v in names.items()]
 
     def _param_index(self, i) -> int:

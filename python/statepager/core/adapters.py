@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from statepager import _C
+
 
 @dataclass(frozen=True)
 class Adapter:
@@ -32,3 +34,14 @@ def register(adapter: Adapter) -> None:
 
 def find(optimizer) -> Adapter | None:
     return next((a for a in _registered if a.matches(optimizer)), None)
+
+
+def refuse_set_options(adapter: Adapter, given: dict) -> None:
+    """UsageError when `given` (Pager.attach options by name, None: not passed) passes
+    one that the adapter sets itself."""
+    refused = [k for k in adapter.sets if given.get(k) is not None]
+    if refused:
+        raise _C.UsageError(
+            f"attach() of a {adapter.name} optimizer sets {', '.join(refused)} itself (one "
+            f"binding per member, named by its place): leave "
+            f"{'it' if len(refused) == 1 else 'them'} out")

@@ -205,6 +205,15 @@ class UndoCopies:
         return copy
 
 
+def begin_epoch_at_rest(pager, buckets: list):
+    """A pager epoch over the buckets' paged tensors (stored forms and scratch), opened
+    once they are at rest, so that it covers their bytes: a tensor left resident since the
+    last step is written now, as the step would have written it; scratch is dropped."""
+    pager.page_out([t for b in buckets for t in b.stored])
+    pager.discard_async([t for b in buckets for t in b.working]).wait()
+    return pager.begin_epoch([t for b in buckets for t in b.stored + b.working])
+
+
 class AtomicStep:
     """One step's way back. Construction opens the pager epoch, before the step's first
     page-in (StreamedOptimizer.begin_step may start them before step() is called);
@@ -217,15 +226,10 @@ class AtomicStep:
     def __init__(self, binding, undo: UndoCopies, rebuild_mirror: Callable | None = None):
         self.pager, self.optimizer, self.buckets = binding.pager, binding.optimizer, binding.buckets
         self.undo, self.rebuild_mirror = undo, rebuild_mirror
-        pager = self.pager
-        paged = [t for b in self.buckets for t in b.stored + b.working]
-        # At rest, so that the epoch covers their bytes (a tensor left resident since the
-        # last step is written now, as the step would have written it).
-        pager.page_out([t for b in self.buckets for t in b.stored])
-        pager.discard_async([t for b in self.buckets for t in b.working]).wait()
         self._saved = []    # buckets that stepped, their undo copies taken
         self._written = []  # buckets whose model parameters after_bucket may have written
-        self.epoch = pager.begin_epoch(paged)  # last: nothing after it can fail
+        # Last: nothing after it can fail.
+        self.epoch = begin_epoch_at_rest(self.pager, self.buckets)
 
     def snapshot(self) -> None:
         """At the step's start: copies what it changes outside the pager (unpaged state,

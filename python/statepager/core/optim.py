@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from statepager import _C
 from statepager.core import args, slices
 from statepager.core.flat import flat_view
 from statepager.core.pager import MiB, Pager
@@ -25,16 +26,44 @@ class PagedAdamW(torch.optim.AdamW):
                  weight_decay=1e-2, amsgrad=False, foreach=None, fused=None,
                  bucket_size: int = 256 * MiB, depth: int = 3, log_steps: bool = False,
                  moments: str = "fp32", mains: str = "fp32"):
-        bucket_size, depth = args.bucketing(bucket_size, depth)  # before filling masters
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
+        # Every argument is checked before the masters (pager tensors) are made.
+        if not isinstance(pager, Pager):
+            raise _C.UsageError(f"pager must be a statepager.Pager, not "
+                                f"{type(pager).__name__} {pager!r}")
+        pager.check_not_paused("PagedAdamW()")
+        bucket_size, depth = args.bucketing(bucket_size, depth)
+        log_steps = args.flag("log_steps", log_steps)
+        moments, mains = args.formats(moments, mains)
+        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                     amsgrad=args.flag("amsgrad", amsgrad),
+                     foreach=args.optional_flag("foreach", foreach),
+                     fused=args.optional_flag("fused", fused))
+        groups = _param_groups(params)
+        _check_hyperparameters(groups, pager.device, hyper)
         self._model_of: dict[int, torch.nn.Parameter] = {}
+        # What fails from here on (a bucket the budget cannot hold) leaves the masters
+        # to this object: the pager frees them when it is let go.
+        master_groups = self._make_masters(pager, groups, bucket_size)
+        if mains == "fp32":
+            self._fill_masters(pager, [m for g in master_groups for m in g["params"]],
+                               bucket_size)
+        # "residual": a master equal to its bf16 parameter has residual zero, which is what
+        # a fresh (ZERO) stored form already holds.
+        super().__init__(master_groups, **hyper)
+        self.binding = pager.attach(self, bucket_size=bucket_size, depth=depth,
+                                    log_steps=log_steps, before_bucket=self._load_grads,
+                                    after_bucket=self._store_params, moments=moments,
+                                    mains=mains, model_param=self.model_param,
+                                    before_chunk=self._load_grads_of_chunk,
+                                    after_chunk=self._store_chunk)
+
+    def _make_masters(self, pager: Pager, groups: list[dict], bucket_size: int) -> list[dict]:
+        """The param groups over fp32 masters of the model's parameters (ZERO: no memory,
+        no I/O), each laid out as its parameter, in pieces where it may step in chunks."""
         master_groups = []
         for group in groups:
             masters = []
             for p in group["params"]:
-                # p's memory layout, in pieces where it may step in chunks
                 pieces = slices.pieces(p.numel(), 4) \
                     if slices.may_step_in_chunks(p.numel(), bucket_size) else None
                 m = pager.empty_like(p, dtype=torch.float32, pieces=pieces)
@@ -42,19 +71,7 @@ class PagedAdamW(torch.optim.AdamW):
                 self._model_of[id(m)] = p
                 masters.append(m)
             master_groups.append({**group, "params": masters})
-        if mains == "fp32":
-            self._fill_masters(pager, [m for g in master_groups for m in g["params"]],
-                               bucket_size)
-        # "residual": a master equal to its bf16 parameter has residual zero, which is what
-        # a fresh (ZERO) stored form already holds.
-        super().__init__(master_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, foreach=foreach, fused=fused)
-        self.binding = pager.attach(self, bucket_size=bucket_size, depth=depth,
-                                    log_steps=log_steps, before_bucket=self._load_grads,
-                                    after_bucket=self._store_params, moments=moments,
-                                    mains=mains, model_param=self.model_param,
-                                    before_chunk=self._load_grads_of_chunk,
-                                    after_chunk=self._store_chunk)
+        return master_groups
 
     def _fill_masters(self, pager: Pager, masters, bucket_size: int) -> None:
         """Each master from its model parameter, in buckets of about bucket_size (a master
@@ -117,3 +134,39 @@ def _starts(views):
     for v in views:
         yield at, v
         at += v.numel()
+
+
+def _param_groups(params) -> list[dict]:
+    """`params` as torch.optim takes it (an iterable of tensors, or of param group dicts),
+    as a list of param groups whose "params" are lists of tensors."""
+    if isinstance(params, (torch.Tensor, str, bytes)) or not hasattr(params, "__iter__"):
+        raise _C.UsageError(f"params must be an iterable of parameters or of param group "
+                            f"dicts (as torch.optim takes), not {type(params).__name__}")
+    groups = list(params)
+    if not groups or not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise _C.UsageError(f"params: param group {g} must be a dict with 'params', not "
+                                f"{type(group).__name__}")
+        tensors = group["params"]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for i, p in enumerate(tensors):
+            if not isinstance(p, torch.Tensor):
+                raise _C.UsageError(f"param group {g} params[{i}] must be a torch.Tensor, "
+                                    f"not {type(p).__name__} {p!r}")
+        out.append({**group, "params": tensors})
+    if not any(group["params"] for group in out):
+        raise _C.UsageError("params is empty: PagedAdamW needs parameters to optimize")
+    return out
+
+
+def _check_hyperparameters(groups: list[dict], device: torch.device, hyper: dict) -> None:
+    """torch's own checks of AdamW's arguments (lr, betas, eps, fused, ...), run on
+    stand-in parameters of the masters' kind (fp32 on the pager's device)."""
+    stand_in = [{**g, "params": [torch.empty(0, device=device)]} for g in groups]
+    try:
+        torch.optim.AdamW(stand_in, **hyper)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise _C.UsageError(f"PagedAdamW: {e}") from None

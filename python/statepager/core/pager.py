@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import itertools
 import logging
+import os
 import sys
 import weakref
 from typing import Iterable, Sequence
@@ -13,7 +14,9 @@ import torch
 
 from statepager import _C
 from statepager.checkpoint import save_load as checkpoint
-from statepager.core import adapters, args, guard, ranks, scope
+from statepager.core import (adapters, args, guard, interrupts, ranks, scope, serial,
+                             state_access)
+from statepager.core.serial import serialized
 from statepager.core.flat import flat_view
 from statepager.core.stream import StreamedOptimizer
 
@@ -52,19 +55,21 @@ class Epoch:
 
     def commit(self) -> None:
         """Keeps what the tensors hold now."""
-        self._pager._core.commit_epoch(self._epoch)
+        with serial.lock_of(self._pager):
+            self._pager._core.commit_epoch(self._epoch)
 
     def abort(self) -> None:
         """Returns every tensor to its bytes and residency of the epoch's begin, once its
         paging in flight is done; resident ones are dropped without being written."""
-        self._pager._core.abort_epoch(self._epoch)
+        with serial.lock_of(self._pager):
+            self._pager._core.abort_epoch(self._epoch)
 
 
 class Pager:
     """Tensors whose bytes live in a paged pool and, when not resident, in a store file.
 
-    directory: the store directory, exclusive to this Pager (a second one is refused with
-        StoreBusyError). A new directory (created), an empty one, or one holding a store
+    directory: the store directory (a str, os.PathLike or bytes path), exclusive to this
+        Pager (a second one is refused with StoreBusyError). A new directory (created), an empty one, or one holding a store
         that statepager left (after a crash: its files are deleted); any other directory
         is refused with UsageError, untouched, as are a symbolic link to a directory (pass
         the directory itself) and a directory inside another store. The path is made
@@ -74,14 +79,14 @@ class Pager:
         not initialized), so each rank of a job gets its own store. Each attached
         optimizer keeps its state in its own store, directory/<its name>/; other tensors
         in the default one, directory/state.bin.
-    device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory).
+    device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory), or its torch.device.
     page_size: bytes per physical page; a multiple of the device granularity (4 KiB on
         the host, 2 MiB on CUDA), at most 1 GiB.
     hbm_budget: physical bytes the pool may hold at once, at least one page (None:
         unbounded).
     keep: unmapped physical bytes kept for reuse instead of being returned.
-    arena_size: address space reserved for the pager's tensors (up to 128 TiB; costs no
-        memory); no tensor can be larger.
+    arena_size: address space reserved for the pager's tensors, at least one page (up to
+        128 TiB, rounded up to whole pages; costs no memory); no tensor can be larger.
     io_depth, io_block: I/O requests in flight (1 to 1024) and bytes per request (a
         multiple of 4 KiB up to 256 MiB); None: chosen for the store's medium (64 x 4 MiB
         on a disk, 32 x 1 MiB in RAM; stats() says).
@@ -100,7 +105,8 @@ class Pager:
         ranges keep their memory (the store holds its high-water mark of RAM). False:
         io_uring always. No effect on a store on disk. stats() counts the bytes moved
         this way (mapped_read_bytes, mapped_written_bytes).
-    Arguments outside these ranges are refused with a UsageError naming them.
+    Arguments outside these ranges, or of another type (direct_io and map_ram are bools),
+    are refused with a UsageError naming them (statepager.core.args says what is taken).
     """
 
     def __init__(
@@ -119,6 +125,10 @@ class Pager:
         map_ram: bool = True,
     ):
         guard.install()  # repr/pickle/copy of its tensors cannot crash (statepager.guard)
+        serial.add(self)  # its lock, held by every entry point
+        # The attached optimizers' state read between steps; statepager's own (steps,
+        # state_access), not for users.
+        self.reads = state_access.Reads(self, self._begin_epoch)
         # Types and signs here; the core checks the ranges (it knows the device).
         page_size = args.integer("page_size", page_size)
         hbm_budget = args.optional_integer("hbm_budget", hbm_budget)
@@ -127,14 +137,15 @@ class Pager:
         io_depth = args.optional_integer("io_depth", io_depth, minimum=1)  # 0 would be None
         io_block = args.optional_integer("io_block", io_block, minimum=1)
         host_budget = args.integer("host_budget", host_budget)
-        directory = str(directory).replace("{rank}", str(ranks.rank()))
-        self.device = torch.device(device)
+        direct_io, map_ram = args.flag("direct_io", direct_io), args.flag("map_ram", map_ram)
+        directory = args.path("directory", directory).replace("{rank}", str(ranks.rank()))
+        self.device = args.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         budget = hbm_budget if hbm_budget is not None else (1 << 64) - 1
         self._core = _C.Pager(
             directory, str(self.device), page_size, budget, keep, arena_size,
-            io_depth or 0, io_block or 0, bool(direct_io), host_budget, bool(map_ram),
+            io_depth or 0, io_block or 0, direct_io, host_budget, map_ram,
         )
         _track(self)
         self._unbounded = hbm_budget is None
@@ -160,7 +171,7 @@ class Pager:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         return self._core.empty(args.shape(shape), args.dtype(dtype), args.text("store", store),
-                                None if strides is None else args.shape(strides),
+                                None if strides is None else args.shape(strides, "strides"),
                                 None if pieces is None else args.integers("pieces", pieces))
 
     def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None,
@@ -214,11 +225,13 @@ class Pager:
         """The name of the store t's bytes live in ("" the default one)."""
         return self._core.store_of(t)
 
+    @serialized
     def move_to_store(self, tensors: Iterable[torch.Tensor], store: str) -> None:
         """The tensors' bytes live in store `store` from now on (directory/<store>/, opened
         on first use; "" the default store). Nothing is copied: tensors with bytes at rest
         move on their next page-in. Not while they are being paged."""
-        self._core.move_to_store(list(tensors), store)
+        self._core.move_to_store(args.tensors("move_to_store", tensors),
+                                 args.text("store", store))
 
     def residency(self, t: torch.Tensor) -> str:
         """'zero', 'file', 'host', 'resident', 'paging_in' or 'paging_out'; 'mixed' for a
@@ -230,42 +243,86 @@ class Pager:
 
     # -- paging ----------------------------------------------------------------------
 
-    def page_in_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
+    @serialized
+    def page_in_async(self, tensors: Iterable[torch.Tensor], for_read: bool = False
+                      ) -> PageHandle:
+        """for_read: the caller will only read them and hand them back with
+        release_unchanged_async(): where their bytes lie at rest is remembered (their
+        host-tier copies stay, that room taken while they are resident), so that handing
+        them back writes nothing."""
         self.check_not_paused("page_in()")
-        return PageHandle(self, self._core.page_in(list(tensors)))
+        return PageHandle(self, self._core.page_in(args.tensors("page_in", tensors),
+                                                   bool(for_read)))
 
+    @serialized
     def page_out_async(self, tensors: Iterable[torch.Tensor], reuse_after: int = 0) -> PageHandle:
         """Pages out after the work already queued on the current stream. reuse_after > 0
         says they will be paged in again once about that many more bytes have been named
         in page_in calls: the host tier then keeps whatever is needed sooner (without it,
         the least recently used tensors leave it first; allocator/pager.h)."""
         self.check_not_paused("page_out()")
+        tensors = args.tensors("page_out", tensors)
         reuse_after = args.integer("reuse_after", reuse_after)
-        return PageHandle(self, self._core.page_out(list(tensors), self._stream(), reuse_after))
+        return PageHandle(self, self._core.page_out(tensors, self._stream(), reuse_after))
 
+    @serialized
+    def release_unchanged_async(self, tensors: Iterable[torch.Tensor],
+                                reuse_after: int = 0) -> PageHandle:
+        """Pages out tensors the caller did not write since their page-in (it only read
+        them), after the work already queued on the current stream: each that
+        page_in_async(for_read=True) brought in goes back to its bytes at rest (zeros,
+        its store range or its host-tier copy) without any write; the others are paged
+        out as page_out_async() does (allocator/pager.h, Pager::release_unchanged)."""
+        self.check_not_paused("release_unchanged()")
+        tensors = args.tensors("release_unchanged", tensors)
+        reuse_after = args.integer("reuse_after", reuse_after)
+        return PageHandle(self, self._core.release_unchanged(tensors, self._stream(),
+                                                             reuse_after))
+
+    @serialized
     def read_ahead_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Reads 'file' tensors into free host-tier room (never making room), so that
         their page-in is a copy-engine copy; others are skipped."""
         self.check_not_paused("read_ahead()")
-        return PageHandle(self, self._core.read_ahead(list(tensors)))
+        return PageHandle(self, self._core.read_ahead(args.tensors("read_ahead", tensors)))
 
+    @serialized
     def discard_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Drops the tensors' bytes, resident or at rest, without any I/O (they become
         'zero'), after the work already queued on the current stream."""
         self.check_not_paused("discard()")
-        return PageHandle(self, self._core.discard(list(tensors), self._stream()))
+        return PageHandle(self, self._core.discard(args.tensors("discard", tensors),
+                                                   self._stream()))
 
+    @serialized
     def page_in(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
-        self.page_in_async(_as_list(tensors)).wait()
+        self.page_in_async(tensors).wait()
 
+    @serialized
     def page_out(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
-        self.page_out_async(_as_list(tensors)).wait()
+        self.page_out_async(tensors).wait()
 
+    @serialized
     def begin_epoch(self, tensors: Iterable[torch.Tensor]) -> Epoch:
         """Opens an epoch over `tensors` (at rest, in no other epoch): until it ends, paging
         them out never overwrites the bytes they hold now (copy-on-write into fresh store
-        ranges), so Epoch.abort() can return to them. An optimizer step runs in one."""
-        return Epoch(self, self._core.begin_epoch(list(tensors)))
+        ranges), so Epoch.abort() can return to them. An optimizer step runs in one.
+        An attached optimizer's state read since its last step is let go first
+        (statepager.core.state_access)."""
+        tensors = args.tensors("begin_epoch", tensors)
+        self.reads.release()
+        return self._begin_epoch(tensors)
+
+    def _begin_epoch(self, tensors: list) -> Epoch:
+        """begin_epoch() without letting the state reads go (the reads' own epochs,
+        state_access.Reads): an epoch opened and not handed over (an interrupt) is
+        aborted."""
+        epoch = self._core.begin_epoch(tensors)
+        try:
+            return Epoch(self, epoch)
+        except BaseException:
+            self._core.abort_epoch(epoch)
+            raise
 
     def _stream(self) -> int:
         if self.device.type != "cuda":
@@ -281,7 +338,9 @@ class Pager:
         `min_bytes` become pager tensors, and the oldest are paged out whenever the pool
         would pass hbm_budget. Yields the Capture, whose `.tensors` lists them."""
         min_bytes = args.integer("min_bytes", min_bytes)
-        self.check_not_paused("scope()")
+        with serial.lock_of(self):
+            self.check_not_paused("scope()")
+            self.reads.release()  # their room in the pool
         capture = scope.Capture(self, min_bytes)
         with contextlib.ExitStack() as stack:
             if self.device.type == "cuda":
@@ -295,6 +354,7 @@ class Pager:
 
     # -- sleep / wake ----------------------------------------------------------------
 
+    @serialized
     def pause(self, bucket_size: int = 256 * MiB) -> None:
         """Pages out everything resident, in buckets of about `bucket_size` bytes, and
         returns all physical memory to the device (e.g. to lend the GPU to an inference
@@ -305,30 +365,37 @@ class Pager:
         back in and the error raised, leaving the Pager as before. Should paging back in
         fail too, the Pager stays paused, and resume() brings back what is out."""
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
+        self._core.check_usable()
         if self._paused is not None:
             raise _C.UsageError("this Pager is already paused: call resume() first")
         self._end_begun_steps()
         ids = self._core.resident_extents()
+        # Paused before anything goes out: an interrupt anywhere from here on leaves it
+        # paused with resume() bringing back what went out, or (below) not paused with
+        # everything back in; never its tensors out and resume() refused.
+        self._paused = ids
         try:
             self._core.page_all(ids, bucket_size, True)
+            self._core.trim()
         except BaseException:
-            try:
-                self._core.page_all(ids, bucket_size, False)
-            except BaseException as unwind_error:
-                self._paused = ids
-                unwind_error.args = (f"{unwind_error} (while paging back in after pause() "
-                                     "failed: the Pager stays paused, and resume() brings "
-                                     "back what is out)",) + unwind_error.args[1:]
-                raise
+            with interrupts.deferred():
+                try:
+                    self._core.page_all(ids, bucket_size, False)
+                except BaseException as unwind_error:
+                    unwind_error.args = (f"{unwind_error} (while paging back in after pause() "
+                                         "failed: the Pager stays paused, and resume() brings "
+                                         "back what is out)",) + unwind_error.args[1:]
+                    raise
+                self._paused = None
             raise
-        self._core.trim()
-        self._paused = ids
 
+    @serialized
     def resume(self, bucket_size: int = 256 * MiB) -> None:
         """Pages back in, bit-exact and at the same addresses, what pause() paged out.
         When it fails, what came back stays in and the Pager stays paused: resume()
         again brings back the rest."""
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
+        self._core.check_usable()
         if self._paused is None:
             raise _C.UsageError("this Pager is not paused")
         self._core.page_all(self._paused, bucket_size, False)
@@ -336,7 +403,9 @@ class Pager:
 
     def _end_begun_steps(self) -> None:
         """Ends the bindings' steps begun and not taken up (StreamedOptimizer.begin_step)
-        before what reads or moves all the state (pause, checkpoints, close)."""
+        before what reads or moves all the state (pause, checkpoints, close), and lets
+        go of the state read since the last step (statepager.core.state_access)."""
+        self.reads.release()
         for binding in self._bindings:
             binding.end_begun_step()
 
@@ -345,13 +414,16 @@ class Pager:
         return self._paused is not None
 
     def check_not_paused(self, what: str) -> None:
-        """UsageError while paused: `what` (e.g. "step()") would page tensors."""
+        """UsageError while paused, closed or in a forked child (see close()): `what`
+        (e.g. "step()") would page tensors."""
+        self._core.check_usable()
         if self._paused is not None:
             raise _C.UsageError(f"this Pager is paused: call resume() first ({what} pages "
                                 "tensors in or out, and a paused Pager holds no memory)")
 
     # -- optimizers ------------------------------------------------------------------
 
+    @serialized
     def attach(self, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
                log_steps: bool = False, before_bucket=None, after_bucket=None,
                moments: str = "fp32", mains: str = "fp32", model_param=None,
@@ -384,34 +456,32 @@ class Pager:
         MegatronBinding); it sets name, before_bucket, after_bucket, model_param and
         keep_resident itself, and passing any of them is refused (UsageError).
         Returns the StreamedOptimizer binding; its `.last` holds the last step's StepStats."""
+        # Every argument is checked before anything is made: the binding's store
+        # (directory/<name>/) opens when its plan first moves state there.
         bucket_size, depth = args.bucketing(bucket_size, depth)
+        log_steps, atomic = args.flag("log_steps", log_steps), args.flag("atomic", atomic)
+        moments, mains = args.formats(moments, mains)
+        hooks = {"before_bucket": before_bucket, "after_bucket": after_bucket,
+                 "model_param": model_param, "keep_resident": keep_resident,
+                 "before_chunk": before_chunk, "after_chunk": after_chunk}
+        hooks = {k: args.hook(k, v) for k, v in hooks.items()}
+        name = args.optimizer_name(name)
         self.check_not_paused("attach()")
         adapter = adapters.find(optimizer)
         if adapter is not None:
-            given = {"name": name, "before_bucket": before_bucket,
-                     "after_bucket": after_bucket, "model_param": model_param,
-                     "keep_resident": keep_resident}
-            refused = [k for k in adapter.sets if given.get(k) is not None]
-            if refused:
-                raise _C.UsageError(
-                    f"attach() of a {adapter.name} optimizer sets {', '.join(refused)} "
-                    "itself (one binding per member, named by its place): leave "
-                    f"{'it' if len(refused) == 1 else 'them'} out")
+            adapters.refuse_set_options(adapter, {"name": name, **hooks})
             return adapter.attach(self, optimizer, bucket_size=bucket_size, depth=depth,
                                   log_steps=log_steps, moments=moments, mains=mains,
                                   atomic=atomic)
+        args.optimizer(optimizer)
         guard.refuse_model_params(self, optimizer)
-        name = name or f"opt{len(self._bindings)}"
+        name = f"opt{len(self._bindings)}" if name is None else name
         if any(b.name == name for b in self._bindings):
             raise _C.UsageError(f"an optimizer named {name!r} is already attached to this "
                                 "Pager: give each attach() its own name")
-        self._core.open_store(name)  # refuses a name that is no plain file name
         binding = StreamedOptimizer(self, optimizer, bucket_size=bucket_size, depth=depth,
-                                    log_steps=log_steps, before_bucket=before_bucket,
-                                    after_bucket=after_bucket, moments=moments, mains=mains,
-                                    model_param=model_param, name=name,
-                                    keep_resident=keep_resident, atomic=atomic,
-                                    before_chunk=before_chunk, after_chunk=after_chunk)
+                                    log_steps=log_steps, moments=moments, mains=mains,
+                                    name=name, atomic=atomic, **hooks)
         self._bindings.append(binding)
         return binding
 
@@ -423,6 +493,7 @@ class Pager:
 
     # -- checkpoints -------------------------------------------------------------------
 
+    @serialized
     def save(self, path: str, *, background: bool = False, via: str = "store",
              checksum: str = "crc32c"):
         """Writes the state of every attached optimizer to the new directory `path`,
@@ -437,15 +508,20 @@ class Pager:
         self.check_not_paused("save()")
         return self._save(path, background, via, checksum)
 
-    def load(self, path: str) -> bool:
+    @serialized
+    def load(self, path: str, *, missing_ok: bool = False) -> bool:
         """Loads a checkpoint written by save() into the attached optimizers, after
-        verifying format, layout and checksums; nothing changes if any check fails.
-        Returns False, with a logged notice, when `path` holds no statepager state. With a
-        host tier, the loaded state is then read into it as far as it has room, first
-        buckets first (the next step's page-ins are host copies)."""
+        verifying format, layout, entries and checksums; nothing changes if any check
+        fails. Returns True. A path that holds no checkpoint (nothing there, a file, a
+        directory without the manifest) is a UsageError naming what is missing, so that a
+        mistyped path never trains from scratch; missing_ok=True ("load if present")
+        returns False instead where nothing exists at `path`. With a host tier, the loaded
+        state is then read into it as far as it has room, first buckets first (the next
+        step's page-ins are host copies)."""
         self.check_not_paused("load()")
-        return self._load(path)
+        return self._load(path, missing_ok)
 
+    @serialized
     def save_to(self, base: str, *, background: bool = False):
         """save() into this rank's part of a training loop's checkpoint directory:
         base/statepager/rankNNNNN (rank from torch.distributed, else 0), one
@@ -453,11 +529,13 @@ class Pager:
         self.check_not_paused("save_to()")
         return self._save(checkpoint.rank_directory(base), background, "store")
 
-    def load_from(self, base: str) -> bool:
-        """load() of what save_to(base) wrote for this rank; False, with a logged notice,
-        when there is none (e.g. a checkpoint from a run without statepager)."""
+    @serialized
+    def load_from(self, base: str, *, missing_ok: bool = False) -> bool:
+        """load() of what save_to(base) wrote for this rank, with load()'s missing_ok:
+        True to return False where there is none (e.g. a checkpoint of a run without
+        statepager)."""
         self.check_not_paused("load_from()")
-        return self._load(checkpoint.rank_directory(base))
+        return self._load(checkpoint.rank_directory(base), missing_ok)
 
     def _save(self, path: str, background: bool, via: str, checksum: str = "crc32c"):
         checkpoint.check_save_options(background, via, checksum)
@@ -469,10 +547,10 @@ class Pager:
             self._saving = handle  # one at a time: the next save or load waits for it
         return handle
 
-    def _load(self, path: str) -> bool:
+    def _load(self, path: str, missing_ok: bool) -> bool:
         self._end_begun_steps()
         self._settle_save()
-        loaded = checkpoint.load(self, self._core, path)
+        loaded = checkpoint.load(self, self._core, path, missing_ok)
         if loaded:
             self._fill_host_tier()
         return loaded
@@ -509,13 +587,15 @@ class Pager:
         bytes_to_host, bytes_from_host, spills and spilled_bytes written back to the store
         to make room, read_aheads and read_ahead_bytes), the mapped store in RAM
         (map_ram: mapped_read_bytes of bytes_read, mapped_written_bytes of
-        bytes_written, store_mapped_bytes);
+        bytes_written, store_mapped_bytes), unchanged_bytes handed back to their bytes at
+        rest without a write (release_unchanged_async);
         budget_bytes is the hbm_budget, None when unbounded."""
         s = self._core.stats()
         if self._unbounded:
             s["budget_bytes"] = None  # the core's "no budget" is its largest size
         return s
 
+    @serialized
     def keep_at_least(self, nbytes: int) -> None:
         """Keeps at least `nbytes` of unmapped pages for reuse (never lowers `keep`)."""
         nbytes = args.integer("nbytes", nbytes)
@@ -535,9 +615,19 @@ class Pager:
     def file_path(self) -> str:
         return self._core.file_path
 
+    @serialized
     def close(self) -> None:
         """Waits for paging to finish, drops all state and deletes what the Pager created in
-        its directory (the directory too, when the Pager made it)."""
+        its directory (the directory too, when the Pager made it). Idempotent. Afterwards
+        the Pager's tensors have no memory (any access to their data raises in torch; their
+        repr says 'closed'), and every call but stats() and close() raises UsageError
+        ("this Pager is closed").
+
+        A Pager belongs to the process that made it. In a forked child (os.fork(), a
+        launcher's worker) every such call, close() included, raises UsageError at once
+        and touches nothing of the parent's: its store, its lock, its threads, its memory.
+        Leaving a `with` block in the child and the child's exit close nothing."""
+        self._core.check_owner()
         try:
             self._end_begun_steps()
         finally:
@@ -550,12 +640,15 @@ class Pager:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        if self._core.owner_pid == os.getpid():  # a forked child leaves the parent's alone
+            self.close()
 
 
-# Pagers not yet garbage-collected, by creation order; closed at interpreter exit.
+# Pagers not yet garbage-collected, by creation order; closed at interpreter exit. A forked
+# child starts with none: those it inherits are its parent's (see Pager.close()).
 _live: "weakref.WeakValueDictionary[int, Pager]" = weakref.WeakValueDictionary()
 _serials = itertools.count()
+os.register_at_fork(after_in_child=_live.clear)
 
 
 def _track(pager: Pager) -> None:
@@ -580,7 +673,3 @@ def _close_at_exit() -> None:
         except Exception as e:  # an exit status or traceback of the program's own matters more
             print(f"statepager: closing the Pager on {pager.directory} at exit failed: {e}",
                   file=sys.stderr)
-
-
-def _as_list(tensors) -> list:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)

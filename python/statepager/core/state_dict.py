@@ -4,17 +4,21 @@ Both are torch's own, entry for entry (keys, order, values, param_groups, hooks)
 never replace or move the tensors in `optimizer.state`: state_dict() returns copies of
 the paged tensors, taken bucket by bucket to host memory; load_state_dict() copies a
 torch state dict (from an attached optimizer or not) into the paged tensors in place,
-bucket by bucket, so the state is never all on the device at once. Both are linear in
-the number of parameters.
+bucket by bucket, so the state is never all on the device at once, all or nothing (a
+load that fails leaves the optimizer as it was). Both are linear in the number of
+parameters.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 from itertools import chain
 
 import torch
 
-from statepager.core import support
+from statepager import _C
+from statepager.core import support, whole_state
+from statepager.core.atomic import begin_epoch_at_rest
 
 
 def paged_state_dict(binding) -> dict:
@@ -47,7 +51,28 @@ def paged_state_dict(binding) -> dict:
 def paged_load_state_dict(binding, state_dict: dict) -> None:
     """torch's load_state_dict of binding.optimizer; the paged entries are copied into
     the paged tensors in place (new ones, created in the pager, where a parameter has
-    none of that layout)."""
+    none of that layout).
+
+    All or nothing. Refused before anything changes: on a paused Pager (UsageError),
+    where torch refuses (the param groups), and where a parameter's state is incomplete
+    (below). The new pager tensors are made before the optimizer's state is replaced,
+    and the copy runs in a pager epoch: when anything fails midway (NoSpaceError, say),
+    the optimizer is put back as it was (the same tensors with the same bytes,
+    param_groups, step counters). Hooks registered with register_load_state_dict_pre_hook
+    run first, those of ..._post_hook after a load that succeeded.
+
+    Incomplete state: torch loads whatever entries a parameter's state holds, and a
+    parameter without state (none in the state dict, or an empty one) starts fresh at
+    its next step; so does this, but refuses (UsageError naming the parameter and the
+    entries) a parameter that holds only part of its state, by the rule of
+    statepager.core.whole_state applied to the state dict's param groups: each parameter
+    with state holds "step" where another of its group does, the paged entries (dense
+    tensors shaped like their parameter) that another of its group and shape holds, and
+    under Adam and AdamW all of Adam's entries ("step", "exp_avg", "exp_avg_sq", and
+    "max_exp_avg_sq" with amsgrad). Parameters kept resident (attach(keep_resident=...))
+    load as torch loads them.
+    """
+    binding.pager.check_not_paused("load_state_dict()")
     optimizer = binding.optimizer
     sd = state_dict.copy()
     # torch's hooks (register_load_state_dict_pre/post_hook) see the whole state dict
@@ -69,44 +94,129 @@ def paged_load_state_dict(binding, state_dict: dict) -> None:
         order[id(p)] = list(st)
         paged[id(p)] = {name: v for name, v in st.items() if support.pageable_loaded(name, v, p)}
         rest[k] = {name: v for name, v in st.items() if name not in paged[id(p)]}
-    old = {id(p): {n: v for n, v in optimizer.state.get(p, {}).items() if binding.pager.owns(v)}
-           for p in params.values()}
-    # torch loads the rest (casts, param_groups, __setstate__).
-    optimizer._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
-    optimizer._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+    _check_whole(binding, sd, params, paged)
+    targets = _targets(binding, params, paged)
+    undo = _Undo(binding)
     try:
-        type(optimizer).load_state_dict(optimizer, {**sd, "state": rest})
-    finally:
-        optimizer._optimizer_load_state_dict_pre_hooks = pre
-        optimizer._optimizer_load_state_dict_post_hooks = post
-    with torch.no_grad():
-        for b in binding.state_in_buckets():
-            for p in b.params:
-                mine = old.pop(id(p), {})  # the rest is let go with its bucket
-                if id(p) in order:
-                    _load_entries(binding, optimizer, p, order[id(p)], paged[id(p)], mine)
+        _load(binding, {**sd, "state": rest}, order, paged, targets)
+    except BaseException:
+        undo.roll_back()
+        raise
+    undo.commit()
     for hook in post.values():
         hook(optimizer)
 
 
-def _load_entries(binding, optimizer, p, order: list, paged: dict, old: dict) -> None:
-    """p's state as loaded: the entries torch loaded, the paged ones copied into pager
-    tensors (its old ones where shape, dtype and layout match), in the saved order."""
+def _check_whole(binding, sd: dict, params: dict, paged: dict) -> None:
+    """Refuses a parameter whose state in `sd` is not whole (statepager.core.whole_state;
+    paged: id(param) -> its paged entries, for the parameters the pager holds)."""
+    for g, group in enumerate(sd["param_groups"]):
+        members = [(k, params[k].shape, list(st), paged[id(params[k])])
+                   for k in group["params"] if id(params[k]) in paged
+                   and (st := sd["state"].get(k))]
+        found = whole_state.gap(binding.optimizer, g, group, members)
+        if found is not None:
+            raise _C.UsageError(
+                f"load_state_dict: {found}: its next step would mix state of different "
+                "steps. Load a whole state dict (the optimizer's state_dict()), or none for "
+                "that parameter (it then starts fresh); nothing was loaded")
+
+
+def _targets(binding, params: dict, paged: dict) -> dict:
+    """id(param) -> {name: the pager tensor its paged entry is loaded into}: its own
+    where dtype and layout fit (loaded in place), else a new one (ZERO: no memory), made
+    here, before anything changes."""
+    optimizer, pager = binding.optimizer, binding.pager
+    out = {}
+    for p in params.values():
+        if id(p) not in paged:
+            continue
+        own = {n: v for n, v in optimizer.state.get(p, {}).items() if pager.owns(v)}
+        into = out[id(p)] = {}
+        for name, v in paged[id(p)].items():
+            dtype = support.loaded_dtype(p, v)
+            t = own.get(name)
+            like = torch.empty_like(v, dtype=dtype, device="meta")
+            if t is None or t.dtype != dtype or t.stride() != like.stride():
+                t = binding.empty_state_like(p, v, dtype=dtype)
+            into[name] = t
+    return out
+
+
+class _Undo:
+    """A load's way back: torch's load replaces the optimizer's state and param_groups by
+    new objects and leaves the old ones as they were; the copies change paged bytes,
+    inside a pager epoch opened here, and the binding's stored forms
+    (StreamedOptimizer.forms_kept)."""
+
+    def __init__(self, binding):
+        optimizer = binding.optimizer
+        self.binding, self.state, self.groups = binding, optimizer.state, optimizer.param_groups
+        binding.end_begun_step()
+        self.forms = binding.forms_kept()
+        self.epoch = begin_epoch_at_rest(binding.pager, binding.buckets)
+
+    def commit(self) -> None:
+        self.epoch.commit()
+
+    def roll_back(self) -> None:
+        self.epoch.abort()
+        optimizer = self.binding.optimizer
+        optimizer.state, optimizer.param_groups = self.state, self.groups
+        self.forms()
+
+
+def _load(binding, sd: dict, order: dict, paged: dict, targets: dict) -> None:
+    """torch's load of `sd` (the state dict without the paged entries: casts,
+    param_groups, __setstate__), then the paged entries copied into their targets,
+    bucket by bucket."""
+    optimizer, pager = binding.optimizer, binding.pager
+    pre = optimizer._optimizer_load_state_dict_pre_hooks
+    post = optimizer._optimizer_load_state_dict_post_hooks
+    optimizer._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+    try:
+        type(optimizer).load_state_dict(optimizer, sd)
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks = pre
+        optimizer._optimizer_load_state_dict_post_hooks = post
+    was = []
+    # closing: a bucket that fails is paged out now, inside the epoch, not whenever the
+    # generator is collected (after the roll-back).
+    with torch.no_grad(), contextlib.closing(binding.state_in_buckets()) as buckets:
+        for b in buckets:
+            _drop_replaced(pager, was)
+            was = b.stored + b.working
+            for p in b.params:
+                if id(p) in order:
+                    _load_entries(binding, p, order[id(p)], paged[id(p)], targets[id(p)])
+    _drop_replaced(pager, was)
+
+
+def _drop_replaced(pager, tensors: list) -> None:
+    """The tensors of a bucket before its load that are still resident once it is paged
+    out: those the load replaced. Their bytes are dropped (the epoch keeps them until it
+    ends), so that they do not add up over the buckets."""
+    resident = [t for t in tensors if pager.residency(t) in ("resident", "mixed")]
+    if resident:
+        pager.discard_async(resident).wait()
+
+
+def _load_entries(binding, p, order: list, paged: dict, targets: dict) -> None:
+    """p's state as loaded: the entries torch loaded, the paged ones copied into their
+    targets (_targets), in the saved order."""
+    optimizer, pager = binding.optimizer, binding.pager
+    absent = [t for t in targets.values() if pager.residency(t) != "resident"]
+    if absent:
+        pager.page_in(absent)
     loaded = optimizer.state[p]
     state = {}
     for name in order:
-        if name not in paged:
+        if name in paged:
+            targets[name].copy_(paged[name])
+            state[name] = targets[name]
+        else:
             state[name] = loaded[name]
-            continue
-        v = paged[name]
-        dtype = support.loaded_dtype(p, v)
-        t = old.get(name)
-        like = torch.empty_like(v, dtype=dtype, device="meta")
-        if t is None or t.dtype != dtype or t.stride() != like.stride():
-            t = binding.empty_state_like(p, v, dtype=dtype)
-            binding.pager.page_in(t)
-        t.copy_(v)
-        state[name] = t
     optimizer.state[p] = state
 
 

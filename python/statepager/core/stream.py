@@ -25,13 +25,13 @@ from typing import Callable, Sequence
 import torch
 
 from statepager import _C
-from statepager.core import plan, slices, state_dict, support
+from statepager.core import interrupts, plan, slices, state_access, state_dict, support
+from statepager.core.serial import lock_of, serialized
 from statepager.core.atomic import AtomicStep, UndoCopies
 from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.step_stats import StepStats
 from statepager.core.plan import Bucket
-from statepager.formats.stored import (MAIN_FORMATS, MOMENT_FORMATS, StoredForm,
-                                       decode_residuals, encode_residuals,
+from statepager.formats.stored import (StoredForm, decode_residuals, encode_residuals,
                                        params_changed_since_encoded, residual_forms)
 from statepager.formats import codecs
 from statepager.formats.fused_adamw import FusedStep, applies_to
@@ -59,6 +59,7 @@ class _Run:
     fused_groups: tuple | None = None             # StreamedOptimizer._fused_groups()
     setup_seconds: float = 0.0                    # StepStats.setup_seconds, so far
     checked: bool = False                         # residual masters' params checked up front
+    interrupts: "interrupts.Deferral | None" = None  # an atomic step's: polled per bucket
 
 
 BucketHook = Callable[[Sequence[torch.Tensor]], None]
@@ -78,13 +79,9 @@ class StreamedOptimizer:
                  keep_resident: Callable[[torch.Tensor], bool] | None = None,
                  atomic: bool = True, before_chunk: ChunkHook | None = None,
                  after_chunk: ChunkHook | None = None):
-        if depth < 2:
-            raise ValueError("depth must be at least 2 (one bucket stepping, one in flight)")
+        # Pager.attach checked the arguments.
         if optimizer in _attached:
-            raise ValueError("this optimizer is already attached to a Pager")
-        if moments not in MOMENT_FORMATS or mains not in MAIN_FORMATS:
-            raise ValueError(f"moments must be one of {MOMENT_FORMATS} and mains one of "
-                             f"{MAIN_FORMATS}, not {moments!r} / {mains!r}")
+            raise _C.UsageError("this optimizer is already attached to a Pager")
         support.check_optimizer(optimizer)
         self.pager = pager
         self.optimizer = optimizer
@@ -150,10 +147,11 @@ class StreamedOptimizer:
         # (_opt_called), so mark it the way theirs is marked.
         step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
-        optimizer.state_dict = types.MethodType(state_dict.paged_state_dict, self)
-        optimizer.load_state_dict = types.MethodType(state_dict.paged_load_state_dict, self)
+        optimizer.state_dict = types.MethodType(_paged_state_dict, self)
+        optimizer.load_state_dict = types.MethodType(_paged_load_state_dict, self)
         optimizer.add_param_group = functools.partial(_paged_add_param_group, self)
         optimizer.zero_grad = functools.partial(_paged_zero_grad, self, optimizer.zero_grad)
+        state_access.wrap(self)  # its state readable between steps
 
     # -- setup ---------------------------------------------------------------------
 
@@ -179,7 +177,7 @@ class StreamedOptimizer:
     def forms(self, p) -> list[tuple[str, StoredForm]]:
         """(name, form) of parameter p's paged tensors, in a stable order; 'param' is the
         parameter itself when the pager owns it (an fp32 master)."""
-        state = self.optimizer.state.get(p, {})  # .get: state is a defaultdict
+        state = _held(self.optimizer, p, {})
         found_from = (id(p) in self._split, _tensor_key(p),
                       tuple((name, _tensor_key(v)) for name, v in state.items()))
         if self._forms_from.get(id(p)) == found_from:
@@ -238,7 +236,7 @@ class StreamedOptimizer:
         if self._resident(p):
             return 0
         scratch = not (self._fused and self._fused.may_step(group, p))
-        state = self.optimizer.state.get(p, {})
+        state = _held(self.optimizer, p, {})
         nbytes = sum(_form_bytes(v, self.moments, scratch) for v in state.values()
                      if self.pager.owns(v))
         if self.pager.owns(p):
@@ -281,7 +279,7 @@ class StreamedOptimizer:
         if any(f.bounds is None and f.scratch for f in self._forms.get(id(p), {}).values()):
             return None  # stored whole already
         made = [p] if self.pager.owns(p) else []
-        made += [v for v in self.optimizer.state.get(p, {}).values() if self.pager.owns(v)]
+        made += [v for v in _held(self.optimizer, p, {}).values() if self.pager.owns(v)]
         if not all(self.pager.pieces(t) == slices.pieces(t.numel(), t.element_size())
                    for t in made):
             return None
@@ -335,6 +333,7 @@ class StreamedOptimizer:
         return largest + 2 * page, ExceptionCounts.LAG * (held + 2 * page) if held else 0
 
     @property
+    @serialized
     def buckets(self) -> list[Bucket]:
         """The plan for the param groups as they are now: groups added, removed or changed
         since the last plan (add_param_group, direct edits) are planned anew, so they are
@@ -352,6 +351,7 @@ class StreamedOptimizer:
             self._buckets = self._plan()
             self.pager.keep_at_least(self._window())
 
+    @serialized
     def state_changed(self) -> None:
         """Paged state entries were added or replaced outside a step (a checkpoint load):
         the buckets take them in."""
@@ -359,6 +359,23 @@ class StreamedOptimizer:
         for b in self.buckets:
             self._fill(b)
         self.pager.keep_at_least(self._window())
+
+    def forms_kept(self) -> Callable[[], None]:
+        """For a change of the state that may fail midway (load_state_dict): the returned
+        callable puts back the stored forms of now (which form holds each state entry,
+        and the residual ones' exception lists and fingerprints; their bytes are the
+        caller's to put back, by a pager epoch) once the state entries are as now again,
+        and fills the buckets with them."""
+        forms, found_from = dict(self._forms), dict(self._forms_from)
+        residual = [(f, f.exceptions_as_set, f.fingerprint) for named in forms.values()
+                    for f in named.values() if f.fmt == "residual"]
+
+        def put_back() -> None:
+            self._forms, self._forms_from = forms, found_from
+            for f, exceptions, fingerprint in residual:
+                f.exceptions, f.fingerprint = exceptions, fingerprint
+            self.state_changed()
+        return put_back
 
     def _adopt_existing_state(self) -> None:
         """State that already exists in ordinary memory moves into the pager, bucket by bucket."""
@@ -384,7 +401,7 @@ class StreamedOptimizer:
         moved = False
         known = {id(f.working) for f in bucket.forms}  # already paged: skip the lookups
         for p in bucket.params:
-            state = self.optimizer.state.get(p)  # .get: no entry where torch made none
+            state = _held(self.optimizer, p)
             if not state or self._resident(p):
                 continue
             for name, v in list(state.items()):
@@ -492,10 +509,11 @@ class StreamedOptimizer:
         state entries by resident pager tensors of its own: they are stored from then on.
         rebuild_mains: the caller overwrites the masters from changed model params, so
         their stored form is not checked against them. write=False: the caller only
-        reads; nothing is encoded. A parameter that steps in chunks comes whole, in a
-        bucket of its own."""
+        reads; nothing is encoded, and the stored forms go back to their bytes at rest
+        without any write (Pager.release_unchanged_async). A parameter that steps in
+        chunks comes whole, in a bucket of its own."""
         for b in self._whole_buckets():
-            self.pager.page_in(b.stored)
+            self.pager.page_in_async(b.stored, for_read=not write).wait()
             self._decode(b, check_params=not rebuild_mains)
             try:
                 yield b
@@ -504,7 +522,13 @@ class StreamedOptimizer:
                     self._fill(b)  # the caller's new tensors and their stored forms
                     self.pager.page_in(b.stored + b.working)
                     self._encode_now(b)
-                self._release(b)
+                    self._release(b)
+                else:
+                    handles = [self.pager.release_unchanged_async(b.stored)]
+                    if b.working:  # the decoded scratch
+                        handles.append(self.pager.discard_async(b.working))
+                    for h in handles:
+                        h.wait()
         if write:
             self._fill_chunked()
 
@@ -520,17 +544,20 @@ class StreamedOptimizer:
             self.copies_state_dict = True
 
     def stored_in_buckets(self):
-        """Yields each bucket with its stored form resident (no decoding); a parameter
-        that steps in chunks whole, in a bucket of its own."""
+        """Yields each bucket with its stored form resident (no decoding), for a caller
+        that only reads it: it goes back to its bytes at rest without any write
+        (Pager.release_unchanged_async). A parameter that steps in chunks comes whole, in a
+        bucket of its own."""
         for b in self._whole_buckets():  # which ends a begun step first
-            self.pager.page_in(b.stored)
+            self.pager.page_in_async(b.stored, for_read=True).wait()
             try:
                 yield b
             finally:
-                self.pager.page_out(b.stored)
+                self.pager.release_unchanged_async(b.stored).wait()
 
     # -- the step ------------------------------------------------------------------
 
+    @serialized
     def prepare_step(self) -> None:
         """Called where the next step's grads are being made (the optimizer's zero_grad(),
         and Megatron's): an atomic step's undo copies of residual masters' model
@@ -541,6 +568,7 @@ class StreamedOptimizer:
         if self.atomic and self.mains == "residual":
             self._undo.take_before_step(self.buckets)
 
+    @serialized
     def step_buckets(self) -> None:
         """One step, all or nothing when atomic: a step that raises has changed nothing
         (statepager.core.atomic), and a retry steps once. before_step and after_step, when
@@ -551,6 +579,7 @@ class StreamedOptimizer:
         if self.after_step:
             self.after_step()
 
+    @serialized
     def begin_step(self) -> None:
         """Starts the next step's first page-ins now, so that they overlap what runs
         before the step (Megatron's grad norm and clipping: the adapter calls it once
@@ -564,31 +593,43 @@ class StreamedOptimizer:
         if self._begun is not None or not self.atomic or self.pager.paused:
             return
         self._end_others_begun()
-        t0 = time.monotonic()
+        self.pager.reads.release()  # their room is the step's
+        t0, run = time.monotonic(), None
+        held = interrupts.Deferral()  # a Ctrl-C comes at poll(), or once this has ended
         try:
-            step = AtomicStep(self, self._undo, self._mirror())
-        except Exception as error:
-            log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
-            return
-        try:
-            self._begun = self._start(step)
-            self._begun.setup_seconds = time.monotonic() - t0
-        except BaseException as error:
-            step.abandon()
-            if not isinstance(error, Exception):  # an interrupt: after the epoch is closed
-                raise
-            log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+            try:
+                step = AtomicStep(self, self._undo, self._mirror())
+            except Exception as error:
+                log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+                return
+            try:
+                run = self._start(step)
+                run.setup_seconds = time.monotonic() - t0
+                held.poll()
+                self._begun = run  # last: from here on the begun step is ended as such
+            except BaseException as error:
+                _end(step, run)
+                if not isinstance(error, Exception):  # an interrupt: after the epoch is closed
+                    raise
+                log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+        finally:
+            held.release()
 
     @property
     def begun(self) -> bool:
         """True from begin_step() until step() takes the begun step up or it is ended."""
         return self._begun is not None
 
+    @serialized
     def end_begun_step(self) -> None:
         """Ends a step that begin_step() began and no step() took up: its page-ins are
-        waited for and their pages dropped, nothing written."""
-        run, self._begun = self._begun, None
-        if run is not None:
+        waited for and their pages dropped, nothing written. Lets go of the state read
+        since the last step (statepager.core.state_access)."""
+        self.pager.reads.release()
+        if self._begun is None:
+            return
+        with interrupts.deferred():
+            run, self._begun = self._begun, None
             _end_run(run)
 
     def _end_others_begun(self) -> None:
@@ -606,48 +647,79 @@ class StreamedOptimizer:
         t0 = time.monotonic()
         self._plan_anew_if_changed()
         self._end_others_begun()
-        run, self._begun = self._begun, None
+        self.pager.reads.release()  # their room is the step's
+        run = self._begun
         if run is not None and (not self.atomic or run.fused_groups != self._fused_groups()):
-            _end_run(run)  # begun as atomic, or with param groups the fused step differs on
-            run = None
+            self.end_begun_step()  # begun as atomic, or with param groups the fused step differs on
         if not self.atomic:
             checked = self._params_checked_up_front()
             run = self._start(None)
             run.checked, run.setup_seconds = checked, time.monotonic() - t0
-            self._stream(run)
-            self._log_step()
+            self._finish(self._stream(run))
             return
-        step = run.atomic if run is not None else AtomicStep(self, self._undo, self._mirror())
-        try:
-            step.snapshot()
-        except BaseException:
-            if run is not None:
-                _end_run(run)
-            else:
-                step.abandon()
-            raise
-        try:
-            if run is None:
-                run = self._start(step)
-            run.setup_seconds += time.monotonic() - t0
-            self._stream(run)
-        except BaseException as error:
-            try:
-                step.roll_back()
-                for b in self.buckets:  # without the state the failed step created
-                    self._fill(b)
-            except BaseException as failed:
-                error.add_note(f"statepager: undoing the failed step failed too ({failed!r}): "
-                               "the optimizer state may be partly stepped")
-            raise
-        t0 = time.monotonic()
-        step.commit()
-        self.last.commit_seconds = time.monotonic() - t0
-        self._log_step()
+        self._step_atomic(t0)
 
-    def _log_step(self) -> None:
+    def _step_atomic(self, t0: float) -> None:
+        """All or nothing (statepager.core.atomic), a KeyboardInterrupt included: SIGINT is
+        held (statepager.core.interrupts) for the whole step and delivered where a failure
+        is undone (after the epoch opens, between buckets, before the commit) or once the
+        step is whole, so that a Ctrl-C never splits opening the epoch from the try that
+        ends it, the commit from its bookkeeping, or an undo."""
+        held = interrupts.Deferral()
+        try:
+            run, self._begun = self._begun, None
+            step = run.atomic if run is not None else AtomicStep(self, self._undo, self._mirror())
+            snapshot = False
+            try:
+                held.poll()
+                step.snapshot()
+                snapshot = True
+                if run is None:
+                    run = self._start(step)
+                run.setup_seconds += time.monotonic() - t0
+                run.interrupts = held
+                stats = self._stream(run)
+                held.poll()
+                t1 = time.monotonic()
+                step.commit()
+            except BaseException as error:
+                self._undo_step(step, run, snapshot, error)
+                raise
+            stats.commit_seconds = time.monotonic() - t1
+            self._finish(stats)
+        finally:
+            held.release()
+
+    def _undo_step(self, step: AtomicStep, run: "_Run | None", snapshot: bool,
+                   error: BaseException) -> None:
+        """After `error`: everything as before the step (its epoch aborted; once its
+        snapshot is taken, what it changed in ordinary memory put back)."""
+        if not snapshot:
+            _end(step, run)
+            return
+        try:
+            step.roll_back()
+            for b in self.buckets:  # without the state the failed step created
+                self._fill(b)
+        except BaseException as failed:
+            error.add_note(f"statepager: undoing the failed step failed too ({failed!r}): "
+                           "the optimizer state may be partly stepped")
+
+    def _finish(self, stats: StepStats) -> None:
+        """A step done: its stats are the last, and logged."""
+        self._steps += 1
+        self.last = stats
         if self.log_steps:
-            log.info("statepager %s", self.last.summary())
+            log.info("statepager %s", stats.summary())
+
+    @serialized
+    def known_form(self, p, name: str, value: torch.Tensor) -> StoredForm | None:
+        """The StoredForm of p's state entry `name`, whose working tensor is `value`, where
+        p's state is paged by this binding; None otherwise."""
+        if id(p) not in self._forms:
+            return None
+        form = dict(self.forms(p)).get(name)
+        return form if form is not None and form.working is value else None
 
     def _params_checked_up_front(self) -> bool:
         """An in-place step's residual checks, every bucket's at once before any bucket
@@ -718,7 +790,9 @@ class StreamedOptimizer:
                        min(j + run.read_ahead + 1, len(buckets))):
             aheads[k] = pager.read_ahead_async(buckets[k].stored)
 
-    def _stream(self, run: "_Run") -> None:
+    def _stream(self, run: "_Run") -> StepStats:
+        """Runs the step's pipeline; returns its stats (the caller's once the step is
+        whole)."""
         pager, buckets, n = self.pager, run.buckets, len(run.buckets)
         atomic, fused, stats, sched, ins = run.atomic, run.fused, run.stats, run.sched, run.ins
         # Optimizers that count steps per param group (TE's and apex's FusedAdam) must
@@ -735,6 +809,8 @@ class StreamedOptimizer:
         t_loop = time.monotonic()
         try:
             for i, b in enumerate(buckets):
+                if run.interrupts is not None:
+                    run.interrupts.poll()  # a Ctrl-C fails the step here
                 t0 = time.monotonic()
                 h = ins.pop(i)
                 h.wait()
@@ -778,13 +854,15 @@ class StreamedOptimizer:
             # in the store, whose page-in then read them (or failed the step itself).
             _settle(run.aheads.values())
         except BaseException as error:
-            try:  # a stepped bucket's exceptions are its stored form's: never left unread
-                counting.read(keep=0)
-            except BaseException as failed:
-                error.add_note(f"statepager: reading a stepped bucket's residual exceptions "
-                               f"failed too ({failed!r}): its masters may not decode")
-            _settle(list(ins.values()) + [h for handles in outs for h in handles]
-                    + counting.handles + list(run.aheads.values()))
+            with interrupts.deferred():  # nothing left in flight, an interrupt notwithstanding
+                try:  # a stepped bucket's exceptions are its stored form's: never left unread
+                    counting.read(keep=0)
+                except BaseException as failed:
+                    error.add_note(f"statepager: reading a stepped bucket's residual "
+                                   f"exceptions failed too ({failed!r}): its masters may "
+                                   "not decode")
+                _settle(list(ins.values()) + [h for handles in outs for h in handles]
+                        + counting.handles + list(run.aheads.values()))
             raise
         for g, counter in zip(self.optimizer.param_groups, self._group_steps_after):
             _set_counter(g, counter)
@@ -800,8 +878,7 @@ class StreamedOptimizer:
         stats.set_io_times([h.times for h in done_in], [h.times for h in done_out])
         stats.timeline = [(b.nbytes, i.times, s, o.times)
                           for b, i, s, o in zip(buckets, done_in, stepping, done_out)]
-        self._steps += 1
-        self.last = stats
+        return stats
 
     def _step_bucket(self, bucket: Bucket, atomic: AtomicStep | None,
                      checks: ParamChecks | None, fused: list | None,
@@ -845,13 +922,13 @@ class StreamedOptimizer:
         """p's scalar state (Adam's step count) as it was before this step, for a parameter
         that steps in chunks: taken at its first chunk, so that each chunk steps from it
         and the count advances once per step (slices.step_in_slices)."""
-        return self._counts.setdefault(id(p), slices.counters(self.optimizer.state.get(p) or {}))
+        return self._counts.setdefault(id(p), slices.counters(_held(self.optimizer, p) or {}))
 
     def _chunks_got_state(self, bucket: Bucket) -> bool:
         """True when a parameter of which the bucket holds a chunk got paged state that
         the bucket does not hold yet (created at the bucket of its first chunk)."""
         for c, named in zip(bucket.chunks, bucket.chunk_forms):
-            state = self.optimizer.state.get(c.param, {})
+            state = _held(self.optimizer, c.param, {})
             if any(k not in named and self.pager.owns(v) for k, v in state.items()):
                 return True
         return False
@@ -873,7 +950,7 @@ class StreamedOptimizer:
                 for g, params in zip(groups, saved):
                     g["params"] = params
         for c in bucket.chunks:
-            state = self.optimizer.state.get(c.param)
+            state = _held(self.optimizer, c.param)
             if c.param.grad is not None and not state:
                 raise _C.UsageError(
                     f"{type(self.optimizer).__name__} created no state for a parameter that "
@@ -887,6 +964,14 @@ class StreamedOptimizer:
 
 
 _ABSENT = object()
+
+
+def _held(optimizer, p, default=None):
+    """p's state dict as the optimizer holds it, or `default` where it has none (.get: no
+    entry is made, as a defaultdict's [] would); never paged in on access
+    (statepager.core.state_access), also where state_in_buckets() runs outside the
+    Pager's lock."""
+    return dict.get(optimizer.state, p, default)
 
 
 def _tensor_key(v):
@@ -951,6 +1036,14 @@ def _end_run(run: _Run) -> None:
         run.atomic.abandon()
 
 
+def _end(step: AtomicStep, run: "_Run | None") -> None:
+    """Ends a step that changed nothing: its run's page-ins waited for, where it has one."""
+    if run is not None:
+        _end_run(run)
+    else:
+        step.abandon()
+
+
 def _settle(handles) -> None:
     """Waits for every handle, whatever its outcome (a failed step must not leave buckets
     in flight; the error that stopped it is the one raised)."""
@@ -972,25 +1065,45 @@ def _raw_step_function(optimizer) -> Callable:
 _attached: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
+# The optimizer's methods below hold the Pager's lock (statepager.core.serial): a step, a
+# state_dict() or a save on another thread waits for the one running.
+
 def _paged_step(binding: StreamedOptimizer, optimizer, closure=None):
-    """optimizer.step() of an attached optimizer."""
+    """optimizer.step() of an attached optimizer (the closure runs outside the lock)."""
     binding.pager.check_not_paused("step()")
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    optimizer._opt_called = True  # what LR schedulers check; their step wrapper is replaced
-    binding.step_buckets()
+    with lock_of(binding):
+        binding.pager.check_not_paused("step()")
+        optimizer._opt_called = True  # what LR schedulers check; their step wrapper is replaced
+        binding.step_buckets()
     return loss
 
 
 def _paged_zero_grad(binding: StreamedOptimizer, zero_grad, *args, **kwargs):
     """optimizer.zero_grad() of an attached optimizer: its own, then prepare_step()."""
-    result = zero_grad(*args, **kwargs)
-    binding.prepare_step()
+    with lock_of(binding):
+        result = zero_grad(*args, **kwargs)
+        binding.prepare_step()
     return result
 
 
+def _paged_state_dict(binding: StreamedOptimizer) -> dict:
+    with lock_of(binding):
+        return state_dict.paged_state_dict(binding)
+
+
+def _paged_load_state_dict(binding: StreamedOptimizer, loaded: dict) -> None:
+    with lock_of(binding):
+        try:
+            state_dict.paged_load_state_dict(binding, loaded)
+        finally:
+            state_access.wrap(binding)  # torch's load sets optimizer.state anew
+
+
+@serialized
 def _paged_add_param_group(binding: StreamedOptimizer, param_group: dict) -> None:
     """torch's add_param_group, refused (and undone) when the pager cannot hold the new
     group's state; the group is streamed from the next step on."""

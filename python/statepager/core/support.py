@@ -94,7 +94,14 @@ class DeferredState:
 
     def moments(self, group: dict) -> int:
         """How many param-shaped tensors a parameter of `group` gets."""
-        return 3 if group.get("amsgrad") else 2
+        return len(self.names(group)) - 1
+
+    @staticmethod
+    def names(group: dict) -> list[str]:
+        """The state entries Adam creates for a parameter of `group`: "step", then its
+        param-shaped moments."""
+        return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad")
+                                                    else [])
 
     def create(self, group: dict, p: torch.Tensor, zeros_like: Callable) -> bool:
         """Creates p's state as Adam._init_group (torch 2.11) does on p's first step with
@@ -113,7 +120,6 @@ class DeferredState:
                                         device=p.device)
         else:
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        for name in names:
+        for name in self.names(group)[1:]:
             state[name] = zeros_like(p)
         return True

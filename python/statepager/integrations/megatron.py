@@ -44,6 +44,7 @@ import torch
 
 from statepager import _C
 from statepager.core import adapters, slices
+from statepager.core.serial import lock_of, serialized
 from statepager.core.flat import copy_each, flat_view
 from statepager.core.pager import MiB
 from statepager.integrations import megatron_internals as internals
@@ -93,12 +94,14 @@ class MegatronBinding:
         """Megatron's step() of the optimizer (set on it at attach). Its first member
         begins its streamed step once the grads are ready (MegatronMember.copy_grads); a
         step Megatron then skips (inf/NaN grads) or that fails before the inner step is
-        ended here, its pages dropped unwritten."""
-        try:
-            return self.megatron_step(*args, **kwargs)
-        finally:
-            for m in self.members:
-                m.stream.end_begun_step()
+        ended here, its pages dropped unwritten. Holds the Pager's lock throughout
+        (statepager.core.serial): Megatron's step calls the members' hooks."""
+        with lock_of(self.members[0].pager):
+            try:
+                return self.megatron_step(*args, **kwargs)
+            finally:
+                for m in self.members:
+                    m.stream.end_begun_step()
 
     @property
     def last(self) -> list:
@@ -298,7 +301,10 @@ class MegatronMember:
                 main.grad = None
 
     # -- Megatron's hooks, set on the DistributedOptimizer ------------------------------
+    # Each holds the Pager's lock (statepager.core.serial): they page the state, and
+    # Megatron's code calls them outside the inner optimizer's entry points.
 
+    @serialized
     def copy_grads(self, *_) -> None:
         """Megatron's model-grads-to-main-grads, with bf16 grads left in the grad buffer:
         the mains' norm carriers get the fp32 grad norms, the probes a grad of one. Then
@@ -319,6 +325,7 @@ class MegatronMember:
         for probe in self._probes.values():
             probe.grad = torch.ones(1, device=probe.device)
 
+    @serialized
     def zero_grad(self, *args, **kwargs) -> None:
         """Megatron's zero_grad() (the training loop's, at each iteration's start), then
         the next step's preparation while forward and backward run (StreamedOptimizer.
@@ -333,6 +340,7 @@ class MegatronMember:
                   for group in self.megatron.inner.param_groups for p in group["params"]]
         return params + list(self._probes.values())
 
+    @serialized
     @torch.no_grad()
     def copy_mains_to_params(self, *_) -> None:
         """Mains into the DDP param buffer. Right after a streamed step (Megatron's
@@ -347,6 +355,7 @@ class MegatronMember:
         for bucket in self.stream.state_in_buckets():
             self._mains_out(bucket.params)
 
+    @serialized
     @torch.no_grad()
     def reload_mains(self, state_dict=None) -> None:
         """reload_model_params: mains rebuilt from the model params (or from
@@ -364,6 +373,7 @@ class MegatronMember:
                 if model_param is not None:
                     main.copy_(shard_of(model_param))
 
+    @serialized
     def state_dict(self):
         """Megatron's state_dict() holds no parameter state (it reads only the step
         counters and param groups), so the inner optimizer's state_dict by reference

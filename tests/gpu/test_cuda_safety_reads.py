@@ -1,0 +1,108 @@
+"""On the GPU, opt.state_dict() and a save through the device write nothing to the store
+(Pager.release_unchanged_async: the state goes back to its bytes at rest), on an
+io_uring store, a store in RAM mapped for the device's copies and with a host tier (its
+copies kept for the read); it works on a store that can no longer be written (a
+file-size limit, as on a full disk); steps after it are as without it."""
+import hashlib
+import os
+import resource
+
+import pytest
+import torch
+
+from statepager import PagedAdamW, Pager
+
+KiB, MiB = 1 << 10, 1 << 20
+pytestmark = pytest.mark.gpu
+
+# name: (Pager options, store on tmpfs)
+CONFIGS = {
+    "disk": ({"map_ram": False}, False),
+    "mapped-ram": ({}, True),
+    "host-tier": ({"host_budget": 64 * MiB, "map_ram": False}, False),
+}
+
+
+def make(config, root, name, moments="fp32", mains="fp32"):
+    options, ram = CONFIGS[config]
+    pager = Pager(os.path.join(root[ram], name), device="cuda", page_size=2 * MiB,
+                  hbm_budget=64 * MiB, **options)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(),
+                                torch.nn.Linear(1024, 1024)).cuda().to(torch.bfloat16)
+    opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, bucket_size=2 * MiB,
+                     moments=moments, mains=mains)
+    return pager, model, opt
+
+
+def train(model, opt, first, count):
+    for i in range(first, first + count):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).cuda()
+        opt.zero_grad()
+        model(x.to(torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+
+
+def store_files(pager):
+    out = {}
+    for d, _, names in os.walk(pager.directory):
+        for n in names:
+            path = os.path.join(d, n)
+            with open(path, "rb") as f:
+                out[path] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def writes(pager):
+    s = pager.stats()
+    return [s[k] for k in ("bytes_written", "write_requests", "bytes_to_host", "spills")]
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture
+def root(tmp_path, shm_dir):
+    return {False: str(tmp_path), True: shm_dir}
+
+
+@pytest.mark.parametrize("formats", [("fp32", "fp32"), ("q8", "residual")], ids=["fp32", "q8"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_cuda_state_dict_and_save_write_nothing(root, tmp_path, config, formats):
+    pager, model, opt = make(config, root, "unread", *formats)
+    with pager:
+        train(model, opt, 0, 4)
+        unread = [p.detach().clone() for p in model.parameters()]
+    pager, model, opt = make(config, root, "read", *formats)
+    with pager:
+        train(model, opt, 0, 2)
+        files, counted = store_files(pager), writes(pager)
+        first = opt.state_dict()
+        pager.save(str(tmp_path / "ckpt"), via="device")
+        assert same(first, opt.state_dict())
+        assert writes(pager) == counted
+        assert store_files(pager) == files
+        assert pager.stats()["unchanged_bytes"] > 0
+        train(model, opt, 2, 2)
+        assert same([p.detach() for p in model.parameters()], unread)
+
+
+def test_cuda_state_dict_on_an_unwritable_store(root):
+    pager, model, opt = make("disk", root, "store")
+    with pager:
+        train(model, opt, 0, 2)
+        before = opt.state_dict()
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            sd = opt.state_dict()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert same(sd, before)
