@@ -16,51 +16,17 @@
 #include "allocator/store_snapshot.h"
 #include "backing/errors.h"
 #include "tests/cpp/child_process.h"
+#include "tests/cpp/extent_patterns.h"
 #include "tests/cpp/pager_options.h"
 #include "tests/cpp/store_media.h"
-#include "tests/cpp/temp_dir.h"
+#include "tests/cpp/store_medium_test.h"
 
 namespace statepager {
 namespace {
 
-class EpochTest : public ::testing::TestWithParam<StoreMedium> {
- protected:
-  EpochTest() : dir_(GetParam().root) {}
-  PagerOptions options() const {
-    PagerOptions o = test_options(dir_.file("store"));
-    o.map_ram = GetParam().map_ram;
-    return o;
-  }
-  std::string file(const std::string& name) const { return dir_.file(name); }
+class EpochTest : public StoreMediumTest {};
 
- private:
-  TempDir dir_;
-};
-
-// Extents of mixed sizes, none a multiple of 4 KiB, some spanning 1 MiB stripe units.
-std::vector<ExtentId> make_extents(Pager& pager, int n = 6) {
-  std::vector<ExtentId> ids;
-  for (int i = 0; i < n; i++) ids.push_back(pager.create(size_t(300000) * (i % 3 + 1) + 77 * i));
-  return ids;
-}
-
-// The bytes fill(seed) writes into an extent (seed 0: zeros): a cheap generator, 8 bytes
-// at a time, different per extent and seed.
-std::vector<uint8_t> pattern(ExtentId id, uint32_t seed, size_t bytes) {
-  std::vector<uint8_t> out((bytes + 7) / 8 * 8, 0);
-  uint64_t x = (uint64_t{seed} << 32 | id) * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; seed != 0 && i < out.size(); i += 8) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    std::memcpy(&out[i], &x, 8);
-  }
-  out.resize(bytes);
-  return out;
-}
-
-void fill(Pager& pager, ExtentId id, uint32_t seed) {
-  const std::vector<uint8_t> bytes = pattern(id, seed, pager.size(id));
-  std::memcpy(reinterpret_cast<void*>(pager.address(id)), bytes.data(), bytes.size());
-}
+std::vector<ExtentId> make_extents(Pager& pager) { return make_extents(pager, 6); }
 
 // Pages the extent in and compares it with fill(seed), then out.
 bool holds(Pager& pager, ExtentId id, uint32_t seed) {
@@ -70,12 +36,6 @@ bool holds(Pager& pager, ExtentId id, uint32_t seed) {
                                 want.size()) == 0;
   pager.wait(pager.page_out({id}));
   return same;
-}
-
-void write_all(Pager& pager, const std::vector<ExtentId>& ids, uint32_t seed) {
-  pager.wait(pager.page_in(ids));
-  for (ExtentId id : ids) fill(pager, id, seed);
-  pager.wait(pager.page_out(ids));
 }
 
 size_t file_size(const std::string& path) {

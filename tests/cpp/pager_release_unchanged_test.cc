@@ -11,48 +11,17 @@
 #include "allocator/pager.h"
 #include "backing/errors.h"
 #include "tests/cpp/child_process.h"
+#include "tests/cpp/extent_patterns.h"
 #include "tests/cpp/pager_options.h"
 #include "tests/cpp/store_media.h"
-#include "tests/cpp/temp_dir.h"
+#include "tests/cpp/store_medium_test.h"
 
 namespace statepager {
 namespace {
 
-class ReleaseUnchangedTest : public ::testing::TestWithParam<StoreMedium> {
- protected:
-  ReleaseUnchangedTest() : dir_(GetParam().root) {}
-  PagerOptions options(size_t host_budget = 0) const {
-    PagerOptions o = test_options(dir_.file("store"));
-    o.map_ram = GetParam().map_ram;
-    o.host_budget_bytes = host_budget;
-    return o;
-  }
+class ReleaseUnchangedTest : public StoreMediumTest {};
 
- private:
-  TempDir dir_;
-};
-
-std::vector<ExtentId> make_extents(Pager& pager, int n = 4) {
-  std::vector<ExtentId> ids;
-  for (int i = 0; i < n; i++) ids.push_back(pager.create(size_t(300000) * (i % 3 + 1) + 77 * i));
-  return ids;
-}
-
-std::vector<uint8_t> pattern(ExtentId id, uint32_t seed, size_t bytes) {
-  std::vector<uint8_t> out((bytes + 7) / 8 * 8, 0);
-  uint64_t x = (uint64_t{seed} << 32 | id) * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; seed != 0 && i < out.size(); i += 8) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    std::memcpy(&out[i], &x, 8);
-  }
-  out.resize(bytes);
-  return out;
-}
-
-void fill(Pager& pager, ExtentId id, uint32_t seed) {
-  const std::vector<uint8_t> bytes = pattern(id, seed, pager.size(id));
-  std::memcpy(reinterpret_cast<void*>(pager.address(id)), bytes.data(), bytes.size());
-}
+std::vector<ExtentId> make_extents(Pager& pager) { return make_extents(pager, 4); }
 
 bool resident_holds(Pager& pager, ExtentId id, uint32_t seed) {
   const std::vector<uint8_t> want = pattern(id, seed, pager.size(id));
@@ -65,12 +34,6 @@ bool holds(Pager& pager, ExtentId id, uint32_t seed) {
   const bool same = resident_holds(pager, id, seed);
   pager.wait(pager.release_unchanged({id}));
   return same;
-}
-
-void write_all(Pager& pager, const std::vector<ExtentId>& ids, uint32_t seed) {
-  pager.wait(pager.page_in(ids));
-  for (ExtentId id : ids) fill(pager, id, seed);
-  pager.wait(pager.page_out(ids));
 }
 
 uint64_t written(Pager& pager) {

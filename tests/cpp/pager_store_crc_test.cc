@@ -16,6 +16,7 @@
 #include "backing/errors.h"
 #include "tests/cpp/pager_options.h"
 #include "tests/cpp/store_media.h"
+#include "tests/cpp/store_medium_test.h"
 #include "tests/cpp/temp_dir.h"
 
 namespace statepager {
@@ -23,19 +24,7 @@ namespace {
 
 const StoreMedium kCheckedMedia[] = {kStoreMedia[0], kStoreMedia[1]};
 
-class StoreCrcTest : public ::testing::TestWithParam<StoreMedium> {
- protected:
-  StoreCrcTest() : dir_(GetParam().root) {}
-  PagerOptions options(size_t host_budget = 0) const {
-    PagerOptions o = test_options(dir_.file("store"));
-    o.map_ram = GetParam().map_ram;
-    o.host_budget_bytes = host_budget;
-    return o;
-  }
-
- private:
-  TempDir dir_;
-};
+class StoreCrcTest : public StoreMediumTest {};
 
 // Sizes that share requests (128 KiB) and span several of them.
 std::vector<ExtentId> make_extents(Pager& pager) {

@@ -3,14 +3,17 @@
 io_uring store, a store in RAM mapped for the device's copies and with a host tier (its
 copies kept for the read); it works on a store that can no longer be written (a
 file-size limit, as on a full disk); steps after it are as without it."""
-import hashlib
 import os
-import resource
+import sys
 
 import pytest
 import torch
 
 from statepager import PagedAdamW, Pager
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+from compare import same  # noqa: E402
+from store_writes import store_files, file_size_limit, writes  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 pytestmark = pytest.mark.gpu
@@ -41,31 +44,6 @@ def train(model, opt, first, count):
         opt.zero_grad()
         model(x.to(torch.bfloat16)).float().square().mean().backward()
         opt.step()
-
-
-def store_files(pager):
-    out = {}
-    for d, _, names in os.walk(pager.directory):
-        for n in names:
-            path = os.path.join(d, n)
-            with open(path, "rb") as f:
-                out[path] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
-    return out
-
-
-def writes(pager):
-    s = pager.stats()
-    return [s[k] for k in ("bytes_written", "write_requests", "bytes_to_host", "spills")]
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.fixture
@@ -99,10 +77,6 @@ def test_cuda_state_dict_on_an_unwritable_store(root):
     with pager:
         train(model, opt, 0, 2)
         before = opt.state_dict()
-        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
-        try:
+        with file_size_limit(4096):
             sd = opt.state_dict()
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         assert same(sd, before)

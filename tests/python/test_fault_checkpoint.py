@@ -8,7 +8,6 @@ import fcntl
 import hashlib
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,8 @@ from statepager.checkpoint import save_load as checkpoint
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ckpt_run  # noqa: E402
+from filler import fill  # noqa: E402
+from store_writes import file_size_limit  # noqa: E402
 
 DIGEST = "manifest_sha256"
 
@@ -570,18 +571,6 @@ def test_malformed_residual_exception_lists_are_refused(tmp_path, change, match)
 
 # -- a load that fails while copying ------------------------------------------------
 
-def fill(directory: str, leave: int) -> str:
-    """A file filling `directory`'s filesystem up to `leave` free bytes."""
-    st = os.statvfs(directory)
-    path = os.path.join(directory, "filler")
-    with open(path, "wb") as f:
-        left = st.f_bavail * st.f_frsize - leave
-        chunk = b"\xa5" * (1 << 20)
-        while left > 0:
-            left -= f.write(chunk[:left])
-    return path
-
-
 def test_a_load_failing_midway_on_enospc_leaves_the_live_state(tmp_path, saved, sized_tmpfs):
     """The user's report: a load failing on ENOSPC left 4 of 16 moments replaced. The store
     is on a small tmpfs, filled until only half of the bytes the load restores fit; the
@@ -730,18 +719,6 @@ def test_a_load_removes_a_killed_saves_temporary_beside_it(tmp_path, saved):
 
 
 # -- a failed background save --------------------------------------------------------
-
-@contextlib.contextmanager
-def file_size_limit(nbytes: int):
-    """RLIMIT_FSIZE: writes past nbytes fail with EFBIG (NoSpaceError); the Pager ignores
-    SIGXFSZ, so the process lives on."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-
 
 def failed_background_save(pager, path):
     with file_size_limit(64 << 10):  # the data file is 430 KB

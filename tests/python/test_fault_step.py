@@ -20,22 +20,8 @@ from statepager import PagedAdamW, Pager
 from statepager.core.atomic import KEPT_BYTES, UndoCopies
 from statepager.formats import codecs
 
-KiB, MiB = 1 << 10, 1 << 20
-BUDGET = {"cpu": 8 * MiB, "cuda": 64 * MiB}  # the pipeline's window fits, twice over
-PAGE = {"cpu": 64 * KiB, "cuda": 2 * MiB}
-
-
-def make_model(device, dtype=torch.float32):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(37, 301), torch.nn.GELU(), torch.nn.LayerNorm(301),
-        torch.nn.Linear(301, 129), torch.nn.GELU(), torch.nn.Linear(129, 7))
-    return model.to(device=device, dtype=dtype)
-
-
-def make_pager(store, device):
-    return Pager(store, device=device, page_size=PAGE[device], hbm_budget=BUDGET[device])
-
+from compare import same
+from small_jobs import BUDGET, KiB, bits, make_model, make_pager, set_grads, stored_bits
 
 def adamw(store, device="cpu", **kw):
     model = make_model(device)
@@ -69,38 +55,10 @@ CONFIGS = {
 }
 
 
-def set_grads(model, step):
-    gen = torch.Generator().manual_seed(100 + step)
-    p = next(model.parameters())
-    x = torch.randn(16, 37, generator=gen).to(device=p.device, dtype=p.dtype)
-    model.zero_grad()
-    model(x).float().square().mean().backward()
-
-
-def bits(t):
-    return t.detach().reshape(-1).view(torch.uint8).clone()
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def capture(model, pager, opt, binding):
     """Everything a step may change, read without changing anything (stored tensors are
     paged in inside an epoch that is then aborted: no writes, residency as it was)."""
-    stored = []
-    for b in binding.buckets:
-        residency = [pager.residency(t) for t in b.stored]
-        epoch = pager.begin_epoch(b.stored)
-        pager.page_in(b.stored)
-        stored.append([(r, bits(t)) for r, t in zip(residency, b.stored)])
-        epoch.abort()
+    stored = stored_bits(pager, binding)
     params = [p for g in opt.param_groups for p in g["params"]]
     small = {(i, name): bits(v) if isinstance(v, torch.Tensor) else v
              for i, p in enumerate(params) for name, v in opt.state.get(p, {}).items()

@@ -13,6 +13,8 @@ import torch
 import statepager
 from statepager import Pager
 
+from compare import same
+
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -28,16 +30,6 @@ def train(model, opt, first, count):
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def flip_store_bytes(directory):

@@ -15,6 +15,8 @@ import torch
 import statepager
 from statepager import Pager
 
+from filler import fill
+
 KiB = 1 << 10
 
 
@@ -196,18 +198,6 @@ def test_a_failed_load_state_dict_into_a_fresh_optimizer_leaves_it_without_state
         assert steps_as_reference(model, opt, str(tmp_path / "ref"), 0)
     finally:
         pager.close()
-
-
-def fill(directory: str, leave: int) -> str:
-    """A file filling `directory`'s filesystem up to `leave` free bytes."""
-    st = os.statvfs(directory)
-    path = os.path.join(directory, "filler")
-    with open(path, "wb") as f:
-        left = st.f_bavail * st.f_frsize - leave
-        chunk = b"\xa5" * (1 << 20)
-        while left > 0:
-            left -= f.write(chunk[:left])
-    return path
 
 
 @pytest.mark.parametrize("target", ["fresh", "stepped"])

@@ -4,15 +4,16 @@ it back to its bytes at rest (Pager.release_unchanged_async): the store's files 
 their bytes and modification times and stats() counts no write, so they work on a store
 that can no longer be written (a file-size limit: every write fails, as on a full disk).
 Steps, pause/resume and checkpoints after them are as without them."""
-import hashlib
 import os
-import resource
 
 import pytest
 import torch
 
 import statepager
 from statepager import PagedAdamW, Pager
+
+from compare import same
+from store_writes import store_files, file_size_limit, writes
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -75,36 +76,6 @@ def params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def store_files(pager):
-    """Every file of the store directory: its bytes' digest and modification time."""
-    out = {}
-    for d, _, names in os.walk(pager.directory):
-        for n in names:
-            path = os.path.join(d, n)
-            with open(path, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()
-            out[path] = (digest, os.stat(path).st_mtime_ns)
-    return out
-
-
-WRITES = ("bytes_written", "write_requests", "bytes_to_host", "spills")
-
-
-def writes(pager):
-    s = pager.stats()
-    return {k: s[k] for k in WRITES}
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Per config: the state_dict after 2 steps, and the params after 4 steps of a run
@@ -149,12 +120,8 @@ def test_state_dict_on_an_unwritable_store(root, config, reference):
     with pager:
         train(model, opt, 0, 2)
         opt.state_dict()
-        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
-        try:
+        with file_size_limit(4096):
             sd = opt.state_dict()
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         assert same(sd, reference[config][0])
         train(model, opt, 2, 2)
         assert same(params(model), reference[config][1])
@@ -167,13 +134,8 @@ def test_a_write_fails_on_that_store(root):
         train(model, opt, 0, 1)
         t = pager.bindings[0].buckets[0].stored[0]
         pager.page_in(t)
-        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
-        try:
-            with pytest.raises(statepager.NoSpaceError):
-                pager.page_out(t)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        with file_size_limit(4096), pytest.raises(statepager.NoSpaceError):
+            pager.page_out(t)
         pager.page_out(t)
 
 

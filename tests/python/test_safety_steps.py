@@ -32,25 +32,12 @@ from statepager import PagedAdamW, Pager
 from statepager.core import pager as pager_module
 from statepager.core.stream import StreamedOptimizer
 
-KiB, MiB = 1 << 10, 1 << 20
-PAGE = {"cpu": 64 * KiB, "cuda": 2 * MiB}
-BUDGET = {"cpu": 8 * MiB, "cuda": 64 * MiB}
+from compare import same
+from small_jobs import (KiB, MiB, PAGE, bits, make_model, make_pager, set_grads,
+                        stored_bits)
 
 
 # -- setups ---------------------------------------------------------------------------------
-
-def make_model(device, dtype=torch.float32):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(37, 301), torch.nn.GELU(), torch.nn.LayerNorm(301),
-        torch.nn.Linear(301, 129), torch.nn.GELU(), torch.nn.Linear(129, 7))
-    return model.to(device=device, dtype=dtype)
-
-
-def make_pager(store, device, budget=True):
-    return Pager(store, device=device, page_size=PAGE[device],
-                 hbm_budget=BUDGET[device] if budget else None)
-
 
 def adamw(store, device="cpu", moments="fp32", **kw):
     model = make_model(device)
@@ -75,28 +62,10 @@ SETUPS = {
 }
 
 
-def set_grads(model, step=0):
-    gen = torch.Generator().manual_seed(100 + step)
-    p = next(model.parameters())
-    x = torch.randn(16, 37, generator=gen).to(device=p.device, dtype=p.dtype)
-    model.zero_grad()
-    model(x).float().square().mean().backward()
-
-
-def bits(t):
-    return t.detach().reshape(-1).view(torch.uint8).cpu().clone()
-
-
 def capture(model, pager, opt, binding):
     """Everything a step changes, read without changing anything (each bucket's stored
     tensors in an epoch then aborted), the state as held (PagedState.as_held)."""
-    stored = []
-    for b in binding.buckets:
-        residency = [pager.residency(t) for t in b.stored]
-        epoch = pager.begin_epoch(b.stored)
-        pager.page_in(b.stored)
-        stored.append([(r, bits(t)) for r, t in zip(residency, b.stored)])
-        epoch.abort()
+    stored = stored_bits(pager, binding)
     held = opt.state.as_held()
     small = sorted((i, name, bits(v).tolist() if isinstance(v, torch.Tensor) else v)
                    for i, p in enumerate(binding.params_in_order())
@@ -104,16 +73,6 @@ def capture(model, pager, opt, binding):
                    if not (isinstance(v, torch.Tensor) and pager.owns(v)))
     return {"model": [bits(p) for p in model.parameters()], "stored": stored, "small": small,
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def clean_run(setup, store, device, steps):
