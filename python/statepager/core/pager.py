@@ -252,7 +252,7 @@ class Pager:
         them back writes nothing."""
         self.check_not_paused("page_in()")
         return PageHandle(self, self._core.page_in(args.tensors("page_in", tensors),
-                                                   bool(for_read)))
+                                                   args.flag("for_read", for_read)))
 
     @serialized
     def page_out_async(self, tensors: Iterable[torch.Tensor], reuse_after: int = 0) -> PageHandle:
