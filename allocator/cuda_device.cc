@@ -5,7 +5,19 @@
 // so addresses, streams and events are shared with it.
 
 #include "allocator/device.h"
+
+#include <atomic>
+
 #include "backing/errors.h"
+
+namespace statepager {
+namespace {
+std::atomic<ChecksumKernel> checksum_kernel{nullptr};  // set_cuda_checksum_kernel's
+}  // namespace
+
+void set_cuda_checksum_kernel(ChecksumKernel kernel) { checksum_kernel.store(kernel); }
+
+}  // namespace statepager
 
 #if STATEPAGER_WITH_CUDA
 
@@ -242,6 +254,18 @@ class CudaDevice final : public Device {
   void fill_zero(uintptr_t dst, size_t bytes) override {
     ScopedContext scope(d_, ctx_);
     check(d_.cuMemsetD8Async(dst, 0, bytes, stream(CopyQueue::kToDevice)), "cuMemsetD8Async");
+  }
+
+  bool checksum(CopyQueue queue, const DeviceRange* ranges, size_t n, uint32_t* out) override {
+    const ChecksumKernel kernel = checksum_kernel.load();
+    if (kernel == nullptr) return false;
+    ScopedContext scope(d_, ctx_);
+    try {
+      kernel(ordinal_, reinterpret_cast<uintptr_t>(stream(queue)), ranges, n, out);
+    } catch (const std::exception& e) {
+      throw DeviceError(name() + ": " + e.what());
+    }
+    return true;
   }
 
   void wait_for_stream(CopyQueue queue, uintptr_t user_stream) override {

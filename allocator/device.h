@@ -36,6 +36,12 @@ struct HostCopy {
   size_t bytes;
 };
 
+// A range of device memory.
+struct DeviceRange {
+  uintptr_t addr;
+  size_t bytes;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -87,6 +93,14 @@ class Device {
     }
   }
 
+  // The crc32c (backing/crc32c.h's crc32c(0, bytes, n)) of each of `n` ranges of device
+  // memory, queued on `queue` after what is queued there: out[i] (memory from
+  // alloc_staging) holds the i-th once a fence recorded after this call is done. Returns
+  // false, queuing nothing, where the device cannot (CUDA without the checksum kernel: see
+  // set_cuda_checksum_kernel); the caller then checksums a host copy of the bytes itself.
+  virtual bool checksum(CopyQueue queue, const DeviceRange* ranges, size_t n,
+                        uint32_t* out) = 0;
+
   // Makes later work on `queue` wait for all work queued so far on the caller's stream
   // `stream` (a cudaStream_t as an integer; 0 = the legacy default stream). No-op on host.
   virtual void wait_for_stream(CopyQueue queue, uintptr_t stream) = 0;
@@ -113,6 +127,14 @@ std::unique_ptr<Device> make_host_device();
 // without a GPU or driver still loads; throws DeviceError naming the cause when the
 // driver or the device is missing.
 std::unique_ptr<Device> make_cuda_device(int ordinal);
+
+// The kernel a CUDA device's checksum() queues (kernels/store_crc.h, crc32c_ranges, on the
+// stream `stream` of device `ordinal`), given by the Python extension, which links the
+// kernels; the C++ core does not (it loads the driver alone). Until it is given,
+// checksum() on CUDA returns false. May be called from any thread, at any time.
+using ChecksumKernel = void (*)(int ordinal, uintptr_t stream, const DeviceRange* ranges,
+                                size_t n, uint32_t* out);
+void set_cuda_checksum_kernel(ChecksumKernel kernel);
 
 // True when a CUDA driver and at least one device are present.
 bool cuda_available();

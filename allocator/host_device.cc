@@ -14,6 +14,7 @@
 #include <string>
 
 #include "allocator/device.h"
+#include "backing/crc32c.h"
 #include "backing/errors.h"
 
 namespace statepager {
@@ -87,6 +88,13 @@ class HostDevice final : public Device {
   }
   void fill_zero(uintptr_t dst, size_t bytes) override {
     std::memset(reinterpret_cast<void*>(dst), 0, bytes);
+  }
+
+  bool checksum(CopyQueue, const DeviceRange* ranges, size_t n, uint32_t* out) override {
+    for (size_t i = 0; i < n; i++) {
+      out[i] = crc32c(0, reinterpret_cast<const void*>(ranges[i].addr), ranges[i].bytes);
+    }
+    return true;
   }
 
   void wait_for_stream(CopyQueue, uintptr_t) override {}

@@ -3,15 +3,19 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
+#include <utility>
 
 #include "backing/crc32c.h"
 #include "backing/errors.h"
+#include "backing/parallel.h"
 
 namespace statepager {
 
 namespace {
 
 constexpr size_t kFileAlign = UringFile::kAlignment;
+constexpr size_t kCrcParts = 4096;  // a mapped batch's pieces, at most: its checksums' room
 
 size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -41,6 +45,7 @@ StoreTier::StoreTier(Device& device, UringFile& file, unsigned depth, size_t blo
                      bool map_ram)
     : device_(device), file_(file), block_bytes_(block_bytes) {
   if (map_ram) ram_ = std::make_unique<RamMap>(device_, file_);
+  crc_threads_ = std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u);
   staging_ = static_cast<char*>(device_.alloc_staging(size_t(depth) * block_bytes_));
   for (unsigned i = 0; i < depth; i++) {
     StagingSlot slot;
@@ -57,6 +62,12 @@ StoreTier::StoreTier(Device& device, UringFile& file, unsigned depth, size_t blo
 
 StoreTier::~StoreTier() {
   ram_.reset();  // unregistered before the device's other memory goes
+  for (uint32_t* block : crc_blocks_) {
+    try {
+      device_.free_staging(block, kCrcParts * 4);
+    } catch (...) {
+    }
+  }
   try {
     device_.free_staging(staging_, slots_.size() * block_bytes_);
   } catch (...) {
@@ -159,6 +170,7 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
       ++it;
       continue;
     }
+    settle_mapped(*it);
     it->job->chunks_in_flight -= it->chunks;  // their bytes are where they go
     it = mapped_.erase(it);
     progressed = true;
@@ -264,44 +276,139 @@ bool StoreTier::copied(std::optional<Fence>& copy, Job& job, bool* pending) {
 }
 
 // Queues the device copies of `job`'s next chunks whose store ranges are mapped (RamMap),
-// up to the first that is not (a staging slot takes that one), together under one
-// fence: a mapped chunk needs no staging, so it does not wait for a slot, and the copy
-// engines see a bucket's copies at once rather than a slot's worth at a time. Returns
-// whether it queued any. If queuing fails, its chunks are counted queued, the job
-// failed, and the fence holds them like the rest (some copies may still run into the
-// job's memory).
+// up to the first that is not (a staging slot takes that one) or kCrcParts pieces,
+// together under one fence, with the device's checksums of their pieces: a mapped chunk
+// needs no staging, so it does not wait for a slot, and the copy engines see a bucket's
+// copies at once rather than a slot's worth at a time. Returns whether it queued any. If
+// queuing fails, its chunks are counted queued, the job failed, and the fence holds them
+// like the rest (some copies may still run into the job's memory).
 bool StoreTier::start_mapped(Job& job) {
   if (!job.started || job.error) return false;
   CopyList copies;
   std::vector<RamMap::Piece> mem;
+  std::vector<DeviceRange> sums;
   size_t queued = 0;
   for (; job.next_chunk < job.chunks.size(); job.next_chunk++, queued++) {
     const Chunk& chunk = job.chunks[job.next_chunk];
     mem.clear();
-    if (chunk.buf != nullptr || !ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) {
+    if (chunk.buf != nullptr || sums.size() + chunk.pieces.size() > kCrcParts ||
+        !ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) {
       break;
     }
     add_mapped_copies(job.out, chunk, mem, &copies);
-    for (const StagingCopy& p : chunk.pieces) job.mapped_bytes += p.bytes;
+    for (const StagingCopy& p : chunk.pieces) {
+      job.mapped_bytes += p.bytes;
+      // What a page-out reads, what a page-in writes (the part's whole blocks).
+      sums.push_back(DeviceRange{p.addr, job.out ? p.bytes : align_up(p.bytes, kFileAlign)});
+    }
   }
   if (queued == 0) return false;
   job.chunks_in_flight += queued;
   const CopyQueue queue = job.out ? CopyQueue::kToHost : CopyQueue::kToDevice;
+  MappedCopies batch{&job, job.next_chunk - queued, queued, std::nullopt, nullptr};
   try {
     device_.copy_batch(queue, copies.copies().data(), copies.copies().size());
+    batch.crcs = take_crc_block();
+    if (!device_.checksum(queue, sums.data(), sums.size(), batch.crcs)) {
+      give_crc_block(std::exchange(batch.crcs, nullptr));  // the files' pages, then
+    }
   } catch (...) {
     job.error = std::current_exception();
   }
-  std::optional<Fence> copy;
   try {
-    copy = device_.record(queue);
+    batch.copy = device_.record(queue);
   } catch (...) {
     if (!job.error) job.error = std::current_exception();
     job.chunks_in_flight -= queued;  // no fence to wait for (close() synchronizes)
+    if (batch.crcs != nullptr) give_crc_block(batch.crcs);
     return true;
   }
-  mapped_.push_back(MappedCopies{&job, queued, std::move(copy)});
+  mapped_.push_back(std::move(batch));
   return true;
+}
+
+uint32_t* StoreTier::take_crc_block() {
+  if (free_crc_blocks_.empty()) {
+    crc_blocks_.push_back(static_cast<uint32_t*>(device_.alloc_staging(kCrcParts * 4)));
+    return crc_blocks_.back();
+  }
+  uint32_t* block = free_crc_blocks_.back();
+  free_crc_blocks_.pop_back();
+  return block;
+}
+
+void StoreTier::give_crc_block(uint32_t* block) { free_crc_blocks_.push_back(block); }
+
+// A finished mapped batch's checksums into its job's parts: the device's, a page-out's
+// joined with the zeros its copies put after each piece; or, where the device took none,
+// the files' pages' (checksum_mapped).
+void StoreTier::settle_mapped(MappedCopies& batch) {
+  Job& job = *batch.job;
+  if (batch.crcs == nullptr) {
+    if (!job.error) checksum_mapped(batch);
+    return;
+  }
+  static const std::vector<char> zeros(kFileAlign);
+  size_t j = 0;
+  for (size_t c = batch.first; c < batch.first + batch.chunks && !job.error; c++) {
+    const Chunk& chunk = job.chunks[c];
+    for (size_t i = 0; i < chunk.pieces.size(); i++, j++) {
+      const size_t part = chunk.first_part + i;
+      uint32_t crc = batch.crcs[j];
+      const size_t pad = job.part_bytes[part] - chunk.pieces[i].bytes;
+      if (job.out && pad > 0) crc = crc32c_combine(crc, crc32c(0, zeros.data(), pad), pad);
+      job.part_crcs[part] = crc;
+      job.part_known[part] = 1;
+    }
+  }
+  give_crc_block(std::exchange(batch.crcs, nullptr));
+}
+
+// The crc32c of each part of a mapped batch's chunks as the files' pages hold them once
+// its copies are done (what a page-out wrote there, what a page-in read from there), for
+// a device that cannot take them itself (see Note [Store checksums]). A part is cut into
+// spans of at most kCrcSpan, checksummed on up to crc_threads_ threads (one core's crc32c
+// is slower than the copy engines) and joined.
+void StoreTier::checksum_mapped(const MappedCopies& batch) {
+  constexpr size_t kCrcSpan = size_t(4) << 20;
+  struct Span {
+    size_t part;
+    const char* host;
+    size_t bytes;
+    uint32_t crc = 0;
+  };
+  Job& job = *batch.job;
+  std::vector<Span> spans;
+  std::vector<RamMap::Piece> mem;
+  for (size_t c = batch.first; c < batch.first + batch.chunks; c++) {
+    const Chunk& chunk = job.chunks[c];
+    for (size_t i = 0; i < chunk.pieces.size(); i++) {
+      const size_t part = chunk.first_part + i;
+      mem.clear();
+      if (!ram_->resolve(chunk.store_offset + chunk.pieces[i].buf_offset, job.part_bytes[part],
+                         &mem)) {
+        continue;  // not known: copied, so mapped; never here
+      }
+      for (const RamMap::Piece& m : mem) {
+        for (size_t at = 0; at < m.bytes; at += kCrcSpan) {
+          spans.push_back(Span{part, m.host + at, std::min(kCrcSpan, m.bytes - at)});
+        }
+      }
+    }
+  }
+  try {
+    parallel_for(spans.size(), crc_threads_,
+                 [&](size_t k) { spans[k].crc = crc32c(0, spans[k].host, spans[k].bytes); });
+  } catch (...) {
+    job.error = std::current_exception();  // no thread to be had at all
+    return;
+  }
+  for (size_t k = 0; k < spans.size(); k++) {
+    const bool first = k == 0 || spans[k - 1].part != spans[k].part;
+    uint32_t& crc = job.part_crcs[spans[k].part];
+    crc = first ? spans[k].crc : crc32c_combine(crc, spans[k].crc, spans[k].bytes);
+    job.part_known[spans[k].part] = 1;
+  }
 }
 
 // Adds one mapped chunk's copies to *copies: each piece straight between device memory

@@ -11,12 +11,13 @@
 // reads on to device copies, and records each chunk's outcome in its job
 // (chunks_in_flight, requests, mapped_bytes, error). plan() also cuts each store range
 // into parts (Job::crc_ranges), and pump() takes each part's crc32c where its bytes lie in
-// a staging slot or host-tier memory, never where they are copied straight to or from
-// mapped files (see Note [Store checksums] in allocator/pager_crc.cc).
+// host memory (a staging slot, host-tier memory) or, for chunks copied straight to or from
+// mapped files, by the device from the bytes it copies (Device::checksum; the files'
+// pages where it cannot): see Note [Store checksums] in allocator/pager_crc.cc.
 //
 // Ownership: borrows the Device and the UringFile (both must outlive it); owns the staging
-// memory (depth x block_bytes from Device::alloc_staging) and the RamMap, freed by the
-// destructor.
+// memory (depth x block_bytes from Device::alloc_staging, and the mapped batches'
+// checksums') and the RamMap, freed by the destructor.
 // Thread-safety: none; the Pager's I/O thread alone calls start() and pump(),
 // plan() runs under the Pager's lock (it only reads the block size); punch() and
 // mapped_bytes() may be called from any thread.
@@ -84,11 +85,17 @@ class StoreTier {
   // Chunks of one job copied straight to or from mapped store files, under one fence.
   struct MappedCopies {
     Job* job;
+    size_t first;  // of job->chunks
     size_t chunks;
     std::optional<Fence> copy;
+    uint32_t* crcs;  // the device's checksums of its pieces, in order; null: it took none
   };
   void start_chunk(StagingSlot& slot);
   bool start_mapped(Job& job);
+  void settle_mapped(MappedCopies& batch);
+  void checksum_mapped(const MappedCopies& batch);
+  uint32_t* take_crc_block();
+  void give_crc_block(uint32_t* block);
   static void add_mapped_copies(bool out, const Chunk& chunk,
                                 const std::vector<RamMap::Piece>& mem, CopyList* copies);
   bool copied(std::optional<Fence>& copy, Job& job, bool* pending);
@@ -101,6 +108,9 @@ class StoreTier {
   char* staging_ = nullptr;
   std::vector<StagingSlot> slots_;
   std::unique_ptr<RamMap> ram_;      // with map_ram
+  unsigned crc_threads_ = 1;         // checksum_mapped()'s
+  std::vector<uint32_t*> crc_blocks_;       // staging memory for MappedCopies::crcs
+  std::vector<uint32_t*> free_crc_blocks_;  // of them, not in use
   std::vector<MappedCopies> mapped_;  // queued, oldest first
 };
 

@@ -11,8 +11,10 @@
 #include "backing/errors.h"
 
 #ifdef STATEPAGER_WITH_KERNELS
+#include "allocator/device.h"
 #include "kernels/adamw.h"
 #include "kernels/codecs.h"
+#include "kernels/store_crc.h"
 #endif
 
 namespace py = pybind11;
@@ -98,6 +100,41 @@ int check_residual(const torch::Tensor& main, const torch::Tensor& param,
   need(param.numel() == n && residual.numel() == n, "main, param and residual differ in size");
   need(exc_idx.numel() == exc_bits.numel(), "exc_idx and exc_bits must be equally long");
   return dev;
+}
+
+// The core's CUDA devices' checksum kernel (allocator/device.h, set_cuda_checksum_kernel):
+// the store checksums of mapped store copies.
+void checksum_kernel(int ordinal, uintptr_t stream, const DeviceRange* ranges, size_t n,
+                     uint32_t* out) {
+  std::vector<uint64_t> addrs(n), lengths(n);
+  for (size_t i = 0; i < n; i++) {
+    addrs[i] = ranges[i].addr;
+    lengths[i] = ranges[i].bytes;
+  }
+  kernels::crc32c_ranges(ordinal, as_stream(stream), addrs.data(), lengths.data(), n, out);
+}
+
+// crc32c of byte ranges [offset, offset + length) of `x` (a CUDA uint8 tensor) by the
+// store checksums' kernel, on `stream`, waited for (the copy of the crcs to pageable
+// memory returns once done): what the pager's checks compute.
+std::vector<uint32_t> crc32c_of(const torch::Tensor& x,
+                                const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                                uintptr_t stream) {
+  const int dev = check(x, "x", torch::kUInt8);
+  std::vector<uint64_t> addrs, lengths;
+  for (const auto& [offset, length] : ranges) {
+    need(offset >= 0 && length >= 0 && offset + length <= x.numel(),
+         "each range (offset, length) must lie within x");
+    addrs.push_back(reinterpret_cast<uint64_t>(x.data_ptr<uint8_t>()) + uint64_t(offset));
+    lengths.push_back(uint64_t(length));
+  }
+  std::vector<uint32_t> out(ranges.size());  // pageable: the copy to it is waited for
+  py::gil_scoped_release unlocked;
+  launch([&] {
+    kernels::crc32c_ranges(dev, as_stream(stream), addrs.data(), lengths.data(), addrs.size(),
+                           out.data());
+  });
+  return out;
 }
 
 void param_checksum(const torch::Tensor& param, const torch::Tensor& rows, const torch::Tensor& out,
@@ -410,6 +447,8 @@ void bind_kernels(py::module_& m) {
   k.def("adamw_step_many", &adamw_step_many, py::arg("params"), py::arg("grads"),
         py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("formats"), py::arg("hypers"),
         py::arg("steps"), py::arg("stream"));
+  k.def("crc32c", &crc32c_of, py::arg("x"), py::arg("ranges"), py::arg("stream"));
+  set_cuda_checksum_kernel(&checksum_kernel);
 #else
   m.attr("KERNELS_BUILT") = false;
 #endif

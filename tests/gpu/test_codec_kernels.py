@@ -2,7 +2,8 @@
 torch ops on CPU tensors) for every input: random data, NaN/Inf/subnormals, all-zero
 blocks, odd tails, misaligned tensors; the fused AdamW step (kernels/adamw.cu) gives
 torch's foreach AdamW's bits; and a streamed step with the kernels on is the step with
-them off, bit for bit."""
+them off, bit for bit. The store checksums' kernel (kernels/store_crc.cu) gives the CPU's
+crc32c for every range: empty, odd lengths and offsets, tiles' edges, many at once."""
 import warnings
 
 import pytest
@@ -593,3 +594,19 @@ def test_fused_step_stays_off_where_it_does_not_apply(store_dir, fused_calls):
                     p.grad = torch.ones_like(p)
                 opt.step()
     assert not fused_calls
+
+
+def test_store_crc_kernel_gives_the_cpus_crc32c():
+    g = torch.Generator().manual_seed(5)
+    host = torch.randint(0, 256, (9 * MiB,), dtype=torch.uint8, generator=g)
+    x = host.cuda()
+    edges = [0, 1, 7, 8, 255, 256, 257, 4096, 65535, 65536, 65537, 3 * 65536 + 5,
+             100 * 65536 + 1, 8 * MiB + 3]
+    ranges = [(offset, length) for offset in (0, 1, 4096, 12345) for length in edges]
+    ranges += [(k * 1000, 999 + k) for k in range(150)]  # more than a launch takes
+    got = statepager._C.kernels.crc32c(x, ranges, torch.cuda.current_stream().cuda_stream)
+    raw = host.numpy().tobytes()
+    want = [statepager._C.crc32c(raw[o:o + n]) for o, n in ranges]
+    assert got == want
+    with pytest.raises(statepager.UsageError, match="within x"):
+        statepager._C.kernels.crc32c(x, [(9 * MiB, 1)], torch.cuda.current_stream().cuda_stream)

@@ -2,7 +2,9 @@
 (Pager.release_unchanged_async: the state goes back to its bytes at rest), on an
 io_uring store, a store in RAM mapped for the device's copies and with a host tier (its
 copies kept for the read); it works on a store that can no longer be written (a
-file-size limit, as on a full disk); steps after it are as without it."""
+file-size limit, as on a full disk); steps after it are as without it. Store bytes changed
+from outside are refused on page-in (CorruptStoreError), on io_uring and mapped stores
+alike, and the state and parameters stay as they were."""
 import os
 import sys
 
@@ -13,7 +15,8 @@ from statepager import PagedAdamW, Pager
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from compare import same  # noqa: E402
-from store_writes import store_files, file_size_limit, writes  # noqa: E402
+from store_writes import (changed_store_is_refused, file_size_limit, store_files,  # noqa: E402
+                          writes)
 
 KiB, MiB = 1 << 10, 1 << 20
 pytestmark = pytest.mark.gpu
@@ -80,3 +83,11 @@ def test_cuda_state_dict_on_an_unwritable_store(root):
         with file_size_limit(4096):
             sd = opt.state_dict()
         assert same(sd, before)
+
+
+@pytest.mark.parametrize("config", ["disk", "mapped-ram"])
+def test_cuda_changed_store_bytes_are_refused(root, config):
+    pager, model, opt = make(config, root, "flipped")
+    with pager:
+        train(model, opt, 0, 2)
+        changed_store_is_refused(pager, model, opt, train)
