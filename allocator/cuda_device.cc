@@ -25,6 +25,7 @@ void set_cuda_checksum_kernel(ChecksumKernel kernel) { checksum_kernel.store(ker
 #include <dlfcn.h>
 
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -133,8 +134,10 @@ class CudaDevice final : public Device {
     check(d_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
     try {
       ScopedContext scope(d_, ctx_);
-      for (CUstream& s : streams_) {
-        check(d_.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      for (CUstream* group : {streams_, checksum_streams_}) {
+        for (int q = 0; q < 2; q++) {
+          check(d_.cuStreamCreate(&group[q], CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        }
       }
       prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
       prop_.location = {CU_MEM_LOCATION_TYPE_DEVICE, ordinal};
@@ -256,16 +259,31 @@ class CudaDevice final : public Device {
     check(d_.cuMemsetD8Async(dst, 0, bytes, stream(CopyQueue::kToDevice)), "cuMemsetD8Async");
   }
 
-  bool checksum(CopyQueue queue, const DeviceRange* ranges, size_t n, uint32_t* out) override {
+  // The kernel runs on a stream of its own beside the queue's, after what is queued there
+  // so far: the copies queued next do not wait for it (see Note [Store checksums]).
+  std::optional<Fence> checksum(CopyQueue queue, const DeviceRange* ranges, size_t n,
+                                uint32_t* out) override {
     const ChecksumKernel kernel = checksum_kernel.load();
-    if (kernel == nullptr) return false;
+    if (kernel == nullptr) return std::nullopt;
     ScopedContext scope(d_, ctx_);
+    const CUstream beside = checksum_streams_[static_cast<int>(queue)];
+    Fence after = take_event();
+    CUresult r = d_.cuEventRecord(event(after), stream(queue));
+    if (r == CUDA_SUCCESS) r = d_.cuStreamWaitEvent(beside, event(after), 0);
+    release_fence(after);
+    check(r, "cuEventRecord/cuStreamWaitEvent");
     try {
-      kernel(ordinal_, reinterpret_cast<uintptr_t>(stream(queue)), ranges, n, out);
+      kernel(ordinal_, reinterpret_cast<uintptr_t>(beside), ranges, n, out);
     } catch (const std::exception& e) {
       throw DeviceError(name() + ": " + e.what());
     }
-    return true;
+    Fence done = take_event();
+    r = d_.cuEventRecord(event(done), beside);
+    if (r != CUDA_SUCCESS) {
+      release_fence(done);
+      check(r, "cuEventRecord");
+    }
+    return done;
   }
 
   void wait_for_stream(CopyQueue queue, uintptr_t user_stream) override {
@@ -359,10 +377,12 @@ class CudaDevice final : public Device {
   void destroy() noexcept {
     if (ctx_ == nullptr) return;
     ScopedContext scope(d_, ctx_);
-    for (CUstream s : streams_) {
-      if (s == nullptr) continue;
-      d_.cuStreamSynchronize(s);
-      d_.cuStreamDestroy(s);
+    for (CUstream* group : {streams_, checksum_streams_}) {
+      for (int q = 0; q < 2; q++) {
+        if (group[q] == nullptr) continue;
+        d_.cuStreamSynchronize(group[q]);
+        d_.cuStreamDestroy(group[q]);
+      }
     }
     for (CUevent ev : events_) d_.cuEventDestroy(ev);
     d_.cuDevicePrimaryCtxRelease(dev_);
@@ -373,6 +393,7 @@ class CudaDevice final : public Device {
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;
   CUstream streams_[2] = {nullptr, nullptr};  // indexed by CopyQueue
+  CUstream checksum_streams_[2] = {nullptr, nullptr};  // checksum()'s, beside streams_
   CUmemAllocationProp prop_ = {};
   size_t granularity_ = 0;
 

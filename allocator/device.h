@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace statepager {
@@ -94,12 +95,14 @@ class Device {
   }
 
   // The crc32c (backing/crc32c.h's crc32c(0, bytes, n)) of each of `n` ranges of device
-  // memory, queued on `queue` after what is queued there: out[i] (memory from
-  // alloc_staging) holds the i-th once a fence recorded after this call is done. Returns
-  // false, queuing nothing, where the device cannot (CUDA without the checksum kernel: see
-  // set_cuda_checksum_kernel); the caller then checksums a host copy of the bytes itself.
-  virtual bool checksum(CopyQueue queue, const DeviceRange* ranges, size_t n,
-                        uint32_t* out) = 0;
+  // memory as they are once what is queued on `queue` so far has run, into out[i]
+  // (memory from alloc_staging). Returns a fence (release it like record()'s) that is
+  // done once out[] holds them; work queued on `queue` later does not wait for them. The
+  // ranges must not change until then. Returns nullopt, queuing nothing, where the
+  // device cannot (CUDA without the checksum kernel: see set_cuda_checksum_kernel); the
+  // caller then checksums a host copy of the bytes itself.
+  virtual std::optional<Fence> checksum(CopyQueue queue, const DeviceRange* ranges, size_t n,
+                                        uint32_t* out) = 0;
 
   // Makes later work on `queue` wait for all work queued so far on the caller's stream
   // `stream` (a cudaStream_t as an integer; 0 = the legacy default stream). No-op on host.

@@ -18,10 +18,11 @@
 // staging slot (after the device copy of a page-out, after the read of a page-in) or the
 // host tier's memory (spills, read-aheads). Copied straight between device memory and
 // store files mapped in RAM (map_ram, allocator/ram_map.h), by the device, from the
-// bytes it copies (Device::checksum: a kernel on the copy's own queue, queued after the
-// copies; a page-out's crc then gets the zeros after each piece joined on): checksumming
-// the files' pages on the CPU instead, at about 20 GB/s a core, halved the 1.34 B GPT's
-// fp32 step on a RAM store. A device without the kernel falls back to just that
+// bytes it copies (Device::checksum: a kernel on a stream beside the copies' queue, after
+// them, so that the next copies do not wait for it; a page-out's crc then gets the zeros
+// after each piece joined on). Checksumming the files' pages on the CPU instead, at about
+// 20 GB/s a core, halved the 1.34 B GPT's fp32 step on a RAM store, and the kernel on the
+// copies' own queue cost it a third. A device without the kernel falls back to the CPU
 // (StoreTier::checksum_mapped, on several threads). A request may hold several extents
 // and an extent may span several requests that complete in any order, so StoreTier::plan
 // cuts each range into parts (Job::crc_ranges), one per piece of a request, and the

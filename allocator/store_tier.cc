@@ -166,7 +166,11 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     }
   }
   for (auto it = mapped_.begin(); it != mapped_.end();) {
-    if (!copied(it->copy, *it->job, &copies_pending)) {
+    bool done = true;  // its copies and its checksums
+    for (std::optional<Fence>* f : {&it->copy, &it->sums}) {
+      if (*f && !copied(*f, *it->job, &copies_pending)) done = false;
+    }
+    if (!done) {
       ++it;
       continue;
     }
@@ -305,22 +309,22 @@ bool StoreTier::start_mapped(Job& job) {
   if (queued == 0) return false;
   job.chunks_in_flight += queued;
   const CopyQueue queue = job.out ? CopyQueue::kToHost : CopyQueue::kToDevice;
-  MappedCopies batch{&job, job.next_chunk - queued, queued, std::nullopt, nullptr};
+  MappedCopies batch{&job, job.next_chunk - queued, queued, std::nullopt, std::nullopt, nullptr};
   try {
     device_.copy_batch(queue, copies.copies().data(), copies.copies().size());
     batch.crcs = take_crc_block();
-    if (!device_.checksum(queue, sums.data(), sums.size(), batch.crcs)) {
-      give_crc_block(std::exchange(batch.crcs, nullptr));  // the files' pages, then
-    }
+    batch.sums = device_.checksum(queue, sums.data(), sums.size(), batch.crcs);
+    if (!batch.sums) give_crc_block(std::exchange(batch.crcs, nullptr));  // the pages', then
   } catch (...) {
     job.error = std::current_exception();
+    batch.crcs = nullptr;  // a failed checksum() may still write it: never handed out again
   }
   try {
     batch.copy = device_.record(queue);
   } catch (...) {
     if (!job.error) job.error = std::current_exception();
     job.chunks_in_flight -= queued;  // no fence to wait for (close() synchronizes)
-    if (batch.crcs != nullptr) give_crc_block(batch.crcs);
+    if (batch.sums) device_.release_fence(*batch.sums);
     return true;
   }
   mapped_.push_back(std::move(batch));

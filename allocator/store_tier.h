@@ -88,6 +88,7 @@ class StoreTier {
     size_t first;  // of job->chunks
     size_t chunks;
     std::optional<Fence> copy;
+    std::optional<Fence> sums;  // Device::checksum's, into crcs
     uint32_t* crcs;  // the device's checksums of its pieces, in order; null: it took none
   };
   void start_chunk(StagingSlot& slot);

@@ -165,9 +165,9 @@ TEST_P(StoreCrcTest, CleanRoundTripsPass) {
 // checksummed on the CPU once the copies are done, with the same outcome.
 class NoChecksumDevice : public WrappedDevice {
  public:
-  bool checksum(CopyQueue, const DeviceRange*, size_t, uint32_t*) override {
+  std::optional<Fence> checksum(CopyQueue, const DeviceRange*, size_t, uint32_t*) override {
     calls++;
-    return false;
+    return std::nullopt;
   }
   int calls = 0;
 };

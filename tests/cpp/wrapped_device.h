@@ -28,7 +28,8 @@ class WrappedDevice : public Device {
     host_->copy_to_device(d, s, b);
   }
   void fill_zero(uintptr_t d, size_t b) override { host_->fill_zero(d, b); }
-  bool checksum(CopyQueue q, const DeviceRange* r, size_t n, uint32_t* out) override {
+  std::optional<Fence> checksum(CopyQueue q, const DeviceRange* r, size_t n,
+                                uint32_t* out) override {
     return host_->checksum(q, r, n, out);
   }
   void wait_for_stream(CopyQueue q, uintptr_t s) override { host_->wait_for_stream(q, s); }
