@@ -231,6 +231,26 @@ def test_refused_attach_calls_leave_the_directory_as_it_was(store_dir):
         assert [b.name for b in p.bindings] == ["dup", "first"]
 
 
+@pytest.mark.parametrize("stepped", [False, True], ids=["no-state", "state"])
+def test_attach_refused_for_its_window_opens_no_store(store_dir, stepped):
+    model = torch.nn.Linear(1024, 1024)  # 8 MiB of moments
+    opt = torch.optim.AdamW(model.parameters())
+    if stepped:  # state made before attach, which moves it to the pager when accepted
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    with Pager(store_dir, page_size=64 * KiB, hbm_budget=12 << 20) as p:
+        before = tree(store_dir)
+        with pytest.raises(statepager.UsageError, match="cannot hold the step's pipeline"):
+            p.attach(opt, bucket_size=8 << 20)
+        assert tree(store_dir) == before
+        assert p.bindings == ()
+        assert all(torch.equal(opt.state[model.weight][k], v) for k, v in state.items())
+        p.attach(opt, bucket_size=1 << 20)  # what fits is accepted afterwards: in chunks
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+
+
 # -- PagedAdamW -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [

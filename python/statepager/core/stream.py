@@ -119,7 +119,7 @@ class StreamedOptimizer:
             self.check_group(group, i)
         self.atomic = atomic
         self._undo = UndoCopies(pager, model_param if mains == "residual" else None)
-        self._buckets = self._plan()
+        self._buckets = self._plan(to_store=False)  # a refused attach opens no store
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
         (bucket, held), window = self._window_parts(), self._window()
@@ -138,6 +138,8 @@ class StreamedOptimizer:
                 "without chunk hooks, or when its pager tensor was made without "
                 "Pager.empty(pieces=...)).")
         pager.keep_at_least(window)
+        for b in self._buckets:
+            self._to_store(b)
         self._adopt_existing_state()
         _attached.add(optimizer)
         # The optimizer's methods below refer to this binding (a reference cycle, which the
@@ -212,18 +214,23 @@ class StreamedOptimizer:
             pieces = slices.pieces(t.numel(), size)
         return self.pager.empty_like(t, dtype=dtype, pieces=pieces)
 
-    def _fill(self, b: Bucket) -> None:
+    def _fill(self, b: Bucket, to_store: bool = True) -> None:
         b.chunk_forms = [{name: f.chunk(c.start, c.stop) for name, f in self.forms(c.param)}
                          for c in b.chunks]
         b.forms = [f for p in b.params for _, f in self.forms(p)]
         b.forms += [f for named in b.chunk_forms for f in named.values()]
         b.stored = [t for f in b.forms for t in f.tensors]
-        self.pager.move_to_store(b.stored, self.name)  # this binding's own store
+        if to_store:
+            self._to_store(b)
         b.working = [f.working for f in b.forms if f.scratch]
         b.undo = self._undo.copies(b.params, b.chunks) if self.atomic else []
         b.fused = self._fused_forms(b)
         b.incoming = self._incoming(b, b.fused)
         b.nbytes, b.stored_bytes = _bytes(b.incoming), _bytes(b.stored)
+
+    def _to_store(self, b: Bucket) -> None:
+        if b.stored:  # this binding's own store (directory/<name>/), opened on first use
+            self.pager.move_to_store(b.stored, self.name)
 
     def _layout(self) -> list:
         """What a plan is made for: the parameters of each param group, by identity."""
@@ -231,14 +238,15 @@ class StreamedOptimizer:
 
     def _planned_bytes(self, p, group: dict) -> int:
         """Bytes p's paged tensors map while its bucket steps (moments the fused step
-        reads in their stored form without their fp32 scratch); for state yet to be
-        created, an estimate (the optimizer's count of param-shaped tensors, else 2)."""
+        reads in their stored form without their fp32 scratch): its state in the pager or
+        to be adopted into it; for state yet to be created, an estimate (the optimizer's
+        count of param-shaped tensors, else 2)."""
         if self._resident(p):
             return 0
         scratch = not (self._fused and self._fused.may_step(group, p))
         state = _held(self.optimizer, p, {})
         nbytes = sum(_form_bytes(v, self.moments, scratch) for v in state.values()
-                     if self.pager.owns(v))
+                     if self.pager.owns(v) or support.pageable(v, p))
         if self.pager.owns(p):
             nbytes += _form_bytes(p, self.mains)
         if not state:
@@ -246,8 +254,9 @@ class StreamedOptimizer:
             nbytes += count * _form_bytes(p, self.moments, scratch)
         return nbytes
 
-    def _plan(self) -> list[Bucket]:
-        """The buckets for the param groups as they are now (statepager.core.plan), filled.
+    def _plan(self, to_store: bool = True) -> list[Bucket]:
+        """The buckets for the param groups as they are now (statepager.core.plan), filled
+        (their stored tensors moved to this binding's store unless to_store=False).
         Small parameters are dealt unless resident; where the fused step runs some, only
         those it runs (another would turn off the fused step of each bucket it joined)."""
         groups = self.optimizer.param_groups
@@ -260,7 +269,7 @@ class StreamedOptimizer:
         buckets, self._split = plan.plan(groups, self.bucket_size, self._planned_bytes,
                                          self._chunking, dealable)
         for b in buckets:
-            self._fill(b)
+            self._fill(b, to_store)
         self._planned_layout = self._layout()
         return buckets
 
