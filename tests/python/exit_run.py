@@ -2,8 +2,12 @@
 (tests/python/test_exit.py on the host, tests/gpu/test_cuda_exit.py on CUDA):
     exit_run.py CASE STORE [--device D]
 Each case raises out of the script; the process must print the traceback and exit with
-status 1 (3 for `sys-exit`, 0 for `clean`), never abort. STORE is the store directory:
-closed at exit, it is gone afterwards. Megatron cases (GPU) build examples/megatron_gpt.py."""
+status 1 (3 for `sys-exit`, 0 for `clean`; death by SIGINT, as Python's, for a
+KeyboardInterrupt), never abort. The `*-in-step` cases fail inside opt.step() (the pager's
+page budget used up, a store file cut short, a hook's exception, a KeyboardInterrupt) and
+check, before the error leaves the script, that the failed step changed no parameter and
+no state. STORE is the store directory: closed at exit, it is gone afterwards. Megatron
+cases (GPU) build examples/megatron_gpt.py."""
 import argparse
 import os
 import sys
@@ -11,6 +15,8 @@ import sys
 import torch
 
 import statepager
+
+from compare import same
 
 MiB = 1 << 20
 
@@ -29,6 +35,73 @@ def trained(pager, device, **attach):
     model(torch.randn(8, 256, device=device)).sum().backward()
     opt.step()
     return model, opt
+
+
+def step_fails(pager, device, arrange, **attach):
+    """trained(), then a step that arrange(model, opt) makes fail from inside; arrange
+    returns what ends the cause. Checks that the failed step changed no parameter and no
+    state, then lets its error out."""
+    model, opt = trained(pager, device, **attach)
+    model(torch.randn(8, 256, device=device)).sum().backward()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = opt.state_dict()
+    end_cause = arrange(model, opt)
+    try:
+        opt.step()
+    finally:
+        end_cause()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        assert same(opt.state_dict(), state), "the failed step changed the state"
+
+
+def budget_used_up(pager):
+    """Pages in tensors of the user's until the page budget refuses one."""
+    def arrange(model, opt):
+        held = []
+        try:
+            while True:
+                held.append(pager.empty(64 << 10))
+                pager.page_in(held[-1:])
+        except statepager.OutOfMemoryError:
+            held.pop()
+        return lambda: pager.page_out(held)
+    return arrange
+
+
+def store_cut_short(pager):
+    """Cuts the optimizer's store file short under the pager (its page-ins fail, as on an
+    I/O error); what ends it writes the bytes back."""
+    def arrange(model, opt):
+        path = os.path.join(pager.directory, "opt0", "state.bin")
+        with open(path, "rb") as f:
+            data = f.read()
+        os.truncate(path, 4096)
+
+        def write_back():
+            with open(path, "r+b") as f:
+                f.write(data)
+        return write_back
+    return arrange
+
+
+class FailingHook:
+    """A before_bucket hook that raises `error` at the second bucket once armed."""
+
+    def __init__(self, error):
+        self.error, self.calls = error, None
+
+    def __call__(self, params):
+        if self.calls is not None:
+            self.calls += 1
+            if self.calls == 2:
+                raise self.error
+
+    def arm(self, model, opt):
+        self.calls = 0
+        return self.disarm
+
+    def disarm(self):
+        self.calls = None
 
 
 def megatron(pager, **build):
@@ -83,6 +156,16 @@ def main():
         with statepager.Pager(args.store + "-with", args.device, page_size=page) as inner:
             trained(inner, args.device)
             raise RuntimeError("user code failed inside `with Pager()`")
+    elif case == "oom-in-step":
+        budgeted = statepager.Pager(args.store + "-budget", args.device, page_size=page,
+                                    hbm_budget=64 * page)
+        step_fails(budgeted, args.device, budget_used_up(budgeted))
+    elif case == "io-error-in-step":
+        step_fails(pager, args.device, store_cut_short(pager))
+    elif case in ("hook-in-step", "interrupt-in-step"):
+        hook = FailingHook(RuntimeError("user hook failed inside a step")
+                           if case == "hook-in-step" else KeyboardInterrupt())
+        step_fails(pager, args.device, hook.arm, before_bucket=hook)
     elif case == "sys-exit":
         trained(pager, args.device)
         sys.exit(3)

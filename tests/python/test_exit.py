@@ -21,6 +21,10 @@ CASES = {
     "scope-open": (1, "RuntimeError: user code failed inside scope()"),
     "paused": (1, "RuntimeError: user code failed while paused"),
     "with-block": (1, "RuntimeError: user code failed inside `with Pager()`"),
+    "oom-in-step": (1, "OutOfMemoryError: the pager's page budget"),
+    "io-error-in-step": (1, "CorruptStoreError: store file"),
+    "hook-in-step": (1, "RuntimeError: user hook failed inside a step"),
+    "interrupt-in-step": (-2, "KeyboardInterrupt"),
     "sys-exit": (3, None),
     "clean": (0, None),
 }
