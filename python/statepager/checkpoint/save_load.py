@@ -276,31 +276,52 @@ class _Plan:
         self.entry["data_bytes"] = offset
 
     def write_through_device(self, path: str, checksum: str) -> list:
-        """The bytes via the device, bucket by bucket (page in, write, hand back unchanged:
-        nothing written to the store): the same file as the store copy makes, without
-        touching the store's files. Returns each
-        entry's checksums, of the bytes as they were written for crc32c ([] when ZERO;
-        none at all for crc32, which is computed from the file afterwards)."""
+        """The bytes via the device, a bucket's worth at a time (page in, write, hand back
+        unchanged: nothing written to the store), a tensor made of pieces piece by piece:
+        the same file as the store copy makes, without touching the store's files, within
+        the step's window. Returns each entry's checksums, of the bytes as they were
+        written for crc32c ([] when ZERO; none at all for crc32, which is computed from
+        the file afterwards)."""
         pager = self.binding.pager
-        sums = {}
+        parts = [(e, v, at) for items in self.buckets for e, t in items if not e["zero"]
+                 for views in [pager.piece_views(t)] for v, at in zip(views, _starts(views))]
+        sums = {id(e): _ChunkCrcs() for e in self.entries}
         with open(path, "r+b") as f:
-            for items in self.buckets:
-                moved = [(e, t) for e, t in items if not e["zero"]]
-                pager.page_in_async([t for _, t in moved], for_read=True).wait()
+            for batch in _batches(parts, self.binding.bucket_size):
+                moved = [v for _, v, _ in batch]
+                pager.page_in_async(moved, for_read=True).wait()
                 try:
-                    for e, t in moved:
-                        data = flat_view(t.detach()).view(torch.uint8).cpu().numpy()
-                        pad = bytes(align(data.size) - data.size)
-                        f.seek(e["offset"])
+                    for e, v, at in batch:
+                        data = flat_view(v.detach()).view(torch.uint8).cpu().numpy()
+                        # its last piece: then the zeros to its 4 KiB boundary
+                        pad = bytes(align(e["bytes"]) - e["bytes"]
+                                    if at + data.size == e["bytes"] else 0)
+                        f.seek(e["offset"] + at)
                         f.write(data.data)
                         f.write(pad)
                         if checksum == "crc32c":
-                            sums[id(e)] = _chunk_crc32c(memoryview(data), pad)
+                            sums[id(e)].add(memoryview(data))
+                            sums[id(e)].add(pad)
                 finally:
-                    pager.release_unchanged_async([t for _, t in moved]).wait()
+                    pager.release_unchanged_async(moved).wait()
             f.flush()
             os.fsync(f.fileno())
-        return [sums.get(id(e), []) for e in self.entries] if checksum == "crc32c" else []
+        return [sums[id(e)].crcs for e in self.entries] if checksum == "crc32c" else []
+
+
+def _batches(parts: list, limit: int):
+    """Consecutive runs of (entry, view, at) parts of at most `limit` bytes each (a larger
+    part alone)."""
+    batch, nbytes = [], 0
+    for part in parts:
+        size = part[1].numel() * part[1].element_size()
+        if batch and nbytes + size > limit:
+            yield batch
+            batch, nbytes = [], 0
+        batch.append(part)
+        nbytes += size
+    if batch:
+        yield batch
 
 
 def _starts(views: list) -> list:
@@ -312,13 +333,24 @@ def _starts(views: list) -> list:
     return out
 
 
-def _chunk_crc32c(data: memoryview, pad: bytes) -> list:
-    """crc32c of each CHUNK bytes of data followed by pad (the zeros to its 4 KiB
-    boundary, which lie inside data's last chunk)."""
-    out = [_C.crc32c(data[k:k + CHUNK]) for k in range(0, len(data), CHUNK)]
-    if pad:
-        out[-1] = _C.crc32c(pad, out[-1])
-    return out
+class _ChunkCrcs:
+    """crc32c of each CHUNK bytes of a stream given in parts, in order (an entry's bytes,
+    piece after piece, then the zeros to its 4 KiB boundary, which lie inside its last
+    chunk)."""
+
+    def __init__(self):
+        self.crcs, self.filled = [], CHUNK
+
+    def add(self, data) -> None:
+        data = memoryview(data)
+        while len(data):
+            if self.filled == CHUNK:
+                self.crcs.append(0)
+                self.filled = 0
+            take = min(len(data), CHUNK - self.filled)
+            self.crcs[-1] = _C.crc32c(data[:take], self.crcs[-1])
+            self.filled += take
+            data = data[take:]
 
 
 def checksums(ranges: list, checksum: str) -> list:

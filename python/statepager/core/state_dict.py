@@ -1,12 +1,13 @@
 """state_dict() and load_state_dict() of an attached optimizer.
 
 Both are torch's own, entry for entry (keys, order, values, param_groups, hooks), and
-never replace or move the tensors in `optimizer.state`: state_dict() returns copies of
-the paged tensors, taken bucket by bucket to host memory; load_state_dict() copies a
-torch state dict (from an attached optimizer or not) into the paged tensors in place,
-bucket by bucket, so the state is never all on the device at once, all or nothing (a
-load that fails leaves the optimizer as it was). Both are linear in the number of
-parameters.
+never replace or move the tensors in `optimizer.state`. state_dict() returns copies of
+the paged tensors, taken to host memory; load_state_dict() copies a torch state dict
+(from an attached optimizer or not) into the paged tensors in place, all or nothing (a
+load that fails leaves the optimizer as it was). Both go bucket by bucket as the step
+pages them, a parameter that steps in chunks chunk by chunk
+(StreamedOptimizer.state_in_pieces), so the state is never all on the device at once and
+both run within any budget attach accepted. Both are linear in the number of parameters.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from statepager import _C
 from statepager.core import support, whole_state
 from statepager.core.atomic import begin_epoch_at_rest
+from statepager.core.flat import flat_view
 
 
 def paged_state_dict(binding) -> dict:
@@ -30,11 +32,17 @@ def paged_state_dict(binding) -> dict:
         return type(optimizer).state_dict(optimizer)
     copies = {}
     with torch.no_grad():
-        for b in binding.state_in_buckets(write=False):
-            for p in b.params:
-                for v in optimizer.state.get(p, {}).values():
-                    if binding.pager.owns(v):
-                        copies[id(v)] = v.to("cpu", copy=True)
+        for p, start, stop, entries in binding.state_in_pieces():
+            held = optimizer.state.get(p, {})
+            for name, values in entries.items():
+                v = held.get(name)
+                if v is None:  # "param": an fp32 master, which is no state entry
+                    continue
+                out = copies.get(id(v))
+                if out is None:
+                    out = copies[id(v)] = torch.empty_strided(v.size(), v.stride(),
+                                                              dtype=v.dtype, device="cpu")
+                flat_view(out)[start:stop].copy_(values)
     live = optimizer.state
     shown = collections.defaultdict(dict)
     for p, st in live.items():
@@ -98,7 +106,7 @@ def paged_load_state_dict(binding, state_dict: dict) -> None:
     targets = _targets(binding, params, paged)
     undo = _Undo(binding)
     try:
-        _load(binding, {**sd, "state": rest}, order, paged, targets)
+        _load(binding, {**sd, "state": rest}, params, order, paged, targets)
     except BaseException:
         undo.roll_back()
         raise
@@ -166,11 +174,13 @@ class _Undo:
         self.forms()
 
 
-def _load(binding, sd: dict, order: dict, paged: dict, targets: dict) -> None:
+def _load(binding, sd: dict, params: dict, order: dict, paged: dict, targets: dict) -> None:
     """torch's load of `sd` (the state dict without the paged entries: casts,
-    param_groups, __setstate__), then the paged entries copied into their targets,
-    bucket by bucket."""
-    optimizer, pager = binding.optimizer, binding.pager
+    param_groups, __setstate__); then each parameter's state as loaded, the targets
+    (_targets) in place of its paged entries, in the saved order; then the paged values
+    copied into the targets bucket by bucket as the step pages them, a parameter that
+    steps in chunks chunk by chunk (StreamedOptimizer.state_in_pieces)."""
+    optimizer = binding.optimizer
     pre = optimizer._optimizer_load_state_dict_pre_hooks
     post = optimizer._optimizer_load_state_dict_post_hooks
     optimizer._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
@@ -180,44 +190,44 @@ def _load(binding, sd: dict, order: dict, paged: dict, targets: dict) -> None:
     finally:
         optimizer._optimizer_load_state_dict_pre_hooks = pre
         optimizer._optimizer_load_state_dict_post_hooks = post
-    was = []
+    for p in params.values():
+        if id(p) in order:
+            loaded, into = optimizer.state[p], targets[id(p)]
+            optimizer.state[p] = {name: into.get(name, loaded.get(name))
+                                  for name in order[id(p)]}
+    values = _InTargetOrder(paged, targets)
     # closing: a bucket that fails is paged out now, inside the epoch, not whenever the
     # generator is collected (after the roll-back).
-    with torch.no_grad(), contextlib.closing(binding.state_in_buckets()) as buckets:
-        for b in buckets:
-            _drop_replaced(pager, was)
-            was = b.stored + b.working
-            for p in b.params:
-                if id(p) in order:
-                    _load_entries(binding, p, order[id(p)], paged[id(p)], targets[id(p)])
-    _drop_replaced(pager, was)
+    with torch.no_grad(), contextlib.closing(binding.state_in_pieces(write=True)) as pieces:
+        for p, start, stop, entries in pieces:
+            for name, view in entries.items():
+                source = values.get(p, name)
+                if source is not None:
+                    view.copy_(source[start:stop])
 
 
-def _drop_replaced(pager, tensors: list) -> None:
-    """The tensors of a bucket before its load that are still resident once it is paged
-    out: those the load replaced. Their bytes are dropped (the epoch keeps them until it
-    ends), so that they do not add up over the buckets."""
-    resident = [t for t in tensors if pager.residency(t) in ("resident", "mixed")]
-    if resident:
-        pager.discard_async(resident).wait()
+class _InTargetOrder:
+    """A loaded paged value as a flat tensor in its target's memory order (the order the
+    target's pieces take), converted once per entry where its layout differs."""
 
+    def __init__(self, paged: dict, targets: dict):
+        self.paged, self.targets, self.done = paged, targets, {}
 
-def _load_entries(binding, p, order: list, paged: dict, targets: dict) -> None:
-    """p's state as loaded: the entries torch loaded, the paged ones copied into their
-    targets (_targets), in the saved order."""
-    optimizer, pager = binding.optimizer, binding.pager
-    absent = [t for t in targets.values() if pager.residency(t) != "resident"]
-    if absent:
-        pager.page_in(absent)
-    loaded = optimizer.state[p]
-    state = {}
-    for name in order:
-        if name in paged:
-            targets[name].copy_(paged[name])
-            state[name] = targets[name]
-        else:
-            state[name] = loaded[name]
-    optimizer.state[p] = state
+    def get(self, p, name: str):
+        value = self.paged.get(id(p), {}).get(name)
+        if value is None:
+            return None
+        key = (id(p), name)
+        if key not in self.done:
+            target = self.targets[id(p)][name]
+            if value.stride() != target.stride() or not value.is_contiguous() and \
+                    not torch.ops.aten.is_non_overlapping_and_dense.default(value):
+                laid = torch.empty_strided(target.size(), target.stride(), dtype=value.dtype,
+                                           device=value.device)
+                laid.copy_(value)
+                value = laid
+            self.done[key] = flat_view(value)
+        return self.done[key]
 
 
 def _id_map(groups: list, saved_groups: list) -> dict:

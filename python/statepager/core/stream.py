@@ -28,6 +28,7 @@ from statepager import _C
 from statepager.core import interrupts, plan, slices, state_access, state_dict, support
 from statepager.core.serial import lock_of, serialized
 from statepager.core.atomic import AtomicStep, UndoCopies
+from statepager.core.flat import flat_view
 from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.step_stats import StepStats
 from statepager.core.plan import Bucket
@@ -530,16 +531,50 @@ class StreamedOptimizer:
                 if write:
                     self._fill(b)  # the caller's new tensors and their stored forms
                     self.pager.page_in(b.stored + b.working)
-                    self._encode_now(b)
-                    self._release(b)
-                else:
-                    handles = [self.pager.release_unchanged_async(b.stored)]
-                    if b.working:  # the decoded scratch
-                        handles.append(self.pager.discard_async(b.working))
-                    for h in handles:
-                        h.wait()
+                self._hand_back(b, write)
         if write:
             self._fill_chunked()
+
+    def state_in_pieces(self, write: bool = False):
+        """Yields (param, start, stop, entries) bucket by bucket as the step pages them, a
+        parameter that steps in chunks chunk by chunk: entries maps each of the
+        parameter's paged state entries ("param" for an fp32 master the pager owns) to a
+        resident flat view of its fp32 values of elements [start, stop) in memory order
+        (0 and its numel where it steps whole). Within the step's window, so within any
+        budget attach accepted. write=False: the caller only reads; nothing is encoded or
+        written, the stored forms go back to their bytes at rest
+        (Pager.release_unchanged_async). write=True: the caller may write the views; each
+        bucket's forms are made from the state entries as they are (pager tensors the
+        caller put there are stored from then on), and it is encoded and paged out after."""
+        self.end_begun_step()
+        for b in self.buckets:
+            if write:
+                self._fill(b)
+            self.pager.page_in_async(b.stored, for_read=not write).wait()
+            try:
+                self._decode(b)
+                for p in b.params:
+                    entries = {name: flat_view(f.working) for name, f in self.forms(p)}
+                    if entries:
+                        yield p, 0, p.numel(), entries
+                for c, named in zip(b.chunks, b.chunk_forms):
+                    yield c.param, c.start, c.stop, {n: f.working for n, f in named.items()}
+            finally:
+                self._hand_back(b, write)
+
+    def _hand_back(self, b: Bucket, written: bool) -> None:
+        """A bucket paged in and decoded outside the step, given back: encoded and paged
+        out where it was written; else its stored forms back to their bytes at rest
+        without any write (Pager.release_unchanged_async) and its scratch dropped."""
+        if written:
+            self._encode_now(b)
+            self._release(b)
+            return
+        handles = [self.pager.release_unchanged_async(b.stored)]
+        if b.working:  # the decoded scratch
+            handles.append(self.pager.discard_async(b.working))
+        for h in handles:
+            h.wait()
 
     @contextlib.contextmanager
     def state_dict_by_reference(self):

@@ -1,0 +1,105 @@
+"""Under an hbm_budget smaller than one parameter's state, what attach accepts runs: the
+steps (that parameter in chunks) equal torch's unpaged AdamW bit for bit, and
+state_dict(), load_state_dict() (into the same optimizer and into a fresh one), save
+through the store and through the device, load and pause each bring the state in the
+step's pieces, never more than the budget at once. Reading one whole state entry larger
+than the budget between steps is refused with the way to read it."""
+import os
+
+import pytest
+import torch
+
+import statepager
+from statepager import Pager
+
+from compare import same
+
+KiB, MiB = 1 << 10, 1 << 20
+NUMEL = 4 * MiB  # 16 MiB a state entry, 32 MiB of moments: more than the budget
+BUDGET = 12 * MiB
+
+
+@pytest.fixture
+def device():
+    return "cpu"  # tests/gpu/test_cuda_tight_budget.py: "cuda"
+
+
+def grads(w, step):
+    return torch.randn(w.shape, generator=torch.Generator().manual_seed(step)).to(w.device)
+
+
+def unpaged(steps, device="cpu"):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(NUMEL).to(device))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    for i in range(steps):
+        w.grad = grads(w, i)
+        opt.step()
+    return w, opt
+
+
+def paged(directory, steps, device="cpu"):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(NUMEL).to(device))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    page = 2 * MiB if device == "cuda" else 64 * KiB
+    pager = Pager(directory, device, page_size=page, hbm_budget=BUDGET)
+    binding = pager.attach(opt, bucket_size=2 * MiB)
+    assert binding.window_bytes <= BUDGET
+    for i in range(steps):
+        w.grad = grads(w, i)
+        opt.step()
+    return pager, w, opt
+
+
+def steps_two_more_as(w, opt, w0, opt0):
+    """Steps 2 and 3 from the state of step 2: then w and opt are as unpaged()'s w0 and
+    opt0 after 4 steps."""
+    for i in (2, 3):
+        w.grad = grads(w, i)
+        opt.step()
+    assert torch.equal(w, w0)
+    assert same(opt.state_dict(), opt0.state_dict())
+
+
+def test_steps_and_state_dict_within_the_budget(store_dir, device):
+    w0, opt0 = unpaged(3, device)
+    pager, w, opt = paged(store_dir, 3, device)
+    with pager:
+        assert torch.equal(w, w0)
+        assert same(opt.state_dict(), opt0.state_dict())
+        with pytest.raises(statepager.OutOfMemoryError, match="state_dict"):
+            opt.state[w]["exp_avg"]  # one entry, whole, is more than the budget
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["same-optimizer", "fresh-optimizer"])
+def test_load_state_dict_within_the_budget(store_dir, device, fresh):
+    w0, opt0 = unpaged(4, device)
+    w2, early = unpaged(2, device)
+    pager, w, opt = paged(store_dir, 2 if not fresh else 0, device)
+    with pager:
+        if fresh:  # no state yet: the load makes it, in pieces
+            with torch.no_grad():
+                w.copy_(w2)
+        opt.load_state_dict(early.state_dict())
+        assert same(opt.state_dict(), early.state_dict())
+        steps_two_more_as(w, opt, w0, opt0)
+
+
+@pytest.mark.parametrize("via", ["store", "device"])
+def test_save_load_and_pause_within_the_budget(store_dir, tmp_path, device, via):
+    w0, opt0 = unpaged(4, device)
+    pager, w, opt = paged(store_dir, 2, device)
+    with pager:
+        path = str(tmp_path / "ckpt")
+        pager.save(path, via=via).wait()
+        pager.pause()
+        pager.resume()
+        other, w2, opt2 = paged(store_dir + "-other", 0, device)
+        with other:
+            with torch.no_grad():
+                w2.copy_(w)
+            assert other.load(path)
+            assert same(opt2.state_dict(), opt.state_dict())
+            steps_two_more_as(w2, opt2, w0, opt0)
+        assert os.path.isdir(path)
