@@ -82,7 +82,7 @@ class Device {
   // cuMemcpyBatchAsync (CUDA 13), though it costs the caller's thread 0.6 us a 1 MiB copy
   // against about 9 us: on the H200's driver (580.159.04) it intermittently corrupted the
   // copy queue's push buffer (Xid 32), breaking the CUDA context mid-step
-  // (docs/DESIGN-NOTES.md, "The intermittent fault was cuMemcpyBatchAsync"). A failure
+  // (see Note [Copies are queued one by one] in docs/design.md). A failure
   // leaves the copies before it queued.
   void copy_batch(CopyQueue queue, const HostCopy* copies, size_t n) {
     for (size_t i = 0; i < n; i++) {

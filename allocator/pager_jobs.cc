@@ -93,7 +93,8 @@ void Pager::unref_pages_locked(const std::vector<ExtentId>& ids, size_t count) {
 // The map thread: maps each queued page-in's pages (Job::maps) without the lock, then
 // queues the job for the I/O thread. The submitting thread does not wait for the mapping:
 // cuMemSetAccess takes about 1 ms a page while a device-to-host copy runs
-// (docs/DESIGN-NOTES.md, "Mapping costs"), and a streamed step always has one running.
+// (see Note [Mapping costs per call, not per byte] in docs/design.md), and a streamed
+// step always has one running.
 // Meanwhile the pages are the job's alone (Pool: others wait for them), its extents
 // PAGING_IN and in no queued job.
 void Pager::run_map_thread() {

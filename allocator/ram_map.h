@@ -3,7 +3,7 @@
 // On a RAM filesystem (tmpfs, ramfs) the store's files are host memory already, yet a
 // page-in or page-out through io_uring has the kernel copy every byte on the CPU, between
 // them and the pinned staging: on the H200 machine 12 of its 16 cores for about 15 GB/s
-// each way (docs/DESIGN-NOTES.md, "A store in RAM"). RamMap maps the physical files
+// each way (see Note [A store in RAM is mapped] in docs/design.md). RamMap maps the physical files
 // (MAP_SHARED), populates their pages and registers them with the device
 // (Device::register_host), so that StoreTier's device copies reach the files' pages
 // directly: no staging, no request, no CPU copy.

@@ -18,7 +18,8 @@
 // is skipped for read_write; a reflink moves no bytes, so its range is read once
 // afterwards (unavoidable: nothing else has seen the bytes). The buffer is small enough
 // to stay in a core's L2 cache through read, crc32c and write: with it the checksummed
-// copy keeps up with copy_file_range plus a second read (docs/DESIGN-NOTES.md, #17).
+// copy keeps up with copy_file_range plus a second read (see Note [Checkpoint checksums
+// in the copy] in docs/design.md).
 //
 // Ownership: OpenFile owns its descriptor. Thread-safety: calls keep no shared state;
 // copies into disjoint ranges of the same files may run on several threads at once.

@@ -5,8 +5,8 @@ Each rank's process takes one AdamW step on a tensor of its own before the job
 (first_adamw_step): on this machine under load, the first AdamW step of a process now
 and then gave another result for the same inputs (a plain torch.optim.AdamW, the first
 layer's weight: in 4 of 63 two-rank runs, none in 247 with the step thrown away first;
-docs/DESIGN-NOTES.md, the sixteenth session). These tests compare bits, so the
-reference must reproduce."""
+see Note [The first AdamW step of a process] in docs/design.md). These tests compare
+bits, so the reference must reproduce."""
 import os
 
 import pytest

@@ -1,5 +1,5 @@
-"""Parameters larger than a bucket step in chunks over consecutive buckets (issue 13: no
-bucket above bucket_size): bit for bit the unpaged step, no bucket above bucket_size, and
+"""Parameters larger than a bucket step in chunks over consecutive buckets (no bucket
+above bucket_size): bit for bit the unpaged step, no bucket above bucket_size, and
 state_dict, checkpoints and failed steps as with whole parameters."""
 import copy
 

@@ -1,4 +1,4 @@
-"""One parameter's optimizer step on slices (issue #13: no bucket above bucket_size).
+"""One parameter's optimizer step on slices: no bucket above bucket_size.
 
 A parameter larger than a bucket steps in chunks of consecutive elements, in memory
 order: each chunk's step is the optimizer's own step on views of the parameter, its

@@ -7,7 +7,8 @@ the paged tensors, taken to host memory; load_state_dict() copies a torch state 
 load that fails leaves the optimizer as it was). Both go bucket by bucket as the step
 pages them, a parameter that steps in chunks chunk by chunk
 (StreamedOptimizer.state_in_pieces), so the state is never all on the device at once and
-both run within any budget attach accepted. Both are linear in the number of parameters.
+both run within any budget attach accepted (Note [Reads and loads in the step's pieces]
+in docs/design.md). Both are linear in the number of parameters.
 """
 from __future__ import annotations
 

@@ -545,7 +545,8 @@ class StreamedOptimizer:
         written, the stored forms go back to their bytes at rest
         (Pager.release_unchanged_async). write=True: the caller may write the views; each
         bucket's forms are made from the state entries as they are (pager tensors the
-        caller put there are stored from then on), and it is encoded and paged out after."""
+        caller put there are stored from then on), and it is encoded and paged out after.
+        See Note [Reads and loads in the step's pieces] in docs/design.md."""
         self.end_begun_step()
         for b in self.buckets:
             if write:
