@@ -92,6 +92,27 @@ def paged_load_state_dict(binding, state_dict: dict) -> None:
         result = hook(optimizer, sd)
         if result is not None:
             sd = result
+    _load_paged(binding, sd, "load_state_dict")
+    for hook in post.values():
+        hook(optimizer)
+
+
+def adopt_state(binding) -> None:
+    """The state binding.optimizer made before attach, moved into the pager as
+    load_state_dict() would load it (in the step's pieces, all or nothing), without
+    torch's state-dict hooks: attach is no load of the user's."""
+    optimizer = binding.optimizer
+    index = {id(p): i for i, p in enumerate(binding.params_in_order())}
+    groups = [{**g, "params": [index[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    state = {index[id(p)]: dict(st) for p, st in optimizer.state.items() if id(p) in index}
+    _load_paged(binding, {"state": state, "param_groups": groups}, "attach")
+
+
+def _load_paged(binding, sd: dict, what: str) -> None:
+    """paged_load_state_dict's load of `sd`, after its hooks (`what` names the caller in
+    refusals)."""
+    optimizer = binding.optimizer
     params = _id_map(optimizer.param_groups, sd["param_groups"])
     # Per parameter: its loaded entries' names in order, and those the pager holds.
     order, paged, rest = {}, {}, {}
@@ -103,7 +124,7 @@ def paged_load_state_dict(binding, state_dict: dict) -> None:
         order[id(p)] = list(st)
         paged[id(p)] = {name: v for name, v in st.items() if support.pageable_loaded(name, v, p)}
         rest[k] = {name: v for name, v in st.items() if name not in paged[id(p)]}
-    _check_whole(binding, sd, params, paged)
+    _check_whole(binding, sd, params, paged, what)
     targets = _targets(binding, params, paged)
     undo = _Undo(binding)
     try:
@@ -112,11 +133,9 @@ def paged_load_state_dict(binding, state_dict: dict) -> None:
         undo.roll_back()
         raise
     undo.commit()
-    for hook in post.values():
-        hook(optimizer)
 
 
-def _check_whole(binding, sd: dict, params: dict, paged: dict) -> None:
+def _check_whole(binding, sd: dict, params: dict, paged: dict, what: str) -> None:
     """Refuses a parameter whose state in `sd` is not whole (statepager.core.whole_state;
     paged: id(param) -> its paged entries, for the parameters the pager holds)."""
     for g, group in enumerate(sd["param_groups"]):
@@ -126,7 +145,7 @@ def _check_whole(binding, sd: dict, params: dict, paged: dict) -> None:
         found = whole_state.gap(binding.optimizer, g, group, members)
         if found is not None:
             raise _C.UsageError(
-                f"load_state_dict: {found}: its next step would mix state of different "
+                f"{what}: {found}: its next step would mix state of different "
                 "steps. Load a whole state dict (the optimizer's state_dict()), or none for "
                 "that parameter (it then starts fresh); nothing was loaded")
 

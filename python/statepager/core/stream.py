@@ -388,14 +388,12 @@ class StreamedOptimizer:
         return put_back
 
     def _adopt_existing_state(self) -> None:
-        """State that already exists in ordinary memory moves into the pager, bucket by bucket."""
-        for b in self._whole_buckets():
-            if self._adopt(b):
-                self._fill(b)
-                self.pager.page_in(b.stored + b.working)
-                self._encode_now(b)
-                self._release(b)
-        self._fill_chunked()
+        """State that already exists in ordinary memory moves into the pager as a load of
+        it would (state_dict.adopt_state): in the step's pieces, all or nothing."""
+        if any(support.pageable(v, p) and not self.pager.owns(v)
+               for p in self.params_in_order() if not self._resident(p)
+               for v in _held(self.optimizer, p, {}).values()):
+            state_dict.adopt_state(self)
 
     def _fill_chunked(self) -> None:
         """Fills the buckets holding chunks anew, after their whole buckets
