@@ -2,6 +2,7 @@
 the state in host memory; a budget that holds the state moves no file bytes; pause/resume
 and save/load go through it."""
 import resource
+import warnings
 
 import pytest
 import torch
@@ -367,3 +368,23 @@ def test_a_step_failing_to_write_the_store_changes_nothing(store_dir, layers_ref
         opt.zero_grad()  # the failed call's gradients are made again
         steps(p, model, opt, 4, 4)
         assert all(torch.equal(a, b) for a, b in zip(params(model), layers_reference))
+
+
+@pytest.mark.parametrize("host_budget, atomic, warned", [
+    (4 * MiB, True, True),    # under twice the state: every atomic step would spill
+    (64 * MiB, True, False),
+    (4 * MiB, False, False),  # in place, the state alone fits
+])
+def test_attach_says_when_atomic_steps_would_spill_the_host_tier(store_dir, host_budget,
+                                                                 atomic, warned):
+    model = torch.nn.Linear(1024, 1024)  # 8 MiB of moments at rest
+    opt = torch.optim.AdamW(model.parameters())
+    with Pager(store_dir, page_size=64 * 1024, host_budget=host_budget) as p:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            binding = p.attach(opt, bucket_size=1 * MiB, atomic=atomic)
+        said = [str(w.message) for w in seen if "host tier" in str(w.message)]
+        assert bool(said) == warned, said
+        assert binding.stored_bytes() == 2 * 4 * (1024 * 1024 + 1024)
+        if warned:
+            assert "Raise host_budget, or attach(atomic=False)" in said[0]

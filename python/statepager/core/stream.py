@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -39,7 +40,7 @@ from statepager.formats.fused_adamw import FusedStep, applies_to
 
 log = logging.getLogger("statepager")
 
-MiB = 1 << 20
+MiB, GiB = 1 << 20, 1 << 30
 
 
 @dataclass
@@ -139,6 +140,7 @@ class StreamedOptimizer:
                 "without chunk hooks, or when its pager tensor was made without "
                 "Pager.empty(pieces=...)).")
         pager.keep_at_least(window)
+        self._warn_if_the_host_tier_spills()
         for b in self._buckets:
             self._to_store(b)
         self._adopt_existing_state()
@@ -237,23 +239,50 @@ class StreamedOptimizer:
         """What a plan is made for: the parameters of each param group, by identity."""
         return [[id(p) for p in g["params"]] for g in self.optimizer.param_groups]
 
-    def _planned_bytes(self, p, group: dict) -> int:
+    def _planned_bytes(self, p, group: dict, at_rest: bool = False) -> int:
         """Bytes p's paged tensors map while its bucket steps (moments the fused step
-        reads in their stored form without their fp32 scratch): its state in the pager or
-        to be adopted into it; for state yet to be created, an estimate (the optimizer's
-        count of param-shaped tensors, else 2)."""
+        reads in their stored form without their fp32 scratch), or with at_rest the bytes
+        their stored forms take at rest: its state in the pager or to be adopted into it;
+        for state yet to be created, an estimate (the optimizer's count of param-shaped
+        tensors, else 2)."""
         if self._resident(p):
             return 0
         scratch = not (self._fused and self._fused.may_step(group, p))
+
+        def size(t, fmt, scratch=scratch):
+            return _stored_bytes(t, fmt) if at_rest else _form_bytes(t, fmt, scratch)
+
         state = _held(self.optimizer, p, {})
-        nbytes = sum(_form_bytes(v, self.moments, scratch) for v in state.values()
+        nbytes = sum(size(v, self.moments) for v in state.values()
                      if self.pager.owns(v) or support.pageable(v, p))
         if self.pager.owns(p):
-            nbytes += _form_bytes(p, self.mains)
+            nbytes += size(p, self.mains, True)
         if not state:
             count = self._deferred.moments(group) if self._deferred else 2
-            nbytes += count * _form_bytes(p, self.moments, scratch)
+            nbytes += count * size(p, self.moments)
         return nbytes
+
+    def stored_bytes(self) -> int:
+        """The bytes the state takes at rest (its stored forms; state yet to be created
+        estimated as the plan estimates it)."""
+        return sum(self._planned_bytes(p, g, at_rest=True)
+                   for g in self.optimizer.param_groups for p in g["params"])
+
+    def _warn_if_the_host_tier_spills(self) -> None:
+        """An atomic step writes fresh ranges and frees the committed ones at commit (Note
+        [Atomic steps need twice the state in the host tier] in docs/design.md): a host
+        tier smaller than twice the state spills to the store at every step. Said at
+        attach, with the fix, rather than found in the step's time."""
+        host = self.pager.stats()["host_budget_bytes"]
+        stored = self.stored_bytes()
+        if not self.atomic or not host or 2 * stored <= host:
+            return
+        warnings.warn(
+            f"statepager: optimizer {self.name!r} keeps about {stored / GiB:.2f} GiB at rest; "
+            f"an atomic step needs twice that in the host tier ({2 * stored / GiB:.2f} GiB), "
+            f"which has {host / GiB:.2f} GiB: about {(2 * stored - host) / GiB:.2f} GiB spill "
+            "to the store at every step. Raise host_budget, or attach(atomic=False) (a step "
+            "that fails then leaves the state partly stepped).", stacklevel=4)
 
     def _plan(self, to_store: bool = True) -> list[Bucket]:
         """The buckets for the param groups as they are now (statepager.core.plan), filled
@@ -1026,6 +1055,13 @@ def _tensor_key(v):
         return id(v), v.data_ptr()
     except RuntimeError:  # no storage (a meta or fake tensor): never the pager's
         return id(v), None
+
+
+def _stored_bytes(t: torch.Tensor, fmt: str) -> int:
+    """Bytes the StoredForm of working tensor t takes at rest."""
+    n = t.numel()
+    return {"fp32": n * t.element_size(), "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n),
+            "residual": 2 * n}[fmt]
 
 
 def _form_bytes(t: torch.Tensor, fmt: str, scratch: bool = True) -> int:
