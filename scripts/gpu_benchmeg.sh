@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# benchmeg's GPU batch (issues 13, 14, 17: honest floors, the host tier, the step timeline,
-# bench megatron), on the GPU machine after the module is built (scripts/gpu_suite.sh's
-# build, which copies _C into python/, or scripts/setup.sh). Logs go to $OUT. Three parts,
-# each with its own time limit:
+# The benchmarks' GPU batch (floors, the host tier, the step timeline, bench megatron), on
+# the GPU machine after the module is built (scripts/gpu_suite.sh's build, which copies _C
+# into python/, or scripts/setup.sh). Logs go to $OUT. Three parts, each with its own time
+# limit:
 #   a. tests/gpu/test_cuda_bench_megatron.py: bench megatron at a tiny size, four
 #      configurations (unpaged, offload, fp32, host-q8), floors and a trace
 #   b. bench step on CUDA, STEP_PARAMS (3.6e8: 4.3 GB of state each way) on /dev/shm,
@@ -11,14 +11,16 @@
 #      q8, host-fp32, host-q8: about 20-40 s each, floors included), 3 warm-up + 5 timed
 #      steps, at most 200 s per configuration, and one more profiled step (--device-time:
 #      the codecs' device time); each configuration's lines are printed as it ends, then
-#      the summary and the targets. MEGATRON_ARGS adds options (e.g.
+#      the summary. MEGATRON_ARGS adds options (e.g.
 #      "--layers 12" to make it smaller). PLOT=path.png: the step timeline of TIMELINE
 #      (default fp32) as a Chrome trace (path.json) and, where matplotlib is importable, the
 #      PNG (else draw it anywhere: python -m statepager.trace path.json path.png).
 #      Its limit is what is left of BUDGET_S (470 s) after a and b.
 # PARTS picks parts (default "a b c"; e.g. PARTS=c for the GPT alone, in its own batch).
 # Success: part a "1 passed"; part c a row per configuration, no "failed (", and a
-# "summary" with the "issue 13" and "issue 14" target lines (met or NOT met: figures).
+# "summary": each configuration's step, opt.step and driver peak against Megatron's
+# offload, each paged one's step, opt.step and stream as multiples of its floor, q8 / fp32
+# and host-q8 / host-fp32, and the kernels' device time per paged configuration.
 # fio: on the PATH, or .deps/fio (scripts/fetch_fio.sh), unpacked here from
 # .deps/fio.tar.xz when only that was carried. megatron-core: /tmp/site, installed from
 # .whl/ when missing (as gpu_suite.sh does).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# q8speed's GPU batch (issue 13: the streamed step's codec time at memory speed), on the
+# The q8 format's speed (the streamed step's codec time against its memory traffic), on the
 # GPU machine after the module is built (scripts/setup.sh, or gpu_suite.sh's build, which
 # copies _C into python/). Logs go to $OUT. At most 3 min 50 s (BUDGET_S 230); three parts,
 # each under its own time limit:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #18 (seams) on the GPU machine, after `bash scripts/setup.sh`: the Megatron
+# The Megatron adapter's seams on the GPU machine, after `bash scripts/setup.sh`: the
 # adapter's parity tests (tests/gpu/test_megatron.py), its contract with the installed
 # megatron-core (tests/gpu/test_megatron_contract.py), the attach refusals, and the GIL
 # tests. Logs go to $OUT. Success: pytest.log ends with "N passed" and no "failed"; the

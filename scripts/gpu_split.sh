@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Parameters split into chunks (issue 13: no bucket above bucket_size) on the GPU
+# Parameters split into chunks (no bucket above bucket_size) on the GPU
 # machine, after `bash scripts/setup.sh` (or with PYTHONPATH=python and the module
 # built): torch's Adam variants on slices of a CUDA parameter (fused, capturable), and a
 # 0.116 B GPT (4 layers, hidden 1024, 16 heads, vocab 32000) under hbm_budget 256 MiB

@@ -2,8 +2,10 @@
 # Step timelines on the GPU machine (after scripts/setup.sh or scripts/gpu_suite.sh has
 # built the extension), for docs/: `bench step` on CUDA with --trace and --plot
 #   1. on the disk (DISK) at the 1.34 B GPT's size (PARAMS, default 1.34e9 fp32 params:
-#      16 GB of AdamW state each way), the timeline for docs/step_timeline_disk.png;
-#   2. on /dev/shm (RAM) at SHM_PARAMS (default 5e8), docs/step_timeline_shm.png;
+#      16 GB of AdamW state each way); with PARAMS=5e8, docs/step_timeline_5e8_disk.png;
+#   2. on /dev/shm (RAM) at SHM_PARAMS (default 5e8) (the GPT's own step in RAM,
+#      docs/step_timeline_1.34b_gpt_fp32_shm.png, is drawn by `bench megatron --plot`:
+#      scripts/gpu_benchmeg.sh's PLOT);
 #   3. if nsys is installed, an Nsight Systems capture of a small bench step (1e8) with
 #      its NVTX summary: the statepager domain's page-in / step / page-out ranges.
 # Writes to $OUT: step_{disk,shm}.json (Chrome traces: chrome://tracing, ui.perfetto.dev),

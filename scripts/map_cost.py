@@ -14,7 +14,8 @@ While a device-to-host copy runs (and only then: not a host-to-device copy, not 
 cuMemSetAccess costs about 1 ms per physical page (0.4 ms at 2 MiB): the 192 MiB bucket's
 access took 6.25 ms in 32 MiB pages, 0.99 ms in one 192 MiB page, 40 ms in 2 MiB pages
 (idle: 0.35, 0.10, 2.4 ms). A streamed step pages in while page-outs copy to the host, so
-a bucket costs about 1 ms per page it maps; see docs/DESIGN-NOTES.md, "Page size".
+a bucket costs about 1 ms per page it maps; see Note [Mapping costs per call, not per
+byte] in docs/design.md.
 """
 import ctypes
 import os

@@ -5,6 +5,7 @@ printing the step as a multiple of it."""
 import argparse
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -198,6 +199,21 @@ def test_bench_step_prints_the_step_as_a_multiple_of_the_floor(capsys, tmp_path)
     out = capsys.readouterr().out
     assert "x the floor" in out and "fio (" in out and "no PCIe floor" in out, out
     assert "raw io_uring" not in out
+
+
+@needs_fio
+def test_bench_step_with_part_of_the_state_in_the_host_tier_prints_its_mean_step(capsys,
+                                                                                  tmp_path):
+    """Atomic steps alternate which part the host tier keeps: the mean step against the
+    floor of the mean step's bytes."""
+    with pytest.warns(UserWarning, match="spill to the store at every step"):
+        assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path),
+                         "--params", "3e6", "--warmup", "1", "--steps", "2", "--bucket", "8M",
+                         "--host-budget", "20M", "--no-baseline", "--no-in-place",
+                         "--fio-jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  host tier holding part of the state: mean step [0-9.]+ x the floor "
+                     r"of the mean step's bytes \(set by fio\)$", out, re.M), out
 
 
 def test_bench_step_times_only_the_steps_after_the_warmup(capsys, tmp_path):

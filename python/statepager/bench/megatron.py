@@ -23,7 +23,8 @@ paged configuration's process then measures the floor of its bytes
 and its step is printed as a multiple of it. With --device-time, one more step's
 optimizer.step() runs under torch.profiler (statepager.bench.device_time): the device's
 time in statepager's kernels and the copy engines' busy time. The summary compares each
-with Megatron's offload and checks issue 13's and 14's targets.
+with Megatron's offload and with its floor, the narrow formats with fp32, and gives the
+kernels' device time (--device-time).
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def paged_config(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `bench megatron`; the defaults are the 1.34 B GPT of issue 13."""
+    """The options of `bench megatron`; the defaults are a 1.34 B GPT."""
     p.add_argument("--dir", required=True, type=directory,
                    help="where the pager's stores and the fio floor's files go (e.g. "
                         "/dev/shm/sp): the bench makes a new directory in it and deletes it "
@@ -120,8 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=at_least(1, "timed steps"), default=5)
     p.add_argument("--bucket", type=size, default=size("512M"),
                    help="the pager's bucket_size (default 512M: half the buckets of 256M, so "
-                        "half the stepping thread's per-bucket work per byte moved; "
-                        "docs/DESIGN-NOTES.md)")
+                        "half the stepping thread's per-bucket work per byte moved: "
+                        "docs/design.md, Note [Buckets and the window])")
     p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=4,
                    help="the pager's depth (attach(depth=...)); the default 4 keeps two "
                         "page-ins in flight, so that a bucket's page mapping overlaps another's "
@@ -129,7 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=size, default=None,
                    help="the pager's page_size (default: the bucket size, at most 256M; "
                         "smaller pages map less memory but cost the step about 1 ms per page "
-                        "mapped while a page-out copies: docs/DESIGN-NOTES.md)")
+                        "mapped while a page-out copies: docs/design.md, Note [Mapping costs "
+                        "per call, not per byte])")
     p.add_argument("--hbm-budget", type=size, default=None, help="the pager's hbm_budget")
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' host_budget (default: what holds their "
@@ -144,8 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds each configuration may take (its floor included)")
     p.add_argument("--device-time", action="store_true",
                    help="after the timed steps, one more whose optimizer.step() runs under "
-                        "torch.profiler: the device's time in statepager's kernels (issue 13: "
-                        "the codecs' compute of a step) and the copy engines' busy time")
+                        "torch.profiler: the device's time in statepager's kernels (the "
+                        "codecs' and the optimizer's compute of a step) and the copy engines' "
+                        "busy time")
     p.add_argument("--timeline", type=paged_config, default=None,
                    help="the paged configuration whose last timed step --trace and --plot "
                         "draw (default: the first paged one of --configs)")
@@ -235,7 +238,6 @@ def bench_megatron(args) -> dict:
             if live:
                 _print(config_lines(c))
     r["failed"] = [c["config"] for c in r["configs"] if "error" in c]
-    r["targets"] = targets(r["configs"])
     return r
 
 
@@ -713,99 +715,67 @@ def _done(configs: list) -> dict:
     return {c["config"]: c for c in configs if "error" not in c}
 
 
-def targets(configs: list) -> list[dict]:
-    """Issue 13's and 14's targets, each {"issue", "what", "value", "limit", "met",
-    "detail"}: value = ours / reference (met: value <= limit); value and met None when
-    a configuration it needs did not run (or has no floor). A step that beat its floor
-    shows that the floor was none (its PCIe copies ran slower than the step's own): met
-    is None then, and "beaten" True."""
-    done = _done(configs)
-
-    def step(name, key="step_s"):
-        return _step(done[name], key) if name in done else None
-
-    def floor(name):
-        f = done[name].get("floor") if name in done else None
-        return f and f["seconds"]
-
-    def peak(name):
-        return _used(done[name]) if name in done else None
-
-    rows = []
-
-    def add(issue, what, ours, reference, limit, detail, of_floor=False):
-        value = ours / reference if ours is not None and reference else None
-        beaten = of_floor and value is not None and value < 1.0
-        rows.append({"issue": issue, "what": what, "value": value, "limit": limit,
-                     "met": None if value is None or beaten else value <= limit,
-                     "beaten": beaten, "detail": detail if value is not None else ""})
-
-    add(13, "fp32 opt.step / its floor", step("fp32", "opt_step_s"), floor("fp32"), 1.1,
-        f"{step('fp32', 'opt_step_s'):.3f} / {floor('fp32'):.3f} s" if floor("fp32") else "",
-        of_floor=True)
-    for key, what in (("step_s", "step"), ("opt_step_s", "opt.step")):
-        add(13, f"q8 {what} / fp32 {what}", step("q8", key), step("fp32", key), 0.45,
-            f"{step('q8', key):.3f} / {step('fp32', key):.3f} s"
-            if "q8" in done and "fp32" in done else "")
-    seen = (done["q8"].get("device_time") or {}) if "q8" in done else {}
-    kernels = seen.get("statepager_kernels_s") if seen.get("kernels_s") else None
-    add(13, "q8 step's kernels (codecs, AdamW) / 30 ms", kernels, 0.030, 1.0,
-        f"{1e3 * kernels:.1f} ms on the device, --device-time" if kernels is not None else "")
-    # Issue 14 quotes the offload's "422 ms per step" from issue 13's opt.step column:
-    # both ratios are given, as for issue 13.
-    for name, limit in (("host-fp32", 1.0), ("host-q8", 0.35)):
-        for key, what in (("step_s", "step"), ("opt_step_s", "opt.step")):
-            add(14, f"{name} {what} / offload {what}", step(name, key), step("offload", key),
-                limit, f"{step(name, key):.3f} / {step('offload', key):.3f} s"
-                if name in done and "offload" in done else "")
-    for name in ("host-fp32", "host-q8"):
-        add(14, f"{name} driver peak / offload's", peak(name), peak("offload"), 1.0,
-            f"{_gib(peak(name))} / {_gib(peak('offload'))} GiB"
-            if name in done and "offload" in done else "")
-    return rows
-
-
 def summary_lines(r: dict) -> list[str]:
-    """The comparisons between configurations, and the targets."""
+    """The comparisons between configurations: with Megatron's offload, with each one's
+    floor, the narrow formats with fp32, and the kernels' device time."""
     done = _done(r["configs"])
     lines = ["summary (medians of the timed steps):"]
-    offload = done.get("offload")
-    if offload:
-        ref = _step(offload)
-        lines.append(f"  step against Megatron's offload ({ref:.3f} s, driver peak "
-                     f"{_gib(_used(offload))} GiB):")
-        lines += [f"    {n:9s} {_step(c):.3f} s: {faster(_step(c), ref, higher_is_better=False)}"
-                  f"; driver peak {_gib(_used(c))} GiB" for n, c in done.items() if n != "offload"]
-    else:
-        lines.append("  Megatron's offload: not measured (not in --configs, or failed)")
+    lines += _offload_lines(done)
     floored = [(n, c, c["floor"]) for n, c in done.items()
                if c.get("floor") and c["floor"]["seconds"]]
     if floored:
         lines.append("  against each one's floor (the larger of PCIe and fio, for its bytes):")
-        lines += [f"    {n:9s} step {multiple(_step(c), f['seconds'], 'its floor')}, opt.step "
-                  f"{multiple(_step(c, 'opt_step_s'), f['seconds'], 'its floor')}, the pager's "
-                  f"stream {multiple(c['pager']['stream_s']['median'], f['seconds'], 'its floor')}"
-                  f" ({f['seconds']:.3f} s, set by {f['bound_by']})" for n, c, f in floored]
+        lines += [f"    {n:9s} {_floor_comparison(c, f)}" for n, c, f in floored]
     for narrow, wide in (("q8", "fp32"), ("host-q8", "host-fp32")):
         if narrow in done and wide in done:
             a, b = done[narrow], done[wide]
             lines.append(f"  {narrow} / {wide}: step {_step(a) / _step(b):.2f}, opt.step "
                          f"{_step(a, 'opt_step_s') / _step(b, 'opt_step_s'):.2f} ({narrow}'s "
                          f"step is {faster(_step(a), _step(b), higher_is_better=False)})")
-    lines.append("  targets (ratio = ours / reference; met when <= the limit):")
-    for t in r["targets"]:
-        if t.get("beaten"):
-            verdict = (f"{t['value']:.2f} ({t['detail']}): not shown: the step beat its "
-                       "floor, so that floor was none (its PCIe copies ran slower than the "
-                       "step's own); run again")
-        elif t["met"] is None:
-            verdict = "not measured"
-        else:
-            verdict = f"{t['value']:.2f} ({t['detail']}): {'met' if t['met'] else 'NOT met'}"
-        lines.append(f"    issue {t['issue']}: {t['what']} <= {t['limit']:g}: {verdict}")
+    kernels = [f"{n} {1e3 * t['statepager_kernels_s']:.1f} ms = "
+               f"{t['statepager_kernels_s'] / _step(c, 'opt_step_s'):.2f} x its opt.step"
+               for n, c in done.items() if c["pager"]
+               for t in [c.get("device_time") or {}] if t.get("kernels_s")]
+    if kernels:
+        lines.append("  statepager's kernels on the device in one more optimizer.step() "
+                     f"(--device-time): {', '.join(kernels)}")
     if r["failed"]:
         lines.append(f"  failed: {', '.join(r['failed'])} (their logs above)")
     return lines
+
+
+def _offload_lines(done: dict) -> list[str]:
+    """Each configuration's step, opt.step and driver peak against Megatron's offload."""
+    offload = done.get("offload")
+    if not offload:
+        return ["  Megatron's offload: not measured (not in --configs, or failed)"]
+    step, opt_step, peak = _step(offload), _step(offload, "opt_step_s"), _used(offload)
+    offloads = "the offload's"
+    lines = [f"  step against Megatron's offload ({step:.3f} s; opt.step {opt_step:.3f} s; "
+             f"driver peak {_gib(peak)} GiB):"]
+    for n, c in done.items():
+        if n == "offload":
+            continue
+        ours, used = _step(c, "opt_step_s"), _used(c)
+        lines.append(f"    {n:9s} {_step(c):.3f} s: "
+                     f"{faster(_step(c), step, higher_is_better=False)}; opt.step {ours:.3f} s: "
+                     f"{faster(ours, opt_step, higher_is_better=False)}; driver peak "
+                     f"{_gib(used)} GiB = {multiple(used, peak, offloads)}")
+    return lines
+
+
+def _floor_comparison(c: dict, f: dict) -> str:
+    """A configuration's step, opt.step and stream as multiples of its floor; a stream
+    below the floor shows that the floor was none (see Note [The floor of a step])."""
+    stream = c["pager"]["stream_s"]["median"]
+    if stream < f["seconds"]:
+        return (f"not shown: the pager's stream ({stream:.3f} s) beat its floor "
+                f"({f['seconds']:.3f} s, set by {f['bound_by']}), so that floor was none (its "
+                "PCIe copies ran slower than the stream's own); run again")
+    return (f"step {multiple(_step(c), f['seconds'], 'its floor')}, opt.step "
+            f"{multiple(_step(c, 'opt_step_s'), f['seconds'], 'its floor')}, the pager's "
+            f"stream {multiple(stream, f['seconds'], 'its floor')} ({f['seconds']:.3f} s, set "
+            f"by {f['bound_by']})")
 
 
 def print_megatron(r: dict) -> None:

@@ -1,0 +1,42 @@
+"""`bench sleep`'s report from canned results: pause and resume against the raw io_uring
+loop, and with --compare-tms torch-memory-saver's figures and statepager's steady
+pause and resume as multiples of its own."""
+from statepager.bench import pager as bench_pager
+from statepager.bench.report import spread
+
+GiB = 1 << 30
+
+
+def canned_sleep(**tms):
+    r = {"device": "cuda:0", "dir": "/dev/shm", "bytes": 8 * GiB, "tensors": 40,
+         "direct_io": False, "io_depth": 64, "io_block": 4 << 20, "host_budget": 8400 << 20,
+         "file_bytes_written": 0, "file_bytes_read": 0, "raw_write_gbps": 20.0,
+         "raw_read_gbps": 25.0, "freed_bytes": 8 * GiB, "data_intact": True,
+         "first": {"pause_gbps": 54.0, "resume_gbps": 50.0},
+         "again": {"pause_gbps": spread([55.0, 54.0, 56.0]),
+                   "resume_gbps": spread([53.0, 52.0, 54.0])}}
+    if tms:
+        r["tms"] = tms
+    return r
+
+
+def test_the_sleep_report_gives_statepager_against_torch_memory_saver(capsys):
+    tms = {"pause_s": [4.0, 3.9, 4.0, 4.1], "resume_s": [1.0, 1.2, 1.25, 1.3],
+           "bytes": 8 * GiB, "data_intact": True, "version": "0.0.10"}
+    bench_pager.print_sleep(canned_sleep(**tms))
+    out = capsys.readouterr().out
+    assert "pause  again 55.00 GB/s (median of 3, 54.00-56.00): 2.75 x faster than the raw " \
+        "write" in out
+    assert "device memory freed while paused: 8.00 GiB" in out and "data intact: True" in out
+    # Steady: 8 GiB / 4.0 s = 2.15 GB/s paused and 8 GiB / 1.25 s = 6.87 GB/s resumed.
+    assert "torch-memory-saver 0.0.10 (hook_mode torch, CPU backup pinned" in out
+    assert ("statepager vs torch-memory-saver (steady medians): pause 25.6 x, resume 7.7 x\n"
+            in out)
+    assert out.splitlines()[-1].startswith("  statepager vs torch-memory-saver")
+
+
+def test_the_sleep_report_says_why_torch_memory_saver_did_not_run(capsys):
+    bench_pager.print_sleep(canned_sleep(skipped="torch-memory-saver needs a CUDA device"))
+    out = capsys.readouterr().out
+    assert "torch-memory-saver: skipped: torch-memory-saver needs a CUDA device" in out
+    assert "statepager vs torch-memory-saver" not in out
