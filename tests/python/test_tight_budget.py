@@ -103,3 +103,28 @@ def test_save_load_and_pause_within_the_budget(store_dir, tmp_path, device, via)
             assert same(opt2.state_dict(), opt.state_dict())
             steps_two_more_as(w2, opt2, w0, opt0)
         assert os.path.isdir(path)
+
+
+@pytest.mark.parametrize("moments, mains", [("q8", "residual"), ("bf16", "fp32")])
+def test_narrow_formats_read_and_load_in_pieces(store_dir, device, moments, mains):
+    """PagedAdamW's stored forms (decoded for the read, encoded after the load), chunk by
+    chunk under the budget: a state_dict() loaded back in place changes nothing."""
+    def run(directory, steps, budget, reload_at=None):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(NUMEL).to(device, torch.bfloat16))
+        page = 2 * MiB if device == "cuda" else 64 * KiB
+        pager = Pager(directory, device, page_size=page, hbm_budget=budget)
+        opt = statepager.PagedAdamW([w], pager=pager, lr=1e-3, bucket_size=2 * MiB,
+                                    moments=moments, mains=mains)
+        for i in range(steps):
+            if i == reload_at:
+                opt.load_state_dict(opt.state_dict())
+            w.grad = grads(w, i).to(torch.bfloat16)
+            opt.step()
+        return pager, w, opt.state_dict()
+
+    whole, w0, sd0 = run(store_dir + "-whole", 4, None)
+    tight, w, sd = run(store_dir, 4, 20 * MiB, reload_at=2)
+    with whole, tight:
+        assert torch.equal(w, w0)
+        assert same(sd, sd0)

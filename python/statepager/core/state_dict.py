@@ -217,13 +217,16 @@ def _load(binding, sd: dict, params: dict, order: dict, paged: dict, targets: di
                                   for name in order[id(p)]}
     values = _InTargetOrder(paged, targets)
     # closing: a bucket that fails is paged out now, inside the epoch, not whenever the
-    # generator is collected (after the roll-back).
-    with torch.no_grad(), contextlib.closing(binding.state_in_pieces(write=True)) as pieces:
+    # generator is collected (after the roll-back). Only the copies run without grad:
+    # the forms the generator makes hold views of model params, which views made under
+    # no_grad would keep from later in-place updates with grad mode on.
+    with contextlib.closing(binding.state_in_pieces(write=True)) as pieces:
         for p, start, stop, entries in pieces:
-            for name, view in entries.items():
-                source = values.get(p, name)
-                if source is not None:
-                    view.copy_(source[start:stop])
+            with torch.no_grad():
+                for name, view in entries.items():
+                    source = values.get(p, name)
+                    if source is not None:
+                        view.copy_(source[start:stop])
 
 
 class _InTargetOrder:
