@@ -1067,10 +1067,9 @@ def _stored_bytes(t: torch.Tensor, fmt: str) -> int:
 def _form_bytes(t: torch.Tensor, fmt: str, scratch: bool = True) -> int:
     """Bytes the StoredForm of working tensor t maps while it steps: its stored tensors,
     and t itself when it is stored (fp32) or decoded into (scratch)."""
-    n = t.numel()
-    stored = {"fp32": 0, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n), "residual": 2 * n}
-    working = n * t.element_size() if scratch or fmt == "fp32" else 0
-    return stored[fmt] + working
+    if fmt == "fp32":  # stored as the working tensor itself
+        return _stored_bytes(t, fmt)
+    return _stored_bytes(t, fmt) + (t.numel() * t.element_size() if scratch else 0)
 
 
 class _Schedule:
