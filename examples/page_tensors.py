@@ -9,7 +9,7 @@ import time
 import torch
 
 import statepager
-from statepager import cli_args
+from statepager.tools import cli_args
 
 
 def main() -> None:

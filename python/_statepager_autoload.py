@@ -2,13 +2,13 @@
 unchanged (`torchrun pretrain_gpt.py ...`), for launchers that build the command line
 themselves (NeMo, verl, miles) and can only set environment variables.
 
-pip installs statepager-autoload.pth beside this module in site-packages, and Python runs
-its one line (`import _statepager_autoload`) at every start. That costs one environment
-lookup: unless STATEPAGER_DIR is set (and STATEPAGER_AUTOLOAD is not 0), nothing else
-happens. When it is, a finder on sys.meta_path waits for megatron.training.training to
+Opt-in: `statepager autoload on` writes statepager-autoload.pth beside this module in
+site-packages (`off` removes it), and Python then runs its one line (`import
+_statepager_autoload`) at every start. That costs one environment lookup: unless
+STATEPAGER_DIR is set (and STATEPAGER_AUTOLOAD is not 0), nothing else happens. When it is, a finder on sys.meta_path waits for megatron.training.training to
 be imported and, once that module has run, installs statepager.megatron_lm's hooks, as
 `python -m statepager.megatron_lm` does before it runs the script; the options come from
-the STATEPAGER_* variables (statepager.integrations.megatron_lm_config).
+the STATEPAGER_* variables (statepager.megatron_lm_config).
 
 Only the standard library is imported here: statepager and torch load when Megatron-LM's
 training code does, so processes that never import it pay nothing. A failure to install
@@ -33,7 +33,7 @@ class _Loader:
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        from statepager import megatron_lm
+        from statepager.integrations import megatron_lm
 
         megatron_lm.install_once()
 

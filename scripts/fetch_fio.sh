@@ -6,7 +6,7 @@
 # a plain Debian 12 / Ubuntu 22.04+ with Python 3 may lack: everything but BASE below
 # (glibc, and what python3 and apt themselves link). Each is unpacked with dpkg -x; all
 # but the binary, the libraries it loads and the packages' copyright files is removed.
-# The benches (statepager.bench.floor) find .deps/fio/usr/bin/fio and run it with
+# The benches (statepager.tools.bench.floor) find .deps/fio/usr/bin/fio and run it with
 # LD_LIBRARY_PATH set to its library folders. Needs a Debian-family machine whose
 # release matches the target's glibc or is older (Debian 12: glibc >= 2.34 needed).
 set -euo pipefail
@@ -69,7 +69,7 @@ echo "fetch_fio: $DEST ($(du -sh "$DEST" | cut -f1)), packages: fio$packages"
 echo "fetch_fio: libraries taken from the system (BASE):"
 LD_LIBRARY_PATH="$lib_path" ldd "$fio" | awk '/=>/ && $3 !~ /\.deps\/fio/ {print "  " $1}'
 # PACK=1: also .deps/fio.tar.xz (about 17 MB instead of 68), for a copy with a size limit;
-# scripts/gpu_benchmeg.sh unpacks it when .deps/fio is missing.
+# scripts/gpu.sh unpacks it when .deps/fio is missing.
 if [ -n "${PACK:-}" ]; then
   tar -C "$(dirname "$DEST")" -cf - "$(basename "$DEST")" | xz -T0 >"$DEST.tar.xz"
   echo "fetch_fio: $DEST.tar.xz ($(du -sh "$DEST.tar.xz" | cut -f1))"

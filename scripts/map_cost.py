@@ -6,16 +6,8 @@ COPY_MIB, a host-to-device copy, kernels), then per-page against one cuMemSetAcc
     python3 scripts/map_cost.py 2     # MiB per page; try 2 8 32 64 192
     COPY_MIB=200 python3 scripts/map_cost.py 32
 
-On the H200 (2026-12-01) each call costs about the same whatever the page's size (map
-25-45 us, unmap 15-23 us), so 2 MiB pages cost a 192 MiB bucket 4-7 ms of map and unmap,
-32 MiB pages (the Pager's default) 0.26 ms; one cuMemSetAccess over the whole run instead
-of one per page saves little (5.2-5.3 against 5.3-6.7 ms at 2 MiB).
-While a device-to-host copy runs (and only then: not a host-to-device copy, not kernels),
-cuMemSetAccess costs about 1 ms per physical page (0.4 ms at 2 MiB): the 192 MiB bucket's
-access took 6.25 ms in 32 MiB pages, 0.99 ms in one 192 MiB page, 40 ms in 2 MiB pages
-(idle: 0.35, 0.10, 2.4 ms). A streamed step pages in while page-outs copy to the host, so
-a bucket costs about 1 ms per page it maps; see Note [Mapping costs per call, not per
-byte] in docs/design.md.
+What it decided, and the figures it gives on an H200: Note [Mapping costs per call, not
+per byte] in docs/design.md, and docs/benchmarks.md.
 """
 import ctypes
 import os

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
 import os
 import shutil
@@ -37,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import statepager
 from statepager.core import late_reads, stream as stream_mod
-from statepager.formats import fused_adamw
+from statepager.core import fused_adamw
 
 MiB = 1 << 20
 CODEC_KERNELS = ("q8_encode_kernel", "q8_decode_kernel", "residual_encode_kernel",
@@ -119,7 +118,7 @@ def run_config(name: str, args) -> dict:
                 for m in ms:
                     model_of[id(m)].copy_(m)
 
-            binding = pager.attach(opt, bucket_size=args.bucket, depth=3, moments=moments,
+            binding = pager.attach(opt, bucket_size=args.bucket_size, depth=3, moments=moments,
                                    mains=mains, before_bucket=labelled("before_bucket", grads_in),
                                    after_bucket=labelled("after_bucket", mains_out),
                                    model_param=lambda m: model_of[id(m)])
@@ -219,7 +218,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--bucket", type=int, default=256 * MiB)
+    p.add_argument("--bucket-size", type=int, default=256 * MiB)
     p.add_argument("--warmup", type=int, default=2, help="the first step creates the moments")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
     if HAVE_GPU:
         return
     skip = pytest.mark.skip(reason="no CUDA device here: the GPU suite runs on the GPU machine "
-                                   "(scripts/gpu_suite.sh)")
+                                   "(scripts/gpu.sh test)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -26,7 +26,8 @@ from statepager.core.pager import PageHandle, Pager  # noqa: E402, F401
 from statepager.core.step_stats import StepStats  # noqa: E402, F401
 from statepager.core.stream import StreamedOptimizer  # noqa: E402, F401
 from statepager.core.optim import PagedAdamW  # noqa: E402, F401
-from statepager.checkpoint.save_load import CheckpointMismatchError  # noqa: E402, F401
+from statepager import checkpoint  # noqa: E402, F401
+from statepager.checkpoint import CheckpointMismatchError  # noqa: E402, F401
 # Integrations register their adapters with Pager.attach (statepager.core.adapters).
 from statepager.integrations import megatron as _megatron  # noqa: E402, F401
 
@@ -36,6 +37,7 @@ __all__ = [
     "PagedAdamW",
     "StepStats",
     "StreamedOptimizer",
+    "checkpoint",
     "cuda_available",
     "Error",
     "UsageError",

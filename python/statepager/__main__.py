@@ -1,6 +1,6 @@
 """python -m statepager ...: the command line (the same as the `statepager` command)."""
 import sys
 
-from statepager.cli import main
+from statepager.tools.cli import main
 
 sys.exit(main(prog="python -m statepager"))

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import megatron_gpt  # noqa: E402
 
+from statepager import checkpoint
 from statepager import Pager  # noqa: E402
 
 MiB = 1 << 20
@@ -122,13 +123,13 @@ def main():
                 os.makedirs(ckpt, exist_ok=True)
                 torch.save({"model": model.module.state_dict(),
                             "scheduler": scheduler.state_dict()}, model_file)
-                pager.save_to(ckpt)
+                checkpoint.save(pager, checkpoint.rank_directory(ckpt))
                 at_checkpoint = result(model, optimizer, binding, [])
             else:
                 saved = torch.load(model_file, weights_only=False)
                 model.module.load_state_dict(saved["model"])
                 scheduler.load_state_dict(saved["scheduler"])
-                assert pager.load_from(ckpt), "no statepager state in the checkpoint"
+                assert checkpoint.load(pager, checkpoint.rank_directory(ckpt)), "no statepager state in the checkpoint"
                 at_checkpoint = result(model, optimizer, binding, [])
             losses = train(setup, model, optimizer, scheduler, N_BEFORE, M_AFTER)
             torch.save({**result(model, optimizer, binding, losses),

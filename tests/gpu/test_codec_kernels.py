@@ -11,7 +11,8 @@ import torch
 
 import statepager
 from statepager import PagedAdamW, Pager
-from statepager.formats import codecs as C, fused_adamw
+from statepager.core import fused_adamw
+from statepager.formats import codecs as C
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -517,8 +518,8 @@ def test_streamed_step_syncs_once_per_step(store_dir, monkeypatch, shapes, bucke
         opt = PagedAdamW(ps, pager=pager, lr=1e-2, bucket_size=bucket_size, moments="q8",
                          mains="residual")  # 4 buckets; BIG_SHAPES: chunks
         opt.binding.atomic = atomic
-        takes, take = [], opt.binding._undo.take
-        monkeypatch.setattr(opt.binding._undo, "take", lambda copies, targets: (
+        takes, take = [], opt.binding._steps.undo.take
+        monkeypatch.setattr(opt.binding._steps.undo, "take", lambda copies, targets: (
             takes.append(1), take(copies, targets))[1])
         for k in range(3):  # the first creates the state
             if zero_grad:

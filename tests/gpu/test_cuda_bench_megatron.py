@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from statepager.bench import megatron as bench_megatron
-from statepager.bench.floor import find_fio
+from statepager.tools.bench import megatron as bench_megatron
+from statepager.tools.bench.floor import find_fio
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +23,7 @@ pytestmark = [
                        reason="megatron-core is not installed (the GPU suite carries it)"),
 ]
 TINY = ["--layers", "2", "--hidden", "256", "--heads", "4", "--vocab", "1024", "--seq", "64",
-        "--micro-batch", "2", "--warmup", "2", "--steps", "3", "--bucket", "1M",
+        "--micro-batch", "2", "--warmup", "2", "--steps", "3", "--bucket-size", "1M",
         "--fio-jobs", "2"]
 CONFIGS = ["unpaged", "offload", "fp32", "host-q8"]
 

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from statepager import checkpoint
 from statepager import Pager
 
 pytestmark = pytest.mark.gpu
@@ -153,14 +154,14 @@ def test_cyclic_steps_keep_half_the_state_in_the_host_tier(store_dir):
 def test_load_fills_the_host_tier_on_cuda(tmp_path):
     with Pager(str(tmp_path / "a"), device="cuda", page_size=2 * MiB) as p:
         model, opt, _ = _train_layers(p, 2)
-        p.save(str(tmp_path / "ckpt"))
+        checkpoint.save(p, str(tmp_path / "ckpt"))
         with Pager(str(tmp_path / "b"), device="cuda", page_size=2 * MiB,
                    host_budget=64 * MiB) as p2:
             model2, opt2, _ = _train_layers(p2, 0)
             with torch.no_grad():
                 for a, b in zip(model.parameters(), model2.parameters()):
                     b.copy_(a)
-            assert p2.load(str(tmp_path / "ckpt"))
+            assert checkpoint.load(p2, str(tmp_path / "ckpt"))
             assert p2.stats()["host_bytes"] == 8 * 2 * MiB
             _, _, moved = _train_layers(p2, 2, first=2, model_opt=(model2, opt2))
             _train_layers(p, 2, first=2, model_opt=(model, opt))

@@ -1,4 +1,4 @@
-"""On the GPU, opt.state_dict() and a save through the device write nothing to the store
+"""On the GPU, opt.state_dict() and a save write nothing to the store
 (Pager.release_unchanged_async: the state goes back to its bytes at rest), on an
 io_uring store, a store in RAM mapped for the device's copies and with a host tier (its
 copies kept for the read); it works on a store that can no longer be written (a
@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
@@ -66,7 +67,7 @@ def test_cuda_state_dict_and_save_write_nothing(root, tmp_path, config, formats)
         train(model, opt, 0, 2)
         files, counted = store_files(pager), writes(pager)
         first = opt.state_dict()
-        pager.save(str(tmp_path / "ckpt"), via="device")
+        checkpoint.save(pager, str(tmp_path / "ckpt"))
         assert same(first, opt.state_dict())
         assert writes(pager) == counted
         assert store_files(pager) == files

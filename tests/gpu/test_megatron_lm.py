@@ -25,7 +25,7 @@ time; the tests then check what they logged and wrote.
 
 Skips without CUDA, megatron-core, or Megatron-LM's training scripts in .deps/megatron-lm
 (git-ignored; NVIDIA/Megatron-LM core_r0.19.0). Each run's log is kept under
-$STATEPAGER_TEST_LOGS when set (scripts/gpu_megatron_lm.sh sets it), else in tmp_path."""
+$STATEPAGER_TEST_LOGS when set (scripts/gpu.sh megatron-lm sets it), else in tmp_path."""
 import concurrent.futures
 import filecmp
 import glob
@@ -174,14 +174,15 @@ def wave(runs, jobs):
 
 def env_only_options(r):
     """Plain `torchrun pretrain_gpt.py`, statepager's options in STATEPAGER_* only: the
-    start-up hook (statepager-autoload.pth, which pip puts in site-packages; here in a
-    site directory that a sitecustomize on PYTHONPATH adds, as Python adds
-    site-packages) hooks Megatron-LM when it is imported."""
+    start-up hook (the .pth that `statepager autoload on` writes beside the hook module
+    in site-packages; here in a site directory that a sitecustomize on PYTHONPATH adds,
+    as Python adds site-packages) hooks Megatron-LM when it is imported."""
     site_dir, startup = r.path("env-site"), r.path("env-startup")
     os.makedirs(site_dir)
     os.makedirs(startup)
-    for name in ("statepager-autoload.pth", "_statepager_autoload.py"):
-        shutil.copy(os.path.join(ROOT, "python", name), site_dir)
+    shutil.copy(os.path.join(ROOT, "python", "_statepager_autoload.py"), site_dir)
+    subprocess.run([sys.executable, "-m", "statepager", "autoload", "on", "--site-dir",
+                    site_dir], check=True, timeout=120)
     with open(os.path.join(startup, "sitecustomize.py"), "w") as f:
         f.write(f"import site\nsite.addsitedir({site_dir!r})\n")
     env = {"STATEPAGER_DIR": r.path("store-env-{rank}"), "STATEPAGER_BUCKET_SIZE": "4M",

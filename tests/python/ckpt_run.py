@@ -14,6 +14,7 @@ import sys
 import torch
 
 import statepager
+from statepager import checkpoint
 
 KiB = 1 << 10
 
@@ -69,7 +70,7 @@ def saved(tmp_path) -> str:
     model, pager, opt, sched = model_and_opt(str(tmp_path / "store"))
     steps(model, opt, sched, 0, 3)
     path = str(tmp_path / "ckpt")
-    pager.save(path)
+    checkpoint.save(pager, path)
     pager.close()
     return path
 
@@ -81,14 +82,14 @@ def main():
     if mode in ("kill", "kill-background"):
         steps(model, opt, sched, 0, n)
         for k in range(100000):
-            h = pager.save(f"{ckpt}-{k}", background=mode == "kill-background")
+            h = checkpoint.save(pager, f"{ckpt}-{k}", background=mode == "kill-background")
             if mode == "kill-background":
                 steps(model, opt, sched, n + k, 1)
                 h.wait()
     if mode == "background":
         steps(model, opt, sched, 0, n)
         torch.save(snapshot(model, opt, pager), out + ".at-save")
-        h = pager.save(ckpt, background=True)
+        h = checkpoint.save(pager, ckpt, background=True)
         running = not h.done()
         held = pager.stats()["buckets_held"]
         steps(model, opt, sched, n, m)
@@ -97,21 +98,21 @@ def main():
         pager.close()
         return
     if mode == "inspect":
-        assert pager.load(ckpt)
+        assert checkpoint.load(pager, ckpt)
         torch.save(snapshot(model, opt, pager), out)
         pager.close()
         return
     if mode in ("fresh", "train-on"):
         steps(model, opt, sched, 0, n)
         torch.save({"model": model.state_dict(), "sched": sched.state_dict()}, ckpt + ".pt")
-        pager.save(ckpt)
+        checkpoint.save(pager, ckpt)
         if mode == "train-on":  # until killed (the test kills it in the middle of a step)
             steps(model, opt, sched, n, 10**9)
     else:
         extra = torch.load(ckpt + ".pt")
         model.load_state_dict(extra["model"])
         sched.load_state_dict(extra["sched"])
-        assert pager.load(ckpt)
+        assert checkpoint.load(pager, ckpt)
     losses = steps(model, opt, sched, n, m)
     torch.save({"losses": losses, **snapshot(model, opt, pager)}, out)
     pager.close()

@@ -15,6 +15,7 @@ import sys
 import torch
 
 import statepager
+from statepager import checkpoint
 
 from compare import same
 
@@ -142,7 +143,7 @@ def main():
         raise RuntimeError("user code failed with a bucket in flight")
     elif case == "save-in-flight":
         trained(pager, args.device)
-        pending = pager.save(args.store + "-ckpt", background=True)  # noqa: F841
+        pending = checkpoint.save(pager, args.store + "-ckpt", background=True)  # noqa: F841
         raise RuntimeError("user code failed with a background save in flight")
     elif case == "scope-open":
         with pager.scope():

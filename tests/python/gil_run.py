@@ -13,6 +13,7 @@ import time
 import torch
 
 import statepager
+from statepager import checkpoint
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -89,7 +90,7 @@ def release_while_paging(store):
 
 
 def background_save(store):
-    """Pager.save(background=True), then steps whose page-outs may wait for its copy."""
+    """statepager.checkpoint.save(background=True), then steps whose page-outs may wait for its copy."""
     with statepager.Pager(store, page_size=64 * KiB) as pager:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
@@ -99,7 +100,7 @@ def background_save(store):
             model(torch.randn(4, 512)).sum().backward()
             opt.step()
             if i == 0:
-                handle = pager.save(store + "-ckpt", background=True)
+                handle = checkpoint.save(pager, store + "-ckpt", background=True)
         handle.wait()
         assert os.path.exists(os.path.join(store + "-ckpt", "manifest.json"))
 

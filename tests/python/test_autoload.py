@@ -1,5 +1,5 @@
-"""The start-up hook (python/_statepager_autoload.py, run by statepager-autoload.pth in
-site-packages): with STATEPAGER_DIR set, importing Megatron-LM's training code installs
+"""The start-up hook (python/_statepager_autoload.py, run by the statepager-autoload.pth
+that `statepager autoload on` writes into site-packages): with STATEPAGER_DIR set, importing Megatron-LM's training code installs
 statepager.megatron_lm's hooks; without it, nothing of statepager loads.
 
 Megatron-LM is played by a package of the same module names in tmp_path (megatron-core's
@@ -15,6 +15,7 @@ import pytest
 
 import statepager
 from statepager.integrations.megatron_lm_hooks import _NAMES
+from statepager.tools import autoload_cmd
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SOURCE = os.path.join(ROOT, "python")
@@ -100,7 +101,7 @@ def test_entry_point_and_hook_install_once(fake_megatron, tmp_path):
     """python -m statepager.megatron_lm with STATEPAGER_DIR also set: one set of hooks."""
     script = tmp_path / "train.py"
     script.write_text("import megatron.training.training as t\n"
-                      "from statepager import megatron_lm\n"
+                      "from statepager.integrations import megatron_lm\n"
                       "replaced = [(id(m), n) for m, n, _ in megatron_lm._installed.megatron._replaced]\n"
                       "print('replaced', len(replaced), 'twice', len(replaced) - len(set(replaced)))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STATEPAGER_")}
@@ -114,10 +115,43 @@ def test_entry_point_and_hook_install_once(fake_megatron, tmp_path):
     assert "replaced" in out.stdout and out.stdout.split()[-1] == "0", out.stdout
 
 
-def test_the_installed_package_carries_the_hook():
-    """pip puts statepager-autoload.pth and its module beside the package."""
+def test_the_installed_package_carries_the_hook_but_runs_nothing_at_start():
+    """pip puts the hook module beside the package, and no .pth: nothing of statepager
+    runs at an interpreter's start until `statepager autoload on`."""
     site_dir = os.path.dirname(os.path.dirname(os.path.abspath(statepager.__file__)))
     if site_dir == SOURCE:
         pytest.skip("statepager is imported from the source tree (PYTHONPATH), not installed")
-    assert os.path.isfile(os.path.join(site_dir, "statepager-autoload.pth"))
     assert os.path.isfile(os.path.join(site_dir, "_statepager_autoload.py"))
+    assert not os.path.exists(os.path.join(site_dir, autoload_cmd.PTH))
+
+
+def autoload(*args):
+    out = subprocess.run([sys.executable, "-m", "statepager", "autoload", *args],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_autoload_on_and_off_write_and_remove_only_their_own_file(tmp_path):
+    site = str(tmp_path)
+    pth = tmp_path / autoload_cmd.PTH
+    assert autoload("status", "--site-dir", site)[1].startswith("statepager autoload: off")
+    code, out = autoload("on", "--site-dir", site)
+    assert code == 0 and "autoload: on" in out
+    assert pth.read_text() == "import _statepager_autoload\n"
+    assert autoload("on", "--site-dir", site)[0] == 0  # already on: unchanged
+    code, out = autoload("off", "--site-dir", site)
+    assert code == 0 and "autoload: off" in out and not pth.exists()
+    assert autoload("off", "--site-dir", site)[0] == 0  # already off
+    pth.write_text("import something_else\n")  # a file of that name it did not write
+    for action in ("on", "off"):
+        code, out = autoload(action, "--site-dir", site)
+        assert code == 1 and "was not written by `statepager autoload on`" in out
+        assert pth.read_text() == "import something_else\n"
+
+
+def test_the_pth_line_arms_the_hook(fake_megatron, tmp_path):
+    """The line `autoload on` writes is the one the hook tests run (`hooked`)."""
+    assert autoload_cmd.LINE == "import _statepager_autoload\n"
+    code, out = hooked({"STATEPAGER_DIR": str(tmp_path / "sp")}, fake_megatron)
+    assert code == 0 and out.split()[-2:] == ["wrapped", "True"], out

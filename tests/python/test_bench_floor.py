@@ -1,4 +1,4 @@
-"""The floor of `bench step` (statepager.bench.floor): fio found on the PATH or unpacked
+"""The floor of `bench step` (statepager.tools.bench.floor): fio found on the PATH or unpacked
 with its own libraries, fio's read/write/both figures on a real directory, the floor as
 the larger of PCIe and fio (PCIe skipped on the CPU, with a note), and `bench step`
 printing the step as a multiple of it."""
@@ -11,8 +11,8 @@ import stat
 import pytest
 import torch
 
-from statepager import cli
-from statepager.bench import floor as bench_floor
+from statepager.tools import cli
+from statepager.tools.bench import floor as bench_floor
 
 FIO, WHY_NOT = bench_floor.find_fio()
 needs_fio = pytest.mark.skipif(FIO is None, reason=f"no fio here ({WHY_NOT})")
@@ -118,7 +118,7 @@ def test_the_fio_floor_is_the_fastest_of_the_job_counts_tried(tmp_path, monkeypa
 
 
 def test_job_counts_are_comma_separated_whole_numbers():
-    from statepager.cli_args import job_counts
+    from statepager.tools.cli_args import job_counts
     assert job_counts("4, 8,16") == (4, 8, 16) and job_counts("2") == (2,)
     for bad in ("0", "4,x", "", "4,,8", "-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="not a job count"):
@@ -194,7 +194,7 @@ def test_with_no_file_bytes_there_is_no_fio_floor_and_the_host_tier_bytes_are_na
 @needs_fio
 def test_bench_step_prints_the_step_as_a_multiple_of_the_floor(capsys, tmp_path):
     assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path),
-                     "--params", "3e6", "--warmup", "1", "--steps", "1", "--bucket", "8M",
+                     "--params", "3e6", "--warmup", "1", "--steps", "1", "--bucket-size", "8M",
                      "--no-baseline", "--no-in-place", "--fio-jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert "x the floor" in out and "fio (" in out and "no PCIe floor" in out, out
@@ -208,7 +208,7 @@ def test_bench_step_with_part_of_the_state_in_the_host_tier_prints_its_mean_step
     floor of the mean step's bytes."""
     with pytest.warns(UserWarning, match="spill to the store at every step"):
         assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path),
-                         "--params", "3e6", "--warmup", "1", "--steps", "2", "--bucket", "8M",
+                         "--params", "3e6", "--warmup", "1", "--steps", "2", "--bucket-size", "8M",
                          "--host-budget", "20M", "--no-baseline", "--no-in-place",
                          "--fio-jobs", "2"]) == 0
     out = capsys.readouterr().out
@@ -218,7 +218,7 @@ def test_bench_step_with_part_of_the_state_in_the_host_tier_prints_its_mean_step
 
 def test_bench_step_times_only_the_steps_after_the_warmup(capsys, tmp_path):
     assert cli.main(["bench", "step", "--device", "cpu", "--dir", str(tmp_path), "--json",
-                     "--params", "1e6", "--warmup", "3", "--steps", "2", "--bucket", "2M",
+                     "--params", "1e6", "--warmup", "3", "--steps", "2", "--bucket-size", "2M",
                      "--no-baseline", "--no-in-place", "--fio-jobs", "1"]) == 0
     paged = json.loads(capsys.readouterr().out)["paged"]
     assert paged["step_s"]["n"] == 2 and len(paged["warmup_s"]) == 2
@@ -231,7 +231,7 @@ def test_bench_step_on_a_mapped_ram_store_says_what_went_through_the_mapping(cap
                                                                              shm_dir):
     os.makedirs(shm_dir)
     assert cli.main(["bench", "step", "--device", "cpu", "--dir", shm_dir, "--params", "3e6",
-                     "--warmup", "1", "--steps", "1", "--bucket", "8M", "--no-baseline",
+                     "--warmup", "1", "--steps", "1", "--bucket-size", "8M", "--no-baseline",
                      "--no-in-place", "--fio-jobs", "2"]) == 0
     out = capsys.readouterr().out
     # Every store byte went through the mapping: no fio floor, and a CPU has no PCIe one.

@@ -13,9 +13,11 @@ import pytest
 
 import torch
 
-from statepager import _C, cli
-from statepager.bench import driver_memory
-from statepager.bench import megatron as bench_megatron
+from statepager import _C
+from statepager.tools import cli
+from statepager.tools.bench import driver_memory
+from statepager.tools.bench import megatron as bench_megatron
+from statepager.tools.bench import megatron_configs, megatron_report, megatron_worker
 
 GiB = 1 << 30
 
@@ -34,11 +36,11 @@ def test_the_defaults_are_the_1_34_b_gpt_in_six_configurations(tmp_path):
     assert a.host_budget is None and a.fio_jobs == (4, 8, 16)
     assert a.timeline is a.trace is a.plot is None and not a.device_time
     a = parse(tmp_path, "--configs", "q8, unpaged,bf16", "--steps", "2", "--layers", "2",
-              "--bucket", "64M", "--hbm-budget", "4G", "--host-budget", "40G", "--fio-jobs",
+              "--bucket-size", "64M", "--hbm-budget", "4G", "--host-budget", "40G", "--fio-jobs",
               "8,2", "--timeline", "host-q8", "--trace", str(tmp_path / "t.json"), "--json",
               "--device-time")
     assert a.configs == ["q8", "unpaged", "bf16"] and a.steps == 2 and a.layers == 2
-    assert a.bucket == 64 << 20 and a.hbm_budget == 4 * GiB and a.json
+    assert a.bucket_size == 64 << 20 and a.hbm_budget == 4 * GiB and a.json
     assert a.host_budget == 40 * GiB and a.fio_jobs == (8, 2)
     assert a.timeline == "host-q8" and a.trace == str(tmp_path / "t.json") and a.device_time
 
@@ -49,9 +51,9 @@ def test_pages_are_as_large_as_a_bucket_unless_given(tmp_path):
     bench streams with bucket-sized pages, in whole 2 MiB, up to 256 MiB."""
     assert parse(tmp_path).page_size is None
     assert parse(tmp_path, "--page-size", "32M").page_size == 32 << 20
-    assert bench_megatron.page_for(256 << 20) == 256 << 20
-    assert bench_megatron.page_for((100 << 20) + 1) == 102 << 20
-    assert bench_megatron.page_for(512 << 20) == 256 << 20
+    assert megatron_configs.page_for(256 << 20) == 256 << 20
+    assert megatron_configs.page_for((100 << 20) + 1) == 102 << 20
+    assert megatron_configs.page_for(512 << 20) == 256 << 20
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -76,17 +78,17 @@ def test_bad_options_are_refused_with_a_message(capsys, tmp_path, argv, message)
 
 def test_the_timeline_is_the_first_paged_configuration_unless_chosen(tmp_path):
     trace = str(tmp_path / "t.json")
-    assert bench_megatron.timeline_config(parse(tmp_path)) is None  # no --trace, no --plot
-    assert bench_megatron.timeline_config(parse(tmp_path, "--trace", trace)) == "fp32"
-    assert bench_megatron.timeline_config(parse(
+    assert megatron_configs.timeline_config(parse(tmp_path)) is None  # no --trace, no --plot
+    assert megatron_configs.timeline_config(parse(tmp_path, "--trace", trace)) == "fp32"
+    assert megatron_configs.timeline_config(parse(
         tmp_path, "--trace", trace, "--configs", "offload,host-q8,q8")) == "host-q8"
-    assert bench_megatron.timeline_config(parse(
+    assert megatron_configs.timeline_config(parse(
         tmp_path, "--trace", trace, "--timeline", "q8")) == "q8"
     with pytest.raises(_C.UsageError, match="--timeline 'bf16' is not in --configs unpaged,"
                                             "offload,fp32,q8,host-fp32,host-q8: add it"):
-        bench_megatron.timeline_config(parse(tmp_path, "--trace", trace, "--timeline", "bf16"))
+        megatron_configs.timeline_config(parse(tmp_path, "--trace", trace, "--timeline", "bf16"))
     with pytest.raises(_C.UsageError, match="--configs unpaged,offload has none: add one"):
-        bench_megatron.timeline_config(parse(tmp_path, "--trace", trace, "--configs",
+        megatron_configs.timeline_config(parse(tmp_path, "--trace", trace, "--configs",
                                              "unpaged,offload"))
 
 
@@ -94,13 +96,13 @@ def test_the_host_tier_holds_the_state_twice():
     params = [torch.nn.Parameter(torch.zeros(1000, 300)), torch.nn.Parameter(torch.zeros(77)),
               torch.nn.Parameter(torch.zeros(5), requires_grad=False)]  # not trained
     n, slack = 300_077, 256 << 20
-    fp32 = bench_megatron.host_budget_for(params, "fp32", "fp32")
+    fp32 = megatron_worker.host_budget_for(params, "fp32", "fp32")
     assert fp32 == int(2 * 12 * n * 1.03) + slack
     # q8: a code byte per element and an fp32 scale per block of each moment; residual
     # mains 2 bytes (the undo copies of their bf16 params are not in the tier).
     from statepager.formats import codecs
     blocks = codecs.q8_num_blocks(300_000) + codecs.q8_num_blocks(77)
-    q8 = bench_megatron.host_budget_for(params, "q8", "residual")
+    q8 = megatron_worker.host_budget_for(params, "q8", "residual")
     assert q8 == int(2 * (2 * n + 2 * (n + 4 * blocks)) * 1.03) + slack
 
 
@@ -123,7 +125,7 @@ def test_a_failed_configuration_is_reported_with_its_error(tmp_path, monkeypatch
     r = bench_megatron.run_worker(spec, str(tmp_path), timeout=300)
     assert r["config"] == "fp32" and r["error"].startswith("FileNotFoundError: "), r["error"]
     assert any("no-such-example.py" in line for line in r["log_tail"]), r["log_tail"]
-    assert "fp32      failed (FileNotFoundError: " in bench_megatron.config_lines(r)[0]
+    assert "fp32      failed (FileNotFoundError: " in megatron_report.config_lines(r)[0]
 
 
 def test_a_worker_that_dies_is_reported_with_its_log_tail(tmp_path, monkeypatch):
@@ -209,7 +211,7 @@ def paged(stored, *, undo=0, host=False):
             "largest_bucket": 750 << 20, "window": int(2.5 * GiB),
             "mapped_before_first_step": 5 * GiB, "mapped_read_bytes": [0] * 5,
             "mapped_written_bytes": [0] * 5,
-            "parts_s": bench_megatron.opt_step_parts([0.30, 0.28, 0.32, 0.29, 0.31],
+            "parts_s": megatron_worker.opt_step_parts([0.30, 0.28, 0.32, 0.29, 0.31],
                                                      [[0.010, 0.25, 0.002]] * 5)}
 
 
@@ -261,7 +263,7 @@ DEVICE_TIME = {"statepager_kernels_s": 0.0247, "kernels_s": 0.034,
 
 
 def summary(r):
-    return "\n".join(bench_megatron.summary_lines(r))
+    return "\n".join(megatron_report.summary_lines(r))
 
 
 def test_the_summary_compares_with_the_offload_only_when_it_ran():
@@ -287,7 +289,7 @@ def test_the_kernels_device_time_is_shown_when_the_profiler_saw_them():
                  {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}):
         r["configs"][3]["device_time"] = seen
         assert "statepager's kernels on the device" not in summary(r)
-        text = "\n".join(bench_megatron.config_lines(r["configs"][3]))
+        text = "\n".join(megatron_report.config_lines(r["configs"][3]))
         assert ("the profiler saw no kernel" in text) if "kernels_s" in seen else \
             "under torch.profiler failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
 
@@ -307,7 +309,7 @@ def test_a_floor_the_stream_beat_is_not_shown():
             "by pcie), so that floor was none") in text
     assert "fp32      step" not in text
     assert "q8        step 3.50 x its floor" in text  # the others' floors stand
-    text = "\n".join(bench_megatron.config_lines(fp32))
+    text = "\n".join(megatron_report.config_lines(fp32))
     assert ("the pager's stream 0.359 s = 0.82 x the floor (below the floor: that floor was "
             "none") in text
 
@@ -317,7 +319,7 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     r["configs"][3]["device_time"] = DEVICE_TIME  # q8 ran with --device-time
     r["configs"][3]["pager"]["skipped_steps"] = 1  # Megatron skipped one of q8's steps
     json.dumps(r)  # what --json prints
-    b = bench_megatron.breakdown(r["configs"][2])
+    b = megatron_report.breakdown(r["configs"][2])
     # 10 - 1 (baseline) - 5 (torch max allocated) = 4 GiB above torch's peak: context 0.5,
     # torch cache 6 - 5 = 1, pool 2.25 held - 0.25 counted by torch too = 2, other 0.5.
     assert b == {"above_torch_peak": 4 * GiB, "context": GiB // 2, "torch_cache": GiB,
@@ -443,14 +445,14 @@ def test_the_example_gpt_says_why_megatrons_offload_cannot_step_its_fp32_paramet
         assert gpt.Setup().fp32_param  # the tests' GPT keeps it
         with pytest.raises(ValueError, match=r"cannot step a native fp32 parameter: its shard "
                                              r"is a non-leaf view .* Setup\(fp32_param=False\)"):
-            gpt.build(gpt.Setup(), optimizer_options=bench_megatron.OFFLOAD)
+            gpt.build(gpt.Setup(), optimizer_options=megatron_configs.OFFLOAD)
     finally:
         del sys.modules[spec.name]
 
 
 def test_the_header_says_when_map_ram_is_off():
-    plain = bench_megatron.header_lines({"model": MODEL, "dir": "/dev/shm/sp"})[0]
-    off = bench_megatron.header_lines({"model": dict(MODEL, no_map_ram=True),
+    plain = megatron_report.header_lines({"model": MODEL, "dir": "/dev/shm/sp"})[0]
+    off = megatron_report.header_lines({"model": dict(MODEL, no_map_ram=True),
                                        "dir": "/dev/shm/sp"})[0]
     assert "map_ram" not in plain
     assert "; map_ram off (a store in RAM goes through io_uring);" in off

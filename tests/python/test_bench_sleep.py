@@ -1,8 +1,8 @@
 """`bench sleep`'s report from canned results: pause and resume against the raw io_uring
 loop, and with --compare-tms torch-memory-saver's figures and statepager's steady
 pause and resume as multiples of its own."""
-from statepager.bench import pager as bench_pager
-from statepager.bench.report import spread
+from statepager.tools.bench import pager as bench_pager
+from statepager.tools.bench.report import spread
 
 GiB = 1 << 30
 

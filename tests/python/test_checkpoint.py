@@ -14,6 +14,9 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
+from statepager.checkpoint.manifest import stored as stored_tensors
+from statepager.util.flat import flat_view
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -85,7 +88,7 @@ def test_kill_during_save_leaves_complete_checkpoints_or_none(tmp_path, mode):
     assert done, names
     for name in done:  # every checkpoint that has its name is complete and loads
         model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / f"load-{name}"))
-        assert pager.load(str(tmp_path / name))
+        assert checkpoint.load(pager, str(tmp_path / name))
         pager.close()
 
 
@@ -140,28 +143,47 @@ def pair_state(pager, *opts):
     return out
 
 
+def saved_bytes(path: str, entry: dict) -> bytes:
+    with open(os.path.join(path, entry["data"]), "rb") as f:
+        data = f.read()
+    return data
+
+
 @pytest.mark.parametrize("where", ["disk", "ram", "mapped-ram"])
 @pytest.mark.parametrize("fmt", ["fp32", "q8"])
-def test_store_copy_is_byte_identical_to_the_device_path(tmp_path, where, fmt):
+def test_each_tensors_bytes_are_copied_from_the_store(tmp_path, where, fmt):
     """Checkpoints copied from the store (striped over files on a RAM filesystem, and
-    one file mapped for the device's copies) and streamed through the device are the same
-    bytes, before any step (no moments yet, as in torch; residual masters ZERO, recorded
-    and not copied) and after some."""
+    one file mapped for the device's copies) hold each stored tensor's bytes, as the
+    pager pages them in, at its offset, zeros to its 4 KiB boundary; before any step (no
+    moments yet, as in torch; residual masters ZERO, recorded and not copied) and after
+    some."""
     base = str(tmp_path) if where == "disk" else f"/dev/shm/statepager-test-{os.getpid()}"
     dense, expert, pager, opt, opt2 = adamw_pair(f"{base}/store", fmt, mains="residual",
                                                  map_ram=where == "mapped-ram")
     try:
         for k, n_steps in enumerate((0, 3)):
             pair_steps(dense, expert, opt, opt2, 0, n_steps)
-            a = pager.save(str(tmp_path / f"copied{k}"))
-            b = pager.save(str(tmp_path / f"streamed{k}"), via="device")
-            assert a.method in ("reflink", "copy_file_range", "read_write") and b.method == "device"
-            for name in ("manifest.json", "opt0/state.bin", "expert/state.bin"):
-                with open(tmp_path / f"copied{k}" / name, "rb") as f1:
-                    with open(tmp_path / f"streamed{k}" / name, "rb") as f2:
-                        assert f1.read() == f2.read(), (n_steps, name)
-            with open(tmp_path / f"copied{k}" / "manifest.json") as f:
-                zero = [t["zero"] for o in json.load(f)["optimizers"] for t in o["tensors"]]
+            path = str(tmp_path / f"copied{k}")
+            a = checkpoint.save(pager, path)
+            assert a.method in ("reflink", "copy_file_range", "read_write")
+            with open(os.path.join(path, "manifest.json")) as f:
+                optimizers = {o["name"]: o for o in json.load(f)["optimizers"]}
+            zero = []
+            for binding in pager.bindings:
+                entry = optimizers[binding.name]
+                data = saved_bytes(path, entry)
+                params = binding.params_in_order()
+                live = {id(t): flat_view(t.detach()).cpu().view(torch.uint8).numpy().tobytes()
+                        for b in binding.stored_in_buckets() for t in b.stored}
+                for e in entry["tensors"]:
+                    t = dict(stored_tensors(binding, params[e["param"]]))[e["name"]]
+                    zero.append(e["zero"])
+                    if e["zero"]:
+                        assert not live[id(t)].strip(b"\0")
+                        continue
+                    at, end = e["offset"], e["offset"] + e["bytes"]
+                    assert data[at:end] == live[id(t)], (n_steps, binding.name, e["name"])
+                    assert not data[end:-(-end // 4096) * 4096].strip(b"\0")
             assert any(zero) if n_steps == 0 else not any(zero)
         assert not [fd for fd in os.listdir("/proc/self/fd")  # nothing left open
                     if "/copied" in os.path.realpath(f"/proc/self/fd/{fd}")]
@@ -177,7 +199,7 @@ def test_save_to_load_from_round_trips_two_named_optimizers(tmp_path, caplog):
     pair_steps(dense, expert, opt, opt2, 0, 3)
     # The model's own checkpoint (Megatron's, in a Megatron run).
     weights = [{k: v.clone() for k, v in m.state_dict().items()} for m in (dense, expert)]
-    handle = pager.save_to(base, background=True)
+    handle = checkpoint.save(pager, checkpoint.rank_directory(base), background=True)
     pair_steps(dense, expert, opt, opt2, 3, 1)
     handle.wait()
     rank = os.path.join(base, "statepager", "rank00000")
@@ -187,7 +209,7 @@ def test_save_to_load_from_round_trips_two_named_optimizers(tmp_path, caplog):
     dense2, expert2, pager2, opt_b, opt2_b = adamw_pair(str(tmp_path / "s2"))
     dense2.load_state_dict(weights[0])
     expert2.load_state_dict(weights[1])
-    assert pager2.load_from(base)
+    assert checkpoint.load(pager2, checkpoint.rank_directory(base))
     dense3, expert3, pager3, opt_c, opt2_c = adamw_pair(str(tmp_path / "s3"))
     pair_steps(dense3, expert3, opt_c, opt2_c, 0, 3)
     assert equal(pair_state(pager2, opt_b, opt2_b), pair_state(pager3, opt_c, opt2_c))
@@ -197,7 +219,7 @@ def test_save_to_load_from_round_trips_two_named_optimizers(tmp_path, caplog):
     assert equal(list(dense2.parameters()), list(dense3.parameters()))
 
     with caplog.at_level("INFO", logger="statepager"):
-        assert pager3.load_from(str(tmp_path / "iter_without_statepager"),
+        assert checkpoint.load(pager3, checkpoint.rank_directory(str(tmp_path / "iter_without_statepager")),
                                 missing_ok=True) is False
     assert "no checkpoint at" in caplog.text
     for p in (pager, pager2, pager3):
@@ -206,7 +228,7 @@ def test_save_to_load_from_round_trips_two_named_optimizers(tmp_path, caplog):
 
 def test_other_optimizer_names_are_refused(tmp_path):
     dense, expert, pager, opt, opt2 = adamw_pair(str(tmp_path / "s1"))
-    pager.save_to(str(tmp_path / "ck"))
+    checkpoint.save(pager, checkpoint.rank_directory(str(tmp_path / "ck")))
     pager.close()
     torch.manual_seed(0)
     with statepager.Pager(str(tmp_path / "s2"), page_size=64 * 1024) as other:
@@ -215,7 +237,7 @@ def test_other_optimizer_names_are_refused(tmp_path):
         opt2 = torch.optim.AdamW(torch.nn.Linear(300, 30).parameters())
         other.attach(opt2, bucket_size=16 * 1024, name="moe")
         with pytest.raises(statepager.CheckpointMismatchError, match="'moe'"):
-            other.load_from(str(tmp_path / "ck"))
+            checkpoint.load(other, checkpoint.rank_directory(str(tmp_path / "ck")))
 
 
 def test_fresh_optimizer_gets_the_state_of_the_checkpoint(tmp_path):
@@ -238,13 +260,13 @@ def test_fresh_optimizer_gets_the_state_of_the_checkpoint(tmp_path):
 
     conv, pager, opt = build(str(tmp_path / "s1"))
     train(conv, opt, 0, 3)
-    pager.save(str(tmp_path / "ckpt"))
+    checkpoint.save(pager, str(tmp_path / "ckpt"))
     conv2, pager2, opt2 = build(str(tmp_path / "s2"))
     with torch.no_grad():
         for a, b in zip(conv.parameters(), conv2.parameters()):
             b.copy_(a)
     assert not opt2.state
-    assert pager2.load(str(tmp_path / "ckpt"))
+    assert checkpoint.load(pager2, str(tmp_path / "ckpt"))
     sd, sd2 = opt.state_dict(), opt2.state_dict()
     assert [list(st) for st in sd["state"].values()] == \
         [list(st) for st in sd2["state"].values()]
@@ -276,7 +298,7 @@ def refused(tmp_path, path, error, match):
     model, pager, opt = fresh(tmp_path)
     before = ckpt_run.snapshot(model, opt, pager)
     with pytest.raises(error, match=match):
-        pager.load(path)
+        checkpoint.load(pager, path)
     assert equal(before, ckpt_run.snapshot(model, opt, pager))
     pager.close()
 
@@ -302,7 +324,7 @@ def test_other_layout_is_refused(tmp_path, saved):
     with statepager.Pager(str(tmp_path / "other"), page_size=64 << 10) as pager:
         statepager.PagedAdamW(other.parameters(), pager=pager)
         with pytest.raises(statepager.CheckpointMismatchError, match="shapes differ"):
-            pager.load(saved)
+            checkpoint.load(pager, saved)
 
 
 def test_other_format_is_refused(tmp_path, saved):
@@ -352,42 +374,36 @@ def _as_version_3(path: str) -> dict:
 
 def test_a_version_3_checkpoint_loads_and_its_crc32s_are_verified(tmp_path):
     """Checkpoints of the statepager before crc32c (format 3, zlib crc32) still load,
-    checked by their own checksums; save(checksum="crc32") writes that format."""
+    checked by their own checksums."""
     model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "store"))
     ckpt_run.steps(model, opt, sched, 0, 3)
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
-    h = pager.save(new)
+    h = checkpoint.save(pager, new)
     assert h.checksum_seconds == 0  # crc32c: in the copy's pass, no second read
-    pager.save(old, checksum="crc32")
-    with pytest.raises(statepager.UsageError, match="checksum must be one of"):
-        pager.save(str(tmp_path / "x"), checksum="md5")
+    shutil.copytree(new, old)
     expect = ckpt_run.snapshot(model, opt, pager)
     pager.close()
-    with open(os.path.join(old, "manifest.json")) as f:
-        written = json.load(f)
-    converted = _as_version_3(new)
-    assert written["version"] == 3 and written["checksum"] == "crc32"
-    assert [t["crc32"] for o in written["optimizers"] for t in o["tensors"]] == \
-        [t["crc32"] for o in converted["optimizers"] for t in o["tensors"]]
+    converted = _as_version_3(old)
+    assert converted["version"] == 3 and converted["checksum"] == "crc32"
     for path in (old, new):
         model, pager, opt = fresh(tmp_path)
-        assert pager.load(path)
+        assert checkpoint.load(pager, path)
         assert equal(ckpt_run.snapshot(model, opt, pager)["state"], expect["state"])
         pager.close()  # deletes its store: the next fresh() starts anew
-    with open(os.path.join(new, "opt0", "state.bin"), "r+b") as f:
+    with open(os.path.join(old, "opt0", "state.bin"), "r+b") as f:
         f.seek(5000)
         b = f.read(1)
         f.seek(5000)
         f.write(bytes([b[0] ^ 0x10]))
-    refused(tmp_path, new, statepager.CorruptStoreError, "fails its checksum .*crc32 ")
+    refused(tmp_path, old, statepager.CorruptStoreError, "fails its checksum .*crc32 ")
 
 
 def test_missing_checkpoint_is_an_error_unless_missing_ok(tmp_path, caplog):
     model, pager, opt = fresh(tmp_path)
     with pytest.raises(statepager.UsageError, match="no checkpoint at .*nothing-here"):
-        pager.load(str(tmp_path / "nothing-here"))
+        checkpoint.load(pager, str(tmp_path / "nothing-here"))
     with caplog.at_level("INFO", logger="statepager"):
-        assert pager.load(str(tmp_path / "nothing-here"), missing_ok=True) is False
+        assert checkpoint.load(pager, str(tmp_path / "nothing-here"), missing_ok=True) is False
     assert "no checkpoint at" in caplog.text
     pager.close()
 
@@ -395,5 +411,5 @@ def test_missing_checkpoint_is_an_error_unless_missing_ok(tmp_path, caplog):
 def test_existing_path_is_not_overwritten(tmp_path, saved):
     model, pager, opt = fresh(tmp_path)
     with pytest.raises(statepager.UsageError, match="written once"):
-        pager.save(saved)
+        checkpoint.save(pager, saved)
     pager.close()

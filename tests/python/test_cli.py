@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import statepager
-from statepager import cli
-from statepager.bench import common
-from statepager.bench.floor import Fio, find_fio
-from statepager.bench.report import faster, show, spread
+from statepager.tools import cli
+from statepager.tools.bench import common
+from statepager.tools.bench.floor import Fio, find_fio
+from statepager.tools.bench.report import faster, show, spread
 
 
 def refused(capsys, argv, message):
@@ -31,7 +31,7 @@ def refused(capsys, argv, message):
     (["bench", "store", "--size=-1G"], "the size must be more than 0"),
     (["bench", "store", "--size", "-5G"], "argument --size: '-5G' is -5368709120 bytes: the "
                                           "size must be more than 0"),
-    (["bench", "step", "--bucket", "-1.5M"], "argument --bucket: '-1.5M' is"),
+    (["bench", "step", "--bucket-size", "-1.5M"], "argument --bucket-size: '-1.5M' is"),
     (["bench", "store", "--repeat", "-2"], "argument --repeat: -2 is too small"),
     (["bench", "store", "--size", "inf"], "'inf' is not a size"),
     (["bench", "store", "--repeat", "0"], "rounds (at least 1)"),
@@ -81,13 +81,13 @@ def test_spread_and_its_wording():
 
 def test_bench_store_reports_spreads_over_its_rounds(capsys, tmp_path):
     assert cli.main(["bench", "store", "--dir", str(tmp_path), "--size", "16M",
-                     "--bucket", "4M", "--repeat", "2", "--json"]) == 0
+                     "--bucket-size", "4M", "--repeat", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     for key in ("write_gbps", "read_gbps"):
         assert r[key]["n"] == 2 and r[key]["min"] <= r[key]["median"] <= r[key]["max"]
     assert r["data_intact"]
     assert cli.main(["bench", "store", "--dir", str(tmp_path), "--size", "16M",
-                     "--bucket", "4M", "--repeat", "2"]) == 0
+                     "--bucket-size", "4M", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "(median of 2, " in out
     for line in out.splitlines():
@@ -130,7 +130,7 @@ def test_bench_map_reports_a_spread(capsys):
 # -- progress ------------------------------------------------------------------------
 
 PROGRESS = textwrap.dedent("""
-    from statepager.progress import Progress
+    from statepager.tools.progress import Progress
     with Progress("work", phases=2) as bar:
         bar.phase("first part")
         bar.phase("second part")

@@ -1,4 +1,4 @@
-"""statepager.bench.cpu_use: the CPU time of this process's threads over a span, in cores
+"""statepager.tools.bench.cpu_use: the CPU time of this process's threads over a span, in cores
 busy, by kind; the pager's I/O thread is told by its name."""
 import os
 import threading
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from statepager import Pager
-from statepager.bench import cpu_use
+from statepager.tools.bench import cpu_use
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 

@@ -1,8 +1,8 @@
-"""statepager.bench.device_time on a trace in torch.profiler's Chrome format (the events
+"""statepager.tools.bench.device_time on a trace in torch.profiler's Chrome format (the events
 of a q8 step's kernels and copies as the H200 recorded them, shortened): statepager's
 kernels told from torch's by name, summed and by kernel, and the copies' busy time each
 way as unions of intervals."""
-from statepager.bench import device_time
+from statepager.tools.bench import device_time
 
 ADAMW = ("void statepager::kernels::(anonymous namespace)::adamw_kernel<(statepager::kernels::"
          "MomentFormat)2, true>(float*, float const*, statepager::kernels::Moment, "

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ports import free_port
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 
 KiB = 1 << 10
@@ -88,10 +89,10 @@ def resume_job(rank, world, port, root, mode, out):
             run_steps(model, opt, rank, 0, 6)
             os.makedirs(ckpt, exist_ok=True)
             torch.save(model.state_dict(), model_file)
-            pager.save_to(ckpt)
+            checkpoint.save(pager, checkpoint.rank_directory(ckpt))
         else:
             model.load_state_dict(torch.load(model_file))
-            assert pager.load_from(ckpt)
+            assert checkpoint.load(pager, checkpoint.rank_directory(ckpt))
         losses = run_steps(model, opt, rank, 6, 6)
         masters = [m for g in opt.param_groups for m in g["params"]]
         state = []

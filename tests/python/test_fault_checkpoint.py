@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import statepager
-from statepager.checkpoint import save_load as checkpoint
+from statepager import checkpoint
+from statepager.checkpoint import checksums
+from statepager.checkpoint.manifest import read_manifest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -129,7 +131,7 @@ def refused(tmp_path, ckpt, error, match, *outside, steps=1):
         ckpt_run.steps(model, opt, sched, 0, steps)
         before, on_disk = live(model, opt, pager), files(ckpt, *outside)
         with pytest.raises(error, match=match):
-            pager.load(ckpt)
+            checkpoint.load(pager, ckpt)
         assert equal(live(model, opt, pager), before)
         assert files(ckpt, *outside) == on_disk
     finally:
@@ -204,7 +206,7 @@ def test_a_data_path_outside_the_checkpoint_is_refused(tmp_path, saved, where):
     refused(tmp_path, saved, statepager.CorruptStoreError,
             f"optimizer 'opt0'.s data file '{data}' is not 'opt0/state.bin'", str(other))
     with pytest.raises(statepager.CorruptStoreError, match="is not 'opt0/state.bin'"):
-        checkpoint.verify(saved, checkpoint.read_manifest(saved))  # inspect --verify's
+        checksums.verify(saved, read_manifest(saved))  # inspect --verify's
 
 
 @pytest.mark.parametrize("link", ["file", "directory"])
@@ -229,7 +231,7 @@ sys.path.insert(0, {here!r})
 import ckpt_run, statepager
 model, pager, opt, sched = ckpt_run.model_and_opt({store!r})
 try:
-    pager.load({ckpt!r})
+    statepager.checkpoint.load(pager, {ckpt!r})
 except statepager.Error as e:
     print(type(e).__name__, e)
 finally:
@@ -238,7 +240,7 @@ finally:
 
 
 def load_in_a_child(tmp_path, ckpt) -> str:
-    """What pager.load(ckpt) raises, from a child process (a load that hangs, on a FIFO,
+    """What statepager.checkpoint.load(pager, ckpt) raises, from a child process (a load that hangs, on a FIFO,
     fails the test after the timeout instead of hanging it)."""
     code = LOAD_IN_A_CHILD.format(here=HERE, store=str(tmp_path / "child-store"), ckpt=ckpt)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -289,13 +291,13 @@ def test_a_path_without_a_checkpoint_is_an_error(tmp_path, what, match):
         ckpt_run.steps(model, opt, sched, 0, 1)
         before = live(model, opt, pager)
         if what == "missing":
-            assert pager.load(str(path), missing_ok=True) is False
-            assert pager.load_from(str(tmp_path / "run"), missing_ok=True) is False
+            assert checkpoint.load(pager, str(path), missing_ok=True) is False
+            assert checkpoint.load(pager, checkpoint.rank_directory(str(tmp_path / "run")), missing_ok=True) is False
         else:
             with pytest.raises(statepager.UsageError, match=match):
-                pager.load(str(path), missing_ok=True)
+                checkpoint.load(pager, str(path), missing_ok=True)
         with pytest.raises(statepager.UsageError, match="no checkpoint at .*rank00000"):
-            pager.load_from(str(tmp_path / "run"))
+            checkpoint.load(pager, checkpoint.rank_directory(str(tmp_path / "run")))
         assert equal(live(model, opt, pager), before)
     finally:
         pager.close()
@@ -448,7 +450,7 @@ def test_a_checkpoint_without_state_the_optimizer_has_is_refused(tmp_path):
     ckpt_run.steps(model, opt, sched, 0, 1)
     state = opt.state.pop(first)
     opt.binding.state_changed()
-    pager.save(str(tmp_path / "ckpt"))
+    checkpoint.save(pager, str(tmp_path / "ckpt"))
     opt.state[first] = state
     opt.binding.state_changed()
     pager.close()
@@ -555,7 +557,7 @@ def test_malformed_residual_exception_lists_are_refused(tmp_path, change, match)
     model, pager, opt = residual_job(str(tmp_path / "s1"))
     residual_steps(model, opt, 3)
     ckpt = str(tmp_path / "ckpt")
-    pager.save(ckpt)
+    checkpoint.save(pager, ckpt)
     pager.close()
     edit(ckpt, change)
     model, pager, opt = residual_job(str(tmp_path / "s2"))
@@ -563,7 +565,7 @@ def test_malformed_residual_exception_lists_are_refused(tmp_path, change, match)
         residual_steps(model, opt, 1)  # exception lists and fingerprints of its own
         before, on_disk = live(model, opt, pager), files(ckpt)
         with pytest.raises(statepager.CorruptStoreError, match=match):
-            pager.load(ckpt)
+            checkpoint.load(pager, ckpt)
         assert equal(live(model, opt, pager), before) and files(ckpt) == on_disk
     finally:
         pager.close()
@@ -584,7 +586,7 @@ def test_a_load_failing_midway_on_enospc_leaves_the_live_state(tmp_path, saved, 
                            for t in o["tensors"] if not t["zero"])
         filler = fill(small_tmpfs, restored // 2)
         with pytest.raises(statepager.NoSpaceError):
-            pager.load(saved)
+            checkpoint.load(pager, saved)
         os.remove(filler)
         after = live(model, opt, pager)
         assert files(saved) == on_disk
@@ -621,10 +623,10 @@ def test_a_save_inside_a_store_is_refused_before_anything_is_written(tmp_path, w
         dirs = sorted(d for d, _, _ in os.walk(tmp_path))
         with pytest.raises(statepager.UsageError, match="would be written inside the "
                            "statepager store .*: save it outside every store directory"):
-            pager.save(target)
+            checkpoint.save(pager, target)
         assert files(str(tmp_path)) == before
         assert sorted(d for d, _, _ in os.walk(tmp_path)) == dirs
-        assert pager.save(str(tmp_path / "ckpt")).method  # outside: fine
+        assert checkpoint.save(pager, str(tmp_path / "ckpt")).method  # outside: fine
     finally:
         pager.close()
     assert os.path.exists(tmp_path / "ckpt" / "manifest.json")  # close() left it
@@ -694,7 +696,7 @@ def test_the_next_save_removes_a_killed_saves_temporary_and_nothing_else(tmp_pat
     with live_temporary(tmp_path / "running.tmp-3-0badf00d"):
         model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "store"))
         try:
-            pager.save(str(tmp_path / "next"))
+            checkpoint.save(pager, str(tmp_path / "next"))
         finally:
             pager.close()
         assert not os.path.exists(dead)
@@ -712,7 +714,7 @@ def test_a_load_removes_a_killed_saves_temporary_beside_it(tmp_path, saved):
     open(os.path.join(dead, ".statepager-save"), "w").close()
     model, pager, opt, sched = ckpt_run.model_and_opt(str(tmp_path / "fresh"))
     try:
-        assert pager.load_from(str(tmp_path / "iter"), missing_ok=True) is False
+        assert checkpoint.load(pager, checkpoint.rank_directory(str(tmp_path / "iter")), missing_ok=True) is False
     finally:
         pager.close()
     assert os.listdir(tmp_path / "iter" / "statepager") == []
@@ -722,7 +724,7 @@ def test_a_load_removes_a_killed_saves_temporary_beside_it(tmp_path, saved):
 
 def failed_background_save(pager, path):
     with file_size_limit(64 << 10):  # the data file is 430 KB
-        h = pager.save(path, background=True)
+        h = checkpoint.save(pager, path, background=True)
         while not h.done():
             time.sleep(0.01)
     assert not os.path.exists(path) and temporaries(os.path.dirname(path)) == []
@@ -741,15 +743,15 @@ def test_a_failed_background_save_is_raised_once(tmp_path, saved, reported_by):
                     h.wait()
         elif reported_by == "save":
             with pytest.raises(statepager.NoSpaceError):
-                pager.save(str(tmp_path / "next"))
+                checkpoint.save(pager, str(tmp_path / "next"))
             assert not os.path.exists(tmp_path / "next")  # that call wrote nothing
         else:
             before = live(model, opt, pager)
             with pytest.raises(statepager.NoSpaceError):
-                pager.load(saved)
+                checkpoint.load(pager, saved)
             assert equal(live(model, opt, pager), before)  # that call loaded nothing
         # Reported once: the pager goes on.
-        assert pager.save(str(tmp_path / "next")).seconds > 0
-        assert pager.load(saved) and pager.load(str(tmp_path / "next"))
+        assert checkpoint.save(pager, str(tmp_path / "next")).seconds > 0
+        assert checkpoint.load(pager, saved) and checkpoint.load(pager, str(tmp_path / "next"))
     finally:
         pager.close()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 from statepager.core.atomic import KEPT_BYTES, UndoCopies
 from statepager.formats import codecs
@@ -325,7 +326,7 @@ def test_a_step_never_waits_for_a_background_save(store_dir, tmp_path):
         for step in range(2):
             set_grads(model, step)
             opt.step()
-        h = pager.save(str(tmp_path / "ckpt"), background=True)
+        h = checkpoint.save(pager, str(tmp_path / "ckpt"), background=True)
         for step in range(2, 5):
             set_grads(model, step)
             opt.step()
@@ -345,10 +346,11 @@ def test_undo_copies_are_taken_a_bucket_ahead_once_each(store_dir, monkeypatch):
         assert n >= 3
         index = {id(b.undo): i for i, b in enumerate(binding.buckets)}
         order = {id(b): i for i, b in enumerate(binding.buckets)}
-        events, take, step_bucket = [], binding._undo.take, binding._step_bucket
-        monkeypatch.setattr(binding._undo, "take", lambda copies, targets: (
+        undo, stepper = binding._steps.undo, binding._stepper
+        events, take, step_bucket = [], undo.take, stepper.step
+        monkeypatch.setattr(undo, "take", lambda copies, targets: (
             events.append(("take", index[id(copies)])), take(copies, targets))[1])
-        monkeypatch.setattr(binding, "_step_bucket", lambda b, *a: (
+        monkeypatch.setattr(stepper, "step", lambda b, *a: (
             events.append(("step", order[id(b)])), step_bucket(b, *a))[1])
         set_grads(model, 1)
         opt.step()
@@ -378,8 +380,8 @@ def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, d
     with pager:
         set_grads(model, 0)
         opt.step()
-        takes, take = [], binding._undo.take
-        monkeypatch.setattr(binding._undo, "take", lambda copies, targets: (
+        takes, take = [], binding._steps.undo.take
+        monkeypatch.setattr(binding._steps.undo, "take", lambda copies, targets: (
             takes.append(1), take(copies, targets))[1])
         opt.zero_grad()
         opt.zero_grad()  # once per step
@@ -520,7 +522,7 @@ def _state_dict(model, pager, opt, binding):
 
 
 def _save(model, pager, opt, binding):
-    pager.save(os.path.join(pager.directory + "-ckpt"))
+    checkpoint.save(pager, os.path.join(pager.directory + "-ckpt"))
 
 
 def _pause(model, pager, opt, binding):

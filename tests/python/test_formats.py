@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 
 KiB = 1 << 10
@@ -178,14 +179,14 @@ def test_checkpoint_records_formats(store_dir, tmp_path):
         opt = PagedAdamW(m.parameters(), pager=pager, lr=1e-3, moments="q8", mains="residual")
         train(m, opt, 3)
         weights = {k: v.clone() for k, v in m.state_dict().items()}
-        pager.save(ck)
+        checkpoint.save(pager, ck)
         after = train(m, opt, 4, first=3)
     resumed = model(seed=1)
     resumed.load_state_dict(weights)
     with Pager(store_dir + "-2", page_size=64 * KiB) as pager:
         opt = PagedAdamW(resumed.parameters(), pager=pager, lr=1e-3, moments="q8",
                          mains="residual")
-        assert pager.load(ck)
+        assert checkpoint.load(pager, ck)
         assert train(resumed, opt, 4, first=3) == after
     other = model(seed=1)
     other.load_state_dict(weights)
@@ -193,4 +194,4 @@ def test_checkpoint_records_formats(store_dir, tmp_path):
         opt = PagedAdamW(other.parameters(), pager=pager, lr=1e-3, moments="bf16",
                          mains="residual")
         with pytest.raises(statepager.CheckpointMismatchError, match="formats"):
-            pager.load(ck)
+            checkpoint.load(pager, ck)

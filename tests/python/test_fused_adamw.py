@@ -10,8 +10,9 @@ import torch
 
 import statepager
 from statepager import PagedAdamW, Pager
-from statepager.core.flat import flat_view
-from statepager.formats import codecs as C, fused_adamw
+from statepager.util.flat import flat_view
+from statepager.core import fused_adamw
+from statepager.formats import codecs as C
 
 KiB = 1 << 10
 

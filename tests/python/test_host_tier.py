@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import Pager
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -139,13 +140,13 @@ def test_save_and_load_with_the_state_in_the_host_tier(tmp_path, reference, shar
     model, opt = build(p)
     train(model, opt, 0, 2)
     assert p.stats()["host_bytes"] > 0
-    p.save(str(tmp_path / "ckpt"))
+    checkpoint.save(p, str(tmp_path / "ckpt"))
     p2 = Pager(str(tmp_path / "s2"), page_size=64 * KiB, host_budget=budget)
     model2, opt2 = build(p2)
     with torch.no_grad():
         for a, b in zip(model.parameters(), model2.parameters()):
             b.copy_(a)
-    assert p2.load(str(tmp_path / "ckpt"))
+    assert checkpoint.load(p2, str(tmp_path / "ckpt"))
     train(model2, opt2, 2, 2)
     assert all(torch.equal(a, b) for a, b in zip(params(model2), reference))
     train(model, opt, 2, 2)
@@ -318,13 +319,13 @@ def test_load_fills_the_host_tier(tmp_path, layers_reference, share):
     with Pager(str(tmp_path / "s1"), page_size=64 * KiB) as p:
         model, opt, _ = layers(p, False)
         steps(p, model, opt, 0, 4)
-        p.save(str(tmp_path / "ckpt"))
+        checkpoint.save(p, str(tmp_path / "ckpt"))
     with Pager(str(tmp_path / "s2"), page_size=64 * KiB, host_budget=budget) as p2:
         model2, opt2, _ = layers(p2, False)
         with torch.no_grad():
             for a, b in zip(model.parameters(), model2.parameters()):
                 b.copy_(a)
-        assert p2.load(str(tmp_path / "ckpt"))
+        assert checkpoint.load(p2, str(tmp_path / "ckpt"))
         s = p2.stats()
         assert s["host_bytes"] == min(budget, state)  # the first buckets first
         assert s["read_ahead_bytes"] == min(budget, state)
@@ -340,8 +341,8 @@ def test_load_without_a_host_tier_leaves_the_state_in_the_store(tmp_path):
     with Pager(str(tmp_path / "s1"), page_size=64 * KiB) as p:
         model, opt, _ = layers(p, False)
         steps(p, model, opt, 0, 2)
-        p.save(str(tmp_path / "ckpt"))
-        assert p.load(str(tmp_path / "ckpt"))
+        checkpoint.save(p, str(tmp_path / "ckpt"))
+        assert checkpoint.load(p, str(tmp_path / "ckpt"))
         s = p.stats()
         assert s["host_bytes"] == 0 and s["read_aheads"] == 0
 
@@ -383,8 +384,11 @@ def test_attach_says_when_atomic_steps_would_spill_the_host_tier(store_dir, host
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             binding = p.attach(opt, bucket_size=1 * MiB, atomic=atomic)
-        said = [str(w.message) for w in seen if "host tier" in str(w.message)]
+        said = [w for w in seen if "host tier" in str(w.message)]
         assert bool(said) == warned, said
+        # It points at the attach() above, the user's line, not into statepager.
+        assert all(w.filename == __file__ for w in said), [w.filename for w in said]
+        said = [str(w.message) for w in said]
         assert binding.stored_bytes() == 2 * 4 * (1024 * 1024 + 1024)
         if warned:
             assert "Raise host_budget, or attach(atomic=False)" in said[0]

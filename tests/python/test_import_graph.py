@@ -24,7 +24,14 @@
    scheduler protocol, Megatron internals) are allowed in exactly one module each, by
    name, in FOREIGN below, with the reason.
 
-Both checks are run on planted examples too, so that this test can fail.
+3. Imports point down the package's layers (LAYERS): a module imports modules of its
+   own layer or of layers below, never above. Within a layer, rule 1 keeps it free of
+   circles.
+
+4. No module of the package is over 500 lines, and no class over 400: past that, a unit
+   holds more than one concept and splits.
+
+Each check is run on planted examples too, so that this test can fail.
 """
 from __future__ import annotations
 
@@ -35,6 +42,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "python"
 PACKAGE = "statepager"
 EXTENSION = f"{PACKAGE}._C"
 PACKAGE_PRIVATE = {"_C", "_build"}
+
+# The package's layers, lowest first: a module's layer is that of the longest prefix
+# named here. The extension and the build helper are the floor every layer stands on.
+LAYERS = [
+    ("statepager._C", "statepager._build"),  # the C++ core, and how it is loaded
+    ("statepager.util",),          # tensors, ranks, units, names: imports nothing above
+    ("statepager.formats",),       # stored formats and their codecs
+    ("statepager.core",),          # Pager, the streamed step, scope, state access
+    ("statepager.checkpoint",),    # functions over a Pager's public interface
+    ("statepager.integrations",),  # Megatron-core's optimizers, Megatron-LM's script
+    ("statepager",),               # the package's public names (statepager/__init__.py)
+    ("statepager.tools",),         # the command line, doctor, inspect, bench
+    ("statepager.__main__", "statepager.megatron_lm"),  # entry points of python -m
+]
+MAX_FILE_LINES, MAX_CLASS_LINES = 500, 400
 
 # Private names of other libraries, allowed in one module each: {module: {name: why}}.
 FOREIGN = {
@@ -61,20 +83,23 @@ FOREIGN = {
         "_apply": "torch.nn.Module._apply, recognized on the stack (its code object)",
         "_getframe": "sys._getframe, to walk that stack",
     },
-    "statepager.bench.step": {
+    "statepager.tools.bench.step": {
         "_fused_adamw_": "torch._fused_adamw_, the floor of the step bench",
         "_statepager_mmap": "keeps the mmap under a torch.frombuffer tensor alive",
     },
-    "statepager.formats.fused_adamw": {
+    "statepager.core.fused_adamw": {
         "_foreach_add": "torch._foreach_add, the step counts as _multi_tensor_adam advances them",
     },
-    "statepager.core.flat": {
+    "statepager.util.warn": {
+        "_getframe": "sys._getframe, to find the user's frame a warning points at",
+    },
+    "statepager.util.flat": {
         "_foreach_copy_": "torch._foreach_copy_, many copies as one (copy_each)",
     },
-    "statepager.bench.tms": {
+    "statepager.tools.bench.tms": {
         "_exit": "os._exit: the child skips teardown, which torch-memory-saver aborts",
     },
-    "statepager.bench.megatron": {  # tms runs as a script of its own: no shared helper
+    "statepager.tools.bench.megatron_worker": {  # tms runs as a script of its own: no shared helper
         "_exit": "os._exit: a failed worker skips teardown, which torch aborts on a "
                  "CUDA context a device error broke",
     },
@@ -216,6 +241,52 @@ def check(root: pathlib.Path = ROOT) -> tuple[list, list]:
     return circles(graph), private
 
 
+def layer(module: str) -> int:
+    """The index in LAYERS of the longest prefix of `module` it names."""
+    best, found = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), i
+    assert found is not None, f"{module} is in no layer of LAYERS"
+    return found
+
+
+def upward(graph: dict[str, set]) -> list[str]:
+    """Each import of a module in a higher layer, as 'importer -> imported'."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if layer(d) > layer(m))
+
+
+def oversized(root: pathlib.Path = ROOT) -> list[str]:
+    """Files over MAX_FILE_LINES and classes over MAX_CLASS_LINES, as 'path: what'."""
+    out = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(root)
+        if text.count("\n") > MAX_FILE_LINES:
+            out.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    out.append(f"{rel}: class {node.name} of {n} lines")
+    return out
+
+
+def graph_of(root: pathlib.Path = ROOT) -> dict[str, set]:
+    trees = modules(root)
+    return {m: imports(m, t, set(trees)) for m, t in trees.items()}
+
+
+def test_imports_point_down_the_layers():
+    assert upward(graph_of()) == []
+
+
+def test_no_unit_outgrows_one_concept():
+    assert oversized() == []
+
+
 def test_no_import_circle_and_no_private_access():
     found_circles, private = check()
     assert found_circles == [], f"import circles: {found_circles}"
@@ -227,6 +298,8 @@ def test_every_module_is_seen():
     for m in ("statepager", "statepager.core.pager", "statepager.core.stream",
               "statepager.checkpoint.save_load", "statepager.integrations.megatron"):
         assert m in names
+    for m in names:
+        layer(m)  # every module is in a layer
 
 
 def _plant(tmp_path, files: dict) -> pathlib.Path:
@@ -270,6 +343,30 @@ def test_the_check_finds_private_access(tmp_path):
         "statepager.checkpoint:3: uses ._saving, which it does not define",
         "statepager.checkpoint:3: uses ._core, which it does not define",
     ]
+
+
+def test_the_check_finds_an_import_up_the_layers(tmp_path):
+    root = _plant(tmp_path, {
+        "__init__.py": "",
+        "util/__init__.py": "", "core/__init__.py": "", "checkpoint/__init__.py": "",
+        "util/flat.py": "from statepager import _C\n",
+        "checkpoint/save.py": "from statepager.core import pager\n",
+        # a lazy import from the core up to the checkpoint layer
+        "core/pager.py": "def save():\n    from statepager.checkpoint import save\n",
+    })
+    assert upward(graph_of(root)) == ["statepager.core.pager -> statepager.checkpoint.save"]
+
+
+def test_the_check_finds_oversized_units(tmp_path):
+    body = "    x = 1\n" * MAX_CLASS_LINES
+    root = _plant(tmp_path, {
+        "__init__.py": "",
+        "big.py": "class Big:\n" + body,
+        "long.py": "x = 1\n" * (MAX_FILE_LINES + 1),
+        "fits.py": "class Fits:\n" + "    x = 1\n" * (MAX_CLASS_LINES - 1),
+    })
+    assert oversized(root) == [f"statepager/big.py: class Big of {MAX_CLASS_LINES + 1} lines",
+                               f"statepager/long.py: {MAX_FILE_LINES + 1} lines"]
 
 
 def test_the_check_finds_writes_through_self_outside_a_class(tmp_path):

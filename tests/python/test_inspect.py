@@ -1,4 +1,4 @@
-"""statepager inspect: what a checkpoint, a save_to() base or a store directory holds."""
+"""statepager inspect: what a checkpoint, a rank_directory() base or a store directory holds."""
 import json
 import os
 import subprocess
@@ -29,7 +29,8 @@ def train_and_save(store, path, *, save_to=False, moments="q8", mains="residual"
         model(torch.randn(8, 64).bfloat16()).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    pager.save_to(path) if save_to else pager.save(path)
+    sp = statepager.checkpoint
+    sp.save(pager, sp.rank_directory(path) if save_to else path)
     pager.close()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 
 KiB = 1 << 10
 
@@ -73,11 +74,11 @@ def test_steps_through_the_mapping_are_the_steps_through_io_uring(shm_base):
 def test_a_checkpoint_of_a_mapped_store_resumes_exactly(shm_base, tmp_path):
     pager, opt, model = train(f"{shm_base}/a", True, steps=3)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    pager.save_to(str(tmp_path / "iter3"))
+    checkpoint.save(pager, checkpoint.rank_directory(str(tmp_path / "iter3")))
     step(model, opt, 3, 2)
     resumed = train(f"{shm_base}/b", True, steps=0, state=weights)
     try:
-        assert resumed[0].load_from(str(tmp_path / "iter3"))
+        assert checkpoint.load(resumed[0], checkpoint.rank_directory(str(tmp_path / "iter3")))
         step(resumed[2], resumed[1], 3, 2)
         same((pager, opt, model), resumed)
         assert resumed[0].stats()["mapped_read_bytes"] > 0

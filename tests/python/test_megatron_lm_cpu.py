@@ -1,6 +1,6 @@
 """statepager.megatron_lm on the CPU: its options (flags, environment), the Megatron flags
 it refuses, the rank agreement (gloo, two processes), and the save / load / log hooks
-(statepager.megatron_lm.Run) driving a real Pager, a real optimizer and real files, with
+(statepager.integrations.megatron_lm.Run) driving a real Pager, a real optimizer and real files, with
 Megatron-LM's side (MegatronLM: its save, tracker file, async request, log line) played
 by FakeMegatron. Where megatron-core and Megatron-LM's training code import (Python 3.12,
 or 3.11 with typing.override supplied), the hooks are also checked against the real
@@ -17,8 +17,8 @@ import torch
 
 import statepager
 from ports import free_port
-from statepager import megatron_lm
-from statepager.megatron_lm import IntervalStats, RanksFailedError, Run, agree
+from statepager.integrations import megatron_lm
+from statepager.integrations.megatron_lm import IntervalStats, RanksFailedError, Run, agree
 from statepager.integrations.megatron_lm_config import (Options, RefusedConfiguration, add_arguments,
                                            check, options_from, refusals)
 from statepager.integrations.megatron_lm_hooks import check_version
@@ -161,7 +161,7 @@ def test_agree_alone():
 
 _AGREE_CHILD = r"""
 import os, sys, torch
-from statepager.megatron_lm import RanksFailedError, agree
+from statepager.integrations.megatron_lm import RanksFailedError, agree
 rank = int(sys.argv[1])
 torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
                                      rank=rank, world_size=2)
@@ -193,7 +193,7 @@ def test_agree_fails_every_rank_naming_the_failed_one(tmp_path):
 # -- the hooks, with Megatron's side played by FakeMegatron -----------------------------------
 
 class FakeMegatron:
-    """What Run uses of statepager.integrations.megatron_lm_hooks.MegatronLM, over a directory: the
+    """What Run uses of statepager.megatron_lm_hooks.MegatronLM, over a directory: the
     iteration directories and tracker file as Megatron lays them out, its log line, and
     its writers and timers as lists."""
 
@@ -294,7 +294,7 @@ def megatron_save(fake, base, iteration, seen):
     def save(optimizer):
         directory = fake.iteration_directory(base, iteration)
         seen.append((optimizer, os.path.isfile(os.path.join(
-            megatron_lm.rank_part(directory), "manifest.json"))))
+            statepager.checkpoint.rank_directory(directory), "manifest.json"))))
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(base, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))

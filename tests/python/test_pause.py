@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import Pager
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -44,16 +45,16 @@ def test_while_paused_paging_is_refused_and_nothing_changes(store_dir, tmp_path)
         t = p.empty(1000)
         p.page_in(t)
         t.fill_(3)
-        p.save(str(tmp_path / "ckpt"))
+        checkpoint.save(p, str(tmp_path / "ckpt"))
         p.pause()
         assert p.paused and p.stats()["mapped_bytes"] == 0
         other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
         refused = [
             lambda: p.page_in(t), lambda: p.page_in_async([t]), lambda: p.page_out(t),
             lambda: p.page_out_async([t]), lambda: p.discard_async([t]), opt.step,
-            lambda: p.scope().__enter__(), lambda: p.save(str(tmp_path / "ckpt2")),
-            lambda: p.load(str(tmp_path / "ckpt")), lambda: p.save_to(str(tmp_path / "run")),
-            lambda: p.load_from(str(tmp_path / "run")), lambda: p.attach(other),
+            lambda: p.scope().__enter__(), lambda: checkpoint.save(p, str(tmp_path / "ckpt2")),
+            lambda: checkpoint.load(p, str(tmp_path / "ckpt")), lambda: checkpoint.save(p, checkpoint.rank_directory(str(tmp_path / "run"))),
+            lambda: checkpoint.load(p, checkpoint.rank_directory(str(tmp_path / "run"))), lambda: p.attach(other),
         ]
         for call in refused:
             with pytest.raises(statepager.UsageError, match=PAUSED):

@@ -6,7 +6,7 @@ import torch
 
 import statepager
 from statepager import Pager
-from statepager.core.flat import flat_view
+from statepager.util.flat import flat_view
 from statepager.core.slices import CHUNK_ALIGN, chunk_bounds
 from statepager.formats import codecs
 from statepager.formats.stored import StoredForm

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import Pager, PagedAdamW
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -112,7 +113,7 @@ def test_save_background_must_be_a_bool(store_dir, tmp_path):
     with Pager(store_dir, page_size=64 * KiB) as p:
         p.attach(model_and_optimizer()[1])
         with pytest.raises(statepager.UsageError, match=r"background must be a bool"):
-            p.save(str(tmp_path / "ckpt"), background="no")
+            checkpoint.save(p, str(tmp_path / "ckpt"), background="no")
         assert not os.path.exists(tmp_path / "ckpt")
 
 
@@ -205,7 +206,7 @@ def test_a_name_attach_takes_is_one_save_writes(store_dir, tmp_path):
         p.attach(opt, name="run_1.a-b")
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
-        p.save(str(tmp_path / "ckpt")).wait()
+        checkpoint.save(p, str(tmp_path / "ckpt")).wait()
         assert os.path.isdir(tmp_path / "ckpt" / "run_1.a-b")
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import Pager
 
 KiB = 1 << 10
@@ -139,7 +140,7 @@ CHILD_PAGING = """
                 ("empty", lambda: p.empty(10)),
                 ("pause", lambda: p.pause()),
                 ("attach", lambda: p.attach(opt)),
-                ("save", lambda: p.save(store + "-ckpt")),
+                ("save", lambda: statepager.checkpoint.save(p, store + "-ckpt")),
                 ("begin_epoch", lambda: p.begin_epoch([at_rest])),
                 ("trim", lambda: p._core.trim())]:
             start = time.monotonic()
@@ -252,8 +253,8 @@ CLOSED_CALLS = {
     "empty": lambda p, t: p.empty(10),
     "attach": lambda p, t: p.attach(torch.optim.SGD([torch.zeros(1, requires_grad=True)],
                                                     lr=0.1)),
-    "save": lambda p, t: p.save(p.directory + "-ckpt"),
-    "load": lambda p, t: p.load(p.directory + "-ckpt"),
+    "save": lambda p, t: checkpoint.save(p, p.directory + "-ckpt"),
+    "load": lambda p, t: checkpoint.load(p, p.directory + "-ckpt"),
     "scope": lambda p, t: p.scope().__enter__(),
     "begin_epoch": lambda p, t: p.begin_epoch([t]),
 }

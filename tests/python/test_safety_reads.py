@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 
 from compare import same
@@ -140,13 +141,13 @@ def test_a_write_fails_on_that_store(root):
 
 
 @pytest.mark.parametrize("config", ["adamw-disk", "adamw-host-tier", "q8-residual-disk"])
-def test_save_via_device_and_stored_in_buckets_write_nothing(root, tmp_path, config,
+def test_save_and_stored_in_buckets_write_nothing(root, tmp_path, config,
                                                              reference):
     pager, model, opt = make(config, root)
     with pager:
         train(model, opt, 0, 2)
         files, counted = store_files(pager), writes(pager)
-        pager.save(str(tmp_path / "ckpt"), via="device")
+        checkpoint.save(pager, str(tmp_path / "ckpt"))
         saved = params(model)  # residual masters load against these
         binding = pager.bindings[0]
         seen = [t.clone() for b in binding.stored_in_buckets() for t in b.stored]
@@ -160,7 +161,7 @@ def test_save_via_device_and_stored_in_buckets_write_nothing(root, tmp_path, con
         with torch.no_grad():
             for p, v in zip(model.parameters(), saved):
                 p.copy_(v)
-        assert pager.load(str(tmp_path / "ckpt"))
+        assert checkpoint.load(pager, str(tmp_path / "ckpt"))
         assert same(opt.state_dict()["state"], reference[config][0]["state"])
 
 
@@ -172,11 +173,11 @@ def test_pause_resume_and_save_after_a_read(root, tmp_path, config, reference):
         opt.state_dict()
         pager.pause()
         pager.resume()
-        pager.save(str(tmp_path / "ckpt"))
+        checkpoint.save(pager, str(tmp_path / "ckpt"))
         assert same(opt.state_dict(), reference[config][0])
         train(model, opt, 2, 2)
         assert same(params(model), reference[config][1])
     pager, model, opt = make(config, root, "loaded")
     with pager:
-        assert pager.load(str(tmp_path / "ckpt"))
+        assert checkpoint.load(pager, str(tmp_path / "ckpt"))
         assert same(opt.state_dict()["state"], reference[config][0]["state"])

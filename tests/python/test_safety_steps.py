@@ -28,9 +28,12 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 from statepager.core import pager as pager_module
-from statepager.core.stream import StreamedOptimizer
+from statepager.core.bucket_step import BucketStepper
+from statepager.core.pipeline import Pipeline
+from statepager.core.steps import Steps
 
 from compare import same
 from small_jobs import (KiB, MiB, PAGE, bits, make_model, make_pager, set_grads,
@@ -154,13 +157,13 @@ def threads(store, device, other):
 
 @path
 def thread_save(store, device):
-    threads(store, device, lambda pager, opt, i: pager.save(f"{store}-ckpt/{i}"))
+    threads(store, device, lambda pager, opt, i: checkpoint.save(pager, f"{store}-ckpt/{i}"))
 
 
 @path
 def thread_background_save(store, device):
     threads(store, device,
-            lambda pager, opt, i: pager.save(f"{store}-ckpt/{i}", background=True).wait())
+            lambda pager, opt, i: checkpoint.save(pager, f"{store}-ckpt/{i}", background=True).wait())
 
 
 @path
@@ -200,7 +203,7 @@ def test_a_step_holds_the_lock_its_hooks_reenter(store_dir):
     def before(params):
         if not started.is_set():
             started.set()
-            t = threading.Thread(target=lambda: (pager.save(store_dir + "-ckpt"),
+            t = threading.Thread(target=lambda: (checkpoint.save(pager, store_dir + "-ckpt"),
                                                  order.append("save")))
             t.start()
             time.sleep(0.2)
@@ -258,9 +261,9 @@ class Interrupt:
 POINTS = {
     "epoch-opened": (pager_module.Epoch, "__init__", 1, True),
     "snapshot-taken": (statepager.core.atomic.AtomicStep, "snapshot", 1, True),
-    "first-bucket": (StreamedOptimizer, "_step_bucket", 1, True),
-    "third-bucket": (StreamedOptimizer, "_step_bucket", 3, True),
-    "last-bucket-out": (StreamedOptimizer, "_stream", 1, True),
+    "first-bucket": (BucketStepper, "step", 1, True),
+    "third-bucket": (BucketStepper, "step", 3, True),
+    "last-bucket-out": (Pipeline, "stream", 1, True),
     "commit": (pager_module.Epoch, "commit", 1, False),
 }
 
@@ -282,7 +285,7 @@ def interrupted(tmp_path, setup, point, real, begun):
             opt.step()
     assert hit.calls >= n
     assert not binding.begun
-    pager.save(str(tmp_path / "ckpt"))  # never "a step is running"
+    checkpoint.save(pager, str(tmp_path / "ckpt"))  # never "a step is running"
     now = capture(model, pager, opt, binding)
     whole = point == "commit" and real
     if whole:
@@ -312,7 +315,7 @@ def test_a_sigint_in_the_commit_comes_once_the_step_is_whole(tmp_path):
             opt.step()
     assert binding.last.step == 2  # the step's bookkeeping is done
     got = capture(model, pager, opt, binding)
-    pager.save(str(tmp_path / "ckpt"))
+    checkpoint.save(pager, str(tmp_path / "ckpt"))
     pager.close()
     assert same(got, clean_run("adamw", str(tmp_path / "clean"), "cpu", 2))
 
@@ -326,7 +329,7 @@ def test_an_interrupted_begin_step_changes_nothing(tmp_path, real):
     opt.step()
     before = capture(model, pager, opt, binding)
     for point in ("epoch-opened", "first-page-in"):
-        owner, target, n, after = POINTS.get(point, (StreamedOptimizer, "_start", 1, True))
+        owner, target, n, after = POINTS.get(point, (Steps, "start", 1, True))
         with Interrupt(owner, target, n, after, real):
             with pytest.raises(KeyboardInterrupt):
                 binding.begin_step()
@@ -388,7 +391,7 @@ def random_sigints(store, device):
     assert len(counts) == 1, f"step counters differ: {counts}"
     steps = counts.pop()
     assert not binding.begun
-    pager.save(store + "-ckpt")
+    checkpoint.save(pager, store + "-ckpt")
     opt.step()
     got = capture(model, pager, opt, binding)
     pager.close()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 from statepager.core.slices import CHUNK_ALIGN
 
@@ -150,7 +151,7 @@ def test_checkpoint_round_trip(tmp_path, moments, mains):
     for step in range(2):
         set_grads(model, step)
         opt.step()
-    pager.save_to(str(tmp_path / "ckpt"))
+    checkpoint.save(pager, checkpoint.rank_directory(str(tmp_path / "ckpt")))
     saved = [p.detach().clone() for p in model]
     for step in range(2, 4):
         set_grads(model, step)
@@ -160,7 +161,7 @@ def test_checkpoint_round_trip(tmp_path, moments, mains):
         with torch.no_grad():
             for p, s in zip(model2, saved):
                 p.copy_(s)
-        assert pager2.load_from(str(tmp_path / "ckpt"))
+        assert checkpoint.load(pager2, checkpoint.rank_directory(str(tmp_path / "ckpt")))
         for step in range(2, 4):
             set_grads(model2, step)
             opt2.step()
@@ -228,9 +229,9 @@ def test_bucket_hooks_without_chunk_hooks_keep_parameters_whole(store_dir):
         assert max(b.planned for b in binding.buckets) > BUCKET
 
 
-def test_pause_resume_and_a_save_through_the_device(store_dir, tmp_path):
-    """pause()/resume() between steps of split parameters, and save(via="device") (whole
-    tensors through the device) loaded into a split optimizer: the run as if uninterrupted."""
+def test_pause_resume_and_a_save_of_split_parameters(store_dir, tmp_path):
+    """pause()/resume() between steps of split parameters, and a save of them (pieces
+    copied back to back) loaded into a split optimizer: the run as if uninterrupted."""
     def start(directory):
         model = params(dtype=torch.bfloat16)
         pager = Pager(directory, page_size=PAGE)
@@ -247,7 +248,7 @@ def test_pause_resume_and_a_save_through_the_device(store_dir, tmp_path):
             assert pager.stats()["mapped_bytes"] == 0
             pager.resume()
         if step == 1:
-            pager.save(str(tmp_path / "ckpt"), via="device")
+            checkpoint.save(pager, str(tmp_path / "ckpt"))
             saved = [p.detach().clone() for p in model]
     for p, r in zip(model, ref):
         assert torch.equal(p, r)
@@ -256,7 +257,7 @@ def test_pause_resume_and_a_save_through_the_device(store_dir, tmp_path):
     with torch.no_grad():
         for p, s in zip(again, saved):
             p.copy_(s)
-    assert pager2.load(str(tmp_path / "ckpt"))
+    assert checkpoint.load(pager2, str(tmp_path / "ckpt"))
     set_grads(again, 2)
     opt2.step()
     for p, r in zip(again, ref):

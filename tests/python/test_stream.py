@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import PagedAdamW, Pager
 from statepager.core.atomic import AtomicStep
 
@@ -111,8 +112,9 @@ def test_a_step_times_its_parts(store_dir, how, monkeypatch):
         train(model, opt, None, 2)
         loss = model(torch.randn(8, 37)).square().mean()
         loss.backward()
-        start = binding._start  # the pipeline's start: set-up, where begun in begin_step()
-        others = binding._end_others_begun  # among step()'s first acts: set-up too
+        steps = binding._steps  # statepager.core.steps
+        start = steps.start  # the pipeline's start: set-up, where begun in begin_step()
+        others = steps._end_others_begun  # among step()'s first acts: set-up too
 
         def slow_start(atomic):
             time.sleep(0.05)
@@ -121,8 +123,8 @@ def test_a_step_times_its_parts(store_dir, how, monkeypatch):
         def slow_others():
             time.sleep(0.05)
             others()
-        monkeypatch.setattr(binding, "_start", slow_start)
-        monkeypatch.setattr(binding, "_end_others_begun", slow_others)
+        monkeypatch.setattr(steps, "start", slow_start)
+        monkeypatch.setattr(steps, "_end_others_begun", slow_others)
         t0 = time.monotonic()
         if how == "begun":
             binding.begin_step()
@@ -545,14 +547,14 @@ def test_state_dict_never_replaces_the_live_state(store_dir, tmp_path):
         pager.attach(opt, bucket_size=100 * KiB)
         train(model, opt, None, 2)
         live = {id(p): dict(st) for p, st in opt.state.items()}
-        pager.save(tmp_path / "good")
+        checkpoint.save(pager, tmp_path / "good")
         sd = opt.state_dict()
         assert {id(p): dict(st) for p, st in opt.state.items()} == live  # the same objects
         assert all(pager.owns(v) for st in opt.state.values() for v in st.values() if v.dim())
         assert all(v.device.type == "cpu" and not pager.owns(v)
                    for st in sd["state"].values() for v in st.values())
-        pager.save(tmp_path / "after")  # the moments are still paged: a full checkpoint
-        assert pager.load(tmp_path / "after") and pager.load(tmp_path / "good")
+        checkpoint.save(pager, tmp_path / "after")  # the moments are still paged: a full checkpoint
+        assert checkpoint.load(pager, tmp_path / "after") and checkpoint.load(pager, tmp_path / "good")
         train(model, opt, None, 1)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import statepager
+from statepager import checkpoint
 from statepager import Pager
 
 from compare import same
@@ -86,20 +87,19 @@ def test_load_state_dict_within_the_budget(store_dir, device, fresh):
         steps_two_more_as(w, opt, w0, opt0)
 
 
-@pytest.mark.parametrize("via", ["store", "device"])
-def test_save_load_and_pause_within_the_budget(store_dir, tmp_path, device, via):
+def test_save_load_and_pause_within_the_budget(store_dir, tmp_path, device):
     w0, opt0 = unpaged(4, device)
     pager, w, opt = paged(store_dir, 2, device)
     with pager:
         path = str(tmp_path / "ckpt")
-        pager.save(path, via=via).wait()
+        checkpoint.save(pager, path).wait()
         pager.pause()
         pager.resume()
         other, w2, opt2 = paged(store_dir + "-other", 0, device)
         with other:
             with torch.no_grad():
                 w2.copy_(w)
-            assert other.load(path)
+            assert checkpoint.load(other, path)
             assert same(opt2.state_dict(), opt.state_dict())
             steps_two_more_as(w2, opt2, w0, opt0)
         assert os.path.isdir(path)

@@ -1,4 +1,4 @@
-"""Step timelines (statepager.trace): the Chrome trace of a step holds one page-in, one
+"""Step timelines (statepager.tools.trace): the Chrome trace of a step holds one page-in, one
 step and one page-out per bucket, in the order the pipeline runs them; the plot is drawn;
 bench step writes both."""
 import json
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import statepager
-from statepager import Pager, cli, trace
+from statepager import Pager
+from statepager.tools import cli, trace
 
 KiB = 1 << 10
 
@@ -111,7 +112,7 @@ def test_bench_step_writes_trace_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (statepager[plot])")
     out_json, out_png = str(tmp_path / "t.json"), str(tmp_path / "t.png")
     assert cli.main(["bench", "step", "--dir", str(tmp_path / "work"), "--device", "cpu",
-                     "--params", "1e7", "--bucket", "4M", "--page-size", "1M", "--steps", "2",
+                     "--params", "1e7", "--bucket-size", "4M", "--page-size", "1M", "--steps", "2",
                      "--no-baseline", "--no-in-place", "--trace", out_json,
                      "--plot", out_png]) == 0
     assert "timeline: " + out_json in capsys.readouterr().out

@@ -31,13 +31,13 @@ import stat
 import uuid
 
 from statepager import _C
+from statepager.util.names import MANIFEST
 
 log = logging.getLogger("statepager")
 
 # The file StoreDir keeps in every store directory (StoreDir::kMarker, backing/store_dir.h).
 STORE_MARKER = ".statepager-store"
 LOCK = ".statepager-save"
-MANIFEST = "manifest.json"
 DATA = "state.bin"
 _TEMPORARY = re.compile(r".+\.tmp-\d+-[0-9a-f]{8}")
 
@@ -174,14 +174,14 @@ def require_checkpoint(path: str) -> None:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         raise _C.UsageError(f"no checkpoint at {path}: nothing exists there. Check the path "
-                            "(Pager.load(path, missing_ok=True) loads a checkpoint only where "
+                            "(statepager.checkpoint.load(pager, path, missing_ok=True) loads a checkpoint only where "
                             "one exists)") from None
     if not stat.S_ISDIR(mode):
         raise _C.UsageError(f"{path} is not a checkpoint: it is {_kind(mode)}, a checkpoint "
-                            "is the directory Pager.save() wrote")
+                            "is the directory statepager.checkpoint.save() wrote")
     if not os.path.lexists(os.path.join(path, MANIFEST)):
         raise _C.UsageError(f"{path} is not a checkpoint: it holds no {MANIFEST} (a checkpoint "
-                            "is the directory Pager.save() wrote, which has one from the "
+                            "is the directory statepager.checkpoint.save() wrote, which has one from the "
                             "moment it exists)")
 
 

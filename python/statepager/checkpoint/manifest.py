@@ -31,12 +31,12 @@ import hashlib
 import json
 import math
 import os
-import re
 
 import torch
 
 from statepager import _C
 from statepager.checkpoint import dirs as checkpoint_dirs
+from statepager.util.names import valid_name
 
 FORMAT, VERSION = "statepager-checkpoint", 4
 CHECKSUMS = {4: "crc32c", 3: "crc32"}  # the checksum of each version read
@@ -192,22 +192,6 @@ def stored(binding, p) -> list:
     """(name, tensor) of parameter p's stored tensors, in a stable order."""
     return [(n, t) for name, form in binding.forms(p)
             for n, t in zip(form.names(name), form.tensors)]
-
-
-def valid_name(name: str) -> bool:
-    """An optimizer name that can name its checkpoint directory and its store directory
-    (backing/store_dir.cc takes up to 128 of these characters, not starting with '.')."""
-    return (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", name) is not None
-            and name != checkpoint_dirs.MANIFEST)
-
-
-def check_name(name: str) -> None:
-    """UsageError for an optimizer name that is not valid_name() (attach and save)."""
-    if not valid_name(name):
-        raise _C.UsageError(f"optimizer name {name!r} names its checkpoint and store "
-                            "directories: use 1 to 128 letters, digits and _ . -, starting "
-                            f"with a letter, digit or _, other than {checkpoint_dirs.MANIFEST} "
-                            "(attach(..., name=...))")
 
 
 def align(n: int) -> int:

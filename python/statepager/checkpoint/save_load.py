@@ -1,4 +1,4 @@
-"""Pager.save(path) / Pager.load(path): checkpoints of the state of attached optimizers.
+"""statepager.checkpoint.save(pager, path) / load(pager, path): checkpoints of the state of attached optimizers.
 
 A checkpoint is a directory written once:
     manifest.json     what it holds, with a checksum of its own (statepager.checkpoint.manifest)
@@ -12,9 +12,8 @@ moment of the call (allocator/store_snapshot.h): with background=True save() ret
 then, training goes on, and a page-out into a range not yet copied waits until it is.
 The checksums (crc32c, the CPU's instruction) are computed in the same pass as the copy:
 bytes that move are checksummed between read and write, and the ranges a reflink shares
-are read once (backing/file_copy.h). save(checksum="crc32") writes the format-3 manifest
-of older statepagers instead: zlib crc32s, from a second read of the written files on
-several threads after the copy (as saves did before crc32c).
+are read once (backing/file_copy.h); those of a tensor made of pieces are read back from
+the written file on several threads. Checkpoints of format 3 (zlib crc32s) still load.
 Everything is written into a temporary directory beside `path`, fsynced and renamed: a
 crash leaves either the complete checkpoint or none, and the next save or load beside it
 removes the temporary of a killed save (statepager.checkpoint.dirs). A path inside a
@@ -44,27 +43,24 @@ import logging
 import os
 import threading
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from statepager import _C
 from statepager.checkpoint import dirs as checkpoint_dirs
+from statepager.checkpoint.checksums import sums_of, verify_data
 from statepager.checkpoint.dirs import DATA, MANIFEST
 from statepager.checkpoint.staging import Staged, check_entries, check_layout, missing_state
 from statepager.checkpoint.manifest import (CHECKSUMS, CHUNK, DIGEST, FORMAT, CheckpointMismatchError,
-                                 DataFile, align, check_name, checked_bytes, digest, encode,
+                                 DataFile, align, checked_bytes, digest, encode,
                                  read_manifest, stored)
-from statepager.core import args, ranks
-from statepager.core.flat import flat_view
+from statepager.core import args
+from statepager.util import ranks
+from statepager.util.names import check_name
 
 log = logging.getLogger("statepager")
 
-_READ = 4 << 20       # bytes per read while checksumming
-_VIAS = ("store", "device")
 _VERSION_OF = {name: version for version, name in CHECKSUMS.items()}
-_SUM = {"crc32c": _C.crc32c, "crc32": zlib.crc32}  # (bytes, value) -> value; GIL released
 
 
 class SaveHandle:
@@ -77,11 +73,11 @@ class SaveHandle:
     def __init__(self, path: str, nbytes: int):
         self.path = path
         self.bytes = nbytes           # tensor bytes in the checkpoint (ZERO ones excluded)
-        self.method: str | None = None  # how the bytes were copied (file_copy.h), or "device"
+        self.method: str | None = None  # how the bytes were copied (file_copy.h)
         self.call_seconds = 0.0       # save() itself: until training could go on
         self.copy_seconds = 0.0       # copying the bytes (the part steps may wait for), and
                                       # checksumming them (crc32c: in the same pass)
-        self.checksum_seconds = 0.0   # a second read to checksum them (checksum="crc32")
+        self.checksum_seconds = 0.0   # a second read to checksum them (tensors in pieces)
         self.seconds: float | None = None  # from the call until the checkpoint was in place
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None  # set by the saving thread before it ends
@@ -112,22 +108,11 @@ def rank_directory(base: str) -> str:
     return os.path.join(os.path.abspath(base), "statepager", f"rank{ranks.rank():05d}")
 
 
-def check_save_options(background: bool, via: str, checksum: str = "crc32c") -> None:
+def save(pager, path: str, *, background: bool = False) -> SaveHandle:
+    """statepager.checkpoint.save, between steps (Pager.between_steps). The caller has
+    settled the previous background save and keeps the handle of a background one (the
+    next save or load settles it)."""
     args.flag("background", background)
-    args.choice("via", via, _VIAS)
-    if not isinstance(checksum, str) or checksum not in _VERSION_OF:
-        raise _C.UsageError(f"checksum must be one of {tuple(_VERSION_OF)}, not {checksum!r} "
-                            "(crc32: the format-3 checkpoints of older statepagers)")
-    if background and via != "store":
-        raise _C.UsageError("a background save copies the store: use via='store'")
-
-
-def save(pager, core, path: str, *, background: bool = False,
-         via: str = "store", checksum: str = "crc32c") -> SaveHandle:
-    """Pager.save (core: the pager's _C.Pager, whose snapshot() holds the store ranges).
-    The caller has settled the previous background save and keeps the handle of a
-    background one (the next save or load settles it)."""
-    check_save_options(background, via, checksum)
     t_call = time.perf_counter()
     path = os.path.abspath(path)
     checkpoint_dirs.refuse_store_target(path, pager.directory)
@@ -141,81 +126,35 @@ def save(pager, core, path: str, *, background: bool = False,
     for h in [pager.page_out_async(b.stored) for bd in pager.bindings for b in bd.buckets]:
         h.wait()
     plan = [_Plan(binding) for binding in pager.bindings]
-    tensors = [t for p in plan for t in p.tensors]
     # A tensor made of pieces (a parameter that steps in chunks) is copied piece by piece,
     # back to back: its bytes in the checkpoint are those of a tensor of one piece.
-    pieces = [pager.piece_views(t) for t in tensors]
-    snapshot = core.snapshot([v for views in pieces for v in views]) if via == "store" else None
+    pieces = [pager.piece_views(t) for p in plan for t in p.tensors]
+    snapshot = pager.snapshot([v for views in pieces for v in views])
     try:
-        if snapshot is not None:
-            placed = iter(snapshot.placements)
-            states = ["zero" if all(next(placed)[0] == "zero" for _ in range(len(views))
-                                    ) else "file" for views in pieces]
-        else:
-            states = [pager.residency(t) for t in tensors]
-        at = 0
+        placed = iter(snapshot.placements)
+        states = iter(["zero" if all(next(placed)[0] == "zero" for _ in views) else "file"
+                       for views in pieces])
         for p in plan:
-            p.place(states[at:at + len(p.tensors)])
-            at += len(p.tensors)
-        manifest = {"format": FORMAT, "version": _VERSION_OF[checksum], "checksum": checksum,
+            p.place([next(states) for _ in p.tensors])
+        manifest = {"format": FORMAT, "version": _VERSION_OF["crc32c"], "checksum": "crc32c",
                     "chunk_bytes": CHUNK, "optimizers": [p.entry for p in plan]}
         checkpoint_dirs.make_parents(os.path.dirname(path))
         tmp = checkpoint_dirs.Temporary(path)
     except BaseException:
-        if snapshot is not None:
-            snapshot.release()
+        snapshot.release()
         raise
     handle = SaveHandle(path, sum(p.data_bytes for p in plan))
 
     def finish():
         try:
-            files = [os.path.join(tmp.path, p.binding.name, DATA) for p in plan]
-            for f in files:
-                os.makedirs(os.path.dirname(f))
-                open(f, "wb").close()
-            t0 = time.perf_counter()
-            # Checksums per CHUNK of a tensor made of pieces are read back from the file.
-            whole = all(len(views) == 1 for views in pieces)
-            inline = checksum == "crc32c" and whole
-            if not whole:  # a ZERO piece of a tensor that is not ZERO leaves a hole
-                for p, f in zip(plan, files):
-                    os.truncate(f, p.entry["data_bytes"])
-            if snapshot is not None:
-                entries = [(i, e) for i, p in enumerate(plan) for e in p.entries]
-                targets = [(i, (e["offset"] or 0) + at) for (i, e), views in zip(entries, pieces)
-                           for at in _starts(views)]
-                handle.method, sums = snapshot.copy_to(files, targets, CHUNK if inline else 0)
-            else:
-                handle.method = "device"
-                sums = [s for p, f in zip(plan, files)
-                        for s in p.write_through_device(f, checksum)]
-            t1 = time.perf_counter()
-            handle.copy_seconds = t1 - t0
-            if not inline:
-                sums = iter(checksums([(f, e["offset"], checked_bytes(checksum, e["bytes"]))
-                                       for p, f in zip(plan, files)
-                                       for e in p.entries if not e["zero"]], checksum))
-                sums = [[] if e["zero"] else next(sums) for p in plan for e in p.entries]
-                handle.checksum_seconds = time.perf_counter() - t1
-            sums = iter(sums)
-            for p in plan:
-                for e in p.entries:
-                    e[checksum] = next(sums)
-            manifest[DIGEST] = digest(manifest)
-            with open(os.path.join(tmp.path, MANIFEST), "w") as f:
-                json.dump(manifest, f)
-                f.flush()
-                os.fsync(f.fileno())
-            for p in plan:
-                checkpoint_dirs.fsync_dir(os.path.join(tmp.path, p.binding.name))
+            _write(plan, pieces, snapshot, tmp.path, manifest, handle)
             tmp.commit()
             handle.seconds = time.perf_counter() - t_call
         except BaseException as e:
             handle._error = e
             tmp.discard()
         finally:
-            if snapshot is not None:
-                snapshot.release()
+            snapshot.release()
 
     if background:
         handle._thread = threading.Thread(target=finish, name="statepager-save")
@@ -226,6 +165,45 @@ def save(pager, core, path: str, *, background: bool = False,
     handle.call_seconds = time.perf_counter() - t_call
     handle.wait()
     return handle
+
+
+def _write(plan: list, pieces: list, snapshot, directory: str, manifest: dict,
+           handle: SaveHandle) -> None:
+    """The checkpoint's files in `directory`: each optimizer's data copied from the
+    snapshot with its checksums, then the manifest, all fsynced."""
+    files = [os.path.join(directory, p.binding.name, DATA) for p in plan]
+    for f in files:
+        os.makedirs(os.path.dirname(f))
+        open(f, "wb").close()
+    t0 = time.perf_counter()
+    # Checksums per CHUNK of a tensor made of pieces are read back from the file.
+    inline = all(len(views) == 1 for views in pieces)
+    if not inline:  # a ZERO piece of a tensor that is not ZERO leaves a hole
+        for p, f in zip(plan, files):
+            os.truncate(f, p.entry["data_bytes"])
+    entries = [(i, e) for i, p in enumerate(plan) for e in p.entries]
+    targets = [(i, (e["offset"] or 0) + at) for (i, e), views in zip(entries, pieces)
+               for at in _starts(views)]
+    handle.method, sums = snapshot.copy_to(files, targets, CHUNK if inline else 0)
+    t1 = time.perf_counter()
+    handle.copy_seconds = t1 - t0
+    if not inline:
+        read = iter(sums_of([(f, e["offset"], checked_bytes("crc32c", e["bytes"]))
+                             for p, f in zip(plan, files)
+                             for e in p.entries if not e["zero"]], "crc32c"))
+        sums = [[] if e["zero"] else next(read) for p in plan for e in p.entries]
+        handle.checksum_seconds = time.perf_counter() - t1
+    sums = iter(sums)
+    for p in plan:
+        for e in p.entries:
+            e["crc32c"] = next(sums)
+    manifest[DIGEST] = digest(manifest)
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    for p in plan:
+        checkpoint_dirs.fsync_dir(os.path.join(directory, p.binding.name))
 
 
 class _Plan:
@@ -275,54 +253,6 @@ class _Plan:
                 self.data_bytes += e["bytes"]
         self.entry["data_bytes"] = offset
 
-    def write_through_device(self, path: str, checksum: str) -> list:
-        """The bytes via the device, a bucket's worth at a time (page in, write, hand back
-        unchanged: nothing written to the store), a tensor made of pieces piece by piece:
-        the same file as the store copy makes, without touching the store's files, within
-        the step's window. Returns each entry's checksums, of the bytes as they were
-        written for crc32c ([] when ZERO; none at all for crc32, which is computed from
-        the file afterwards)."""
-        pager = self.binding.pager
-        parts = [(e, v, at) for items in self.buckets for e, t in items if not e["zero"]
-                 for views in [pager.piece_views(t)] for v, at in zip(views, _starts(views))]
-        sums = {id(e): _ChunkCrcs() for e in self.entries}
-        with open(path, "r+b") as f:
-            for batch in _batches(parts, self.binding.bucket_size):
-                moved = [v for _, v, _ in batch]
-                pager.page_in_async(moved, for_read=True).wait()
-                try:
-                    for e, v, at in batch:
-                        data = flat_view(v.detach()).view(torch.uint8).cpu().numpy()
-                        # its last piece: then the zeros to its 4 KiB boundary
-                        pad = bytes(align(e["bytes"]) - e["bytes"]
-                                    if at + data.size == e["bytes"] else 0)
-                        f.seek(e["offset"] + at)
-                        f.write(data.data)
-                        f.write(pad)
-                        if checksum == "crc32c":
-                            sums[id(e)].add(memoryview(data))
-                            sums[id(e)].add(pad)
-                finally:
-                    pager.release_unchanged_async(moved).wait()
-            f.flush()
-            os.fsync(f.fileno())
-        return [sums[id(e)].crcs for e in self.entries] if checksum == "crc32c" else []
-
-
-def _batches(parts: list, limit: int):
-    """Consecutive runs of (entry, view, at) parts of at most `limit` bytes each (a larger
-    part alone)."""
-    batch, nbytes = [], 0
-    for part in parts:
-        size = part[1].numel() * part[1].element_size()
-        if batch and nbytes + size > limit:
-            yield batch
-            batch, nbytes = [], 0
-        batch.append(part)
-        nbytes += size
-    if batch:
-        yield batch
-
 
 def _starts(views: list) -> list:
     """The byte offset of each of consecutive views from the first one's start."""
@@ -333,70 +263,9 @@ def _starts(views: list) -> list:
     return out
 
 
-class _ChunkCrcs:
-    """crc32c of each CHUNK bytes of a stream given in parts, in order (an entry's bytes,
-    piece after piece, then the zeros to its 4 KiB boundary, which lie inside its last
-    chunk)."""
-
-    def __init__(self):
-        self.crcs, self.filled = [], CHUNK
-
-    def add(self, data) -> None:
-        data = memoryview(data)
-        while len(data):
-            if self.filled == CHUNK:
-                self.crcs.append(0)
-                self.filled = 0
-            take = min(len(data), CHUNK - self.filled)
-            self.crcs[-1] = _C.crc32c(data[:take], self.crcs[-1])
-            self.filled += take
-            data = data[take:]
-
-
-def checksums(ranges: list, checksum: str) -> list:
-    """`checksum` ("crc32c" or "crc32") of each CHUNK bytes of each (path, offset, nbytes)
-    range: one list per range. The chunks are read and summed on several threads (the
-    sums and reads release the GIL)."""
-    summed = _SUM[checksum]
-    chunks = [(i, path, offset + k, min(CHUNK, n - k))
-              for i, (path, offset, n) in enumerate(ranges) for k in range(0, n, CHUNK)]
-    fds = {}
-    local = threading.local()
-
-    def crc(chunk) -> int:
-        _, path, offset, left = chunk
-        if not hasattr(local, "buf"):
-            local.buf = memoryview(bytearray(_READ))
-        value = 0
-        while left:
-            got = os.preadv(fds[path], [local.buf[:min(left, _READ)]], offset)
-            if got == 0:
-                raise _C.CorruptStoreError(f"{path} ends at byte {offset}, before its data "
-                                           "does: the checkpoint is truncated")
-            value = summed(local.buf[:got], value)
-            offset += got
-            left -= got
-        return value
-
-    try:
-        for path in {r[0] for r in ranges}:
-            fds[path] = checkpoint_dirs.open_file(path)
-        # Disks need several reads in flight even where cores are few.
-        threads = max(1, min(len(chunks), 16, max(4, os.cpu_count() or 1)))
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            values = list(pool.map(crc, chunks))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    out = [[] for _ in ranges]
-    for (i, *_), v in zip(chunks, values):
-        out[i].append(v)
-    return out
-
-
-def load(pager, core, path: str, missing_ok: bool = False) -> bool:
+def load(pager, path: str, missing_ok: bool = False) -> bool:
     """Loads `path` into the attached optimizers, all or nothing (see the module
-    docstring; core: the pager's _C.Pager, whose restore() copies the bytes in) and
+    docstring; Pager.restore copies the bytes in) and
     returns True. A path that holds no checkpoint is a UsageError naming what is missing
     (checkpoint_dirs.require_checkpoint), except that with missing_ok=True a path where
     nothing exists returns False (with a logged notice), changing nothing. The caller has
@@ -421,7 +290,7 @@ def load(pager, core, path: str, missing_ok: bool = False) -> bool:
         check_layout(binding, entry, d)
         check_entries(binding, entry, d)
     missing = [missing_state(binding, d) for binding, d in zip(bindings, data)]
-    _verify(data, manifest["checksum"])
+    verify_data(data, manifest["checksum"])
     # The live state changes from here on; until an optimizer is loaded, what changed in
     # it is undone on failure.
     created, loaded = {}, []
@@ -429,7 +298,7 @@ def load(pager, core, path: str, missing_ok: bool = False) -> bool:
         for binding, m in zip(bindings, missing):
             created[binding.name] = _create_state(binding, m)
         staged = [Staged(b, e, d) for b, e, d in zip(bindings, entries, data)]
-        _restore(pager, core, staged, loaded)
+        _restore(pager, staged, loaded)
     except BaseException as e:
         for binding in bindings:
             if binding.name not in loaded:
@@ -441,7 +310,7 @@ def load(pager, core, path: str, missing_ok: bool = False) -> bool:
     return True
 
 
-def _restore(pager, core, staged: list, loaded: list) -> None:
+def _restore(pager, staged: list, loaded: list) -> None:
     """Each optimizer's bytes into the store (all or nothing: Pager::restore), then its
     staged values. Appends the name of each optimizer loaded to `loaded`."""
     # Resident tensors go out first (between steps there are none), so their bytes are
@@ -453,40 +322,13 @@ def _restore(pager, core, staged: list, loaded: list) -> None:
     for s in staged:
         tensors, zero, offsets = s.restore
         pieces = [pager.piece_views(t) for t in tensors]  # each piece from its place
-        core.restore([v for views in pieces for v in views],
-                     [z for z, views in zip(zero, pieces) for _ in views],
-                     s.data.path,
-                     [offset + at for offset, views in zip(offsets, pieces)
-                      for at in _starts(views)])
+        pager.restore([v for views in pieces for v in views],
+                      [z for z, views in zip(zero, pieces) for _ in views],
+                      s.data.path,
+                      [offset + at for offset, views in zip(offsets, pieces)
+                       for at in _starts(views)])
         s.apply()
         loaded.append(s.binding.name)
-
-
-def verify(path: str, manifest: dict) -> None:
-    """Every tensor's bytes in checkpoint `path` against the checksums in its manifest
-    (read_manifest), with the data files' places and ranges checked as a load checks them:
-    CorruptStoreError naming the first that fails."""
-    _verify([DataFile(entry, path, manifest["checksum"]) for entry in manifest["optimizers"]],
-            manifest["checksum"])
-
-
-def _verify(data: list, checksum: str) -> None:
-    """Every tensor's bytes against its checksums (data: manifest.DataFile per optimizer,
-    checksum: the manifest's)."""
-    ranges = [(d.path, offset, nbytes) for d in data for offset, nbytes, *_ in d.ranges]
-    owners = [(d, r) for d in data for r in d.ranges]
-    for (path, *_), (d, (offset, nbytes, crcs, param, name)), found in zip(
-            ranges, owners, checksums(ranges, checksum)):
-        if found == crcs:
-            continue
-        k = next((k for k, (a, b) in enumerate(zip(found, crcs)) if a != b),
-                 min(len(found), len(crcs)))
-        at = offset + k * CHUNK
-        raise _C.CorruptStoreError(
-            f"{path}: optimizer {d.name!r} parameter {param} {name} fails its checksum in "
-            f"bytes {at}..{min(at + CHUNK, offset + nbytes)} (chunk {k}: {checksum} "
-            f"{found[k:k + 1]}, the manifest records {crcs[k:k + 1]}): the checkpoint is "
-            "corrupt; nothing was loaded")
 
 
 def _create_state(binding, missing: dict) -> dict:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from statepager import _C
-from statepager.checkpoint import manifest
+from statepager.util import names
 from statepager.formats.stored import MAIN_FORMATS, MOMENT_FORMATS
 
 _LIMIT = 1 << 64  # what a size_t of the core holds
@@ -150,12 +150,12 @@ def optimizer(value) -> torch.optim.Optimizer:
 
 def optimizer_name(value) -> str | None:
     """attach()'s name: None, or one that names its store and checkpoint directories
-    (manifest.check_name, the rule save applies)."""
+    (names.check_name, the rule save applies)."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise _C.UsageError(f"name must be a str or None, not {_shown(value)}")
-    manifest.check_name(value)
+    names.check_name(value)
     return value
 
 

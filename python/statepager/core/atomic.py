@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from statepager.core.flat import copy_each
+from statepager.util.flat import copy_each
 from statepager.core.late_reads import LateRead
 from statepager.formats.stored import params_changed_since_encoded, residual_forms
 

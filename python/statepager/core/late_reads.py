@@ -48,7 +48,7 @@ class ExceptionCounts:
     def __init__(self, pager):
         self.pager = pager
         # Per bucket stepped, oldest first: its (StoredForms, PendingExceptions) pairs
-        # (StreamedOptimizer._encode), their counts (a LateRead), the scratch held for them.
+        # (residency.encode), their counts (a LateRead), the scratch held for them.
         self._queue: collections.deque = collections.deque()
         self.handles: list = []  # the discards of the scratch let go, not yet waited for
 

@@ -5,7 +5,7 @@ import torch
 
 from statepager import _C
 from statepager.core import args, slices
-from statepager.core.flat import flat_view
+from statepager.util.flat import flat_view
 from statepager.core.pager import MiB, Pager
 
 

@@ -32,7 +32,7 @@ class Bucket:
                                                  # outside the pager (statepager.atomic)
     nbytes: int = 0                              # bytes mapped while the bucket steps
     planned: int = 0                             # bytes planned for it (state to come included)
-    # As of its forms (StreamedOptimizer._fill): _fused_forms(), _incoming() and the bytes
+    # As of its forms (StateLayout.fill): fused_forms(), residency.incoming() and the bytes
     # of `stored`; a step finds them again unless the fused step's choice changed.
     fused: list | None = None
     incoming: list = field(default_factory=list)

@@ -23,9 +23,9 @@ import torch
 
 from statepager import _C
 from statepager.core import support
-from statepager.core.flat import flat_view
+from statepager.util.flat import flat_view
 from statepager.formats import codecs
-from statepager.formats.fused_adamw import applies_to
+from statepager.core.fused_adamw import applies_to
 
 # Elements per alignment unit: 4 KiB of q8 scales (one per Q8_BLOCK elements), and so a
 # multiple of 4 KiB of codes (1 byte), bf16 and int16 (2) and fp32 (4) elements too.

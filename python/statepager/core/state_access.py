@@ -30,8 +30,8 @@ import torch
 
 from statepager import _C
 from statepager.core import serial
+from statepager.util.units import MiB
 
-MiB = 1 << 20
 
 
 class PagedState(collections.defaultdict):

@@ -21,7 +21,7 @@ import torch
 from statepager import _C
 from statepager.core import support, whole_state
 from statepager.core.atomic import begin_epoch_at_rest
-from statepager.core.flat import flat_view
+from statepager.util.flat import flat_view
 
 
 def paged_state_dict(binding) -> dict:

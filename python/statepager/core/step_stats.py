@@ -34,7 +34,7 @@ class StepStats:
     # Per bucket, in order: (bytes, read, step, write), each a (start, end) pair in
     # time.monotonic() seconds: its page-in's I/O, the optimizer's step on it (host time;
     # the device may still run it after), its page-out's I/O; (0, 0) when nothing moved.
-    # statepager.trace draws it.
+    # statepager.tools.trace draws it.
     timeline: list = field(default_factory=list)
 
     @property

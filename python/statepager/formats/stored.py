@@ -23,7 +23,7 @@ import copy
 import torch
 
 from statepager.formats import codecs
-from statepager.core.flat import flat_view
+from statepager.util.flat import flat_view
 
 MOMENT_FORMATS = ("fp32", "bf16", "q8")
 MAIN_FORMATS = ("fp32", "residual")

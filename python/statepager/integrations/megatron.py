@@ -27,7 +27,7 @@ megatron_internals, the one place that names Megatron's attributes:
   Megatron stepped before the failing one stay stepped;
 - reload_model_params refreshes the mains through the pager; checkpoint methods that
   would read the state behind the pager's back are refused with what to use instead
-  (Pager.save_to / load_from), and offload_to_cpu / restore_from_cpu point to
+  (statepager.checkpoint.save / load into rank_directory(base)), and offload_to_cpu / restore_from_cpu point to
   Pager.pause / resume.
 
 Each DistributedOptimizer of a ChainedOptimizer is its own binding, named
@@ -44,8 +44,9 @@ import torch
 
 from statepager import _C
 from statepager.core import adapters, slices
+from statepager.core.hooks import Hooks
 from statepager.core.serial import lock_of, serialized
-from statepager.core.flat import copy_each, flat_view
+from statepager.util.flat import copy_each, flat_view
 from statepager.core.pager import MiB
 from statepager.integrations import megatron_internals as internals
 from statepager.integrations.megatron_internals import Internals
@@ -136,15 +137,14 @@ class MegatronMember:
         self._norm_group = {}  # main -> its grad-norm group (bf16 grads only)
         if self.bf16_grads:
             self._make_carriers()
-        self.stream = pager.attach(
-            self.megatron.inner, name=name, before_bucket=self._grads_in,
-            after_bucket=self._mains_out, keep_resident=lambda p: not pager.owns(p),
-            model_param=self._shard16, before_chunk=self._grads_in_chunk,
-            after_chunk=self._mains_out_chunk, **options)
-        self.stream.before_step = self._before_step
-        self.stream.after_step = self._after_step
+        self.stream = pager.attach(self.megatron.inner, name=name, hooks=Hooks(
+            before_bucket=self._grads_in, after_bucket=self._mains_out,
+            keep_resident=lambda p: not pager.owns(p), model_param=self._shard16,
+            before_chunk=self._grads_in_chunk, after_chunk=self._mains_out_chunk,
+            before_step=self._before_step, after_step=self._after_step), **options)
         refused = {m: _refusal(m, "statepager holds this optimizer's state: save it with "
-                               "pager.save_to(base) and load it with pager.load_from(base) "
+                               "statepager.checkpoint.save(pager, rank_directory(base)) and load it with "
+                               "statepager.checkpoint.load(pager, rank_directory(base)) "
                                "(run Megatron with --no-save-optim --no-load-optim for its "
                                "own checkpoints)") for m in internals.CHECKPOINT_METHODS}
         for m in ("offload_to_cpu", "restore_from_cpu"):

@@ -12,10 +12,10 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from statepager import UsageError
+from statepager._C import UsageError
 from statepager.core.args import parse_size
+from statepager.util.units import MiB
 
-MiB = 1 << 20
 MOMENTS = ("fp32", "bf16", "q8")
 MAINS = ("fp32", "residual")
 

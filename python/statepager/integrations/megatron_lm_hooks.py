@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from statepager import UsageError
+from statepager._C import UsageError
 
 SUPPORTED = ((0, 19), (0, 20))  # megatron-core versions: [from, to)
 

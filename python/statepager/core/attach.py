@@ -1,0 +1,68 @@
+"""Pager.attach(optimizer, ...): an optimizer's state streamed through a Pager.
+
+The optimizer's state tensors (and its parameters, when the pager owns them) live in the
+pager, and step() pages each bucket of about `bucket_size` bytes in, steps it, and pages
+it out, with `depth` buckets resident or in flight at most. `moments` ("fp32", "bf16",
+"q8") and `mains` ("fp32", "residual": needs `model_param(master)` -> its bf16
+parameter) choose the on-disk formats (statepager.formats). `name` identifies the
+binding in checkpoints and names its own store, directory/<name>/ (default "opt<i>", i
+its attach order); parameters for which `keep_resident(p)` is true keep their state in
+ordinary memory and step unpaged. `model_param(master)` is also the model parameter that
+after_bucket writes from a master: a failed step restores it. atomic: a step that raises
+changes nothing and a retry steps once (statepager.atomic; the store needs room for a
+second copy of the state); atomic=False steps in place and a failed step leaves the
+state partly stepped. A parameter whose state is larger than bucket_size steps in chunks
+of consecutive elements over consecutive buckets when the optimizer's step is torch's
+Adam step and its pager tensors are made of pieces (statepager.core.slices; the binding
+makes the state so; an fp32 master the pager owns must be made with
+empty(pieces=statepager.core.slices.pieces(numel, 4)), as PagedAdamW makes them), else
+it is a bucket of its own. before_chunk(p, start, stop) and after_chunk(p, start, stop)
+are then called around the step of elements [start, stop) of p (memory order), where
+before_bucket and after_bucket get whole parameters; with bucket hooks but no chunk
+hooks, no parameter steps in chunks. A Megatron DistributedOptimizer or ChainedOptimizer
+is attached through statepager.integrations.megatron (one binding per member; returns a
+MegatronBinding); it sets name, before_bucket, after_bucket, model_param and
+keep_resident itself, and passing any of them is refused (UsageError). hooks: a
+statepager.core.hooks.Hooks in place of the hook keywords (passing both is refused),
+which may add before_step and after_step, called around each step's buckets (the
+integrations' way in). Returns the StreamedOptimizer binding; its `.last` holds the last
+step's StepStats.
+"""
+from __future__ import annotations
+
+from statepager import _C
+from statepager.core import adapters, args, guard
+from statepager.core.hooks import Hooks
+from statepager.core.stream import StreamedOptimizer
+
+
+def attach(pager, optimizer, *, bucket_size, depth, log_steps, before_bucket, after_bucket,
+           moments, mains, model_param, name, keep_resident, atomic, before_chunk,
+           after_chunk, hooks=None):
+    """Pager.attach, under the Pager's lock: the binding (a StreamedOptimizer, or an
+    adapter's own for an optimizer of another framework), which Pager.attach records.
+    Every argument is checked before anything is made: the binding's store
+    (directory/<name>/) opens when its plan first moves state there."""
+    bucket_size, depth = args.bucketing(bucket_size, depth)
+    log_steps, atomic = args.flag("log_steps", log_steps), args.flag("atomic", atomic)
+    moments, mains = args.formats(moments, mains)
+    hooks = Hooks.of(hooks, before_bucket=before_bucket, after_bucket=after_bucket,
+                     model_param=model_param, keep_resident=keep_resident,
+                     before_chunk=before_chunk, after_chunk=after_chunk)
+    name = args.optimizer_name(name)
+    pager.check_not_paused("attach()")
+    adapter = adapters.find(optimizer)
+    if adapter is not None:
+        adapters.refuse_set_options(adapter, {"name": name, **hooks.given()})
+        return adapter.attach(pager, optimizer, bucket_size=bucket_size, depth=depth,
+                              log_steps=log_steps, moments=moments, mains=mains,
+                              atomic=atomic)
+    args.optimizer(optimizer)
+    guard.refuse_model_params(pager, optimizer)
+    name = f"opt{len(pager.bindings)}" if name is None else name
+    if any(b.name == name for b in pager.bindings):
+        raise _C.UsageError(f"an optimizer named {name!r} is already attached to this "
+                            "Pager: give each attach() its own name")
+    return StreamedOptimizer(pager, optimizer, hooks, bucket_size=bucket_size, depth=depth,
+                             log_steps=log_steps, moments=moments, mains=mains,
+                             name=name, atomic=atomic)

@@ -1,0 +1,159 @@
+"""The fused AdamW step of a bucket on CUDA (kernels/adamw.cu).
+
+Where it applies, each parameter of a bucket steps in one kernel that reads its
+moments in their stored format (fp32, bf16, q8) and writes them back in it: no fp32
+scratch for the moments, no decode and encode passes, none of the ~10 foreach ops of
+torch's step. One call per bucket launches them all (_C.kernels.adamw_step_many, which
+also does the host arithmetic of the step's scalars): a call per parameter from Python
+took 14-17 ms in the 1.34 B GPT's last bucket, the one of many small parameters (on the
+H200, bench megatron q8), 0.4 ms in the others. The arithmetic is torch's multi-tensor
+AdamW's, op for op, so the bits are those of the unfused path
+(tests/gpu/test_codec_kernels.py holds it to them).
+
+It applies to a bucket when the optimizer's step is torch.optim.Adam's (Adam, AdamW,
+PagedAdamW) and would run its foreach implementation (foreach=True, or foreach and fused
+left None, as by default), with decoupled weight decay (AdamW) or none, no amsgrad,
+maximize, capturable or differentiable, float hyperparameters; every parameter of the
+bucket has its state (the binding creates it, zero, before a parameter's first step),
+and every grad is fp32 with its parameter's memory layout. Otherwise the bucket steps as
+before. A parameter that steps in chunks (statepager.core.slices) steps one kernel per
+chunk, each from the count of before the step, the count advancing once. The codec
+kernels' switch (codecs.use_kernels) turns it off too; STATEPAGER_FUSED_ADAMW=0 turns off
+just this.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from statepager import _C
+from statepager.util.flat import copy_each
+from statepager.formats import codecs
+
+_fused_on = os.environ.get("STATEPAGER_FUSED_ADAMW", "1") != "0"
+_ONE = torch.tensor(1.0)  # what torch adds to a CPU step count
+
+
+def use_fused(enabled: bool) -> bool:
+    """Turns the fused step on or off; returns the previous setting."""
+    global _fused_on
+    previous, _fused_on = _fused_on, bool(enabled)
+    return previous
+
+
+def applies_to(optimizer) -> bool:
+    """True when the optimizer's algorithm is torch's Adam step (Adam, AdamW and their
+    subclasses that keep it)."""
+    return _unhooked(type(optimizer).step) is _unhooked(torch.optim.Adam.step)
+
+
+def _unhooked(step):
+    """A class's step without the profiling hook torch puts around it (once per class,
+    marked `hooked`, at the first optimizer's construction)."""
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
+def _group_fusable(group: dict) -> bool:
+    foreach, fused = group.get("foreach"), group.get("fused")
+    plain = [group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable")]
+    beta1, beta2 = group["betas"]
+    return (not any(plain) and not fused and (foreach is True or (foreach is None and fused is None))
+            and (group.get("decoupled_weight_decay", False) or group["weight_decay"] == 0)
+            and all(isinstance(x, (float, int)) and not isinstance(x, bool)
+                    for x in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])))
+
+
+class FusedStep:
+    """The fused step of one binding's buckets (StreamedOptimizer)."""
+
+    def __init__(self, binding):
+        self.binding = binding
+        self.optimizer = binding.optimizer
+
+    def groups_key(self) -> tuple:
+        """What moment_forms() decides on besides the parameters and their state, which
+        only a step changes: the switches and each param group's options."""
+        return (_fused_on, codecs.kernels_on(),
+                tuple(_group_fusable(g) for g in self.optimizer.param_groups))
+
+    def may_step(self, group: dict, p: torch.Tensor) -> bool:
+        """True when the fused step may run parameter p of param group `group` (once it
+        has its state): what the bucket's plan counts on (no fp32 scratch of the moments)."""
+        return _fused_on and _group_fusable(group) and p.dtype == torch.float32 \
+            and _kernels_for(p)
+
+    def moment_forms(self, bucket) -> list | None:
+        """The stored forms of the bucket's moments (its chunks' included) when the fused
+        step may run it (its grads are checked later, by ready()): they need not be
+        decoded. None otherwise."""
+        groups = self.optimizer.param_groups
+        members = [(groups[gi], p, dict(self.binding.forms(p)))
+                   for gi, params in enumerate(bucket.groups) for p in params]
+        members += [(groups[c.group], c.param, named)
+                    for c, named in zip(bucket.chunks, bucket.chunk_forms)]
+        forms = []
+        for group, p, named in members:
+            state = self.optimizer.state.get(p)
+            if not self.may_step(group, p) or not state or "exp_avg" not in named \
+                    or "exp_avg_sq" not in named \
+                    or not isinstance(state.get("step"), torch.Tensor) or state["step"].is_cuda:
+                return None
+            forms += [named["exp_avg"], named["exp_avg_sq"]]
+        return forms if members else None
+
+    def ready(self, bucket) -> bool:
+        """After before_bucket set the grads: True when every one is fp32, dense and laid
+        out as its parameter, and no parameter is listed twice (torch would step it twice;
+        several chunks of one parameter are its parts, each stepped once)."""
+        whole = [p for group in bucket.groups for p in group]
+        chunked = {id(c.param): c.param for c in bucket.chunks}
+        ids = {id(p) for p in whole}
+        if len(ids) != len(whole) or not ids.isdisjoint(chunked):
+            return False
+        params = whole + list(chunked.values())
+        return all(p.grad is None or (
+            p.grad.dtype == torch.float32 and p.grad.layout == torch.strided
+            and p.grad.device == p.device and p.grad.stride() == p.stride()) for p in params)
+
+    @torch.no_grad()
+    def step(self, bucket, forms: list) -> None:
+        """torch.optim.Adam.step on the bucket's parameters and chunks, in one call that
+        launches a kernel per parameter or chunk of one; `forms` is what moment_forms()
+        returned for the bucket (its parameters' moments, then its chunks')."""
+        groups = self.optimizer.param_groups
+        hypers = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in groups]
+        whole = [(gi, p) for gi, params in enumerate(bucket.groups) for p in params]
+        moments = list(zip(forms[0::2], forms[1::2]))  # the whole params', then the chunks'
+        calls = [(hypers[gi], p, p.grad, m, v)
+                 for (gi, p), (m, v) in zip(whole, moments) if p.grad is not None]
+        # The counts after the step (as _multi_tensor_adam adds to CPU counts), stored
+        # once the kernels are queued: a refused call leaves them as they were.
+        counts = [self.optimizer.state[p]["step"] for _, p, _, _, _ in calls]
+        after = list(torch._foreach_add(counts, _ONE, alpha=1.0)) if counts else []  # a tuple
+        for c, (m, v) in zip(bucket.chunks, moments[len(whole):]):
+            if c.param.grad is not None:
+                counts.append(self.optimizer.state[c.param]["step"])
+                after.append(self.binding.counters_before(c.param)["step"].add(_ONE, alpha=1.0))
+                calls.append((hypers[c.group], c.of(c.param), c.of(c.param.grad), m, v))
+        if calls:
+            hyper, params, grads, ms, vs = zip(*calls)
+            _C.kernels.adamw_step_many(
+                list(params), list(grads), [_stored(m) for m in ms], [_stored(v) for v in vs],
+                [m.fmt for m in ms], list(hyper), [a.item() for a in after], _stream(params[0]))
+            copy_each(counts, after)
+
+
+def _kernels_for(p: torch.Tensor) -> bool:
+    """True when p's device runs the kernels (a CUDA tensor, kernels built and on)."""
+    return codecs.kernels_used(p)
+
+
+def _stream(p: torch.Tensor) -> int:
+    return torch.cuda.current_stream(p.device).cuda_stream
+
+
+def _stored(form) -> list:
+    """A moment's stored tensors as the kernel takes them: fp32 its working tensor (laid
+    out as its parameter), else its stored tensors (q8: codes and scales)."""
+    return [form.working] if form.fmt == "fp32" else list(form.tensors)

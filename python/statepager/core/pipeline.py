@@ -1,0 +1,251 @@
+"""One streamed step's pipeline (statepager.core.stream): its buckets paged in ahead,
+stepped one at a time (statepager.core.bucket_step) and paged out, with `depth` buckets
+resident or in flight at most: bucket i + k is read while bucket i steps and bucket
+i - 1 is written.
+
+A Pipeline is made when the step starts (its set-up: what each bucket's page-in
+brings); start() issues the first page-ins; advance() steps the next bucket and issues
+the page-in that its room frees; finish() waits for the rest and returns the step's
+stats. stream() runs advance() to the last bucket and finish(), and leaves nothing in
+flight where either fails; end() ends a pipeline started and never streamed.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+
+from statepager import _C
+from statepager.core import interrupts, residency
+from statepager.core.atomic import AtomicStep
+from statepager.core.bucket_step import BucketStepper
+from statepager.core.late_reads import ExceptionCounts, ParamChecks
+from statepager.core.layout import StateLayout
+from statepager.core.planner import Planner
+from statepager.core.step_stats import StepStats
+
+
+class Pipeline:
+    """The buckets of one step, each stepped once, in order."""
+
+    def __init__(self, buckets: list, layout: StateLayout, planner: Planner,
+                 stepper: BucketStepper, atomic: AtomicStep | None, *, step: int,
+                 host_budget: int, fused_groups: tuple | None):
+        """buckets: the plan (planner's, planned anew where the param groups changed);
+        step: the step's number (StepStats.step); host_budget: the Pager's host tier;
+        fused_groups: FusedStep.groups_key() (a step begun under other options starts
+        again)."""
+        pager = layout.pager
+        self.pager, self.buckets, self.atomic = pager, buckets, atomic
+        self._stepper, self._planner = stepper, planner
+        self._depth = planner.depth
+        self.before = pager.stats()  # the pager's stats() at the start
+        pager.reset_peak()
+        self.t_start = time.monotonic()
+        self.stats = StepStats(step=step, buckets=len(buckets))
+        self.fused_groups = fused_groups
+        # Which moments the fused step reads as stored, per bucket: what its page-in
+        # brings and how it steps (a bucket that creates state finds out again).
+        self.fused = [layout.fused_forms(b) for b in buckets]
+        incoming = [(b.incoming, b.nbytes) if f == b.fused else
+                    (x := residency.incoming(b, f), residency.nbytes(x))
+                    for b, f in zip(buckets, self.fused)]
+        self.incoming = [x for x, _ in incoming]
+        named_in = [n for _, n in incoming]
+        scratch = [m - b.stored_bytes for m, b in zip(named_in, buckets)]
+        self._sched = _Schedule(named_in, scratch, self.ahead)
+        # With a host tier, the `depth` buckets past the page-ins in flight are read from
+        # the store into free host room (bounded by it: the pager never makes room for a
+        # read-ahead), so that their page-in is a copy from host memory that never waits
+        # for a file read it could have started earlier. Only that far: the room a
+        # read-ahead holds until its page-in is room the buckets stepped meanwhile
+        # cannot keep. None where the store's files lie in RAM, mapped for the device
+        # (map_ram): a page-in from them is a copy from host memory already, and a
+        # read-ahead only adds the kernel's copy into host room, which that page-in then
+        # waits for (at half the host budget on the H200, 0.88 GB of the atomic step's
+        # 2.22 GB read went that way).
+        mapped = self.before["store_mapped_bytes"] > 0
+        self._read_ahead = self._depth if host_budget and not mapped else 0
+        self._ins: dict = {}     # bucket index -> its page-in's handle
+        self._aheads: dict = {}  # bucket index -> its read-ahead's handle
+        self.setup_seconds = 0.0  # StepStats.setup_seconds, so far
+        self.checked = False      # residual masters' params checked up front
+        self.interrupts: "interrupts.Deferral | None" = None  # an atomic step's: polled per bucket
+        # The streaming, from the first advance() on.
+        self._next = 0                      # the bucket advance() steps
+        self._outs = collections.deque()    # per bucket stepped, its page-out handles
+        self._done_in, self._done_out, self._stepping = [], [], []
+        self._counting = ExceptionCounts(pager)  # the exceptions of the buckets stepped last
+        self._checks = ParamChecks() if atomic else None
+        self._trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
+        self._t_loop = 0.0
+
+    @property
+    def ahead(self) -> int:
+        """Page-ins in flight beyond the bucket stepping (the rest of the window: the
+        bucket stepping and the page-outs)."""
+        return max(1, self._depth - 2)
+
+    def start(self) -> None:
+        """Issues the first page-ins (the rest as buckets step); none left in flight
+        where one fails."""
+        try:
+            for j in range(min(self.ahead + 1, len(self.buckets))):
+                self._page_in(j)
+        except BaseException:
+            _settle(list(self._ins.values()) + list(self._aheads.values()))
+            raise
+
+    def _page_in(self, j: int) -> None:
+        """Issues bucket j's page-in, and the read-aheads past it."""
+        pager, buckets, aheads = self.pager, self.buckets, self._aheads
+        self._ins[j] = pager.page_in_async(self.incoming[j])
+        for k in range(max(j + 1, max(aheads, default=0) + 1),
+                       min(j + self._read_ahead + 1, len(buckets))):
+            aheads[k] = pager.read_ahead_async(buckets[k].stored)
+
+    def stream(self) -> StepStats:
+        """Steps every bucket (advance()) and finishes; returns the stats (the caller's
+        once the step is whole). Where it fails, nothing is left in flight."""
+        self._stepper.begin()
+        self._t_loop = time.monotonic()
+        try:
+            while self._next < len(self.buckets):
+                self.advance()
+            t0 = self.finish()
+        except BaseException as error:
+            self._fail(error)
+            raise
+        return self._stats(t0)
+
+    def advance(self) -> None:
+        """Steps the next bucket once its page-in is done, issues its page-out, and the
+        page-in of the bucket `ahead` past it once the window has room."""
+        i = self._next
+        self._next = i + 1
+        buckets, atomic, stats, ins = self.buckets, self.atomic, self.stats, self._ins
+        b, n, counting = buckets[i], len(buckets), self._counting
+        if self.interrupts is not None:
+            self.interrupts.poll()  # a Ctrl-C fails the step here
+        t0 = time.monotonic()
+        h = ins.pop(i)
+        h.wait()
+        self._done_in.append(h)
+        t1 = time.monotonic()
+        counting.read()  # bucket i - LAG's, before bucket i's work is queued
+        if atomic and i == 0:  # undo copies a bucket ahead, the first's own first
+            atomic.take_ahead(b)
+        if atomic and i + 1 < n:
+            atomic.take_ahead(buckets[i + 1])
+        self._trace.start(f"step bucket {i}", "step")
+        pending = self._stepper.step(b, atomic, self._checks, self.fused[i], self.checked)
+        self._trace.end()
+        t2 = time.monotonic()
+        self._stepping.append((t1, t2))
+        stats.wait_in_seconds += t1 - t0
+        stats.compute_seconds += t2 - t1
+        held = counting.hold(pending)  # before anything else can fail
+        handles = residency.release(self.pager, b, wait=False, keep=held,
+                                    reuse_after=self._sched.reuse_after(i))
+        self._outs.append(handles)
+        self._done_out.append(handles[0])
+        j = i + self.ahead + 1
+        if j < n:
+            t0 = time.monotonic()
+            while len(self._outs) + len(ins) >= self._depth:
+                for h in self._outs.popleft():
+                    h.wait()
+            # Queued behind bucket i - 1's work, whose page-out was just waited for.
+            counting.wait_let_go()
+            stats.wait_out_seconds += time.monotonic() - t0
+            self._page_in(j)
+
+    def finish(self) -> float:
+        """After the last bucket: the exceptions read and the checks verified, every
+        page-out waited for. Returns when it began (time.monotonic())."""
+        t0 = time.monotonic()
+        self._counting.read(keep=0)
+        if self._checks:
+            self._checks.verify()
+        for h in [h for handles in self._outs for h in handles]:
+            h.wait()
+        self._counting.wait_let_go()
+        # Done by now (their page-ins waited for them). One that failed left its tensors
+        # in the store, whose page-in then read them (or failed the step itself).
+        _settle(self._aheads.values())
+        return t0
+
+    def _fail(self, error: BaseException) -> None:
+        """After `error` in the streaming: nothing left in flight, an interrupt
+        notwithstanding."""
+        with interrupts.deferred():
+            try:  # a stepped bucket's exceptions are its stored form's: never left unread
+                self._counting.read(keep=0)
+            except BaseException as failed:
+                error.add_note(f"statepager: reading a stepped bucket's residual "
+                               f"exceptions failed too ({failed!r}): its masters may "
+                               "not decode")
+            _settle(list(self._ins.values()) + [h for handles in self._outs for h in handles]
+                    + self._counting.handles + list(self._aheads.values()))
+
+    def _stats(self, t0: float) -> StepStats:
+        """The step's stats, finish() having begun at t0."""
+        pager, stats = self.pager, self.stats
+        self._stepper.end()
+        pager.keep_at_least(self._planner.window())  # state created in this step
+        t_end = time.monotonic()
+        stats.wait_out_seconds += t_end - t0
+        stats.seconds = t_end - self.t_start
+        stats.setup_seconds, stats.loop_seconds = self.setup_seconds, t_end - self._t_loop
+        after = pager.stats()
+        stats.bytes_read = after["bytes_read"] - self.before["bytes_read"]
+        stats.bytes_written = after["bytes_written"] - self.before["bytes_written"]
+        stats.peak_mapped_bytes = after["peak_mapped_bytes"]
+        stats.set_io_times([h.times for h in self._done_in], [h.times for h in self._done_out])
+        stats.timeline = [(b.nbytes, i.times, s, o.times) for b, i, s, o
+                          in zip(self.buckets, self._done_in, self._stepping, self._done_out)]
+        return stats
+
+    def end(self) -> None:
+        """Ends a started pipeline that stepped nothing: its page-ins waited for (the
+        epoch's abort waits for any left, an interrupt here notwithstanding), their pages
+        dropped unwritten (an atomic step's, abandoned)."""
+        try:
+            _settle(list(self._ins.values()) + list(self._aheads.values()))
+        finally:
+            self.atomic.abandon()
+
+
+class _Schedule:
+    """When each bucket of a step is needed again, in bytes named in page-ins (the clock
+    of Pager.page_out_async's reuse_after). The step names bucket k's incoming tensors
+    (named_in[k]: stored forms and scratch) when it issues its page-in (the
+    first ahead + 1 at once, then one after each bucket stepped) and its scratch again
+    when it steps (named_at_step[k]: the decode's page-in); steps repeat the same order,
+    so bucket i, paged out after its step, is needed again one step's bytes after its
+    page-in was issued."""
+
+    def __init__(self, named_in: list, named_at_step: list, ahead: int):
+        n = len(named_in)
+        incoming = [0, *itertools.accumulate(named_in)]
+        scratch = [0, *itertools.accumulate(named_at_step)]
+        self._step = incoming[n] + scratch[n]
+        # The clock (from the step's start) when bucket k's page-in is issued: the first
+        # ahead + 1 at once, then each after bucket k - ahead - 1 stepped.
+        self._issued = [incoming[k] + scratch[max(0, k - ahead)] for k in range(n)]
+        # ... and once bucket i is paged out: page-ins issued through i + ahead, scratch
+        # named through i.
+        self._now = [incoming[min(i + ahead, n - 1) + 1] + scratch[i + 1] for i in range(n)]
+
+    def reuse_after(self, i: int) -> int:
+        return max(1, self._step + self._issued[i] - self._now[i])
+
+
+def _settle(handles) -> None:
+    """Waits for every handle, whatever its outcome (a failed step must not leave buckets
+    in flight; the error that stopped it is the one raised)."""
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:
+            pass

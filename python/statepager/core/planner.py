@@ -1,0 +1,111 @@
+"""An attached optimizer's buckets (statepager.core.stream): planned by
+statepager.core.plan over what statepager.core.layout says each parameter maps, which
+parameters step in chunks, and the window of physical bytes the step's pipeline maps."""
+from __future__ import annotations
+
+from statepager.core import slices
+from statepager.core import plan as planning
+from statepager.core.hooks import Hooks
+from statepager.core.late_reads import ExceptionCounts
+from statepager.core.layout import StateLayout, held
+from statepager.core.plan import Bucket
+from statepager.core.residency import nbytes
+
+
+class Planner:
+    """The plan of one binding: its buckets, filled (StateLayout.fill), and the param
+    groups' layout they were made for."""
+
+    def __init__(self, layout: StateLayout, *, bucket_size: int, depth: int, hooks: Hooks):
+        self.layout = layout
+        self.bucket_size, self.depth = bucket_size, depth
+        self.hooks = hooks  # chunks need chunk hooks beside bucket hooks
+        self.buckets: list[Bucket] = []
+        self._planned_for: list = []  # groups_layout() of the last plan
+
+    def groups_layout(self) -> list:
+        """What a plan is made for: the parameters of each param group, by identity."""
+        return [[id(p) for p in g["params"]] for g in self.layout.optimizer.param_groups]
+
+    def changed(self) -> bool:
+        """True when the param groups changed since the last plan."""
+        return self.groups_layout() != self._planned_for
+
+    def plan(self, to_store: bool = True) -> list[Bucket]:
+        """Plans the buckets for the param groups as they are now (statepager.core.plan),
+        filled (their stored tensors moved to the binding's store unless to_store=False),
+        and returns them. Small parameters are dealt unless resident; where the fused step
+        runs some, only those it runs (another would turn off the fused step of each
+        bucket it joined)."""
+        layout = self.layout
+        groups = layout.optimizer.param_groups
+        fused = layout.fused and {id(p) for g in groups for p in g["params"]
+                                  if layout.fused.may_step(g, p)}
+
+        def dealable(p, group: dict) -> bool:
+            return not layout.resident(p) and (not fused or id(p) in fused)
+
+        buckets, layout.split = planning.plan(groups, self.bucket_size, layout.planned_bytes,
+                                              self._chunking, dealable)
+        for b in buckets:
+            layout.fill(b, to_store)
+        self._planned_for = self.groups_layout()
+        self.buckets = buckets
+        return buckets
+
+    def _chunking(self, p, nbytes: int) -> list[tuple[int, int]] | None:
+        """The chunks p steps in when its `nbytes` are more than a bucket and it can: the
+        optimizer's step is Adam's, bucket hooks have chunk hooks beside them, and p's
+        pager tensors (the parameter when the pager owns it, and its state) are made of
+        pieces (slices.pieces) or not made yet. None: p is a bucket of its own."""
+        layout, hooks = self.layout, self.hooks
+        if nbytes <= self.bucket_size or p.numel() <= slices.CHUNK_ALIGN or layout.resident(p):
+            return None
+        if not slices.sliceable(layout.optimizer) or layout.deferred is None:
+            return None
+        if (hooks.before_bucket and not hooks.before_chunk) or \
+                (hooks.after_bucket and not hooks.after_chunk):
+            return None
+        if layout.stored_whole(p):
+            return None
+        pager = layout.pager
+        made = [p] if pager.owns(p) else []
+        made += [v for v in held(layout.optimizer, p, {}).values() if pager.owns(v)]
+        if not all(pager.pieces(t) == slices.pieces(t.numel(), t.element_size())
+                   for t in made):
+            return None
+        bounds = slices.chunk_bounds(p.numel(), self.bucket_size * p.numel() // nbytes)
+        return bounds if len(bounds) > 1 else None
+
+    def whole(self, buckets: list[Bucket]):
+        """`buckets`, each parameter that steps in chunks as a bucket of its own, whole
+        (filled here: their stored forms in the binding's store)."""
+        groups = self.layout.optimizer.param_groups
+        for b in buckets:
+            if not b.chunks:
+                yield b
+                continue
+            if b.params:
+                whole = Bucket(params=b.params, groups=b.groups)
+                self.layout.fill(whole)
+                yield whole
+            for c in b.chunks:
+                if c.start == 0:
+                    whole = Bucket(params=[c.param], groups=[[] for _ in groups])
+                    whole.groups[c.group].append(c.param)
+                    self.layout.fill(whole)
+                    yield whole
+
+    def window(self) -> int:
+        """Physical bytes the step's pipeline maps at most (window_parts)."""
+        bucket, held_bytes = self.window_parts()
+        return self.depth * bucket + held_bytes
+
+    def window_parts(self) -> tuple[int, int]:
+        """The largest bucket with its page rounding, of which `depth` are in the pipeline,
+        and the residual masters' scratch of the last ExceptionCounts.LAG buckets stepped."""
+        page = self.layout.pager.page_size
+        largest = max((max(b.nbytes, b.planned) for b in self.buckets), default=0)
+        scratch = max((nbytes(f.working for f in b.forms if f.fmt == "residual")
+                       for b in self.buckets), default=0)
+        return largest + 2 * page, ExceptionCounts.LAG * (scratch + 2 * page) if scratch else 0

@@ -1,0 +1,101 @@
+"""One bucket's state made resident and given back (statepager.core.plan's Bucket, filled
+by statepager.core.layout): what its page-in brings, its stored forms decoded into fp32
+working tensors and encoded back, its page-out. The step (statepager.core.pipeline) and
+the reads and writes between steps (statepager.core.stream) share these."""
+from __future__ import annotations
+
+from statepager.core.late_reads import ParamChecks
+from statepager.core.plan import Bucket
+from statepager.formats import codecs
+from statepager.formats.stored import decode_residuals, encode_residuals
+
+
+def incoming(b: Bucket, fused: list | None) -> list:
+    """What a bucket's page-in brings in the step: its stored forms and the scratch
+    its decode fills (zero-filled, nothing read): not that of moments the fused step
+    reads in their stored form (`fused`: StateLayout.fused_forms(b)). Paged in with
+    the rest, the scratch costs the step no wait of its own (a page-in is a round trip
+    through the I/O thread, its zero fill queued behind the next bucket's copies)."""
+    if not b.working:
+        return b.stored
+    fused = {id(f) for f in fused or ()}
+    scratch = [f.working for f in b.forms if f.scratch and id(f) not in fused]
+    return b.stored + scratch
+
+
+def decode(pager, b: Bucket, check_params: bool = True, skip=(),
+           checks: ParamChecks | None = None) -> None:
+    """Decodes the bucket's stored forms (but those in `skip`) into fp32 working
+    tensors. Residual masters are checked against their model params (checksum and
+    rounding): now (a device sync), the bucket not stepped if any changed, or, given
+    `checks`, at the end of the step (an atomic step, rolled back if any changed)."""
+    skip = {id(s) for s in skip}
+    forms = [f for f in b.forms if id(f) not in skip]
+    working = [f.working for f in forms if f.scratch]
+    if working:
+        pager.page_in(working)  # zero-filled scratch; in already when incoming()
+    for f in forms:
+        if f.fmt != "residual":
+            f.decode()
+    # Without check_params nobody reads `changed`: the params' checksums are skipped.
+    changed = decode_residuals([f for f in forms if f.fmt == "residual"], check_params)
+    if changed is None or not check_params:
+        return
+    if checks is not None:
+        checks.add(changed)
+    elif changed.item():
+        ParamChecks.refuse()
+
+
+def encode(b: Bucket, skip=()) -> list:
+    """Encodes the bucket's stored forms (but those in `skip`). Returns the residual
+    masters' exceptions, pending, as [(forms, codecs.PendingExceptions)] (empty
+    without residual masters): until they are finished, the bucket's scratch must
+    stay as it is."""
+    skip = {id(s) for s in skip}
+    forms = [f for f in b.forms if id(f) not in skip]
+    for f in forms:
+        if f.fmt != "residual":
+            f.encode()
+    residual = [f for f in forms if f.fmt == "residual"]
+    return [(residual, encode_residuals(residual))] if residual else []
+
+
+def encode_now(b: Bucket) -> None:
+    """encode(), its exception counts read at once (one device sync for the bucket)."""
+    for forms, pending in encode(b):
+        for f, exceptions in zip(forms, codecs.finish_exceptions([pending])):
+            f.set_exceptions(exceptions)
+
+
+def release(pager, b: Bucket, wait: bool = True, keep=(), reuse_after: int = 0) -> list:
+    """Pages the stored form out and drops the scratch but `keep`; returns the
+    handles. reuse_after: see Pager.page_out_async."""
+    handles = [pager.page_out_async(b.stored, reuse_after)]
+    kept = {id(k) for k in keep}  # a set: a bucket of many small parameters holds many
+    drop = [t for t in b.working if id(t) not in kept]
+    if drop:
+        handles.append(pager.discard_async(drop))
+    if wait:
+        for h in handles:
+            h.wait()
+    return handles
+
+
+def hand_back(pager, b: Bucket, written: bool) -> None:
+    """A bucket paged in and decoded outside the step, given back: encoded and paged
+    out where it was written; else its stored forms back to their bytes at rest
+    without any write (Pager.release_unchanged_async) and its scratch dropped."""
+    if written:
+        encode_now(b)
+        release(pager, b)
+        return
+    handles = [pager.release_unchanged_async(b.stored)]
+    if b.working:  # the decoded scratch
+        handles.append(pager.discard_async(b.working))
+    for h in handles:
+        h.wait()
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

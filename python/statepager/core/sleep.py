@@ -1,0 +1,56 @@
+"""Pager.pause() / resume(): a Pager's tensors paged out and all its physical memory
+given back to the device (to lend the GPU to an inference engine, say), then paged back
+in, bit-exact and at the same addresses.
+
+All or nothing: when a bucket of pause() fails (a full disk, say), what went out is paged
+back in and the error raised, leaving the Pager as before. Should paging back in fail
+too, the Pager stays paused, and resume() brings back what is out. A resume() that fails
+leaves what came back in and the Pager paused: resume() again brings back the rest.
+
+Thread-safety: called under the Pager's lock (statepager.core.serial).
+"""
+from __future__ import annotations
+
+from statepager import _C
+from statepager.core import interrupts
+
+
+class Sleep:
+    """Whether a Pager is paused, and the extents its pause() paged out."""
+
+    def __init__(self):
+        self._out = None  # the extents pause() paged out; None: not paused
+
+    @property
+    def paused(self) -> bool:
+        return self._out is not None
+
+    def pause(self, core, bucket_size: int) -> None:
+        """core: the Pager's _C.Pager."""
+        if self._out is not None:
+            raise _C.UsageError("this Pager is already paused: call resume() first")
+        ids = core.resident_extents()
+        # Paused before anything goes out: an interrupt anywhere from here on leaves it
+        # paused with resume() bringing back what went out, or (below) not paused with
+        # everything back in; never its tensors out and resume() refused.
+        self._out = ids
+        try:
+            core.page_all(ids, bucket_size, True)
+            core.trim()
+        except BaseException:
+            with interrupts.deferred():
+                try:
+                    core.page_all(ids, bucket_size, False)
+                except BaseException as unwind_error:
+                    unwind_error.args = (f"{unwind_error} (while paging back in after pause() "
+                                         "failed: the Pager stays paused, and resume() brings "
+                                         "back what is out)",) + unwind_error.args[1:]
+                    raise
+                self._out = None
+            raise
+
+    def resume(self, core, bucket_size: int) -> None:
+        if self._out is None:
+            raise _C.UsageError("this Pager is not paused")
+        core.page_all(self._out, bucket_size, False)
+        self._out = None

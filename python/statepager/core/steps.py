@@ -1,0 +1,223 @@
+"""An attached optimizer's steps (statepager.core.stream): each runs a Pipeline
+(statepager.core.pipeline), all or nothing when atomic (statepager.core.atomic), its
+first page-ins possibly begun ahead of step() (begin_step), and ends as the binding's
+last stats."""
+from __future__ import annotations
+
+import logging
+import time
+
+from statepager.core import interrupts
+from statepager.core.atomic import AtomicStep, UndoCopies
+from statepager.core.bucket_step import BucketStepper
+from statepager.core.hooks import Hooks
+from statepager.core.late_reads import ParamChecks
+from statepager.core.layout import StateLayout
+from statepager.core.pipeline import Pipeline
+from statepager.core.plan import Bucket
+from statepager.core.planner import Planner
+from statepager.core.step_stats import StepStats
+from statepager.formats.stored import params_changed_since_encoded, residual_forms
+
+log = logging.getLogger("statepager")
+
+
+class Steps:
+    """The steps of one binding (`owner`, a StreamedOptimizer: what AtomicStep reads its
+    buckets from, and which this Pager's other bindings are). Called holding the Pager's
+    lock (the binding's entry points take it)."""
+
+    def __init__(self, owner, layout: StateLayout, planner: Planner, stepper: BucketStepper,
+                 undo: UndoCopies, *, name: str, hooks: Hooks, atomic: bool, log_steps: bool,
+                 host_budget: int):
+        self.owner, self.pager = owner, layout.pager
+        self.layout, self.planner, self.stepper, self.undo = layout, planner, stepper, undo
+        self.name = name
+        self.hooks = hooks      # before_step, after_step; model_param (the fp32 mirror)
+        self.atomic = atomic
+        self.log_steps = log_steps
+        self.host_budget = host_budget  # the Pager's host tier: read-aheads where it has one
+        self.last = StepStats()
+        self._steps = 0
+        self._begun: Pipeline | None = None  # begin()'s, until step() takes it up
+
+    def planned(self) -> list[Bucket]:
+        """The plan for the param groups as they are now: planned anew (a begun step
+        ended first) when they changed since the last plan."""
+        if self.planner.changed():
+            self.end_begun()
+            for i, group in enumerate(self.layout.optimizer.param_groups):
+                self.layout.check_group(group, i)
+            self.planner.plan()
+            self.pager.keep_at_least(self.planner.window())
+        return self.planner.buckets
+
+    def prepare(self) -> None:
+        """StreamedOptimizer.prepare_step."""
+        self.end_begun()
+        if self.atomic and self.layout.mains == "residual":
+            self.undo.take_before_step(self.planned())
+
+    def step(self) -> None:
+        """StreamedOptimizer.step_buckets."""
+        if self.hooks.before_step:
+            self.hooks.before_step()
+        self._step_all()
+        if self.hooks.after_step:
+            self.hooks.after_step()
+
+    def begin(self) -> None:
+        """StreamedOptimizer.begin_step."""
+        if self._begun is not None or not self.atomic or self.pager.paused:
+            return
+        self._end_others_begun()
+        self.pager.reads.release()  # their room is the step's
+        t0, run = time.monotonic(), None
+        held = interrupts.Deferral()  # a Ctrl-C comes at poll(), or once this has ended
+        try:
+            try:
+                step = AtomicStep(self.owner, self.undo, self._mirror())
+            except Exception as error:
+                log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+                return
+            try:
+                run = self.start(step)
+                run.setup_seconds = time.monotonic() - t0
+                held.poll()
+                self._begun = run  # last: from here on the begun step is ended as such
+            except BaseException as error:
+                _end(step, run)
+                if not isinstance(error, Exception):  # an interrupt: after the epoch is closed
+                    raise
+                log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
+        finally:
+            held.release()
+
+    @property
+    def begun(self) -> bool:
+        return self._begun is not None
+
+    def end_begun(self) -> None:
+        """StreamedOptimizer.end_begun_step."""
+        self.pager.reads.release()
+        if self._begun is None:
+            return
+        with interrupts.deferred():
+            run, self._begun = self._begun, None
+            run.end()
+
+    def _end_others_begun(self) -> None:
+        """Ends the other bindings' begun steps on this Pager: their page-ins would take
+        this step's room and count in its stats."""
+        for binding in self.pager.bindings:
+            if binding is not self.owner:
+                binding.end_begun_step()
+
+    def _mirror(self):
+        """What AtomicStep rewrites from restored fp32 masters: their model parameters."""
+        return self.hooks.model_param if self.layout.mains == "fp32" else None
+
+    def _fused_groups(self) -> tuple | None:
+        """What decides, per param group, whether the fused step may run it (None without
+        it): a step begun under other options starts again."""
+        return self.layout.fused.groups_key() if self.layout.fused else None
+
+    def start(self, atomic: AtomicStep | None) -> Pipeline:
+        """A step's pipeline, its first page-ins issued (the rest as buckets step)."""
+        run = Pipeline(self.planned(), self.layout, self.planner, self.stepper, atomic,
+                       step=self._steps + 1, host_budget=self.host_budget,
+                       fused_groups=self._fused_groups())
+        run.start()
+        return run
+
+    def _step_all(self) -> None:
+        t0 = time.monotonic()
+        self.planned()
+        self._end_others_begun()
+        self.pager.reads.release()  # their room is the step's
+        run = self._begun
+        if run is not None and (not self.atomic or run.fused_groups != self._fused_groups()):
+            self.end_begun()  # begun as atomic, or with param groups the fused step differs on
+        if not self.atomic:
+            checked = self._params_checked_up_front()
+            run = self.start(None)
+            run.checked, run.setup_seconds = checked, time.monotonic() - t0
+            self._finish(run.stream())
+            return
+        self._step_atomic(t0)
+
+    def _step_atomic(self, t0: float) -> None:
+        """All or nothing (statepager.core.atomic), a KeyboardInterrupt included: SIGINT is
+        held (statepager.core.interrupts) for the whole step and delivered where a failure
+        is undone (after the epoch opens, between buckets, before the commit) or once the
+        step is whole, so that a Ctrl-C never splits opening the epoch from the try that
+        ends it, the commit from its bookkeeping, or an undo."""
+        held = interrupts.Deferral()
+        try:
+            run, self._begun = self._begun, None
+            step = run.atomic if run is not None else AtomicStep(self.owner, self.undo,
+                                                                 self._mirror())
+            snapshot = False
+            try:
+                held.poll()
+                step.snapshot()
+                snapshot = True
+                if run is None:
+                    run = self.start(step)
+                run.setup_seconds += time.monotonic() - t0
+                run.interrupts = held
+                stats = run.stream()
+                held.poll()
+                t1 = time.monotonic()
+                step.commit()
+            except BaseException as error:
+                self._undo_step(step, run, snapshot, error)
+                raise
+            stats.commit_seconds = time.monotonic() - t1
+            self._finish(stats)
+        finally:
+            held.release()
+
+    def _undo_step(self, step: AtomicStep, run: Pipeline | None, snapshot: bool,
+                   error: BaseException) -> None:
+        """After `error`: everything as before the step (its epoch aborted; once its
+        snapshot is taken, what it changed in ordinary memory put back)."""
+        if not snapshot:
+            _end(step, run)
+            return
+        try:
+            step.roll_back()
+            for b in self.planned():  # without the state the failed step created
+                self.layout.fill(b)
+        except BaseException as failed:
+            error.add_note(f"statepager: undoing the failed step failed too ({failed!r}): "
+                           "the optimizer state may be partly stepped")
+
+    def _finish(self, stats: StepStats) -> None:
+        """A step done: its stats are the last, and logged."""
+        self._steps += 1
+        self.last = stats
+        if self.log_steps:
+            log.info("statepager %s", stats.summary())
+
+    def _params_checked_up_front(self) -> bool:
+        """An in-place step's residual checks, every bucket's at once before any bucket
+        steps: a model parameter changed since its master was encoded (its fingerprint)
+        is refused here, with nothing written, and the host waits for the device once
+        per step instead of once per bucket. True when done; False where some master's
+        fingerprint is not known yet (its state new, or loaded), whose bucket's decode
+        then checks it before the bucket steps, as before."""
+        changed = params_changed_since_encoded(residual_forms(self.planned()))
+        if changed is None:
+            return False
+        if bool(changed):
+            ParamChecks.refuse()
+        return True
+
+
+def _end(step: AtomicStep, run: Pipeline | None) -> None:
+    """Ends a step that changed nothing: its run's page-ins waited for, where it has one."""
+    if run is not None:
+        run.end()
+    else:
+        step.abandon()

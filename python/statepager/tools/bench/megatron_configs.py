@@ -1,0 +1,140 @@
+"""`bench megatron`'s configurations and options: what each configuration runs (unpaged,
+Megatron's own optimizer CPU offload, statepager in each on-disk format with its state on
+the store or in the pinned host tier), the command line that picks them, and the page
+size and timeline those options imply."""
+from __future__ import annotations
+
+import argparse
+
+from statepager import _C
+from statepager.tools.cli_args import (FIO_JOBS, at_least, directory, job_counts, output_file,
+                                       plot_file, size)
+from statepager.util.units import MiB
+
+# Megatron's own offload, as users configure it: Adam on the CPU for all of the state,
+# copies overlapped with it (HybridDeviceOptimizer).
+OFFLOAD = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+               overlap_cpu_optimizer_d2h_h2d=True)
+# host: the Pager's host tier (host_budget) holds the whole paged state in pinned host
+# memory; the store on --dir is then only where a spill would go.
+CONFIGS = {
+    "unpaged": dict(pager=False, what="unpaged (state in device memory)"),
+    "offload": dict(pager=False, optimizer_options=OFFLOAD,
+                    what="Megatron optimizer_cpu_offload (fraction 1.0, overlapped d2h/h2d)"),
+    "fp32": dict(pager=True, moments="fp32", mains="fp32", what="statepager, fp32, store on --dir"),
+    "bf16": dict(pager=True, moments="bf16", mains="fp32",
+                 what="statepager, bf16 moments, fp32 mains, store on --dir"),
+    "q8": dict(pager=True, moments="q8", mains="residual",
+               what="statepager, q8 moments, residual mains, store on --dir"),
+    "host-fp32": dict(pager=True, host=True, moments="fp32", mains="fp32",
+                      what="statepager, fp32, state in the pinned host tier"),
+    "host-q8": dict(pager=True, host=True, moments="q8", mains="residual",
+                    what="statepager, q8 moments, residual mains, state in the pinned host tier"),
+}
+DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
+
+
+def configs(text: str) -> list[str]:
+    """A comma-separated subset of CONFIGS, in the order given."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: configurations are {', '.join(CONFIGS)} (comma-separated)")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names a configuration twice")
+    return names
+
+
+def paged_config(text: str) -> str:
+    """One configuration that runs statepager (whose step has a timeline)."""
+    paged = [n for n, c in CONFIGS.items() if c["pager"]]
+    if text not in paged:
+        raise argparse.ArgumentTypeError(f"{text!r}: the timeline is a paged configuration's: "
+                                         f"one of {', '.join(paged)}")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `bench megatron`; the defaults are a 1.34 B GPT."""
+    p.add_argument("--dir", required=True, type=directory,
+                   help="where the pager's stores and the fio floor's files go (e.g. "
+                        "/dev/shm/sp): the bench makes a new directory in it and deletes it "
+                        "afterwards")
+    p.add_argument("--configs", type=configs, default=list(DEFAULT_CONFIGS),
+                   help=f"which to run, comma-separated, of {','.join(CONFIGS)} (default "
+                        f"{','.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--layers", type=at_least(1, "transformer layers"), default=24)
+    p.add_argument("--hidden", type=at_least(1, "hidden size"), default=2048)
+    p.add_argument("--heads", type=at_least(1, "attention heads"), default=16)
+    p.add_argument("--vocab", type=at_least(2, "vocabulary size"), default=32000)
+    p.add_argument("--seq", type=at_least(1, "sequence length"), default=512)
+    p.add_argument("--micro-batch", type=at_least(1, "sequences per step"), default=4)
+    p.add_argument("--bf16-grads", action="store_true",
+                   help="reduce grads in bf16 (default: fp32 grads, grad_reduce_in_fp32)")
+    p.add_argument("--warmup", type=at_least(1, "the first step creates the moments, so "
+                                                "it is not timed"), default=3)
+    p.add_argument("--steps", type=at_least(1, "timed steps"), default=5)
+    p.add_argument("--bucket-size", type=size, default=size("512M"),
+                   help="the pager's bucket_size (default 512M: half the buckets of 256M, so "
+                        "half the stepping thread's per-bucket work per byte moved: "
+                        "docs/design.md, Note [Buckets and the window])")
+    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=4,
+                   help="the pager's depth (attach(depth=...)); the default 4 keeps two "
+                        "page-ins in flight, so that a bucket's page mapping overlaps another's "
+                        "copies (attach's own default is 3: one bucket less of HBM)")
+    p.add_argument("--page-size", type=size, default=None,
+                   help="the pager's page_size (default: the bucket size, at most 256M; "
+                        "smaller pages map less memory but cost the step about 1 ms per page "
+                        "mapped while a page-out copies: docs/design.md, Note [Mapping costs "
+                        "per call, not per byte])")
+    p.add_argument("--hbm-budget", type=size, default=None, help="the pager's hbm_budget")
+    p.add_argument("--host-budget", type=size, default=None,
+                   help="the host-* configurations' host_budget (default: what holds their "
+                        "state through atomic steps, from the model's parameters)")
+    p.add_argument("--no-map-ram", action="store_true",
+                   help="Pager(map_ram=False): a store in RAM read and written through "
+                        "io_uring (the kernel copies on the CPU) instead of mapped")
+    p.add_argument("--fio-jobs", type=job_counts, default=FIO_JOBS,
+                   help="fio jobs each way for the floor, comma-separated: the fastest count "
+                        "sets it (default 4,8,16)")
+    p.add_argument("--timeout", type=at_least(1, "seconds"), default=900,
+                   help="seconds each configuration may take (its floor included)")
+    p.add_argument("--device-time", action="store_true",
+                   help="after the timed steps, one more whose optimizer.step() runs under "
+                        "torch.profiler: the device's time in statepager's kernels (the "
+                        "codecs' and the optimizer's compute of a step) and the copy engines' "
+                        "busy time")
+    p.add_argument("--timeline", type=paged_config, default=None,
+                   help="the paged configuration whose last timed step --trace and --plot "
+                        "draw (default: the first paged one of --configs)")
+    p.add_argument("--trace", type=output_file, metavar="FILE.json",
+                   help="write that step's buckets (page-in, step, page-out) as a Chrome "
+                        "trace (chrome://tracing, ui.perfetto.dev)")
+    p.add_argument("--plot", type=plot_file, metavar="FILE.png",
+                   help="draw that step's timeline (needs matplotlib: statepager[plot])")
+    p.add_argument("--json", action="store_true")
+
+
+def page_for(bucket: int) -> int:
+    """The page size the bench streams with by default: the bucket size, in whole CUDA
+    pages (2 MiB), at most 256 MiB (the largest measured: a 512 MiB bucket maps two)."""
+    granularity = 2 * MiB
+    return min(256 * MiB, -(-bucket // granularity) * granularity)
+
+
+def timeline_config(args) -> str | None:
+    """The configuration whose step --trace / --plot draw (None when neither is asked
+    for); UsageError when it is not a paged one of --configs."""
+    if not (args.trace or args.plot):
+        return None
+    paged = [n for n in args.configs if CONFIGS[n]["pager"]]
+    name = args.timeline or (paged[0] if paged else None)
+    if name is None:
+        raise _C.UsageError(f"--trace and --plot draw a paged configuration's step, and "
+                            f"--configs {','.join(args.configs)} has none: add one (e.g. fp32)")
+    if name not in paged:
+        raise _C.UsageError(f"--trace and --plot draw a paged configuration's step: --timeline "
+                            f"{name!r} is not in --configs {','.join(args.configs)}: add it "
+                            "there or choose another")
+    return name

@@ -1,0 +1,287 @@
+"""One configuration of `bench megatron`, built and timed in a process of its own:
+
+    python -m statepager.tools.bench.megatron_worker SPEC_JSON OUT_JSON
+
+(run by statepager.tools.bench.megatron.run_worker). It trains the example GPT of SPEC
+for the warm-up and timed steps, measures them (step and optimizer.step() times, the
+pager's bytes, device memory as the driver and torch see it, CPU use), then the floor of
+a paged configuration's bytes, and writes the result, or the error it stopped at, to
+OUT as JSON."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from statepager import _C
+from statepager.tools.bench import device_time
+from statepager.tools.bench import floor as bench_floor
+from statepager.tools.bench.cpu_use import CpuUse
+from statepager.tools.bench.driver_memory import DriverMemory
+from statepager.tools.bench.megatron_configs import CONFIGS
+from statepager.tools.bench.megatron_report import median_bytes
+from statepager.tools.bench.report import spread
+from statepager.util.units import MiB
+
+
+def _load_example(path: str):
+    """examples/megatron_gpt.py as the module megatron_gpt (its dataclass needs it in
+    sys.modules)."""
+    spec = importlib.util.spec_from_file_location("megatron_gpt", path)
+    module = sys.modules["megatron_gpt"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _timed(optimizer, times: list) -> None:
+    """optimizer.step (this instance's) records its wall time, device work included."""
+    step = optimizer.step
+
+    def timed_step(*args, **kwargs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = step(*args, **kwargs)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        return result
+    optimizer.step = timed_step
+
+
+def _profiled_opt_step(optimizer, train_step) -> dict:
+    """Runs train_step() once, its optimizer.step() under torch.profiler: what
+    device_time.profile() saw of it."""
+    step, seen = optimizer.step, {}
+
+    def profiled(*args, **kwargs):
+        result = []
+        seen.update(device_time.profile(lambda: result.append(step(*args, **kwargs))))
+        return result[0]
+    optimizer.step = profiled
+    try:
+        train_step()
+    finally:
+        optimizer.step = step
+    return seen
+
+
+def opt_step_parts(opt_times: list, parts: list) -> dict:
+    """The host's time in each timed opt.step's parts (StepStats: the pager's set-up, its
+    bucket loop, its commit) and the rest (Megatron's own work, the pager's bookkeeping
+    after the loop), as spreads."""
+    rest = [t - sum(p) for t, p in zip(opt_times, parts)]
+    keys = ("setup", "loop", "commit")
+    return dict({k: spread([p[i] for p in parts]) for i, k in enumerate(keys)},
+                rest=spread(rest))
+
+
+def _scope_pool_bytes() -> int:
+    """Bytes torch reserved in MemPools other than its default pool (Pager.scope()'s,
+    backed by the page pool: counted both in torch's reserved and in the pool's mapped)."""
+    return sum(s.get("total_size", 0) for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
+def _bytes(binding, kind: str) -> int:
+    """Bytes of the buckets' `kind` tensors ("stored": the state at rest; "undo": the
+    atomic steps' host copies of what a step overwrites outside the pager)."""
+    return sum(t.numel() * t.element_size() for s in binding.streams for b in s.buckets
+               for t in getattr(b, kind))
+
+
+def _moment_bytes(fmt: str, n: int) -> int:
+    from statepager.formats import codecs
+
+    return {"fp32": 4 * n, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n)}[fmt]
+
+
+def host_budget_for(params, moments: str, mains: str) -> int:
+    """Host tier bytes that hold the paged state of `params` (the trained ones; one rank,
+    so each is one main) through atomic steps: the state twice (a step's old bytes stay
+    until it commits), and 3% + 256 MiB for the tier's 4 KiB rounding."""
+    state = sum((4 if mains == "fp32" else 2) * p.numel() + 2 * _moment_bytes(moments, p.numel())
+                for p in params if p.requires_grad)
+    return int(2 * state * 1.03) + 256 * MiB
+
+def run_config(spec: dict) -> dict:
+    """Trains the GPT of `spec` in this process and measures it, then the floor of a
+    paged configuration's bytes (see the module doc)."""
+    from statepager import Pager
+    from statepager.tools import trace
+
+    config = CONFIGS[spec["config"]]
+    driver = DriverMemory()
+    baseline = driver.used() if driver.without_context else None
+    gpt = _load_example(spec["example"])
+    gpt.init()
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    with_context = driver.used()
+    # The GPT as users train it: without the example's native fp32 test parameter, which
+    # Megatron's offload cannot step (megatron_gpt.build says why); the same in every
+    # configuration.
+    setup = gpt.Setup(layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
+                      vocab=spec["vocab"], seq=spec["seq"], batch=spec["micro_batch"],
+                      grad_fp32=spec["grads"] == "fp32", steps=spec["warmup"] + spec["steps"],
+                      ddp_bucket=40_000_000, fp32_param=False)
+    model = gpt.build_model(setup)
+    host_budget = 0
+    if config.get("host"):
+        host_budget = spec.get("host_budget") or host_budget_for(
+            model.parameters(), config["moments"], config["mains"])
+    pager = (Pager(spec["store"], "cuda", page_size=spec["page_size"],
+                   hbm_budget=spec["hbm_budget"], host_budget=host_budget,
+                   map_ram=not spec["no_map_ram"])
+             if config["pager"] else None)
+    try:
+        model, optimizer, scheduler, binding = gpt.build(
+            setup, pager, model=model, bucket_size=spec["bucket"], depth=spec["depth"],
+            moments=config.get("moments", "fp32"), mains=config.get("mains", "fp32"),
+            optimizer_options=config.get("optimizer_options"))
+        opt_times = []
+        _timed(optimizer, opt_times)
+        torch.cuda.synchronize()
+        built = {"driver": driver.used(),
+                 "pool_mapped": pager.stats()["mapped_bytes"] if pager else None}
+        with driver.sampler() as warmup:
+            losses = [gpt.train_step(setup, model, optimizer, scheduler, i)
+                      for i in range(spec["warmup"])]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        del opt_times[:]
+        steps, moved, pool, compute, streams, parts = [], [], [], [], [], []
+        skipped = 0
+        counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
+                    "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
+        with driver.sampler() as sampler, CpuUse() as cpu:
+            for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
+                before = pager.stats() if pager else None
+                last_before = binding.last if pager else None
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
+                torch.cuda.synchronize()
+                steps.append(time.perf_counter() - t0)
+                if pager is not None:
+                    after = pager.stats()
+                    if any(a is b for a, b in zip(binding.last, last_before)):
+                        # Skipped by Megatron (inf or nan in the grads): nothing streamed,
+                        # and `last` holds an older step. Left out of every figure.
+                        skipped += 1
+                        steps.pop()
+                        opt_times.pop()
+                        continue
+                    moved.append({k: after[k] - before[k] for k in counters})
+                    pool.append((after["peak_mapped_bytes"], after["mapped_bytes"],
+                                 after["cached_bytes"]))
+                    compute.append(sum(s.compute_seconds for s in binding.last))
+                    streams.append(sum(s.seconds for s in binding.last))
+                    parts.append([sum(getattr(s, k) for s in binding.last)
+                                  for k in ("setup_seconds", "loop_seconds", "commit_seconds")])
+        if not steps:
+            raise _C.UsageError(
+                f"Megatron skipped every timed step of {spec['config']} (inf or nan in the "
+                "grads), so no step streamed: raise --warmup, or lower the learning rate")
+        result = {
+            "config": spec["config"], "what": config["what"],
+            "params": sum(p.numel() for p in model.parameters()),
+            "losses": losses, "step_s": spread(steps), "opt_step_s": spread(opt_times),
+            "driver": {"source": driver.source, "baseline": baseline,
+                       "with_context": with_context, "built": built["driver"],
+                       "warmup_peak": warmup.peak, "peak": sampler.peak,
+                       "samples": sampler.samples},
+            "torch": {"max_allocated": torch.cuda.max_memory_allocated(),
+                      "max_reserved": torch.cuda.max_memory_reserved(),
+                      "reserved": torch.cuda.memory_reserved(),
+                      "scope_pool": _scope_pool_bytes()},
+            "pager": None, "floor": None, "timeline_files": [],
+            "cpu_cores": cpu.cores(), "cpus": os.cpu_count(),
+        }
+        if pager is not None:
+            stats = pager.stats()
+            result["pager"] = dict(
+                {k: [m[k] for m in moved] for k in counters},
+                skipped_steps=skipped,
+                stored_bytes=_bytes(binding, "stored"), undo_bytes=_bytes(binding, "undo"),
+                host_budget=host_budget, host_used=stats["host_used_bytes"],
+                direct_io=stats["direct_io"], io_depth=stats["io_depth"],
+                io_block=stats["io_block_bytes"],
+                compute_s=spread(compute), stream_s=spread(streams),
+                parts_s=opt_step_parts(opt_times, parts),
+                peak_mapped=max(p[0] for p in pool),
+                held=max(max(p[0], p[1] + p[2]) for p in pool),
+                buckets=sum(s.buckets for s in binding.last),
+                largest_bucket=max(b.nbytes for s in binding.streams for b in s.buckets),
+                # The members step one after another: the largest one's window.
+                window=max(s.window_bytes for s in binding.streams),
+                # What scope() built and left mapped (no hbm_budget: every main) until
+                # the first step pages it out.
+                mapped_before_first_step=built["pool_mapped"])
+            if spec.get("trace") or spec.get("plot"):
+                last = max(binding.last, key=lambda s: s.bytes_read + s.bytes_written)
+                result["timeline_files"] = trace.write_outputs(
+                    last, spec.get("trace"), spec.get("plot"),
+                    f"bench megatron {spec['config']}: GPT {result['params'] / 1e9:.2f} B, "
+                    f"buckets of {spec['bucket'] // MiB} MiB, step {last.step}")
+        if spec.get("device_time"):  # past the schedule's steps: at its last rate
+            n = spec["warmup"] + spec["steps"]
+            try:
+                result["device_time"] = _profiled_opt_step(
+                    optimizer, lambda: gpt.train_step(setup, model, optimizer, scheduler, n))
+            except Exception as error:  # the timed steps' figures stand without it
+                result["device_time"] = {"error": f"{type(error).__name__}: {error}"}
+        gpt.finish(model)
+    finally:
+        if pager is not None:
+            pager.close()  # its store and host tier go before the floor's turn
+        torch.distributed.destroy_process_group()
+    if result["pager"] is not None:
+        result["floor"] = floor_of(result["pager"], os.path.dirname(spec["store"]),
+                                   spec["fio_jobs"])
+    return result
+
+
+def floor_of(p: dict, directory: str, jobs: tuple[int, ...]) -> dict:
+    """The floor (statepager.tools.bench.floor) of the median step's bytes: those of the store
+    through fio in `directory` with the pager's I/O shape, and all of them (host tier's
+    too) through PCIe."""
+    return bench_floor.measure(
+        directory, torch.device("cuda", torch.cuda.current_device()),
+        median_bytes(p["bytes_read"]), median_bytes(p["bytes_written"]),
+        block=p["io_block"], depth=p["io_depth"], direct=p["direct_io"], jobs=jobs,
+        host_in=median_bytes(p["bytes_from_host"]), host_out=median_bytes(p["bytes_to_host"]),
+        mapped_in=median_bytes(p["mapped_read_bytes"]),
+        mapped_out=median_bytes(p["mapped_written_bytes"]))
+
+
+def _worker_main(argv: list[str]) -> int:
+    spec, out = json.loads(argv[0]), argv[1]
+    try:
+        result = run_config(spec)
+    except Exception as error:
+        # The error the configuration stopped at, kept for the report. The process then
+        # ends without the interpreter's teardown: after a device error (a kernel's
+        # illegal address) CUDA stays broken, and torch's teardown aborts on it, so the
+        # last lines of the log, all the report showed, were torch's abort, not this.
+        traceback.print_exc()
+        lines = traceback.format_exception(error)
+        with open(out, "w") as f:
+            json.dump({"config": spec["config"], "error": f"{type(error).__name__}: {error}",
+                       "log_tail": "".join(lines).splitlines()[-25:]}, f)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m statepager.tools.bench.megatron_worker SPEC_JSON OUT_JSON "
+                 "(run by `statepager bench megatron`)")
+    sys.exit(_worker_main(sys.argv[1:]))

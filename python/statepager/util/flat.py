@@ -1,0 +1,32 @@
+"""flat_view: a dense tensor's elements as one 1-D view, in memory order (what the
+stored forms move byte for byte); copy_each: many element-for-element copies at once."""
+from __future__ import annotations
+
+import torch
+
+from statepager import _C
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as a 1-D view in memory order. t must be dense (contiguous, or a
+    permutation of that: channels_last, a transpose), as every pager tensor is."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not torch.ops.aten.is_non_overlapping_and_dense.default(t):
+        raise _C.UsageError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
+                            "has gaps or overlaps in memory: it has no flat view (clone it)")
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def copy_each(targets: list, sources: list) -> None:
+    """targets[i].copy_(sources[i]) for every i, as torch's multi-tensor copy: on CUDA a
+    few kernels for all (dtypes converted as copy_ converts them), not one per pair. The
+    pairs go in groups of one (device, dtype) each way: torch copies a list that mixes
+    them pair by pair."""
+    groups = {}
+    for t, s in zip(targets, sources):
+        lists = groups.setdefault((t.device, t.dtype, s.device, s.dtype), ([], []))
+        lists[0].append(t)
+        lists[1].append(s)
+    for group_targets, group_sources in groups.values():
+        torch._foreach_copy_(group_targets, group_sources)
