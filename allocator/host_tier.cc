@@ -32,7 +32,7 @@ void HostTier::free(uint64_t offset) { ranges_.free(offset); }
 void HostTier::start(Job& job) {
   for (; job.host_copies_issued < job.host_copies.size(); job.host_copies_issued++) {
     const HostCopy& c = job.host_copies[job.host_copies_issued];
-    if (job.out) {
+    if (job.out()) {
       device_.copy_to_host(c.host, c.addr, c.bytes);
     } else {
       device_.copy_to_device(c.addr, c.host, c.bytes);

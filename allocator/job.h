@@ -4,13 +4,13 @@
 // tiers that move its bytes (allocator/store_tier.h, allocator/host_tier.h) work through
 // its chunks and copies on the Pager's I/O thread.
 //
-// Fields: set by the Pager under its lock and fixed once queued: out .. host_bytes (maps:
-// read by the map thread without the lock while the job waits for it), except
-// what phase two (Pager::place_deferred_locked, on the I/O thread under the lock, with none
-// of the job's work in flight) adds. The I/O thread's alone: part_crcs, part_known (sized by
-// plan), host_copies_issued .. fence,
-// requests, mapped_bytes, error and the times (error and the times are read by others once done is
-// set). Under the Pager's lock: done.
+// Fields: set by the Pager under its lock and fixed once queued: kind .. host_bytes (maps:
+// read by the map thread without the lock while the job waits for it), except what
+// phase two (Pager::place_deferred_locked, on the I/O thread under the lock, with none of
+// the job's work in flight) adds. The I/O thread's alone: part_crcs, part_known (sized by
+// plan), host_copies_issued .. fence, requests, mapped_bytes, error and the times (error
+// and the times are read by others once the phase is kDone). phase: changed under the
+// Pager's lock, while the job is queued by the I/O thread alone (which so reads it without).
 #pragma once
 
 #include <chrono>
@@ -59,12 +59,40 @@ struct RangeCrc {
   size_t parts;
 };
 
+// What a bucket does: Pager's page_in(), page_out(), release_unchanged(), discard() or
+// read_ahead().
+enum class JobKind {
+  kPageIn,
+  kPageInForRead,     // keeping where the bytes lie at rest (page_in's for_read)
+  kPageOut,
+  kReleaseUnchanged,  // a page-out of extents the caller did not write
+  kDiscard,           // a page-out that drops the bytes instead of writing them
+  kReadAhead,         // store -> host tier, no device
+};
+
+// Whether a job of this kind takes bytes off the device (to the store files, the host
+// tier or nowhere): the direction of its copies and requests.
+constexpr bool pages_out(JobKind kind) {
+  return kind == JobKind::kPageOut || kind == JobKind::kReleaseUnchanged ||
+         kind == JobKind::kDiscard;
+}
+
+// A job's progress. A page-out short of host room has a phase two (see Job::deferred):
+// kHeldBack or kPlaced once planned, kPlacedStarted once its added work starts.
+enum class JobPhase {
+  kQueued,         // its work not started (a page-out may wait for a held range)
+  kStarted,        // its work issued or in flight
+  kHeldBack,       // phase two planned; its chunks wait for a held range
+  kPlaced,         // phase two planned; its work still to start
+  kPlacedStarted,  // phase two's work issued or in flight
+  kDone,           // finished: error and the times may be read
+};
+
 struct Job {
-  bool out = false;
-  bool tier_move = false;              // a read-ahead: store -> host tier, no device
-  bool discard = false;                // page-out that drops the bytes instead of writing
-  bool for_read = false;               // page-in keeping bytes at rest (Pager::page_in)
-  bool unchanged = false;              // page-out of extents the caller did not write
+  explicit Job(JobKind job_kind) : kind(job_kind) {}
+  bool out() const { return pages_out(kind); }
+
+  const JobKind kind;
   std::vector<ExtentId> extents;       // the extents this bucket moves
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<Residency> after;        // page-out: their states once done (file or host)
@@ -83,7 +111,6 @@ struct Job {
   // (Pager::place_deferred_locked, phase two).
   std::vector<ExtentId> spills;
   std::vector<ExtentId> deferred;
-  bool placed = false;                 // phase two done
   std::vector<Chunk> chunks;           // store requests (staging or host-tier memory)
   std::vector<uint64_t> file_ends;     // page-out: per store touched, allocate this far
   uint64_t bytes_moved = 0;            // to or from the store files
@@ -93,20 +120,18 @@ struct Job {
   std::vector<char> part_known;        // or not known (copied straight to mapped files)
   uint64_t host_bytes = 0;             // to or from the host tier
   size_t host_copies_issued = 0;       // I/O thread: host_copies[0, this) are queued
-  bool restart = false;                // phase two's work is still to start
-  bool held_back = false;              // phase two's chunks wait for a held range
   size_t next_chunk = 0;
   size_t chunks_in_flight = 0;
-  bool started = false;
-  bool held = false;                   // a page-out found waiting for a held range
+  // Counted in buckets_held: apart from the phase, as a page-out may wait in either phase.
+  bool counted_held = false;
   std::optional<Fence> fence;          // device work to finish before completing
   uint64_t requests = 0;               // file requests completed (added to the counters once)
   uint64_t mapped_bytes = 0;           // of bytes_moved, by device copies to or from mapped
                                        // store files (allocator/ram_map.h)
-  bool done = false;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
   TraceRange trace;                    // the same span, for profilers (allocator/trace_range.h)
+  JobPhase phase = JobPhase::kQueued;
 };
 
 using Ticket = std::shared_ptr<Job>;

@@ -66,7 +66,7 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
   io_thread_ = std::thread([this] { run_io_thread(); });
   map_thread_ = std::thread([this] { run_map_thread(); });
   // Named for profilers and for the benches' count of CPU time per thread
-  // (statepager/bench/cpu_use.py); io_uring's own workers are named iou-wrk-<tid>.
+  // (statepager/tools/bench/cpu_use.py); io_uring's own workers are named iou-wrk-<tid>.
   pthread_setname_np(io_thread_.native_handle(), "statepager-io");
   pthread_setname_np(map_thread_.native_handle(), "statepager-map");
 }
@@ -160,16 +160,6 @@ void Pager::check_open_locked() const {
   if (closed_) throw UsageError("this Pager is closed: create a new one");
 }
 
-Pager::Extent& Pager::extent_locked(ExtentId id) {
-  auto it = extents_.find(id);
-  if (it == extents_.end()) throw UsageError("unknown extent " + std::to_string(id));
-  return *it->second;
-}
-
-const Pager::Extent& Pager::extent_locked(ExtentId id) const {
-  return const_cast<Pager*>(this)->extent_locked(id);
-}
-
 ExtentId Pager::create(size_t bytes, unsigned store) { return create_pieces({bytes}, store)[0]; }
 
 size_t Pager::check_pieces(const std::vector<size_t>& pieces) const {
@@ -219,11 +209,9 @@ std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, un
     e->addr = addr;
     e->bytes = pieces[i];
     e->file_bytes = file_range_bytes(pieces[i]);
-    e->store_offset = offsets[i];
-    const ExtentId id = next_id_++;
-    if (!ids.empty()) extents_[ids.back()]->next_piece = id;
-    by_address_[addr] = id;
-    extents_[id] = std::move(e);
+    e->ranges.store = offsets[i];
+    const ExtentId id = extents_.add(std::move(e));
+    if (!ids.empty()) extents_.at(ids.back()).next_piece = id;
     ids.push_back(id);
     addr += pieces[i];
   }
@@ -233,8 +221,8 @@ std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, un
 std::vector<ExtentId> Pager::pieces(ExtentId first) const {
   std::unique_lock lock(mu_);
   std::vector<ExtentId> ids{first};
-  for (ExtentId next = extent_locked(first).next_piece; next != 0;
-       next = extent_locked(next).next_piece) {
+  for (ExtentId next = extents_.at(first).next_piece; next != 0;
+       next = extents_.at(next).next_piece) {
     ids.push_back(next);
   }
   return ids;
@@ -247,17 +235,17 @@ std::vector<ExtentId> Pager::extents_in(const std::vector<ByteRange>& ranges,
   ids.reserve(ranges.size());
   for (size_t i = 0; i < ranges.size(); i++) {
     const ByteRange& r = ranges[i];
-    auto it = by_address_.find(r.storage);
-    if (it == by_address_.end() || extent_locked(it->second).segment) {
+    const std::optional<ExtentId> first = extents_.starting_at(r.storage);
+    if (!first || extents_.at(*first).segment) {
       *unknown = i;
       return {};
     }
-    if (extent_locked(it->second).next_piece == 0) {
-      ids.push_back(it->second);
+    if (extents_.at(*first).next_piece == 0) {
+      ids.push_back(*first);
       continue;
     }
-    for (ExtentId id = it->second; id != 0; id = extent_locked(id).next_piece) {
-      const Extent& e = extent_locked(id);
+    for (ExtentId id = *first; id != 0; id = extents_.at(id).next_piece) {
+      const Extent& e = extents_.at(id);
       if (e.addr >= r.end) break;  // pieces lie in address order
       if (e.addr + e.bytes > r.begin) ids.push_back(id);
     }
@@ -268,7 +256,7 @@ std::vector<ExtentId> Pager::extents_in(const std::vector<ByteRange>& ranges,
 uintptr_t Pager::create_segment(size_t bytes) {
   const ExtentId id = create(bytes);
   std::unique_lock lock(mu_);
-  Extent& e = extent_locked(id);
+  Extent& e = extents_.at(id);
   try {
     while (!pool_.ref(e.addr, e.bytes, true)) {  // a page of it is being mapped: wait
       done_cv_.wait(lock);
@@ -289,11 +277,11 @@ void Pager::release_at(uintptr_t addr) {
   ExtentId id;
   {
     std::unique_lock lock(mu_);
-    auto it = by_address_.find(addr);
-    if (it == by_address_.end() || !extent_locked(it->second).segment) {
+    const std::optional<ExtentId> at = extents_.starting_at(addr);
+    if (!at || !extents_.at(*at).segment) {
       throw UsageError("no segment of this pager starts at the freed address");
     }
-    id = it->second;
+    id = *at;
   }
   release(id);
 }
@@ -306,7 +294,7 @@ bool Pager::owns_address(uintptr_t addr) const {
 void Pager::release(ExtentId id) {
   if (::getpid() != owner_) return;  // the parent's (see Note [A Pager across fork])
   std::unique_lock lock(mu_);
-  if (extent_locked(id).state == Residency::kResident && !closed_) {
+  if (extents_.at(id).state == Residency::kResident && !closed_) {
     // As cudaFree does: work queued before the tensor died (a kernel on any stream) may
     // still read or write its pages, which the release unmaps. A broken device (its
     // error rethrown after) has no work left to wait for.
@@ -326,10 +314,10 @@ void Pager::release(ExtentId id) {
 }
 
 void Pager::release_locked(ExtentId id) {
-  Extent& e = extent_locked(id);
+  Extent& e = extents_.at(id);
   // A tensor may die while its bucket is in flight (its page-out may even wait for a
   // range a save holds): never wait here, the bucket frees it when it completes.
-  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut || e.tier_moving) {
+  if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut || e.tier_move) {
     e.dead = true;
     return;
   }
@@ -337,11 +325,10 @@ void Pager::release_locked(ExtentId id) {
 }
 
 void Pager::free_extent_locked(ExtentId id) {
-  Extent& e = extent_locked(id);
+  Extent& e = extents_.at(id);
   if (e.state == Residency::kResident && (!closed_ || e.segment)) pool_.unref(e.addr, e.bytes);
   pool_.free(e.addr);
-  for (uint64_t range : e.ranges()) free_range_locked(range, e.file_bytes);
-  by_address_.erase(e.addr);
+  for (uint64_t range : e.referenced()) free_range_locked(range, e.file_bytes);
   extents_.erase(id);
 }
 
@@ -383,39 +370,39 @@ void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
   check_open_locked();
   check_store_locked(store);
   for (ExtentId id : ids) {  // all checked before any moves
-    const Extent& e = extent_locked(id);
+    const Extent& e = extents_.at(id);
     if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot change stores");
     if (e.state == Residency::kPagingIn || e.state == Residency::kPagingOut) {
       throw UsageError("extent " + std::to_string(id) + " is being paged: wait for its bucket "
                        "before moving it to another store");
     }
-    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
-    if (store_index(now) != store) check_not_in_epoch_locked(e, id, "change stores");
+    if (store_index(e.ranges.next_store.value_or(e.ranges.store)) != store) {
+      check_not_in_epoch_locked(e, id, "change stores");
+    }
   }
   for (ExtentId id : ids) {
-    Extent& e = extent_locked(id);
-    const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
-    if (store_index(now) == store) continue;
-    if (e.next_offset != kNoOffset) {  // a move not done yet goes elsewhere
-      free_range_locked(e.next_offset);
-      e.next_offset = kNoOffset;
-      if (store_index(e.store_offset) == store) continue;
+    Extent& e = extents_.at(id);
+    if (store_index(e.ranges.next_store.value_or(e.ranges.store)) == store) continue;
+    if (e.ranges.next_store) {  // a move not done yet goes elsewhere
+      free_range_locked(*e.ranges.next_store);
+      e.ranges.next_store.reset();
+      if (store_index(e.ranges.store) == store) continue;
     }
     const uint64_t to = stores_[store]->space.allocate(e.file_bytes, kFileAlign);
     if (e.state == Residency::kFile) {
-      e.next_offset = to;  // its bytes are read from the old range once more
+      e.ranges.next_store = to;  // its bytes are read from the old range once more
     } else {
-      free_range_locked(e.store_offset);
-      e.store_offset = to;
-      if (e.rest == Residency::kFile) e.rest = Residency::kResident;  // the new range is empty
+      free_range_locked(e.ranges.store);
+      e.ranges.store = to;
+      if (e.rest == Residency::kFile) e.rest.reset();  // the new range is empty
     }
   }
 }
 
 unsigned Pager::store_of(ExtentId id) const {
   std::unique_lock lock(mu_);
-  const Extent& e = extent_locked(id);
-  return store_index(e.next_offset != kNoOffset ? e.next_offset : e.store_offset);
+  const Extent& e = extents_.at(id);
+  return store_index(e.ranges.next_store.value_or(e.ranges.store));
 }
 
 // A range a save holds is freed once it is copied (unhold()): until then nothing may be
@@ -438,22 +425,26 @@ void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
 // The extent's bytes are no longer needed in its old store: it now lives in the new one.
 // In an epoch the old range holds the committed bytes: the epoch's end frees it.
 void Pager::finish_move_locked(Extent& e) {
-  if (e.next_offset == kNoOffset) return;
-  if (e.store_offset != e.committed_offset) free_range_locked(e.store_offset);
-  e.store_offset = e.next_offset;
-  e.next_offset = kNoOffset;
+  if (!e.ranges.next_store) return;
+  if (!e.committed || e.ranges.store != e.committed->ranges.store) {
+    free_range_locked(e.ranges.store);
+  }
+  e.ranges.store = *e.ranges.next_store;
+  e.ranges.next_store.reset();
 }
 
 // The extent no longer uses its host range (paged in, discarded, or a page-out failed);
 // in an epoch a range holding committed bytes stays until the epoch ends.
 void Pager::drop_host_locked(Extent& e) {
-  if (e.host_offset == kNoOffset) return;
-  if (e.host_offset != e.committed_host) free_range_locked(e.host_offset);
-  e.host_offset = kNoOffset;
+  if (!e.ranges.host) return;
+  if (!e.committed || e.ranges.host != e.committed->ranges.host) {
+    free_range_locked(*e.ranges.host);
+  }
+  e.ranges.host.reset();
 }
 
 void Pager::check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const {
-  if (e.epoch != 0) {
+  if (e.committed) {
     throw UsageError("extent " + std::to_string(id) + " is in an open epoch (a step is "
                      "running): it cannot " + what + " until the epoch ends");
   }
@@ -461,29 +452,29 @@ void Pager::check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* 
 
 bool Pager::exists(ExtentId id) const {
   std::unique_lock lock(mu_);
-  return extents_.count(id) != 0;
+  return extents_.find(id) != nullptr;
 }
 
 uintptr_t Pager::address(ExtentId id) const {
   std::unique_lock lock(mu_);
-  return extent_locked(id).addr;
+  return extents_.at(id).addr;
 }
 
 size_t Pager::size(ExtentId id) const {
   std::unique_lock lock(mu_);
-  return extent_locked(id).bytes;
+  return extents_.at(id).bytes;
 }
 
 Residency Pager::residency(ExtentId id) const {
   std::unique_lock lock(mu_);
-  return extent_locked(id).state;
+  return extents_.at(id).state;
 }
 
 std::optional<ExtentId> Pager::find(uintptr_t addr) const {
   std::unique_lock lock(mu_);
-  auto it = by_address_.find(addr);
-  if (it == by_address_.end() || extent_locked(it->second).segment) return std::nullopt;
-  return it->second;
+  const std::optional<ExtentId> id = extents_.starting_at(addr);
+  if (!id || extents_.at(*id).segment) return std::nullopt;
+  return id;
 }
 
 PagerStats Pager::stats() const {
@@ -568,7 +559,9 @@ void Pager::close() {
     if (e->segment) continue;  // PyTorch's MemPool may still hand out its blocks
     if (e->state == Residency::kResident) attempt([&] { pool_.unref(e->addr, e->bytes); });
     e->state = Residency::kZero;
-    e->host_offset = e->committed_host = kNoOffset;  // the host tier goes below
+    // The host tier goes below.
+    e->ranges.host.reset();
+    if (e->committed) e->committed->ranges.host.reset();
   }
   attempt([&] { pool_.trim(); });
   store_tier_.reset();  // frees the staging memory

@@ -89,6 +89,7 @@
 
 #include "allocator/arena.h"
 #include "allocator/device.h"
+#include "allocator/extent_table.h"
 #include "allocator/host_tier.h"
 #include "allocator/job.h"
 #include "allocator/pool.h"
@@ -351,7 +352,6 @@ class Pager {
   void close();
 
  private:
-  struct Extent;
   struct Store;
   Ticket submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t stream = 0,
                 uint64_t reuse_after = 0);
@@ -375,7 +375,7 @@ class Pager {
   void release_locked(ExtentId id);      // release() once the device's work is done
   void free_extent_locked(ExtentId id);  // release() of an extent not being paged
   bool only_held_jobs_locked();
-  Placement placement_locked(const Extent& e, uint64_t store_offset) const;
+  Placement placement_locked(const Extent& e, std::optional<uint64_t> range) const;
   bool fence_passed_locked(Job& job);
   void unref_quietly_locked(const Extent& e);
   void complete(Job& job);
@@ -391,8 +391,6 @@ class Pager {
   std::vector<Extent*> settled_epoch_locked(std::unique_lock<std::mutex>& lock, uint64_t epoch);
   void end_epoch_locked(Extent& e, bool keep);
   void check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const;
-  Extent& extent_locked(ExtentId id);
-  const Extent& extent_locked(ExtentId id) const;
   void check_open_locked() const;
   void abandon() noexcept;
   void open_stores();
@@ -424,9 +422,7 @@ class Pager {
   std::condition_variable& work_cv_;   // wakes the I/O thread
   std::condition_variable& map_cv_;    // wakes the map thread
   std::condition_variable& done_cv_;   // wakes waiters
-  std::unordered_map<ExtentId, std::unique_ptr<Extent>> extents_;  // mu_
-  std::unordered_map<uintptr_t, ExtentId> by_address_;             // mu_
-  ExtentId next_id_ = 1;               // mu_
+  ExtentTable extents_;                // mu_
   std::deque<Ticket> queue_;           // mu_: buckets not finished, in submission order
   size_t outs_in_flight_ = 0;          // mu_: page-out buckets queued or running
   std::deque<Ticket> map_queue_;       // mu_: page-ins waiting for the map thread, in order

@@ -68,7 +68,7 @@ void Pager::settle_crcs_locked(Job& job) {
     uint32_t crc;
     uint64_t bytes;
     const bool known = joined(job, r, &crc, &bytes);
-    if (job.out) {
+    if (job.out()) {
       if (known && !job.error) {
         crcs[r.store_offset] = crc;
       } else {

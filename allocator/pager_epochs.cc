@@ -15,9 +15,9 @@ namespace statepager {
 void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
   std::vector<Extent*> moving;
   for (ExtentId id : ids) {
-    Extent& e = extent_locked(id);
-    if (e.epoch != 0 && e.committed_state == Residency::kFile &&
-        e.store_offset == e.committed_offset) {
+    Extent& e = extents_.at(id);
+    if (e.committed && e.committed->state == Residency::kFile &&
+        e.ranges.store == e.committed->ranges.store) {
       moving.push_back(&e);
     }
   }
@@ -26,26 +26,27 @@ void Pager::redirect_writes_locked(const std::vector<ExtentId>& ids) {
   std::vector<std::pair<Extent*, uint64_t>> fresh;
   try {
     for (Extent* e : moving) {
-      Arena& space = stores_[store_index(e->store_offset)]->space;
+      Arena& space = stores_[store_index(e->ranges.store)]->space;
       fresh.emplace_back(e, space.allocate(e->file_bytes, kFileAlign));
     }
   } catch (...) {
     for (auto [e, range] : fresh) free_range_locked(range);
     throw;
   }
-  for (auto [e, range] : fresh) e->store_offset = range;
+  for (auto [e, range] : fresh) e->ranges.store = range;
 }
 
-// kNoOffset: a placement without bytes at rest (no spans).
-Placement Pager::placement_locked(const Extent& e, uint64_t store_offset) const {
+// No range: a placement without bytes at rest (no spans).
+Placement Pager::placement_locked(const Extent& e, std::optional<uint64_t> range) const {
   Placement p;
   p.state = e.state;
   p.bytes = e.bytes;
-  p.store_offset = store_offset;
   p.store_bytes = align_up(e.bytes, kFileAlign);
-  if (HostTier::is_host(store_offset) && store_offset != kNoOffset) {
-    p.host = host_tier_->host(store_offset);
-  } else if (store_offset != kNoOffset) {
+  if (!range) return p;
+  p.store_offset = *range;
+  if (HostTier::is_host(*range)) {
+    p.host = host_tier_->host(*range);
+  } else {
     p.spans = file_->spans(p.store_offset, p.store_bytes);
   }
   return p;
@@ -62,13 +63,14 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
   wait_tier_moves_locked(lock, ids);
   std::vector<Placement> out;
   for (ExtentId id : ids) {
-    const Extent& e = extent_locked(id);
+    const Extent& e = extents_.at(id);
     if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
                        "out (and wait) before copying the store");
     }
     check_not_in_epoch_locked(e, id, "be copied");
-    out.push_back(placement_locked(e, e.state == Residency::kHost ? e.host_offset : e.store_offset));
+    const bool host = e.state == Residency::kHost;
+    out.push_back(placement_locked(e, host ? e.ranges.host : e.ranges.store));
   }
   for (const Placement& p : out) {
     if (p.state != Residency::kZero && p.store_bytes > 0) {
@@ -98,14 +100,14 @@ void Pager::unhold(uint64_t store_offset) {
 
 // True when the (unstarted) job is a page-out into a held range; counts it once.
 bool Pager::waits_for_hold_locked(Job& job) {
-  if (!job.out || job.discard || held_.empty()) return false;
+  if (!job.out() || job.kind == JobKind::kDiscard || held_.empty()) return false;
   for (const Chunk& c : job.chunks) {
     auto next = held_.upper_bound(c.store_offset);  // ranges are disjoint: check two
     const bool before = next != held_.begin() && std::prev(next)->second > c.store_offset;
     const bool after = next != held_.end() && next->first < c.store_offset + c.file_bytes;
     if (before || after) {
-      if (!job.held) counters_.buckets_held++;
-      job.held = true;
+      if (!job.counted_held) counters_.buckets_held++;
+      job.counted_held = true;
       return true;
     }
   }
@@ -114,7 +116,7 @@ bool Pager::waits_for_hold_locked(Job& job) {
 
 bool Pager::only_held_jobs_locked() {
   for (const Ticket& job : queue_) {
-    if (job->started || !waits_for_hold_locked(*job)) return false;
+    if (job->phase != JobPhase::kQueued || !waits_for_hold_locked(*job)) return false;
   }
   return true;
 }
@@ -126,36 +128,36 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
   check_open_locked();
   wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
-    const Extent& e = extent_locked(id);
+    const Extent& e = extents_.at(id);
     if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page "
                        "it out or discard it (and wait) before restoring it");
     }
-    if (held_.count(e.store_offset) != 0 || held_.count(e.host_offset) != 0) {
+    if (held_.count(e.ranges.store) != 0 || (e.ranges.host && held_.count(*e.ranges.host) != 0)) {
       throw UsageError("a checkpoint copy still holds the store range of extent " +
                        std::to_string(id) + ": wait for the save to finish first");
     }
     check_not_in_epoch_locked(e, id, "be restored");
   }
-  std::vector<uint64_t> fresh(ids.size(), kNoOffset);  // where the new bytes go
+  std::vector<std::optional<uint64_t>> fresh(ids.size());  // where the new bytes go
   try {
     for (size_t i = 0; i < ids.size(); i++) {
       if (zero[i]) continue;
-      const Extent& e = extent_locked(ids[i]);
+      const Extent& e = extents_.at(ids[i]);
       // In the store it moves to, if it moves: the move is done once the bytes are there.
-      const uint64_t now = e.next_offset != kNoOffset ? e.next_offset : e.store_offset;
+      const uint64_t now = e.ranges.next_store.value_or(e.ranges.store);
       fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
     }
   } catch (...) {
-    for (uint64_t range : fresh) {
-      if (range != kNoOffset) free_range_locked(range);
+    for (std::optional<uint64_t> range : fresh) {
+      if (range) free_range_locked(*range);
     }
     throw;
   }
   std::vector<Placement> places(ids.size());
   for (size_t i = 0; i < ids.size(); i++) {
-    Extent& e = extent_locked(ids[i]);
-    places[i] = zero[i] ? placement_locked(e, kNoOffset) : placement_locked(e, fresh[i]);
+    Extent& e = extents_.at(ids[i]);
+    places[i] = placement_locked(e, fresh[i]);
     places[i].state = zero[i] ? Residency::kZero : Residency::kFile;
     e.restore_from = e.state;
     e.state = Residency::kPagingIn;
@@ -168,7 +170,7 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
   check_owner();
   std::unique_lock lock(mu_);
   for (size_t i = 0; i < ids.size(); i++) {
-    Extent& e = extent_locked(ids[i]);
+    Extent& e = extents_.at(ids[i]);
     const bool zero = places[i].state == Residency::kZero;
     if (!ok) {
       if (!zero) free_range_locked(places[i].store_offset);
@@ -179,9 +181,9 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
       finish_move_locked(e);
     } else {
       drop_host_locked(e);
-      for (uint64_t range : e.ranges()) free_range_locked(range);
-      e.store_offset = places[i].store_offset;
-      e.next_offset = kNoOffset;
+      for (uint64_t range : e.referenced()) free_range_locked(range);
+      e.ranges.store = places[i].store_offset;
+      e.ranges.next_store.reset();
       e.state = Residency::kFile;
     }
   }
@@ -199,7 +201,7 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
   members.erase(std::unique(members.begin(), members.end()), members.end());
   wait_tier_moves_locked(lock, members);
   for (ExtentId id : members) {
-    const Extent& e = extent_locked(id);
+    const Extent& e = extents_.at(id);
     if (e.segment) throw UsageError("a segment of PyTorch's allocator cannot be in an epoch");
     if (!at_rest(e.state)) {
       throw UsageError("extent " + std::to_string(id) + " is resident or being paged: page it "
@@ -209,19 +211,15 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
   }
   const uint64_t epoch = next_epoch_++;
   for (ExtentId id : members) {
-    Extent& e = extent_locked(id);
-    e.epoch = epoch;
-    e.committed_state = e.state;
-    e.committed_offset = e.store_offset;
-    e.committed_next = e.next_offset;
-    e.committed_host = e.host_offset;
+    Extent& e = extents_.at(id);
+    e.committed = Committed{epoch, e.state, e.ranges};
   }
   epochs_[epoch] = std::move(members);
   return epoch;
 }
 
 // The epoch's extents (those not released meanwhile), once none is being paged.
-std::vector<Pager::Extent*> Pager::settled_epoch_locked(std::unique_lock<std::mutex>& lock,
+std::vector<Extent*> Pager::settled_epoch_locked(std::unique_lock<std::mutex>& lock,
                                                         uint64_t epoch) {
   check_open_locked();
   auto it = epochs_.find(epoch);
@@ -230,11 +228,10 @@ std::vector<Pager::Extent*> Pager::settled_epoch_locked(std::unique_lock<std::mu
   done_cv_.wait(lock, [&] {
     members.clear();
     for (ExtentId id : it->second) {
-      auto e = extents_.find(id);
-      if (e == extents_.end() || e->second->epoch != epoch) continue;
-      const Residency s = e->second->state;
-      if (s == Residency::kPagingIn || s == Residency::kPagingOut) return false;
-      members.push_back(e->second.get());
+      Extent* e = extents_.find(id);
+      if (e == nullptr || !e->committed || e->committed->epoch != epoch) continue;
+      if (e->state == Residency::kPagingIn || e->state == Residency::kPagingOut) return false;
+      members.push_back(e);
     }
     return true;
   });
@@ -244,17 +241,14 @@ std::vector<Pager::Extent*> Pager::settled_epoch_locked(std::unique_lock<std::mu
 // Ends e's epoch. keep: what it holds now becomes committed; else it returns to what it
 // committed. The ranges it no longer refers to are freed.
 void Pager::end_epoch_locked(Extent& e, bool keep) {
-  const std::vector<uint64_t> before = e.ranges();
+  const std::vector<uint64_t> before = e.referenced();
   if (!keep) {
     if (e.state == Residency::kResident) pool_.unref(e.addr, e.bytes);
-    e.state = e.committed_state;
-    e.store_offset = e.committed_offset;
-    e.next_offset = e.committed_next;
-    e.host_offset = e.committed_host;
+    e.state = e.committed->state;
+    e.ranges = e.committed->ranges;
   }
-  e.epoch = 0;
-  e.committed_offset = e.committed_next = e.committed_host = kNoOffset;
-  const std::vector<uint64_t> now = e.ranges();
+  e.committed.reset();
+  const std::vector<uint64_t> now = e.referenced();
   for (uint64_t range : before) {
     if (std::find(now.begin(), now.end(), range) == now.end()) free_range_locked(range);
   }

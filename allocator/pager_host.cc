@@ -3,6 +3,7 @@
 // the store into free host room.
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 #include "allocator/pager.h"
@@ -20,7 +21,7 @@ std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
   std::vector<ExtentId> to_store;
   size_t short_bytes = 0;
   for (ExtentId id : job.extents) {
-    Extent& e = extent_locked(id);
+    Extent& e = extents_.at(id);
     std::optional<uint64_t> range;
     if (host_tier_) range = host_tier_->allocate(e.file_bytes);
     if (!range && host_tier_ && e.file_bytes <= host_tier_->budget_bytes()) {
@@ -34,7 +35,7 @@ std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
       to_store.push_back(id);
       continue;
     }
-    e.host_offset = *range;
+    e.ranges.host = *range;
     // Past its bytes a range holds zeros, as a store range does (checkpoints copy them).
     std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
     job.after.push_back(Residency::kHost);
@@ -55,18 +56,22 @@ std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
 
 // HOST extents whose host range no save holds, until their ranges add up to short_bytes
 // (see the class comment for the order): the job writes them back before placing its
-// deferred extents. They are 'paging_out' (tier_moving) meanwhile.
+// deferred extents. They are 'paging_out' (TierMove::kSpill) meanwhile.
 void Pager::choose_spills_locked(Job& job, size_t short_bytes) {
-  uint64_t needed = kNoUse;  // when the job's own extents are needed next, if known
-  for (ExtentId id : job.deferred) needed = std::min(needed, extent_locked(id).next_use);
+  std::optional<uint64_t> needed;  // when the job's own extents are needed next, if known
+  for (ExtentId id : job.deferred) {
+    const std::optional<uint64_t> next_use = extents_.at(id).next_use;
+    if (next_use) needed = std::min(needed.value_or(*next_use), *next_use);
+  }
   // Ordered by (hinted, hinted: farthest next use first, else least recently used).
+  constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max();
   std::vector<std::tuple<bool, uint64_t, ExtentId>> order;
   for (const auto& [id, e] : extents_) {
-    if (e->state != Residency::kHost || held_.count(e->host_offset) != 0) continue;
-    if (e->next_use == kNoUse) {
+    if (e->state != Residency::kHost || held_.count(*e->ranges.host) != 0) continue;
+    if (!e->next_use) {
       order.emplace_back(false, e->last_use, id);
-    } else if (needed == kNoUse || e->next_use > needed) {
-      order.emplace_back(true, kNoUse - e->next_use, id);
+    } else if (!needed || *e->next_use > *needed) {
+      order.emplace_back(true, kLast - *e->next_use, id);
     }
   }
   std::sort(order.begin(), order.end());
@@ -74,22 +79,22 @@ void Pager::choose_spills_locked(Job& job, size_t short_bytes) {
   for (auto [known, rank, id] : order) {
     if (freed >= short_bytes) break;
     job.spills.push_back(id);
-    freed += extent_locked(id).file_bytes;
+    freed += extents_.at(id).file_bytes;
   }
   redirect_writes_locked(job.spills);  // committed store bytes are never overwritten
   for (ExtentId id : job.spills) {
-    extent_locked(id).state = Residency::kPagingOut;
-    extent_locked(id).tier_moving = true;
+    extents_.at(id).state = Residency::kPagingOut;
+    extents_.at(id).tier_move = TierMove::kSpill;
   }
 }
 
 // Phase two of a page-out short of host room, once its spills are written: they let
 // their host ranges go and the deferred extents take what room there is; the rest goes
-// to the store. start_job() starts the work added (job.restart).
+// to the store. start_job() starts the work added (JobPhase::kPlaced).
 void Pager::place_deferred_locked(Job& job) {
-  job.placed = true;
+  job.phase = JobPhase::kPlaced;  // also if this throws: the spills have landed
   for (ExtentId id : job.spills) {
-    Extent& e = extent_locked(id);
+    Extent& e = extents_.at(id);
     counters_.spills++;
     counters_.spilled_bytes += e.bytes;
     spilled_locked(e);
@@ -97,14 +102,14 @@ void Pager::place_deferred_locked(Job& job) {
   std::vector<ExtentId> to_store;
   for (size_t i = 0; i < job.extents.size(); i++) {
     if (job.after[i] != Residency::kResident) continue;  // placed at submit
-    Extent& e = extent_locked(job.extents[i]);
+    Extent& e = extents_.at(job.extents[i]);
     const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
     if (!range) {
       job.after[i] = Residency::kFile;
       to_store.push_back(job.extents[i]);
       continue;
     }
-    e.host_offset = *range;
+    e.ranges.host = *range;
     std::memset(host_tier_->host(*range) + e.bytes, 0, e.file_bytes - e.bytes);
     job.after[i] = Residency::kHost;
     job.host_copies.push_back(HostCopy{e.addr, host_tier_->host(*range), e.bytes});
@@ -113,25 +118,24 @@ void Pager::place_deferred_locked(Job& job) {
   redirect_writes_locked(to_store);
   std::vector<StoreTier::Move> moves;
   for (ExtentId id : to_store) {
-    const Extent& e = extent_locked(id);
-    moves.push_back(StoreTier::Move{e.addr, e.bytes, e.store_offset, e.file_bytes});
+    const Extent& e = extents_.at(id);
+    moves.push_back(StoreTier::Move{e.addr, e.bytes, e.ranges.store, e.file_bytes});
   }
   store_tier_->plan(job, std::move(moves));
-  job.held_back = waits_for_hold_locked(job);
-  job.restart = true;
+  if (waits_for_hold_locked(job)) job.phase = JobPhase::kHeldBack;
 }
 
 // A spill landed: the extent's bytes are in its store range, its host range goes. In an
 // epoch whose committed bytes were that host range, the store range holds them now.
 void Pager::spilled_locked(Extent& e) {
-  if (e.epoch != 0 && e.host_offset == e.committed_host) {
-    e.committed_state = Residency::kFile;
-    e.committed_offset = e.store_offset;
-    e.committed_host = kNoOffset;
+  if (e.committed && e.ranges.host == e.committed->ranges.host) {
+    e.committed->state = Residency::kFile;
+    e.committed->ranges.store = e.ranges.store;
+    e.committed->ranges.host.reset();
   }
   drop_host_locked(e);
   e.state = Residency::kFile;
-  e.tier_moving = false;
+  e.tier_move.reset();
 }
 
 // Waits until none of `ids` is being spilled or read ahead.
@@ -139,8 +143,8 @@ void Pager::wait_tier_moves_locked(std::unique_lock<std::mutex>& lock,
                                    const std::vector<ExtentId>& ids) {
   done_cv_.wait(lock, [&] {
     for (ExtentId id : ids) {
-      auto it = extents_.find(id);
-      if (it != extents_.end() && it->second->tier_moving) return false;
+      const Extent* e = extents_.find(id);
+      if (e != nullptr && e->tier_move) return false;
     }
     return true;
   });
@@ -150,25 +154,24 @@ Ticket Pager::read_ahead(const std::vector<ExtentId>& bucket) {
   check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
-  auto job = std::make_shared<Job>();
-  job->tier_move = true;
+  auto job = std::make_shared<Job>(JobKind::kReadAhead);
   const std::vector<ExtentId> ids = sorted_unique(bucket);
   wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
-    Extent& e = extent_locked(id);
+    Extent& e = extents_.at(id);
     if (!host_tier_ || e.state != Residency::kFile) continue;
     const std::optional<uint64_t> range = host_tier_->allocate(e.file_bytes);
     if (!range) break;  // no room: the rest stays FILE
-    e.host_offset = *range;
+    e.ranges.host = *range;
     e.state = Residency::kPagingIn;
-    e.tier_moving = true;
+    e.tier_move = TierMove::kReadAhead;
     e.last_use = ++use_clock_;
     job->extents.push_back(id);
     job->before.push_back(Residency::kFile);
   }
   plan_locked(*job);
   if (job->extents.empty()) {
-    job->done = true;
+    job->phase = JobPhase::kDone;
     return job;
   }
   queue_.push_back(job);

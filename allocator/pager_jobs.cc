@@ -28,25 +28,33 @@ void add_zero_fill(std::vector<std::pair<uintptr_t, size_t>>& fills, uintptr_t a
   }
 }
 
+// A job about to start its work, or phase two's, moves on to its started phase (under
+// the lock, where waiters read it; start_job() then runs without). False: started already.
+bool take_start(Job& job) {
+  if (job.phase == JobPhase::kQueued) {
+    job.phase = JobPhase::kStarted;
+  } else if (job.phase == JobPhase::kPlaced) {
+    job.phase = JobPhase::kPlacedStarted;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 Ticket Pager::page_in(const std::vector<ExtentId>& bucket, bool for_read) {
-  auto job = std::make_shared<Job>();
-  job->for_read = for_read;
-  return submit(job, bucket);
+  return submit(std::make_shared<Job>(for_read ? JobKind::kPageInForRead : JobKind::kPageIn),
+                bucket);
 }
 
 Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream,
                         uint64_t reuse_after) {
-  auto job = std::make_shared<Job>();
-  job->out = true;
-  return submit(job, bucket, stream, reuse_after);
+  return submit(std::make_shared<Job>(JobKind::kPageOut), bucket, stream, reuse_after);
 }
 
 Ticket Pager::discard(const std::vector<ExtentId>& bucket, uintptr_t stream) {
-  auto job = std::make_shared<Job>();
-  job->out = job->discard = true;
-  return submit(job, bucket, stream);
+  return submit(std::make_shared<Job>(JobKind::kDiscard), bucket, stream);
 }
 
 // References on the pages of every extent of `ids` (Pool::ref_begin), all or none: what
@@ -60,7 +68,7 @@ void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock,
     size_t taken = 0;
     try {
       while (taken < ids.size()) {
-        const Extent& e = extent_locked(ids[taken]);
+        const Extent& e = extents_.at(ids[taken]);
         if (!pool_.ref_begin(e.addr, e.bytes, pending)) break;
         taken++;
       }
@@ -85,7 +93,7 @@ void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock,
 
 void Pager::unref_pages_locked(const std::vector<ExtentId>& ids, size_t count) {
   for (size_t i = 0; i < count; i++) {
-    const Extent& e = extent_locked(ids[i]);
+    const Extent& e = extents_.at(ids[i]);
     pool_.unref(e.addr, e.bytes);
   }
 }
@@ -140,33 +148,32 @@ void Pager::mapping_failed_locked(Job& job, std::exception_ptr error) {
   }
   job.maps.clear();
   for (size_t i = 0; i < job.extents.size(); i++) {
-    Extent& e = extent_locked(job.extents[i]);
+    Extent& e = extents_.at(job.extents[i]);
     e.state = job.before[i];
-    if (e.dead && !e.tier_moving) free_extent_locked(job.extents[i]);  // released meanwhile
+    if (e.dead && !e.tier_move) free_extent_locked(job.extents[i]);  // released meanwhile
   }
   job.error = error;
-  job.done = true;
+  job.phase = JobPhase::kDone;
 }
 
-// `job` says what kind of bucket (out, discard, for_read, unchanged); submit plans the
-// rest of it.
+// `job` says what kind of bucket (Job::kind); submit plans the rest of it.
 Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t stream,
                      uint64_t reuse_after) {
   check_owner();
   std::unique_lock lock(mu_);
   check_open_locked();
-  const bool out = job->out, discard = job->discard;
+  const bool out = job->out(), discard = job->kind == JobKind::kDiscard;
   const std::vector<ExtentId> ids = sorted_unique(bucket);
   wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
-    const Residency s = extent_locked(id).state;
+    const Residency s = extents_.at(id).state;
     if (s == Residency::kPagingIn || s == Residency::kPagingOut) {
       throw UsageError("extent " + std::to_string(id) +
                        " is already being paged by another bucket: wait for that bucket first");
     }
-    extent_locked(id).last_use = ++use_clock_;
-    if (s == Residency::kResident && !out && !job->for_read) {
-      forget_rest_locked(extent_locked(id));  // its caller may write it now
+    extents_.at(id).last_use = ++use_clock_;
+    if (s == Residency::kResident && job->kind == JobKind::kPageIn) {
+      forget_rest_locked(extents_.at(id));  // its caller may write it now
     }
     const bool at_rest_with_bytes = s == Residency::kFile || s == Residency::kHost;
     const bool moves = !out ? s != Residency::kResident
@@ -175,39 +182,39 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
   }
   // The clock and hints of the spill choice; an extent already at rest keeps its hint.
   if (!out) {
-    for (ExtentId id : ids) paged_in_bytes_ += extent_locked(id).bytes;
+    for (ExtentId id : ids) paged_in_bytes_ += extents_.at(id).bytes;
   } else {
-    for (ExtentId id : job->extents) {
-      extent_locked(id).next_use = reuse_after > 0 ? paged_in_bytes_ + reuse_after : kNoUse;
-    }
+    const std::optional<uint64_t> next_use =
+        reuse_after > 0 ? std::optional(paged_in_bytes_ + reuse_after) : std::nullopt;
+    for (ExtentId id : job->extents) extents_.at(id).next_use = next_use;
   }
-  if (job->unchanged) return_unchanged_locked(*job);
+  if (job->kind == JobKind::kReleaseUnchanged) return_unchanged_locked(*job);
   // What a page-out may write (or a discard drop) no longer lies at rest unchanged.
   if (out) {
-    for (ExtentId id : job->extents) forget_rest_locked(extent_locked(id));
+    for (ExtentId id : job->extents) forget_rest_locked(extents_.at(id));
   }
   if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
   if (out && !discard) {
     try {
       redirect_writes_locked(place_outs_locked(*job));
     } catch (...) {  // the store has no room left: nothing moves
-      for (ExtentId id : job->extents) drop_host_locked(extent_locked(id));
+      for (ExtentId id : job->extents) drop_host_locked(extents_.at(id));
       for (ExtentId id : job->spills) {
-        extent_locked(id).state = Residency::kHost;
-        extent_locked(id).tier_moving = false;
+        extents_.at(id).state = Residency::kHost;
+        extents_.at(id).tier_move.reset();
       }
       throw;
     }
   }
   for (ExtentId id : job->extents) {
-    Extent& e = extent_locked(id);
+    Extent& e = extents_.at(id);
     job->before.push_back(e.state);
     if (!out && e.state == Residency::kZero) {
       add_zero_fill(job->zero_fills, e.addr, page_in_bytes(e.bytes));
     }
     if (!out && e.state == Residency::kHost) {  // one host allocation: one mapping
       append_joined(job->host_copies,
-                    HostCopy{e.addr, host_tier_->host(e.host_offset), page_in_bytes(e.bytes)});
+                    HostCopy{e.addr, host_tier_->host(*e.ranges.host), page_in_bytes(e.bytes)});
       job->host_bytes += e.bytes;
     }
     e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
@@ -219,19 +226,19 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
       if (closed_) throw;  // closed while it waited: close() lets every extent go
       std::vector<ExtentId> released;  // by release() while it waited for room
       for (size_t i = 0; i < job->extents.size(); i++) {
-        Extent& e = extent_locked(job->extents[i]);
+        Extent& e = extents_.at(job->extents[i]);
         e.state = job->before[i];
-        if (e.dead && !e.tier_moving) released.push_back(job->extents[i]);
+        if (e.dead && !e.tier_move) released.push_back(job->extents[i]);
       }
       for (ExtentId id : released) free_extent_locked(id);
       done_cv_.notify_all();
       throw;
     }
   }
-  for (ExtentId id : job->returned) extent_locked(id).state = Residency::kPagingOut;
+  for (ExtentId id : job->returned) extents_.at(id).state = Residency::kPagingOut;
   if (!discard) plan_locked(*job);
   if (job->extents.empty() && job->returned.empty()) {
-    job->done = true;
+    job->phase = JobPhase::kDone;
     return job;
   }
   if (!job->maps.empty()) {  // queued for the I/O thread once mapped
@@ -250,20 +257,20 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
 void Pager::plan_locked(Job& job) {
   std::vector<StoreTier::Move> moves;
   auto host_move = [&](const Extent& e) {
-    moves.push_back(StoreTier::Move{0, e.bytes, e.store_offset, e.file_bytes,
-                                    host_tier_->host(e.host_offset)});
+    moves.push_back(StoreTier::Move{0, e.bytes, e.ranges.store, e.file_bytes,
+                                    host_tier_->host(*e.ranges.host)});
   };
-  for (ExtentId id : job.spills) host_move(extent_locked(id));
+  for (ExtentId id : job.spills) host_move(extents_.at(id));
   for (size_t i = 0; i < job.extents.size(); i++) {
-    const Extent& e = extent_locked(job.extents[i]);
-    if (job.tier_move) {
+    const Extent& e = extents_.at(job.extents[i]);
+    if (job.kind == JobKind::kReadAhead) {
       host_move(e);
       continue;
     }
-    const bool to_store = job.out ? job.after[i] == Residency::kFile
-                                  : job.before[i] == Residency::kFile;
+    const bool to_store = job.out() ? job.after[i] == Residency::kFile
+                                    : job.before[i] == Residency::kFile;
     if (to_store) {
-      moves.push_back(StoreTier::Move{e.addr, e.bytes, e.store_offset, e.file_bytes});
+      moves.push_back(StoreTier::Move{e.addr, e.bytes, e.ranges.store, e.file_bytes});
     }
   }
   store_tier_->plan(job, std::move(moves));
@@ -272,13 +279,13 @@ void Pager::plan_locked(Job& job) {
 void Pager::wait(const Ticket& ticket) {
   check_owner();
   std::unique_lock lock(mu_);
-  done_cv_.wait(lock, [&] { return ticket->done; });
+  done_cv_.wait(lock, [&] { return ticket->phase == JobPhase::kDone; });
   if (ticket->error) std::rethrow_exception(ticket->error);
 }
 
 bool Pager::is_done(const Ticket& ticket) const {
   std::unique_lock lock(mu_);
-  return ticket->done;
+  return ticket->phase == JobPhase::kDone;
 }
 
 // ---- I/O thread ----------------------------------------------------------------------
@@ -306,29 +313,30 @@ void Pager::run_io_thread() {
 // Called with the lock held; drops it around device and file calls.
 bool Pager::advance(std::unique_lock<std::mutex>& lock) {
   std::vector<Ticket> jobs;
-  std::vector<Job*> running;  // those whose chunks may be issued
+  std::vector<Job*> running;   // those whose chunks may be issued
+  std::vector<Job*> starting;  // of them, those whose work (or phase two's) starts now
   for (const Ticket& job : queue_) {
-    if (job->held_back && !waits_for_hold_locked(*job)) job->held_back = false;
-    if (job->started || !waits_for_hold_locked(*job)) {
-      jobs.push_back(job);
-      if (!job->held_back) running.push_back(job.get());
+    if (job->phase == JobPhase::kHeldBack && !waits_for_hold_locked(*job)) {
+      job->phase = JobPhase::kPlaced;
     }
+    if (job->phase == JobPhase::kQueued && waits_for_hold_locked(*job)) continue;
+    jobs.push_back(job);
+    if (job->phase == JobPhase::kHeldBack) continue;
+    running.push_back(job.get());
+    if (take_start(*job)) starting.push_back(job.get());
   }
   lock.unlock();
-  bool progressed = false;
-  for (Job* job : running) {
-    if (job->started && !job->restart) continue;
-    start_job(*job);
-    progressed = true;
-  }
-  progressed = store_tier_->pump(running, progressed);
+  for (Job* job : starting) start_job(*job);
+  bool progressed = store_tier_->pump(running, !starting.empty());
   lock.lock();
   for (const Ticket& job : jobs) {
     const bool issued_all = job->error || job->next_chunk == job->chunks.size();
-    if (!job->started || job->restart || job->chunks_in_flight > 0 || !issued_all) continue;
+    const bool in_flight = job->phase == JobPhase::kStarted ||
+                           job->phase == JobPhase::kPlacedStarted;
+    if (!in_flight || job->chunks_in_flight > 0 || !issued_all) continue;
     if (job->fence && !fence_passed_locked(*job)) continue;
     progressed = true;
-    if (!job->error && !job->deferred.empty() && !job->placed) {
+    if (!job->error && !job->deferred.empty() && job->phase == JobPhase::kStarted) {
       try {
         place_deferred_locked(*job);
         continue;
@@ -356,25 +364,24 @@ bool Pager::fence_passed_locked(Job& job) {
   return true;
 }
 
-// Starts a job's work, or the work place_deferred_locked() added (job.restart). Without
-// the lock: the fields it touches are the I/O thread's.
+// Starts a job's work (kStarted), or the work place_deferred_locked() added
+// (kPlacedStarted). Without the lock: the fields it touches are the I/O thread's.
 void Pager::start_job(Job& job) {
-  if (!job.started) {
-    job.started = true;
+  const bool discard = job.kind == JobKind::kDiscard;
+  if (job.phase == JobPhase::kStarted) {
     job.start_time = std::chrono::steady_clock::now();
-    job.trace.start(io_range_name(job.out, job.discard, job.bytes_moved),
-                    job.out ? TraceKind::kWrite : TraceKind::kRead);
+    job.trace.start(io_range_name(job.out(), discard, job.bytes_moved),
+                    job.out() ? TraceKind::kWrite : TraceKind::kRead);
   }
-  job.restart = false;
   try {
     store_tier_->start(job);
     if (host_tier_) host_tier_->start(job);
     for (auto [addr, bytes] : job.zero_fills) device_->fill_zero(addr, bytes);
     // A discard, or extents returned unchanged, unmap once the work queued before it on
     // the caller's stream is done.
-    if (!job.zero_fills.empty() || !job.host_copies.empty() || job.discard ||
+    if (!job.zero_fills.empty() || !job.host_copies.empty() || discard ||
         !job.returned.empty()) {
-      job.fence = device_->record(job.out ? CopyQueue::kToHost : CopyQueue::kToDevice);
+      job.fence = device_->record(job.out() ? CopyQueue::kToHost : CopyQueue::kToDevice);
     }
   } catch (...) {
     job.error = std::current_exception();
@@ -394,47 +401,48 @@ void Pager::unref_quietly_locked(const Extent& e) {
 // Under the lock: the bucket's extents take their new state (or get their old one back).
 void Pager::complete(Job& job) {
   const bool ok = !job.error;
-  if (!ok && !job.placed) {  // spills not landed: their host bytes stay
+  const bool discard = job.kind == JobKind::kDiscard;
+  if (!ok && job.phase == JobPhase::kStarted) {  // phase one failed: spills not landed
     for (ExtentId id : job.spills) {
-      extent_locked(id).state = Residency::kHost;
-      extent_locked(id).tier_moving = false;
+      extents_.at(id).state = Residency::kHost;
+      extents_.at(id).tier_move.reset();
     }
   }
   for (size_t i = 0; i < job.extents.size(); i++) {
-    Extent& e = extent_locked(job.extents[i]);
-    if (job.tier_move) {  // a read-ahead
-      e.tier_moving = false;
+    Extent& e = extents_.at(job.extents[i]);
+    if (job.kind == JobKind::kReadAhead) {
+      e.tier_move.reset();
       e.state = ok ? Residency::kHost : Residency::kFile;
       if (ok) finish_move_locked(e);
       if (!ok) drop_host_locked(e);
-    } else if (job.out) {
-      e.state = !ok ? job.before[i] : job.discard ? Residency::kZero : job.after[i];
+    } else if (job.out()) {
+      e.state = !ok ? job.before[i] : discard ? Residency::kZero : job.after[i];
       if (ok && job.before[i] == Residency::kResident) unref_quietly_locked(e);
       // A failed page-out lets its fresh host range go; a discard, the host bytes.
-      if (ok ? job.discard : !job.discard && job.after[i] == Residency::kHost) {
+      if (ok ? discard : !discard && job.after[i] == Residency::kHost) {
         drop_host_locked(e);
       }
     } else {
       e.state = ok ? Residency::kResident : job.before[i];
-      if (ok) paged_in_locked(e, job.before[i], job.for_read);
+      if (ok) paged_in_locked(e, job.before[i], job.kind == JobKind::kPageInForRead);
       if (!ok) unref_quietly_locked(e);
     }
   }
   for (size_t i = 0; i < job.returned.size(); i++) {
-    Extent& e = extent_locked(job.returned[i]);
+    Extent& e = extents_.at(job.returned[i]);
     e.state = ok ? job.returned_to[i] : Residency::kResident;
     if (ok) unref_quietly_locked(e);
     if (ok) counters_.unchanged_bytes += e.bytes;
   }
   if (ok) {
     const uint64_t file_bytes = job.bytes_moved;
-    if (job.out) {
+    if (job.out()) {
       counters_.bytes_to_host += job.host_bytes;
       counters_.bytes_written += file_bytes;
       counters_.write_requests += job.requests;
       counters_.mapped_written_bytes += job.mapped_bytes;
       counters_.buckets_out++;
-    } else if (job.tier_move) {
+    } else if (job.kind == JobKind::kReadAhead) {
       counters_.read_aheads += job.extents.size();
       counters_.read_ahead_bytes += file_bytes;
       counters_.bytes_read += file_bytes;
@@ -447,24 +455,24 @@ void Pager::complete(Job& job) {
       counters_.buckets_in++;
       for (size_t i = 0; i < job.extents.size(); i++) {  // their bytes, not the fills' rounding
         if (job.before[i] == Residency::kZero) {
-          counters_.zero_filled_bytes += extent_locked(job.extents[i]).bytes;
+          counters_.zero_filled_bytes += extents_.at(job.extents[i]).bytes;
         }
       }
     }
   }
   for (const auto* ids : {&job.extents, &job.spills, &job.returned}) {
     for (ExtentId id : *ids) {
-      const Extent& e = extent_locked(id);
-      if (e.dead && !e.tier_moving && e.state != Residency::kPagingIn &&
+      const Extent& e = extents_.at(id);
+      if (e.dead && !e.tier_move && e.state != Residency::kPagingIn &&
           e.state != Residency::kPagingOut) {
         free_extent_locked(id);
       }
     }
   }
-  if (job.out) outs_in_flight_--;
+  if (job.out()) outs_in_flight_--;
   job.end_time = std::chrono::steady_clock::now();
   job.trace.end();
-  job.done = true;
+  job.phase = JobPhase::kDone;
   queue_.erase(std::find_if(queue_.begin(), queue_.end(),
                             [&](const Ticket& t) { return t.get() == &job; }));
   done_cv_.notify_all();

@@ -8,9 +8,8 @@ namespace statepager {
 
 Ticket Pager::release_unchanged(const std::vector<ExtentId>& bucket, uintptr_t stream,
                                 uint64_t reuse_after) {
-  auto job = std::make_shared<Job>();
-  job->out = job->unchanged = true;
-  return submit(job, bucket, stream, reuse_after);
+  return submit(std::make_shared<Job>(JobKind::kReleaseUnchanged), bucket, stream,
+                reuse_after);
 }
 
 // A page-in completed: e's bytes came from `before`. For a read, they stay there: zeros,
@@ -18,8 +17,12 @@ Ticket Pager::release_unchanged(const std::vector<ExtentId>& bucket, uintptr_t s
 // range holds nothing yet), its host range (kept).
 void Pager::paged_in_locked(Extent& e, Residency before, bool for_read) {
   const bool keep_host = for_read && before == Residency::kHost;
-  const bool moved = e.next_offset != kNoOffset;
-  e.rest = !for_read || (before == Residency::kFile && moved) ? Residency::kResident : before;
+  const bool moved = e.ranges.next_store.has_value();
+  if (!for_read || (before == Residency::kFile && moved)) {
+    e.rest.reset();
+  } else {
+    e.rest = before;
+  }
   finish_move_locked(e);
   if (!keep_host) drop_host_locked(e);
 }
@@ -30,7 +33,7 @@ void Pager::paged_in_locked(Extent& e, Residency before, bool for_read) {
 void Pager::forget_rest_locked(Extent& e) {
   if (e.state != Residency::kResident) return;
   if (e.rest == Residency::kHost) drop_host_locked(e);
-  e.rest = Residency::kResident;
+  e.rest.reset();
 }
 
 // Of a release_unchanged() bucket's extents (job.extents, resident), those with bytes at
@@ -38,12 +41,12 @@ void Pager::forget_rest_locked(Extent& e) {
 void Pager::return_unchanged_locked(Job& job) {
   std::vector<ExtentId> written;
   for (ExtentId id : job.extents) {
-    const Extent& e = extent_locked(id);
-    if (e.rest == Residency::kResident) {
+    const Extent& e = extents_.at(id);
+    if (!e.rest) {
       written.push_back(id);
     } else {
       job.returned.push_back(id);
-      job.returned_to.push_back(e.rest);
+      job.returned_to.push_back(*e.rest);
     }
   }
   job.extents = std::move(written);

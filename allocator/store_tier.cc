@@ -130,7 +130,7 @@ void StoreTier::plan(Job& job, std::vector<Move> moves) const {
 }
 
 void StoreTier::start(Job& job) {
-  if (job.out) {
+  if (job.out()) {
     for (uint64_t end : job.file_ends) file_.allocate(end);
   }
   if (ram_) {
@@ -156,7 +156,10 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
   for (StagingSlot& slot : slots_) {
     if (slot.job) continue;
     for (Job* job : jobs) {
-      if (!job->started || job->error || job->next_chunk == job->chunks.size()) continue;
+      if (job->phase == JobPhase::kQueued || job->error ||
+          job->next_chunk == job->chunks.size()) {
+        continue;
+      }
       slot.job = job;
       slot.chunk = &job->chunks[job->next_chunk++];
       job->chunks_in_flight++;
@@ -183,7 +186,7 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     if (!slot.copy) continue;
     if (!copied(slot.copy, *slot.job, &copies_pending)) continue;
     progressed = true;
-    if (slot.job->out && !slot.job->error) {
+    if (slot.job->out() && !slot.job->error) {
       checksum(*slot.job, *slot.chunk, slot.buf);  // the bytes as the file gets them
       file_.submit(UringFile::Request{slot.index, true, slot.buf, slot.chunk->file_bytes,
                                       slot.chunk->store_offset, 0});
@@ -200,10 +203,10 @@ bool StoreTier::pump(const std::vector<Job*>& jobs, bool progressed) {
     progressed = true;
     StagingSlot& slot = slots_[c.tag];
     slot.job->requests++;
-    if (c.error == 0 && !slot.job->out && !slot.job->error) {
+    if (c.error == 0 && !slot.job->out() && !slot.job->error) {
       checksum(*slot.job, *slot.chunk, slot.buf);  // the bytes as the file held them
     }
-    if (c.error == 0 && !slot.job->out && !slot.job->error && slot.chunk->buf == nullptr) {
+    if (c.error == 0 && !slot.job->out() && !slot.job->error && slot.chunk->buf == nullptr) {
       try {
         CopyList copies;  // the pieces, rounded (see the header), joined where they can be
         for (const StagingCopy& p : slot.chunk->pieces) {
@@ -226,10 +229,10 @@ void StoreTier::start_chunk(StagingSlot& slot) {
   const Chunk& chunk = *slot.chunk;
   try {
     if (chunk.buf != nullptr) {
-      if (slot.job->out) checksum(*slot.job, chunk, nullptr);
-      file_.submit(UringFile::Request{slot.index, slot.job->out, chunk.buf, chunk.file_bytes,
+      if (slot.job->out()) checksum(*slot.job, chunk, nullptr);
+      file_.submit(UringFile::Request{slot.index, slot.job->out(), chunk.buf, chunk.file_bytes,
                                       chunk.store_offset, -1});
-    } else if (slot.job->out) {
+    } else if (slot.job->out()) {
       size_t at = 0;
       for (const StagingCopy& p : chunk.pieces) {
         std::memset(slot.buf + at, 0, p.buf_offset - at);  // padding between extents
@@ -244,7 +247,7 @@ void StoreTier::start_chunk(StagingSlot& slot) {
     }
   } catch (...) {
     slot.job->error = std::current_exception();
-    if (!hold_for_copies(slot, slot.job->out ? CopyQueue::kToHost : CopyQueue::kToDevice)) {
+    if (!hold_for_copies(slot, slot.job->out() ? CopyQueue::kToHost : CopyQueue::kToDevice)) {
       finish_slot(slot, 0, 0);
     }
   }
@@ -287,7 +290,7 @@ bool StoreTier::copied(std::optional<Fence>& copy, Job& job, bool* pending) {
 // queuing fails, its chunks are counted queued, the job failed, and the fence holds them
 // like the rest (some copies may still run into the job's memory).
 bool StoreTier::start_mapped(Job& job) {
-  if (!job.started || job.error) return false;
+  if (job.phase == JobPhase::kQueued || job.error) return false;
   CopyList copies;
   std::vector<RamMap::Piece> mem;
   std::vector<DeviceRange> sums;
@@ -299,16 +302,16 @@ bool StoreTier::start_mapped(Job& job) {
         !ram_->resolve(chunk.store_offset, chunk.file_bytes, &mem)) {
       break;
     }
-    add_mapped_copies(job.out, chunk, mem, &copies);
+    add_mapped_copies(job.out(), chunk, mem, &copies);
     for (const StagingCopy& p : chunk.pieces) {
       job.mapped_bytes += p.bytes;
       // What a page-out reads, what a page-in writes (the part's whole blocks).
-      sums.push_back(DeviceRange{p.addr, job.out ? p.bytes : align_up(p.bytes, kFileAlign)});
+      sums.push_back(DeviceRange{p.addr, job.out() ? p.bytes : align_up(p.bytes, kFileAlign)});
     }
   }
   if (queued == 0) return false;
   job.chunks_in_flight += queued;
-  const CopyQueue queue = job.out ? CopyQueue::kToHost : CopyQueue::kToDevice;
+  const CopyQueue queue = job.out() ? CopyQueue::kToHost : CopyQueue::kToDevice;
   MappedCopies batch{&job, job.next_chunk - queued, queued, std::nullopt, std::nullopt, nullptr};
   try {
     device_.copy_batch(queue, copies.copies().data(), copies.copies().size());
@@ -360,7 +363,7 @@ void StoreTier::settle_mapped(MappedCopies& batch) {
       const size_t part = chunk.first_part + i;
       uint32_t crc = batch.crcs[j];
       const size_t pad = job.part_bytes[part] - chunk.pieces[i].bytes;
-      if (job.out && pad > 0) crc = crc32c_combine(crc, crc32c(0, zeros.data(), pad), pad);
+      if (job.out() && pad > 0) crc = crc32c_combine(crc, crc32c(0, zeros.data(), pad), pad);
       job.part_crcs[part] = crc;
       job.part_known[part] = 1;
     }
@@ -461,7 +464,7 @@ void StoreTier::finish_slot(StagingSlot& slot, int error, uint64_t offset) {
                                 ": it holds fewer bytes than were paged out there. The store "
                                 "was changed outside statepager; its state is lost.");
       }
-      throw_io_error(error, job.out ? "page-out write" : "page-in read", path,
+      throw_io_error(error, job.out() ? "page-out write" : "page-in read", path,
                      offset % UringFile::kRegionBytes);
     } catch (...) {
       job.error = std::current_exception();

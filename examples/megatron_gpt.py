@@ -97,11 +97,14 @@ def build_model(setup: Setup):
 
 def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
           moments: str = "fp32", mains: str = "fp32", attach: bool = True,
-          optimizer_options: dict | None = None, model=None, depth: int = 3):
+          optimizer_options: dict | None = None, model=None, depth: int | None = 3,
+          attach_options: dict | None = None):
     """(model, optimizer, scheduler, binding): build_model()'s GPT (or `model`, one it
     built), its DistributedOptimizer (built in pager.scope() and, unless attach=False,
     attached when a pager is given). optimizer_options: more OptimizerConfig fields (e.g.
-    Megatron's own optimizer_cpu_offload, for comparison; statepager refuses it)."""
+    Megatron's own optimizer_cpu_offload, for comparison; statepager refuses it);
+    attach_options: more attach() keywords (e.g. atomic); bucket_size or depth None: the
+    pager's defaults."""
     if setup.fp32_param and (optimizer_options or {}).get("optimizer_cpu_offload"):
         # megatron-core 0.19.2: DistributedOptimizer rebuilds its HybridDeviceOptimizer from
         # the main param shards, and an fp32 param's shard is model_param.view(-1)[range]
@@ -126,7 +129,7 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
             optimizer = get_megatron_optimizer(opt_config, [model])
         if attach:
             binding = pager.attach(optimizer, bucket_size=bucket_size, depth=depth,
-                                   moments=moments, mains=mains)
+                                   moments=moments, mains=mains, **(attach_options or {}))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=setup.lr, min_lr=setup.lr / 10, lr_warmup_steps=3,
         lr_decay_steps=max(setup.steps, 10), lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,

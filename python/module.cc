@@ -592,6 +592,16 @@ PYBIND11_MODULE(_C, m) {
              return PyTicket{self.pager->discard(self.extents_of(tensors), stream)};
            },
            py::arg("tensors"), py::arg("stream") = 0, release_gil())
+      .def("discard_extents",
+           [](PyPager& self, const std::vector<ExtentId>& ids, uintptr_t stream) {
+             std::vector<ExtentId> live;  // those released since the ids were taken: gone
+             for (ExtentId id : ids) {
+               if (self.pager->exists(id)) live.push_back(id);
+             }
+             return PyTicket{self.pager->discard(live, stream)};
+           },
+           py::arg("ids"), py::arg("stream") = 0, release_gil(),
+           "discard() of extents by id, PyTorch's segments included (pause(discard=True))")
       .def("read_ahead",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors) {
              return PyTicket{self.pager->read_ahead(self.extents_of(tensors))};

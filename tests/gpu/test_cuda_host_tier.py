@@ -167,3 +167,17 @@ def test_load_fills_the_host_tier_on_cuda(tmp_path):
             _train_layers(p, 2, first=2, model_opt=(model, opt))
             assert moved[0] == 0  # the state came from the host tier
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_resumable_steps_at_a_budget_of_the_state_move_no_file_bytes(store_dir):
+    """Resumable steps (the default) with the host tier exactly the state's size: after
+    the first steps, a step reads and writes no file byte and spills nothing, bit-exact."""
+    model, _, _ = _train_layers(None, 6)
+    reference = [q.detach().cpu() for q in model.parameters()]
+    state = 8 * 2 * MiB  # two moments per layer
+    with Pager(store_dir, device="cuda", page_size=2 * MiB, host_budget=state) as p:
+        model, opt, moved = _train_layers(p, 3, atomic="bucket")
+        spills = p.stats()["spills"]
+        model, _, moved = _train_layers(p, 3, first=3, model_opt=(model, opt))
+        assert moved == [0, 0, 0] and p.stats()["spills"] == spills
+        assert all(torch.equal(a.detach().cpu(), b) for a, b in zip(model.parameters(), reference))

@@ -40,9 +40,9 @@ def trained(pager, device, **attach):
 
 def step_fails(pager, device, arrange, **attach):
     """trained(), then a step that arrange(model, opt) makes fail from inside; arrange
-    returns what ends the cause. Checks that the failed step changed no parameter and no
-    state, then lets its error out."""
-    model, opt = trained(pager, device, **attach)
+    returns what ends the cause. Checks that the failed step (all or nothing) changed no
+    parameter and no state, then lets its error out."""
+    model, opt = trained(pager, device, atomic=True, **attach)
     model(torch.randn(8, 256, device=device)).sum().backward()
     params = [p.detach().clone() for p in model.parameters()]
     state = opt.state_dict()

@@ -24,26 +24,28 @@ from statepager.formats import codecs
 from compare import same
 from small_jobs import BUDGET, KiB, bits, make_model, make_pager, set_grads, stored_bits
 
-def adamw(store, device="cpu", **kw):
+# The setups attach all-or-nothing steps (atomic=True) unless told otherwise.
+
+def adamw(store, device="cpu", atomic=True, **kw):
     model = make_model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     pager = make_pager(store, device)
-    return model, pager, opt, pager.attach(opt, bucket_size=100 * KiB, **kw)
+    return model, pager, opt, pager.attach(opt, bucket_size=100 * KiB, atomic=atomic, **kw)
 
 
-def paged(store, device="cpu", mains="fp32", moments="fp32"):
+def paged(store, device="cpu", mains="fp32", moments="fp32", atomic=True):
     model = make_model(device, torch.bfloat16)
     pager = make_pager(store, device)
     opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, bucket_size=100 * KiB,
-                     mains=mains, moments=moments)
+                     mains=mains, moments=moments, atomic=atomic)
     return model, pager, opt, opt.binding
 
 
-def sgd(store, device="cpu"):
+def sgd(store, device="cpu", atomic=True):
     model = make_model(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, foreach=True)
     pager = make_pager(store, device)
-    return model, pager, opt, pager.attach(opt, bucket_size=100 * KiB)
+    return model, pager, opt, pager.attach(opt, bucket_size=100 * KiB, atomic=atomic)
 
 
 # name -> (setup, steps before the failing one). Out of space needs a step that grows
@@ -51,7 +53,8 @@ def sgd(store, device="cpu"):
 CONFIGS = {
     "adamw": (adamw, 2),
     "paged-fp32": (paged, 2),
-    "paged-residual-q8": (lambda s, d: paged(s, d, mains="residual", moments="q8"), 2),
+    "paged-residual-q8": (lambda s, d, **kw: paged(s, d, mains="residual", moments="q8",
+                                                   **kw), 2),
     "sgd-first-step": (sgd, 0),  # its momentum is created (and paged) in the failing step
 }
 
@@ -586,11 +589,11 @@ def test_a_begin_step_refused_midway_changes_nothing(store_dir, device, monkeypa
         before = capture(model, pager, opt, binding)
         page_in_async, calls = pager.page_in_async, []
 
-        def refusing(tensors):
+        def refusing(tensors, **kw):
             calls.append(1)
             if len(calls) == 2:
                 raise error()
-            return page_in_async(tensors)
+            return page_in_async(tensors, **kw)
 
         monkeypatch.setattr(pager, "page_in_async", refusing)
         written = pager.stats()["bytes_written"]

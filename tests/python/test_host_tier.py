@@ -14,12 +14,12 @@ from statepager import Pager
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def build(p: Pager | None):
+def build(p: Pager | None, atomic="bucket"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 96))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if p is not None:
-        p.attach(opt, bucket_size=16 * KiB)
+        p.attach(opt, bucket_size=16 * KiB, atomic=atomic)
     return model, opt
 
 
@@ -76,7 +76,7 @@ def test_half_in_the_host_tier_on_a_mapped_ram_store(shm_dir):
     reference = params(model)
     state = moments_bytes(model)
     with Pager(shm_dir, page_size=64 * KiB, host_budget=state // 2, map_ram=True) as p:
-        model, opt = build(p)
+        model, opt = build(p, atomic=True)
         # Atomic steps at half the budget: a step's page-outs take the room its committed
         # host copies leave, so every other step starts with the host room free.
         train(model, opt, 0, 4)
@@ -261,11 +261,13 @@ def masters_reference():
 
 
 # A cyclic step keeps what fits in the host tier there across steps; only the rest goes
-# through the store. In place the tier keeps its budget's worth; atomic steps keep the
-# committed bytes until the step commits, so each bucket kept needs room for two copies
-# and half the budget stays (the kept set alternates around it from step to step: count
-# pairs of steps).
-@pytest.mark.parametrize("atomic, share, kept", [(False, 0.5, 0.5), (True, 1.0, 0.5),
+# through the store. In place and resumable ("bucket": its page-ins keep the host range,
+# which its page-out lets go before it writes) the tier keeps its budget's worth: at a
+# budget of the state, nothing at all; atomic steps keep the committed bytes until the
+# step commits, so each bucket kept needs room for two copies and half the budget stays
+# (the kept set alternates around it from step to step: count pairs of steps).
+@pytest.mark.parametrize("atomic, share, kept", [(False, 0.5, 0.5), ("bucket", 1.0, 1.0),
+                                                 ("bucket", 0.5, 0.5), (True, 1.0, 0.5),
                                                  (True, 0.5, 0.25)])
 def test_cyclic_steps_keep_the_budget_in_the_host_tier(store_dir, masters_reference, atomic,
                                                        share, kept):
@@ -283,6 +285,8 @@ def test_cyclic_steps_keep_the_budget_in_the_host_tier(store_dir, masters_refere
         bucket = state / 12
         assert abs(read - (1 - kept) * state) <= bucket, (moved, state)
         assert abs(written - (1 - kept) * state) <= bucket, (moved, state)
+        if kept == 1.0:  # the state fits: no byte moves through the store files
+            assert moved[2:] == [(0, 0)] * 4, moved
 
 
 def test_without_reuse_hints_lru_moves_more(store_dir):
@@ -374,7 +378,8 @@ def test_a_step_failing_to_write_the_store_changes_nothing(store_dir, layers_ref
 @pytest.mark.parametrize("host_budget, atomic, warned", [
     (4 * MiB, True, True),    # under twice the state: every atomic step would spill
     (64 * MiB, True, False),
-    (4 * MiB, False, False),  # in place, the state alone fits
+    (4 * MiB, "bucket", False),  # resumable, the state alone fits
+    (4 * MiB, False, False),  # in place, likewise
 ])
 def test_attach_says_when_atomic_steps_would_spill_the_host_tier(store_dir, host_budget,
                                                                  atomic, warned):
@@ -391,4 +396,4 @@ def test_attach_says_when_atomic_steps_would_spill_the_host_tier(store_dir, host
         said = [str(w.message) for w in said]
         assert binding.stored_bytes() == 2 * 4 * (1024 * 1024 + 1024)
         if warned:
-            assert "Raise host_budget, or attach(atomic=False)" in said[0]
+            assert "Raise host_budget, or attach(atomic='bucket')" in said[0]

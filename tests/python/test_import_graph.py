@@ -51,7 +51,8 @@ LAYERS = [
     ("statepager.formats",),       # stored formats and their codecs
     ("statepager.core",),          # Pager, the streamed step, scope, state access
     ("statepager.checkpoint",),    # functions over a Pager's public interface
-    ("statepager.integrations",),  # Megatron-core's optimizers, Megatron-LM's script
+    ("statepager.integrations",    # Megatron-core's optimizers, Megatron-LM's script,
+     "statepager.memory_saver"),   # torch_memory_saver's API over Pagers
     ("statepager",),               # the package's public names (statepager/__init__.py)
     ("statepager.tools",),         # the command line, doctor, inspect, bench
     ("statepager.__main__", "statepager.megatron_lm"),  # entry points of python -m

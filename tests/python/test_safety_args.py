@@ -83,9 +83,7 @@ def model_and_optimizer():
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    (dict(atomic="no"), "atomic"),
     (dict(log_steps="yes"), "log_steps"),
-    (dict(atomic=1), "atomic"),
 ])
 def test_attach_flags_must_be_bools(store_dir, kwargs, name):
     with Pager(store_dir, page_size=64 * KiB) as p:
@@ -93,6 +91,23 @@ def test_attach_flags_must_be_bools(store_dir, kwargs, name):
         with pytest.raises(statepager.UsageError, match=rf"{name} must be a bool"):
             p.attach(model_and_optimizer()[1], **kwargs)
         assert p.bindings == () and tree(store_dir) == before
+
+
+@pytest.mark.parametrize("value", ["no", 1, None, "Step", "epoch"])
+def test_attach_atomic_is_one_of_its_choices(store_dir, value):
+    with Pager(store_dir, page_size=64 * KiB) as p:
+        before = tree(store_dir)
+        with pytest.raises(statepager.UsageError, match=r"atomic must be one of .*'bucket'"):
+            p.attach(model_and_optimizer()[1], atomic=value)
+        assert p.bindings == () and tree(store_dir) == before
+
+
+@pytest.mark.parametrize("value, kind", [(True, "step"), ("step", "step"),
+                                         ("bucket", "bucket"), (False, False)])
+def test_attach_atomic_choices(store_dir, value, kind):
+    with Pager(store_dir, page_size=64 * KiB) as p:
+        assert p.attach(model_and_optimizer()[1], atomic=value).atomic == kind
+        assert p.attach(model_and_optimizer()[1]).atomic == "bucket"  # the default
 
 
 @pytest.mark.parametrize("kwargs, name", [

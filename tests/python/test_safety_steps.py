@@ -42,18 +42,21 @@ from small_jobs import (KiB, MiB, PAGE, bits, make_model, make_pager, set_grads,
 
 # -- setups ---------------------------------------------------------------------------------
 
-def adamw(store, device="cpu", moments="fp32", **kw):
+# All-or-nothing steps (atomic=True) unless the setup's name says resumable.
+
+def adamw(store, device="cpu", moments="fp32", atomic=True, **kw):
     model = make_model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     pager = make_pager(store, device, **kw)
-    return model, pager, opt, pager.attach(opt, bucket_size=100 * KiB, moments=moments)
+    return model, pager, opt, pager.attach(opt, bucket_size=100 * KiB, moments=moments,
+                                           atomic=atomic)
 
 
-def paged(store, device="cpu", moments="fp32", mains="fp32", **kw):
+def paged(store, device="cpu", moments="fp32", mains="fp32", atomic=True, **kw):
     model = make_model(device, torch.bfloat16)
     pager = make_pager(store, device, **kw)
     opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, bucket_size=100 * KiB,
-                     moments=moments, mains=mains)
+                     moments=moments, mains=mains, atomic=atomic)
     return model, pager, opt, opt.binding
 
 
@@ -62,6 +65,9 @@ SETUPS = {
     "adamw-q8": lambda s, d="cpu", **kw: adamw(s, d, moments="q8", **kw),
     "paged-bf16": lambda s, d="cpu", **kw: paged(s, d, moments="bf16", **kw),
     "paged-residual-q8": lambda s, d="cpu", **kw: paged(s, d, "q8", "residual", **kw),
+    "adamw-resumable": lambda s, d="cpu", **kw: adamw(s, d, atomic="bucket", **kw),
+    "paged-residual-q8-resumable": lambda s, d="cpu", **kw: paged(
+        s, d, "q8", "residual", atomic="bucket", **kw),
 }
 
 
@@ -400,8 +406,11 @@ def random_sigints(store, device):
     print(json.dumps({"attempts": attempts, "interrupts": interrupts, "steps": steps}))
 
 
-@pytest.mark.parametrize("setup", ["adamw", "paged-residual-q8"])
+@pytest.mark.parametrize("setup", ["adamw", "paged-residual-q8", "adamw-resumable",
+                                   "paged-residual-q8-resumable"])
 def test_random_sigints_never_tear_a_step(tmp_path, setup):
+    """Resumable setups: an interrupted step is pending, and the next step() (or the
+    state_dict() that reads the counters) finishes it."""
     store = str(tmp_path / "store")
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "random_sigints",
                               "cpu", store, setup], stdout=subprocess.PIPE,

@@ -345,7 +345,7 @@ def test_step_log_line(store_dir, caplog, monkeypatch):
         commit(step)
     monkeypatch.setattr(AtomicStep, "commit", slow_commit)
     with Pager(store_dir, page_size=64 * KiB) as pager:
-        binding = pager.attach(opt, bucket_size=100 * KiB, log_steps=True)
+        binding = pager.attach(opt, bucket_size=100 * KiB, log_steps=True, atomic=True)
         with caplog.at_level("INFO", logger="statepager"):
             train(model, opt, None, 2)
     lines = [r.getMessage() for r in caplog.records if "statepager step" in r.getMessage()]

@@ -56,7 +56,7 @@ def load(pager, path: str, *, missing_ok: bool = False) -> bool:
     state is then read into it as far as it has room, first buckets first (the next
     step's page-ins are host copies)."""
     missing_ok = args.flag("missing_ok", missing_ok)
-    with pager.between_steps("load()"):
+    with pager.between_steps("load()", replaces_state=True):
         _settle(pager)
         loaded = save_load.load(pager, path, missing_ok)
         if loaded:

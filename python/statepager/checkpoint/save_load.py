@@ -328,6 +328,7 @@ def _restore(pager, staged: list, loaded: list) -> None:
                       [offset + at for offset, views in zip(offsets, pieces)
                        for at in _starts(views)])
         s.apply()
+        s.binding.drop_pending_step()  # its state replaced
         loaded.append(s.binding.name)
 
 

@@ -91,6 +91,22 @@ def flag(name: str, value) -> bool:
     raise _C.UsageError(f"{name} must be a bool (True or False), not {_shown(value)}")
 
 
+ATOMICITY = (True, "step", "bucket", False)
+
+
+def atomicity(value) -> str | bool:
+    """attach()'s atomic: True or "step" (all or nothing) as "step", "bucket"
+    (resumable, atomic per bucket) or False (in place); bools as flag() takes them."""
+    numpy = sys.modules.get("numpy")
+    if isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_)):
+        return "step" if value else False
+    if isinstance(value, str) and value in ("step", "bucket"):
+        return value
+    raise _C.UsageError(f"atomic must be one of {ATOMICITY}: True or 'step' (all or "
+                        "nothing), 'bucket' (resumable, the default) or False (in place), "
+                        f"not {_shown(value)}")
+
+
 def optional_flag(name: str, value) -> bool | None:
     return None if value is None else flag(name, value)
 
@@ -181,10 +197,11 @@ def _shown(value) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def bucketing(bucket_size, depth) -> tuple[int, int]:
+def bucketing(bucket_size, depth) -> tuple[int | None, int | None]:
     """attach()'s bucket_size (bytes, at least 1) and depth (buckets resident or in
-    flight, at least 2: one stepping, one in flight)."""
-    return integer("bucket_size", bucket_size, minimum=1), integer("depth", depth, minimum=2)
+    flight, at least 2: one stepping, one in flight); None: chosen (core.defaults)."""
+    return (optional_integer("bucket_size", bucket_size, minimum=1),
+            optional_integer("depth", depth, minimum=2))
 
 
 def parse_size(text: str) -> int:

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from statepager.util.flat import copy_each
+from statepager.core import residency
 from statepager.core.late_reads import LateRead
 from statepager.formats.stored import params_changed_since_encoded, residual_forms
 
@@ -73,13 +74,14 @@ class UndoCopies:
         # nothing for them (a clone each cost the 1.34 B GPT's step 2-4 ms).
         self._state_copies: dict[tuple, torch.Tensor] = {}
 
-    def copy_state(self, state) -> dict:
+    def copy_state(self, state, part: bool = False) -> dict:
         """param -> {name: (value, copy of it or None)} of an optimizer's state: unpaged
         tensors (step counters, the state of resident parameters, sparse state) are
         copied, as the step may update them in place; paged ones and other values are
         kept as they are. The copies of tensors of at most KEPT_BYTES are kept for the
         next step; larger ones (a resident parameter's moments) are made per step and
-        let go with it, so that between steps their memory serves other tensors."""
+        let go with it, so that between steps their memory serves other tensors.
+        part: `state` is some parameters' (a bucket's): the others' kept copies stay."""
         entries = [(p, name, v) for p, values in state.items() for name, v in values.items()]
         owned = self.pager.owns_each(v for _, _, v in entries)
         saved = {p: {} for p in state}
@@ -99,7 +101,10 @@ class UndoCopies:
                         sources.append(v)
                 saved[p][name] = (v, copy)
             copy_each(targets, sources)
-        self._state_copies = kept  # those of parameters gone since are let go
+        if part:
+            self._state_copies.update(kept)
+        else:
+            self._state_copies = kept  # those of parameters gone since are let go
         return saved
 
     def _state_copy(self, key: tuple, v: torch.Tensor) -> torch.Tensor:
@@ -160,6 +165,18 @@ class UndoCopies:
         changed = params_changed_since_encoded(forms)  # each fingerprint is as taken
         return {key: event for key, (_, event) in taken.items()}, LateRead(changed)
 
+    def take_bucket(self, bucket):
+        """take() of what the bucket's step overwrites into its undo copies."""
+        with torch.no_grad():
+            return self.take(bucket.undo, self.targets(bucket.params, bucket.chunks))
+
+    def put_back(self, buckets) -> None:
+        """The buckets' targets as their undo copies hold them (once settle()d)."""
+        with torch.no_grad():
+            for b in buckets:
+                for target, copy in zip(self.targets(b.params, b.chunks), b.undo):
+                    target.copy_(copy)
+
     def join(self, taken) -> None:
         """The current stream's later work waits for the copies take() returned `taken` for."""
         if taken is not None:
@@ -209,8 +226,7 @@ def begin_epoch_at_rest(pager, buckets: list):
     """A pager epoch over the buckets' paged tensors (stored forms and scratch), opened
     once they are at rest, so that it covers their bytes: a tensor left resident since the
     last step is written now, as the step would have written it; scratch is dropped."""
-    pager.page_out([t for b in buckets for t in b.stored])
-    pager.discard_async([t for b in buckets for t in b.working]).wait()
+    residency.to_rest(pager, buckets)
     return pager.begin_epoch([t for b in buckets for t in b.stored + b.working])
 
 
@@ -239,8 +255,7 @@ class AtomicStep:
         # step where they may be (UndoCopies.take_before_step), then checked (_recheck)
         self._taken, self._recheck = self.undo.taken_before_step(self.buckets)
         self._state = self.undo.copy_state(self.optimizer.state)
-        self._groups = [{k: v for k, v in g.items() if k != "params"}
-                        for g in self.optimizer.param_groups]
+        self._groups = copy_groups(self.optimizer.param_groups)
         self._grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
         self._forms = [(f, f.exceptions_as_set, f.fingerprint) for b in self.buckets for f in b.forms]
 
@@ -256,11 +271,8 @@ class AtomicStep:
         writes its own parameters and chunks only), and by then the copies are done
         instead of holding up its after_bucket (a step of q8 moments and residual mains
         copies 2 bytes per parameter, sharing device-to-host bandwidth with page-outs)."""
-        if id(bucket) in self._taken:
-            return
-        with torch.no_grad():
-            self._taken[id(bucket)] = self.undo.take(
-                bucket.undo, self.undo.targets(bucket.params, bucket.chunks))
+        if id(bucket) not in self._taken:
+            self._taken[id(bucket)] = self.undo.take_bucket(bucket)
 
     def save(self, bucket) -> None:
         """Before the bucket steps: copies what it will overwrite (UndoCopies.take), unless
@@ -291,47 +303,57 @@ class AtomicStep:
         """After a failure, once no bucket is in flight: everything as before the step."""
         self.epoch.abort()
         self.undo.settle()
-        with torch.no_grad():
-            # Copies taken before the step and not checked yet may not hold the targets,
-            # and none was written (writing() checks them first).
-            for b in self._saved if self._recheck is None else []:
-                for target, copy in zip(self.undo.targets(b.params, b.chunks), b.undo):
-                    target.copy_(copy)
-            if self.rebuild_mirror is not None:
-                for b in self._written:
-                    self._rebuild_mirrors(b)
-        _restore_state(self.optimizer.state, self._state)
-        for g, saved in zip(self.optimizer.param_groups, self._groups):
-            for k in [k for k in g if k != "params" and k not in saved]:
-                del g[k]
-            g.update(saved)
+        # Copies taken before the step and not checked yet may not hold the targets,
+        # and none was written (writing() checks them first).
+        self.undo.put_back(self._saved if self._recheck is None else [])
+        if self.rebuild_mirror is not None:
+            for b in self._written:
+                rebuild_mirrors(self.pager, b, self.rebuild_mirror)
+        restore_state(self.optimizer.state, self._state)
+        restore_groups(self.optimizer.param_groups, self._groups)
         for p, grad in self._grads:
             p.grad = grad
         for f, exceptions, fingerprint in self._forms:
             f.exceptions, f.fingerprint = exceptions, fingerprint
 
-    def _rebuild_mirrors(self, bucket) -> None:
-        """The model parameters of the bucket's (restored) fp32 masters, written from them;
-        the masters are read and let go without being written (an epoch, aborted)."""
-        pairs = [(m, self.rebuild_mirror(m)) for m in bucket.params if self.pager.owns(m)]
-        pairs += [(c.of(c.param), c.of(self.rebuild_mirror(c.param))) for c in bucket.chunks
-                  if self.pager.owns(c.param)]
-        if not pairs:
-            return
-        masters = [m for m, _ in pairs]
-        epoch = self.pager.begin_epoch(masters)
-        try:
-            self.pager.page_in(masters)
-            for m, mirror in pairs:  # rounded as after_bucket rounds them (copy_)
-                mirror.copy_(m)
-        finally:
-            epoch.abort()
 
 
-def _restore_state(state, saved: dict) -> None:
-    """The optimizer's state as copied: entries the step created are dropped, unpaged
-    tensors get their bytes back in place (the same tensor objects)."""
-    for p in [p for p in state if p not in saved]:
+@torch.no_grad()
+def rebuild_mirrors(pager, bucket, rebuild_mirror: Callable) -> None:
+    """The model parameters of the bucket's fp32 masters (at rest, as restored), written
+    from them; the masters are read and let go without being written (an epoch, aborted)."""
+    pairs = [(m, rebuild_mirror(m)) for m in bucket.params if pager.owns(m)]
+    pairs += [(c.of(c.param), c.of(rebuild_mirror(c.param))) for c in bucket.chunks
+              if pager.owns(c.param)]
+    if not pairs:
+        return
+    masters = [m for m, _ in pairs]
+    epoch = pager.begin_epoch(masters)
+    try:
+        pager.page_in(masters)
+        for m, mirror in pairs:  # rounded as after_bucket rounds them (copy_)
+            mirror.copy_(m)
+    finally:
+        epoch.abort()
+
+
+def copy_groups(groups: list) -> list:
+    """The param groups' options (their own step counters among them), for restore_groups."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def restore_groups(groups: list, saved: list) -> None:
+    for g, options in zip(groups, saved):
+        for k in [k for k in g if k != "params" and k not in options]:
+            del g[k]
+        g.update(options)
+
+
+def restore_state(state, saved: dict, params=None) -> None:
+    """The optimizer's state as copied (copy_state): entries the step created are
+    dropped, unpaged tensors get their bytes back in place (the same tensor objects).
+    params: only these parameters' (a bucket's, copied with part=True)."""
+    for p in [p for p in (state if params is None else params) if p in state and p not in saved]:
         del state[p]
     with torch.no_grad():
         for p, entries in saved.items():

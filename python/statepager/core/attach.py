@@ -8,10 +8,12 @@ parameter) choose the on-disk formats (statepager.formats). `name` identifies th
 binding in checkpoints and names its own store, directory/<name>/ (default "opt<i>", i
 its attach order); parameters for which `keep_resident(p)` is true keep their state in
 ordinary memory and step unpaged. `model_param(master)` is also the model parameter that
-after_bucket writes from a master: a failed step restores it. atomic: a step that raises
-changes nothing and a retry steps once (statepager.atomic; the store needs room for a
-second copy of the state); atomic=False steps in place and a failed step leaves the
-state partly stepped. A parameter whose state is larger than bucket_size steps in chunks
+after_bucket writes from a master: a failed step restores it. atomic: "bucket" (the
+default) makes a step resumable: one that raises leaves each bucket stepped or not, and
+the next step() finishes it (statepager.core.resumable); True or "step" makes it all or
+nothing: one that raises changes nothing (statepager.core.atomic; the store and the host
+tier need room for a second copy of the state); False steps in place, and a failed step
+may leave a bucket partly stepped. Either atomic kind's retry steps once. A parameter whose state is larger than bucket_size steps in chunks
 of consecutive elements over consecutive buckets when the optimizer's step is torch's
 Adam step and its pager tensors are made of pieces (statepager.core.slices; the binding
 makes the state so; an fp32 master the pager owns must be made with
@@ -44,7 +46,7 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, before_bucket, af
     Every argument is checked before anything is made: the binding's store
     (directory/<name>/) opens when its plan first moves state there."""
     bucket_size, depth = args.bucketing(bucket_size, depth)
-    log_steps, atomic = args.flag("log_steps", log_steps), args.flag("atomic", atomic)
+    log_steps, atomic = args.flag("log_steps", log_steps), args.atomicity(atomic)
     moments, mains = args.formats(moments, mains)
     hooks = Hooks.of(hooks, before_bucket=before_bucket, after_bucket=after_bucket,
                      model_param=model_param, keep_resident=keep_resident,

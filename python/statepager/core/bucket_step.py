@@ -12,6 +12,7 @@ from statepager.core.hooks import Hooks
 from statepager.core.late_reads import ParamChecks
 from statepager.core.layout import StateLayout, held
 from statepager.core.plan import Bucket
+from statepager.core.resumable import ResumableStep
 
 _ABSENT = object()
 
@@ -51,7 +52,8 @@ class BucketStepper:
         return self._counts.setdefault(id(p), slices.counters(held(self.layout.optimizer, p)
                                                               or {}))
 
-    def step(self, bucket: Bucket, atomic: AtomicStep | None, checks: ParamChecks | None,
+    def step(self, bucket: Bucket, atomic: AtomicStep | ResumableStep | None,
+             checks: ParamChecks | None,
              fused: list | None, checked: bool = False) -> list:
         """Steps one bucket, its residual masters' checks left to `checks` where given,
         skipped where `checked` (up front); `fused` is StateLayout.fused_forms(bucket).
@@ -71,7 +73,10 @@ class BucketStepper:
             fused = layout.fused_forms(bucket)
             # Their new state is zero: paged in zero-filled, nothing read (decoded, where
             # the fused step does not read the moments as stored, by the same zero fill).
-            pager.page_in(bucket.stored + (bucket.working if fused is None else []))
+            # For a read: the bucket's other stored forms, resident, keep their bytes at
+            # rest (a resumable step hands them back there if the bucket fails).
+            pager.page_in_async(bucket.stored + (bucket.working if fused is None else []),
+                                for_read=True).wait()
         if fused is not None and layout.fused.ready(bucket):
             layout.fused.step(bucket, fused)
         else:
@@ -118,7 +123,8 @@ class BucketStepper:
                                   [(c.start, c.stop)], self.counters_before(c.param))
         if self.layout.adopt(bucket):  # state the optimizer created lazily in this step
             self.layout.fill(bucket)
-            self.layout.pager.page_in(bucket.stored)  # the new stored forms (zero), to encode into
+            # The new stored forms (zero), to encode into; for a read, as above.
+            self.layout.pager.page_in_async(bucket.stored, for_read=True).wait()
 
 
 def _set_counter(group: dict, counter) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from statepager import _C
-from statepager.core import args, slices
+from statepager.core import args, defaults, slices
 from statepager.util.flat import flat_view
-from statepager.core.pager import MiB, Pager
+from statepager.core.pager import Pager
 
 
 class PagedAdamW(torch.optim.AdamW):
@@ -20,19 +20,21 @@ class PagedAdamW(torch.optim.AdamW):
 
     moments: "fp32" (exact), "bf16" or "q8" on disk; mains: "fp32", or "residual" for a
     bf16 model: only the 16 bits the bf16 parameter lacks are stored, losslessly.
+    atomic: how a step that fails leaves the state (Pager.attach's atomic).
     """
 
     def __init__(self, params, *, pager: Pager, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, amsgrad=False, foreach=None, fused=None,
-                 bucket_size: int = 256 * MiB, depth: int = 3, log_steps: bool = False,
-                 moments: str = "fp32", mains: str = "fp32"):
+                 bucket_size: int | None = None, depth: int | None = None,
+                 log_steps: bool = False,
+                 moments: str = "fp32", mains: str = "fp32", atomic="bucket"):
         # Every argument is checked before the masters (pager tensors) are made.
         if not isinstance(pager, Pager):
             raise _C.UsageError(f"pager must be a statepager.Pager, not "
                                 f"{type(pager).__name__} {pager!r}")
         pager.check_not_paused("PagedAdamW()")
         bucket_size, depth = args.bucketing(bucket_size, depth)
-        log_steps = args.flag("log_steps", log_steps)
+        log_steps, atomic = args.flag("log_steps", log_steps), args.atomicity(atomic)
         moments, mains = args.formats(moments, mains)
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                      amsgrad=args.flag("amsgrad", amsgrad),
@@ -43,10 +45,12 @@ class PagedAdamW(torch.optim.AdamW):
         self._model_of: dict[int, torch.nn.Parameter] = {}
         # What fails from here on (a bucket the budget cannot hold) leaves the masters
         # to this object: the pager frees them when it is let go.
-        master_groups = self._make_masters(pager, groups, bucket_size)
+        # The masters' pieces follow the bucket size attach starts from (statepager.core.
+        # defaults): one it lowers to fit the budget steps a larger master whole.
+        bucket = defaults.bucketing(pager.page_size, pager.hbm_budget, bucket_size, depth)[0]
+        master_groups = self._make_masters(pager, groups, bucket)
         if mains == "fp32":
-            self._fill_masters(pager, [m for g in master_groups for m in g["params"]],
-                               bucket_size)
+            self._fill_masters(pager, [m for g in master_groups for m in g["params"]], bucket)
         # "residual": a master equal to its bf16 parameter has residual zero, which is what
         # a fresh (ZERO) stored form already holds.
         super().__init__(master_groups, **hyper)
@@ -55,7 +59,7 @@ class PagedAdamW(torch.optim.AdamW):
                                     after_bucket=self._store_params, moments=moments,
                                     mains=mains, model_param=self.model_param,
                                     before_chunk=self._load_grads_of_chunk,
-                                    after_chunk=self._store_chunk)
+                                    after_chunk=self._store_chunk, atomic=atomic)
 
     def _make_masters(self, pager: Pager, groups: list[dict], bucket_size: int) -> list[dict]:
         """The param groups over fp32 masters of the model's parameters (ZERO: no memory,

@@ -1,4 +1,33 @@
-"""Pager: the user-facing object. Policy lives here; the byte moving is in C++ (_C)."""
+"""Pager: the user-facing object. Policy lives here; the byte moving is in C++ (_C).
+
+Pager(directory, device, *, page_size, hbm_budget, keep, arena_size, io_depth, io_block,
+direct_io, host_budget, map_ram):
+directory: the store directory (str, os.PathLike or bytes), exclusive to this Pager
+    (a second one: StoreBusyError): new, empty, or holding a store statepager left
+    after a crash (its files are deleted); anything else, a symbolic link to a
+    directory or a directory inside another store is refused (UsageError), untouched.
+    close() deletes what statepager created there, and the directory if it made it.
+    "{rank}" becomes the torch.distributed rank. Each attached optimizer keeps its
+    state in its own store, directory/<its name>/; other tensors in directory/state.bin.
+device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory), or its torch.device.
+page_size: bytes per physical page; a multiple of the device granularity (4 KiB on
+    the host, 2 MiB on CUDA), at most 1 GiB; None: chosen from the device and
+    hbm_budget (statepager.core.defaults).
+hbm_budget: physical bytes the pool may hold at once, at least one page (None:
+    unbounded). keep: unmapped physical bytes kept for reuse.
+arena_size: address space reserved for the pager's tensors (costs no memory; up to
+    128 TiB, whole pages); no tensor can be larger.
+io_depth, io_block: I/O requests in flight (1 to 1024) and bytes per request (4 KiB
+    multiples up to 256 MiB); None: chosen for the store's medium (stats() says).
+host_budget: bytes of host memory for paged-out tensors (the host tier; pinned on
+    CUDA, allocated here), up to 128 TiB; 0: none. A page-out goes there while it has
+    room, else to the store. Holding the state through steps takes its size, twice that
+    for all-or-nothing steps (attach(atomic="step"): they keep the bytes of before).
+map_ram: map a store in RAM (tmpfs, ramfs) for the device's own copies (default
+    True; Note [A store in RAM is mapped] in docs/design.md); False: io_uring always.
+Arguments outside these ranges or of another type are refused with a UsageError
+naming them (statepager.core.args).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +38,8 @@ from typing import Iterable, Sequence
 import torch
 
 from statepager import _C
-from statepager.core import (args, attach, guard, lifetime, scope, serial, sleep,
-                             state_access)
+from statepager.core import (args, attach, defaults, guard, lifetime, scope, serial,
+                             sleep, state_access)
 from statepager.core.serial import serialized
 from statepager.util import ranks
 from statepager.util.flat import flat_view
@@ -72,39 +101,14 @@ class Epoch:
 
 class Pager:
     """Tensors whose bytes live in a paged pool and, when not resident, in a store file.
-
-    directory: the store directory (str, os.PathLike or bytes), exclusive to this Pager
-        (a second one: StoreBusyError): new, empty, or holding a store statepager left
-        after a crash (its files are deleted); anything else, a symbolic link to a
-        directory or a directory inside another store is refused (UsageError), untouched.
-        close() deletes what statepager created there, and the directory if it made it.
-        "{rank}" becomes the torch.distributed rank. Each attached optimizer keeps its
-        state in its own store, directory/<its name>/; other tensors in directory/state.bin.
-    device: "cpu" (host backend) or "cuda[:N]" (CUDA virtual memory), or its torch.device.
-    page_size: bytes per physical page; a multiple of the device granularity (4 KiB on
-        the host, 2 MiB on CUDA), at most 1 GiB.
-    hbm_budget: physical bytes the pool may hold at once, at least one page (None:
-        unbounded). keep: unmapped physical bytes kept for reuse.
-    arena_size: address space reserved for the pager's tensors (costs no memory; up to
-        128 TiB, whole pages); no tensor can be larger.
-    io_depth, io_block: I/O requests in flight (1 to 1024) and bytes per request (4 KiB
-        multiples up to 256 MiB); None: chosen for the store's medium (stats() says).
-    host_budget: bytes of host memory for paged-out tensors (the host tier; pinned on
-        CUDA, allocated here), up to 128 TiB; 0: none. A page-out goes there while it has
-        room, else to the store. An atomic step keeps the bytes before the step until it
-        commits: holding the state through steps takes twice its size.
-    map_ram: map a store in RAM (tmpfs, ramfs) for the device's own copies (default
-        True; Note [A store in RAM is mapped] in docs/design.md); False: io_uring always.
-    Arguments outside these ranges or of another type are refused with a UsageError
-    naming them (statepager.core.args).
-    """
+    The constructor's arguments: the module docstring."""
 
     def __init__(
         self,
         directory: str,
         device: str | torch.device = "cpu",
         *,
-        page_size: int = 32 * MiB,
+        page_size: int | None = None,
         hbm_budget: int | None = None,
         keep: int = 0,
         arena_size: int = 1 << 40,
@@ -120,7 +124,7 @@ class Pager:
         # state_access), not for users.
         self.reads = state_access.Reads(self, self._begin_epoch)
         # Types and signs here; the core checks the ranges (it knows the device).
-        page_size = args.integer("page_size", page_size)
+        page_size = args.optional_integer("page_size", page_size)
         hbm_budget = args.optional_integer("hbm_budget", hbm_budget)
         keep = args.integer("keep", keep)
         arena_size = args.integer("arena_size", arena_size)
@@ -132,6 +136,8 @@ class Pager:
         self.device = args.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if page_size is None:
+            page_size = defaults.page_size(self.device.type, hbm_budget)
         budget = hbm_budget if hbm_budget is not None else (1 << 64) - 1
         self._core = _C.Pager(
             directory, str(self.device), page_size, budget, keep, arena_size,
@@ -305,7 +311,8 @@ class Pager:
         """Builds optimizer state straight into this pager (see statepager.scope):
         allocations on this pager's device go to its pool, new fp32 tensors of at least
         `min_bytes` become pager tensors, and the oldest are paged out whenever the pool
-        would pass hbm_budget. Yields the Capture, whose `.tensors` lists them."""
+        would pass hbm_budget. Yields the Capture, whose `.tensors` lists them and
+        `.pool` is the torch.cuda.MemPool allocations go to (None on the host backend)."""
         min_bytes = args.integer("min_bytes", min_bytes)
         with serial.lock_of(self):
             self.check_not_paused("scope()")
@@ -315,6 +322,7 @@ class Pager:
             if self.device.type == "cuda":
                 if self._mem_pool is None:
                     self._mem_pool = scope.mem_pool_for(self)
+                capture.pool = self._mem_pool
                 _C.route_device(self.device.index, self._core)
                 stack.callback(_C.route_device, self.device.index, None)
                 stack.enter_context(scope.using_pool(self._mem_pool, self.device))
@@ -324,15 +332,20 @@ class Pager:
     # -- sleep / wake ----------------------------------------------------------------
 
     @serialized
-    def pause(self, bucket_size: int = 256 * MiB) -> None:
+    def pause(self, bucket_size: int = 256 * MiB, discard: bool = False) -> None:
         """Pages out everything resident, in buckets of about `bucket_size` bytes, and
         returns all physical memory to the device (e.g. to lend the GPU to an inference
         engine), all or nothing; resume() brings it back. While paused, paging (page_in,
-        page_out, a step, scope(), checkpoints) is refused. See statepager.core.sleep."""
+        page_out, a step, scope(), checkpoints) is refused. See statepager.core.sleep.
+        discard=True: the resident bytes are dropped instead, with no I/O, after the work
+        queued on the current stream (a KV cache, say): resume() brings those tensors back
+        zero-filled, at the same addresses."""
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
+        discard = args.flag("discard", discard)
         self._core.check_usable()
-        self._end_begun_steps()
-        self._sleep.pause(self._core, bucket_size)
+        self._end_begun_steps(finish=True)
+        self._sleep.pause(self._core, bucket_size,
+                          _current_stream(self.device) if discard else None)
 
     @serialized
     def resume(self, bucket_size: int = 256 * MiB) -> None:
@@ -343,11 +356,14 @@ class Pager:
         self._core.check_usable()
         self._sleep.resume(self._core, bucket_size)
 
-    def _end_begun_steps(self) -> None:
+    def _end_begun_steps(self, finish: bool = False) -> None:
         """Ends the bindings' steps begun and not taken up (StreamedOptimizer.begin_step)
         before what reads or moves all the state (pause, checkpoints, close), and lets
-        go of the state read since the last step (statepager.core.state_access)."""
+        go of the state read since the last step (statepager.core.state_access); finish:
+        steps a failure left pending are finished first (StreamedOptimizer.finish_step)."""
         self.reads.release()
+        for binding in self._bindings if finish else ():
+            binding.finish_step()
         for binding in self._bindings:
             binding.end_begun_step()
 
@@ -366,15 +382,15 @@ class Pager:
     # -- optimizers ------------------------------------------------------------------
 
     @serialized
-    def attach(self, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
+    def attach(self, optimizer, *, bucket_size: int | None = None, depth: int | None = None,
                log_steps: bool = False, before_bucket=None, after_bucket=None,
                moments: str = "fp32", mains: str = "fp32", model_param=None,
-               name: str | None = None, keep_resident=None, atomic: bool = True,
+               name: str | None = None, keep_resident=None, atomic="bucket",
                before_chunk=None, after_chunk=None, hooks=None):
         """Streams `optimizer`'s state through this pager: each step pages buckets of
         about `bucket_size` bytes in, steps them and pages them out, `depth` at most
-        resident or in flight. Returns its StreamedOptimizer binding. The keywords, and
-        what Megatron's optimizers take: statepager.core.attach."""
+        resident or in flight (None: chosen to fit hbm_budget). Returns its binding. The
+        keywords, and what Megatron's optimizers take: statepager.core.attach."""
         binding = attach.attach(
             self, optimizer, bucket_size=bucket_size, depth=depth, log_steps=log_steps,
             before_bucket=before_bucket, after_bucket=after_bucket, moments=moments,
@@ -393,13 +409,14 @@ class Pager:
     # -- the state at rest, between steps (statepager.checkpoint builds on these) ------
 
     @contextlib.contextmanager
-    def between_steps(self, what: str):
+    def between_steps(self, what: str, replaces_state: bool = False):
         """Holds this Pager for `what` (e.g. "save()"), an operation on all attached state
         that must run between steps: takes its lock for the block, refuses while paused
-        or closed (UsageError), and ends steps begun and not taken up first."""
+        or closed (UsageError), and ends steps begun and not taken up first; steps left
+        pending are finished first unless it replaces the state (a load drops them)."""
         with serial.lock_of(self):
             self.check_not_paused(what)
-            self._end_begun_steps()
+            self._end_begun_steps(finish=not replaces_state)
             yield
 
     def snapshot(self, tensors: Sequence[torch.Tensor]):

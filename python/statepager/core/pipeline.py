@@ -8,6 +8,10 @@ brings); start() issues the first page-ins; advance() steps the next bucket and 
 the page-in that its room frees; finish() waits for the rest and returns the step's
 stats. stream() runs advance() to the last bucket and finish(), and leaves nothing in
 flight where either fails; end() ends a pipeline started and never streamed.
+
+The step it runs is all or nothing (an AtomicStep: a pager epoch), resumable (a
+ResumableStep, statepager.core.resumable: page-ins for a read, so that a bucket not
+stepped goes back to its bytes at rest where the step fails) or in place (None).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from statepager.core.bucket_step import BucketStepper
 from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.layout import StateLayout
 from statepager.core.planner import Planner
+from statepager.core.resumable import ResumableStep
 from statepager.core.step_stats import StepStats
 
 
@@ -29,14 +34,21 @@ class Pipeline:
     """The buckets of one step, each stepped once, in order."""
 
     def __init__(self, buckets: list, layout: StateLayout, planner: Planner,
-                 stepper: BucketStepper, atomic: AtomicStep | None, *, step: int,
-                 host_budget: int, fused_groups: tuple | None):
-        """buckets: the plan (planner's, planned anew where the param groups changed);
-        step: the step's number (StepStats.step); host_budget: the Pager's host tier;
-        fused_groups: FusedStep.groups_key() (a step begun under other options starts
-        again)."""
+                 stepper: BucketStepper, atomic: AtomicStep | ResumableStep | None, *,
+                 step: int, host_budget: int, fused_groups: tuple | None,
+                 resumed: bool = False):
+        """buckets: the plan (planner's, planned anew where the param groups changed), or
+        a resumed step's buckets not stepped yet; step: the step's number
+        (StepStats.step); host_budget: the Pager's host tier; fused_groups:
+        FusedStep.groups_key() (a step begun under other options starts again);
+        resumed: the step resumes one that failed (the stepper's counters are those of
+        its start, BucketStepper.begin())."""
         pager = layout.pager
         self.pager, self.buckets, self.atomic = pager, buckets, atomic
+        self.resumed = resumed
+        # Resumable: a bucket's page-in keeps its bytes at rest, where a failure hands
+        # it back (_hand_back) until its page-out is issued.
+        self._for_read = isinstance(atomic, ResumableStep)
         self._stepper, self._planner = stepper, planner
         self._depth = planner.depth
         self.before = pager.stats()  # the pager's stats() at the start
@@ -76,7 +88,9 @@ class Pipeline:
         self._outs = collections.deque()    # per bucket stepped, its page-out handles
         self._done_in, self._done_out, self._stepping = [], [], []
         self._counting = ExceptionCounts(pager)  # the exceptions of the buckets stepped last
-        self._checks = ParamChecks() if atomic else None
+        # All or nothing: residual masters' params checked once the last bucket stepped.
+        self._checks = ParamChecks() if isinstance(atomic, AtomicStep) else None
+        self._open: int | None = None  # the bucket between its page-in's wait and page-out
         self._trace = _C.TraceRange()  # each bucket's step on profilers' timelines (NVTX)
         self._t_loop = 0.0
 
@@ -94,12 +108,13 @@ class Pipeline:
                 self._page_in(j)
         except BaseException:
             _settle(list(self._ins.values()) + list(self._aheads.values()))
+            self._hand_back(list(self._ins))
             raise
 
     def _page_in(self, j: int) -> None:
         """Issues bucket j's page-in, and the read-aheads past it."""
         pager, buckets, aheads = self.pager, self.buckets, self._aheads
-        self._ins[j] = pager.page_in_async(self.incoming[j])
+        self._ins[j] = pager.page_in_async(self.incoming[j], for_read=self._for_read)
         for k in range(max(j + 1, max(aheads, default=0) + 1),
                        min(j + self._read_ahead + 1, len(buckets))):
             aheads[k] = pager.read_ahead_async(buckets[k].stored)
@@ -107,7 +122,8 @@ class Pipeline:
     def stream(self) -> StepStats:
         """Steps every bucket (advance()) and finishes; returns the stats (the caller's
         once the step is whole). Where it fails, nothing is left in flight."""
-        self._stepper.begin()
+        if not self.resumed:
+            self._stepper.begin()
         self._t_loop = time.monotonic()
         try:
             while self._next < len(self.buckets):
@@ -129,6 +145,7 @@ class Pipeline:
             self.interrupts.poll()  # a Ctrl-C fails the step here
         t0 = time.monotonic()
         h = ins.pop(i)
+        self._open = i
         h.wait()
         self._done_in.append(h)
         t1 = time.monotonic()
@@ -145,6 +162,9 @@ class Pipeline:
         stats.wait_in_seconds += t1 - t0
         stats.compute_seconds += t2 - t1
         held = counting.hold(pending)  # before anything else can fail
+        self._open = None  # stepped: whole, resident until its page-out lands
+        if self._for_read:
+            atomic.stepped(b)
         handles = residency.release(self.pager, b, wait=False, keep=held,
                                     reuse_after=self._sched.reuse_after(i))
         self._outs.append(handles)
@@ -187,6 +207,26 @@ class Pipeline:
                                "not decode")
             _settle(list(self._ins.values()) + [h for handles in self._outs for h in handles]
                     + self._counting.handles + list(self._aheads.values()))
+            open_ = [] if self._open is None else [self._open]
+            self._hand_back(open_ + list(self._ins), error)
+
+    def _hand_back(self, indices: list, error: BaseException | None = None) -> None:
+        """A resumable step's buckets `indices`, paged in (or in flight, waited for) and
+        not stepped, back to their bytes at rest without a write (their device changes
+        dropped), their scratch dropped; then what the bucket stepping changed outside
+        the pager put back (ResumableStep.put_back). Nothing for other steps (an epoch's
+        abort returns theirs)."""
+        if not self._for_read:
+            return
+        buckets = [self.buckets[k] for k in indices]
+        try:
+            residency.to_rest(self.pager, buckets, unchanged=True)
+            self.atomic.put_back()
+        except BaseException as failed:
+            if error is None:
+                raise
+            error.add_note(f"statepager: handing back the buckets not stepped failed too "
+                           f"({failed!r}): the optimizer state may be partly stepped")
 
     def _stats(self, t0: float) -> StepStats:
         """The step's stats, finish() having begun at t0."""
@@ -209,11 +249,14 @@ class Pipeline:
     def end(self) -> None:
         """Ends a started pipeline that stepped nothing: its page-ins waited for (the
         epoch's abort waits for any left, an interrupt here notwithstanding), their pages
-        dropped unwritten (an atomic step's, abandoned)."""
+        dropped unwritten (an atomic step's, abandoned; a resumable one's, handed back)."""
         try:
             _settle(list(self._ins.values()) + list(self._aheads.values()))
         finally:
-            self.atomic.abandon()
+            if self._for_read:
+                self._hand_back(list(self._ins))
+            else:
+                self.atomic.abandon()
 
 
 class _Schedule:

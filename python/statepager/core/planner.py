@@ -22,6 +22,7 @@ class Planner:
         self.hooks = hooks  # chunks need chunk hooks beside bucket hooks
         self.buckets: list[Bucket] = []
         self._planned_for: list = []  # groups_layout() of the last plan
+        self._pages_of: dict = {}  # id(bucket) -> (what its pages were counted for, count)
 
     def groups_layout(self) -> list:
         """What a plan is made for: the parameters of each param group, by identity."""
@@ -51,6 +52,7 @@ class Planner:
             layout.fill(b, to_store)
         self._planned_for = self.groups_layout()
         self.buckets = buckets
+        self._pages_of = {}
         return buckets
 
     def _chunking(self, p, nbytes: int) -> list[tuple[int, int]] | None:
@@ -77,6 +79,25 @@ class Planner:
         bounds = slices.chunk_bounds(p.numel(), self.bucket_size * p.numel() // nbytes)
         return bounds if len(bounds) > 1 else None
 
+    def fit(self, budget: int | None, bucket_given: bool, depth_given: bool) -> None:
+        """Plans (to_store=False), then, while the window is over `budget`, lowers what
+        attach left to its defaults (statepager.core.defaults): the depth down to 3, then
+        the bucket size by halves (down to a page, the depth back up), then the depth to
+        2. What still does not fit, attach refuses."""
+        page = self.layout.pager.page_size
+        self.plan(to_store=False)
+        deepest = self.depth
+        while budget is not None and self.window() > budget:
+            if not depth_given and self.depth > 3:
+                self.depth -= 1
+            elif not bucket_given and self.bucket_size // 2 >= page:
+                self.bucket_size, self.depth = self.bucket_size // 2, deepest
+                self.plan(to_store=False)
+            elif not depth_given and self.depth > 2:
+                self.depth -= 1
+            else:
+                return
+
     def whole(self, buckets: list[Bucket]):
         """`buckets`, each parameter that steps in chunks as a bucket of its own, whole
         (filled here: their stored forms in the binding's store)."""
@@ -99,13 +120,38 @@ class Planner:
     def window(self) -> int:
         """Physical bytes the step's pipeline maps at most (window_parts)."""
         bucket, held_bytes = self.window_parts()
-        return self.depth * bucket + held_bytes
+        return bucket + held_bytes
 
     def window_parts(self) -> tuple[int, int]:
-        """The largest bucket with its page rounding, of which `depth` are in the pipeline,
-        and the residual masters' scratch of the last ExceptionCounts.LAG buckets stepped."""
+        """The pages `depth` consecutive buckets map at most, counted per tensor (see
+        Note [The window counts pages per tensor]), and the residual masters' scratch of
+        the last ExceptionCounts.LAG buckets stepped."""
         page = self.layout.pager.page_size
-        largest = max((max(b.nbytes, b.planned) for b in self.buckets), default=0)
+        pages = [self._pages(b) for b in self.buckets]
+        depth = min(self.depth, len(pages))
+        window = max((sum(pages[i:i + depth]) for i in range(len(pages) - depth + 1)),
+                     default=0)
         scratch = max((nbytes(f.working for f in b.forms if f.fmt == "residual")
                        for b in self.buckets), default=0)
-        return largest + 2 * page, ExceptionCounts.LAG * (scratch + 2 * page) if scratch else 0
+        held_bytes = ExceptionCounts.LAG * (scratch + 2 * page) if scratch else 0
+        return window * page, held_bytes
+
+    def _pages(self, b: Bucket) -> int:
+        """The pages bucket b's step maps: those its incoming tensors touch, by address,
+        and for state yet to be created (planned beyond them) its bytes in whole pages and
+        two more: the arena makes a bucket's new state in one or two runs (its tensors one
+        after another, or around a hole). Kept while b's tensors are the same."""
+        key = (b.planned, tuple((t.data_ptr(), t.numel() * t.element_size())
+                                for t in b.incoming))
+        known = self._pages_of.get(id(b))
+        if known is not None and known[0] == key:
+            return known[1]
+        page = self.layout.pager.page_size
+        touched = set()
+        for at, n in key[1]:
+            if n:
+                touched.update(range(at // page, (at + n - 1) // page + 1))
+        extra = max(0, b.planned - b.nbytes)
+        count = len(touched) + (-(-extra // page) + 2 if extra else 0)
+        self._pages_of[id(b)] = (key, count)
+        return count

@@ -111,6 +111,7 @@ class Capture(TorchDispatchMode):
         super().__init__()
         self.pager = pager
         self.min_bytes = min_bytes
+        self.pool = None  # the MemPool allocations go to (Pager.scope sets it on CUDA)
         self.tensors: list[torch.Tensor] = []
         self.kept: list[torch.Tensor] = []    # resident for good: shared or a module's
         self._resident = collections.deque()  # tracked tensors still resident, oldest first

@@ -25,8 +25,9 @@ class Sleep:
     def paused(self) -> bool:
         return self._out is not None
 
-    def pause(self, core, bucket_size: int) -> None:
-        """core: the Pager's _C.Pager."""
+    def pause(self, core, bucket_size: int, discard_after: int | None = None) -> None:
+        """core: the Pager's _C.Pager. discard_after: drop the bytes instead, after the
+        work queued on that stream (see Pager.pause)."""
         if self._out is not None:
             raise _C.UsageError("this Pager is already paused: call resume() first")
         ids = core.resident_extents()
@@ -34,6 +35,9 @@ class Sleep:
         # paused with resume() bringing back what went out, or (below) not paused with
         # everything back in; never its tensors out and resume() refused.
         self._out = ids
+        if discard_after is not None:
+            self._discard(core, ids, discard_after)
+            return
         try:
             core.page_all(ids, bucket_size, True)
             core.trim()
@@ -48,6 +52,16 @@ class Sleep:
                     raise
                 self._out = None
             raise
+
+    def _discard(self, core, ids: list, stream: int) -> None:
+        """One discard of every resident extent: a failed one drops nothing (the core
+        keeps a failed bucket's extents as they were), so the Pager is not paused then."""
+        try:
+            core.wait(core.discard_extents(ids, stream))
+        except BaseException:
+            self._out = None
+            raise
+        core.trim()
 
     def resume(self, core, bucket_size: int) -> None:
         if self._out is None:

@@ -1,13 +1,14 @@
 """An attached optimizer's steps (statepager.core.stream): each runs a Pipeline
-(statepager.core.pipeline), all or nothing when atomic (statepager.core.atomic), its
-first page-ins possibly begun ahead of step() (begin_step), and ends as the binding's
-last stats."""
+(statepager.core.pipeline), all or nothing (atomic="step", statepager.core.atomic),
+atomic per bucket and resumed where it failed (atomic="bucket",
+statepager.core.resumable) or in place (atomic=False), its first page-ins possibly begun
+ahead of step() (begin_step), and ends as the binding's last stats."""
 from __future__ import annotations
 
 import logging
 import time
 
-from statepager.core import interrupts
+from statepager.core import interrupts, residency
 from statepager.core.atomic import AtomicStep, UndoCopies
 from statepager.core.bucket_step import BucketStepper
 from statepager.core.hooks import Hooks
@@ -16,6 +17,7 @@ from statepager.core.layout import StateLayout
 from statepager.core.pipeline import Pipeline
 from statepager.core.plan import Bucket
 from statepager.core.planner import Planner
+from statepager.core.resumable import ResumableStep
 from statepager.core.step_stats import StepStats
 from statepager.formats.stored import params_changed_since_encoded, residual_forms
 
@@ -28,23 +30,37 @@ class Steps:
     lock (the binding's entry points take it)."""
 
     def __init__(self, owner, layout: StateLayout, planner: Planner, stepper: BucketStepper,
-                 undo: UndoCopies, *, name: str, hooks: Hooks, atomic: bool, log_steps: bool,
-                 host_budget: int):
+                 undo: UndoCopies, *, name: str, hooks: Hooks, atomic: str | bool,
+                 log_steps: bool, host_budget: int):
         self.owner, self.pager = owner, layout.pager
         self.layout, self.planner, self.stepper, self.undo = layout, planner, stepper, undo
         self.name = name
         self.hooks = hooks      # before_step, after_step; model_param (the fp32 mirror)
-        self.atomic = atomic
+        self.atomic = atomic  # "step", "bucket" or False (args.atomicity)
         self.log_steps = log_steps
         self.host_budget = host_budget  # the Pager's host tier: read-aheads where it has one
         self.last = StepStats()
         self._steps = 0
         self._begun: Pipeline | None = None  # begin()'s, until step() takes it up
+        self.pending: ResumableStep | None = None  # a resumable step that failed partway
+
+    def finish_pending(self) -> None:
+        """Steps the buckets a failed resumable step left (StreamedOptimizer.finish_step)."""
+        if self.pending is not None:
+            self.step()
+
+    def drop_pending(self) -> None:
+        """Forgets a pending step (its state replaced by a load): the next step starts
+        anew. Its buckets left resident go to rest."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            residency.to_rest(self.pager, pending.buckets, unchanged=True)
 
     def planned(self) -> list[Bucket]:
         """The plan for the param groups as they are now: planned anew (a begun step
         ended first) when they changed since the last plan."""
         if self.planner.changed():
+            self.finish_pending()  # over the plan it started with
             self.end_begun()
             for i, group in enumerate(self.layout.optimizer.param_groups):
                 self.layout.check_group(group, i)
@@ -55,7 +71,7 @@ class Steps:
     def prepare(self) -> None:
         """StreamedOptimizer.prepare_step."""
         self.end_begun()
-        if self.atomic and self.layout.mains == "residual":
+        if self.atomic == "step" and self.layout.mains == "residual":
             self.undo.take_before_step(self.planned())
 
     def step(self) -> None:
@@ -76,7 +92,7 @@ class Steps:
         held = interrupts.Deferral()  # a Ctrl-C comes at poll(), or once this has ended
         try:
             try:
-                step = AtomicStep(self.owner, self.undo, self._mirror())
+                step = self._new_step()
             except Exception as error:
                 log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
                 return
@@ -122,29 +138,92 @@ class Steps:
         it): a step begun under other options starts again."""
         return self.layout.fused.groups_key() if self.layout.fused else None
 
-    def start(self, atomic: AtomicStep | None) -> Pipeline:
-        """A step's pipeline, its first page-ins issued (the rest as buckets step)."""
-        run = Pipeline(self.planned(), self.layout, self.planner, self.stepper, atomic,
+    def _new_step(self) -> AtomicStep | ResumableStep:
+        """The atomic step begin() or step() starts: a pending one, else a new one."""
+        if self.atomic == "step":
+            return AtomicStep(self.owner, self.undo, self._mirror())
+        if self.pending is not None:
+            return self.pending
+        return ResumableStep(self.pager, self.layout.optimizer, self.planned(), self.undo,
+                             self._mirror())
+
+    def start(self, atomic: AtomicStep | ResumableStep | None) -> Pipeline:
+        """A step's pipeline, its first page-ins issued (the rest as buckets step). A
+        resumable step's buckets not stepped, from rest (those a failed page-out left
+        resident written now: Note [Resumable steps])."""
+        resumed = atomic is not None and atomic is self.pending
+        if isinstance(atomic, ResumableStep):
+            residency.to_rest(self.pager, atomic.buckets, unchanged=True)
+            buckets = atomic.remaining()
+        else:
+            buckets = self.planned()
+        run = Pipeline(buckets, self.layout, self.planner, self.stepper, atomic,
                        step=self._steps + 1, host_budget=self.host_budget,
-                       fused_groups=self._fused_groups())
+                       fused_groups=self._fused_groups(), resumed=resumed)
         run.start()
         return run
 
     def _step_all(self) -> None:
         t0 = time.monotonic()
-        self.planned()
+        if self.pending is None:
+            self.planned()  # a pending step finishes over the plan it started with
         self._end_others_begun()
         self.pager.reads.release()  # their room is the step's
         run = self._begun
-        if run is not None and (not self.atomic or run.fused_groups != self._fused_groups()):
-            self.end_begun()  # begun as atomic, or with param groups the fused step differs on
-        if not self.atomic:
-            checked = self._params_checked_up_front()
+        if run is not None and not self._takes_up(run):
+            self.end_begun()  # begun otherwise, or with param groups the fused step differs on
+        if self.pending is not None or self.atomic == "bucket":
+            self._step_resumable(t0)
+        elif self.atomic == "step":
+            self._step_atomic(t0)
+        else:
+            checked = self._params_checked_up_front(self.planned())
             run = self.start(None)
             run.checked, run.setup_seconds = checked, time.monotonic() - t0
             self._finish(run.stream())
-            return
-        self._step_atomic(t0)
+
+    def _takes_up(self, run: Pipeline) -> bool:
+        """Whether step() takes up the begun `run`: begun as it steps (a pending step
+        finishing, or a new one of this binding's atomic kind), under the same options."""
+        if run.fused_groups != self._fused_groups():
+            return False
+        if self.pending is not None:
+            return run.atomic is self.pending
+        kind = {"step": AtomicStep, "bucket": ResumableStep}.get(self.atomic)
+        return kind is not None and isinstance(run.atomic, kind)
+
+    def _step_resumable(self, t0: float) -> None:
+        """Atomic per bucket (statepager.core.resumable): where it fails, the buckets
+        stepped are remembered (pending) and the next step finishes this one. SIGINT is
+        held for the step and delivered between buckets (statepager.core.interrupts), so
+        a Ctrl-C never splits a bucket's step from its bookkeeping."""
+        held = interrupts.Deferral()
+        try:
+            run, self._begun = self._begun, None
+            step = run.atomic if run is not None else self._new_step()
+            try:
+                try:
+                    held.poll()
+                    checked = self._params_checked_up_front(step.remaining())
+                    if run is None:
+                        run = self.start(step)
+                except BaseException:
+                    if run is not None:
+                        run.end()
+                    raise
+                run.checked = checked
+                run.setup_seconds += time.monotonic() - t0
+                run.interrupts = held
+                stats = run.stream()
+            except BaseException as error:
+                # Pending once a bucket stepped; else nothing changed.
+                self.pending = step if step.stepped_count else None
+                self._refill(step.buckets, error)
+                raise
+            self.pending = None
+            self._finish(stats)
+        finally:
+            held.release()
 
     def _step_atomic(self, t0: float) -> None:
         """All or nothing (statepager.core.atomic), a KeyboardInterrupt included: SIGINT is
@@ -193,6 +272,16 @@ class Steps:
             error.add_note(f"statepager: undoing the failed step failed too ({failed!r}): "
                            "the optimizer state may be partly stepped")
 
+    def _refill(self, buckets: list, error: BaseException) -> None:
+        """After a failed resumable step: the buckets without the state the bucket that
+        failed created (ResumableStep.put_back dropped it)."""
+        try:
+            for b in buckets:
+                self.layout.fill(b)
+        except BaseException as failed:
+            error.add_note(f"statepager: refilling the buckets after the failed step failed "
+                           f"too ({failed!r})")
+
     def _finish(self, stats: StepStats) -> None:
         """A step done: its stats are the last, and logged."""
         self._steps += 1
@@ -200,14 +289,14 @@ class Steps:
         if self.log_steps:
             log.info("statepager %s", stats.summary())
 
-    def _params_checked_up_front(self) -> bool:
+    def _params_checked_up_front(self, buckets: list) -> bool:
         """An in-place step's residual checks, every bucket's at once before any bucket
         steps: a model parameter changed since its master was encoded (its fingerprint)
         is refused here, with nothing written, and the host waits for the device once
         per step instead of once per bucket. True when done; False where some master's
         fingerprint is not known yet (its state new, or loaded), whose bucket's decode
         then checks it before the bucket steps, as before."""
-        changed = params_changed_since_encoded(residual_forms(self.planned()))
+        changed = params_changed_since_encoded(residual_forms(buckets))
         if changed is None:
             return False
         if bool(changed):
@@ -215,9 +304,10 @@ class Steps:
         return True
 
 
-def _end(step: AtomicStep, run: Pipeline | None) -> None:
-    """Ends a step that changed nothing: its run's page-ins waited for, where it has one."""
+def _end(step: AtomicStep | ResumableStep, run: Pipeline | None) -> None:
+    """Ends a step that changed nothing: its run's page-ins waited for, where it has one
+    (a resumable step without one has nothing in flight: Pipeline.start hands back)."""
     if run is not None:
         run.end()
-    else:
+    elif isinstance(step, AtomicStep):
         step.abandon()

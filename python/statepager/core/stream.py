@@ -12,7 +12,8 @@ StreamedOptimizer is the binding: it patches the optimizer's methods and answers
 the parts, each its own module: what is paged (statepager.core.layout), the plan
 (statepager.core.planner over statepager.core.plan), one bucket's residency
 (statepager.core.residency) and step (statepager.core.bucket_step), a step's pipeline
-(statepager.core.pipeline) and the steps, atomic or in place (statepager.core.steps).
+(statepager.core.pipeline) and the steps: all or nothing, resumable or in place
+(statepager.core.steps).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Callable
 import torch
 
 from statepager import _C
-from statepager.core import residency, state_access, state_dict, support
+from statepager.core import args, defaults, residency, state_access, state_dict, support
 from statepager.core.atomic import UndoCopies
 from statepager.core.bucket_step import BucketStepper
 from statepager.core.fused_adamw import FusedStep, applies_to
@@ -59,8 +60,9 @@ class StreamedOptimizer:
     """The binding between one optimizer and one pager (returned by Pager.attach)."""
 
     def __init__(self, pager, optimizer: torch.optim.Optimizer, hooks: Hooks = Hooks(), *,
-                 bucket_size: int, depth: int, log_steps: bool, moments: str = "fp32",
-                 mains: str = "fp32", name: str = "opt0", atomic: bool = True):
+                 bucket_size: int | None, depth: int | None, log_steps: bool,
+                 moments: str = "fp32",
+                 mains: str = "fp32", name: str = "opt0", atomic: str | bool = "bucket"):
         # Pager.attach checked the arguments.
         if optimizer in _attached:
             raise _C.UsageError("this optimizer is already attached to a Pager")
@@ -68,7 +70,6 @@ class StreamedOptimizer:
         self.pager = pager
         self.optimizer = optimizer
         self.name = name
-        self.bucket_size, self.depth = bucket_size, depth
         self.moments, self.mains = moments, mains
         self.hooks = hooks
         # False within state_dict_by_reference().
@@ -77,14 +78,19 @@ class StreamedOptimizer:
         undo = UndoCopies(pager, hooks.model_param if mains == "residual" else None)
         self._layout = StateLayout(pager, optimizer, store=name, moments=moments, mains=mains,
                                    hooks=hooks, atomic=atomic, undo=undo, fused=fused)
-        self._planner = Planner(self._layout, bucket_size=bucket_size, depth=depth, hooks=hooks)
+        # None: chosen from the page size and the budget (statepager.core.defaults).
+        chosen = defaults.bucketing(pager.page_size, pager.hbm_budget, bucket_size, depth)
+        self._planner = Planner(self._layout, bucket_size=chosen[0], depth=chosen[1],
+                                hooks=hooks)
         self._stepper = BucketStepper(self._layout, hooks)
         self._steps = Steps(self, self._layout, self._planner, self._stepper, undo, name=name,
                             hooks=hooks, atomic=atomic, log_steps=log_steps,
                             host_budget=pager.host_budget)
         for i, group in enumerate(optimizer.param_groups):
             self.check_group(group, i)
-        self._planner.plan(to_store=False)  # a refused attach opens no store
+        # A refused attach opens no store.
+        self._planner.fit(pager.hbm_budget, bucket_given=bucket_size is not None,
+                          depth_given=depth is not None)
         self._refuse_a_window_over(pager.hbm_budget)
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
@@ -121,14 +127,28 @@ class StreamedOptimizer:
         self._stepper.hooks = self._steps.hooks = hooks
 
     @property
-    def atomic(self) -> bool:
-        """Whether a step is all or nothing (Pager.attach's atomic); set, from the next
-        step on."""
+    def bucket_size(self) -> int:
+        """Bytes of state per bucket (attach's bucket_size, or the default chosen)."""
+        return self._planner.bucket_size
+
+    @property
+    def depth(self) -> int:
+        """Buckets resident or in flight at most (attach's depth, or the default chosen)."""
+        return self._planner.depth
+
+    @property
+    def atomic(self) -> str | bool:
+        """attach's atomic (args.atomicity): "step", "bucket" or False; set, from the next
+        step on (a pending step still finishes)."""
         return self._steps.atomic
 
     @atomic.setter
-    def atomic(self, value: bool) -> None:
+    @serialized
+    def atomic(self, value) -> None:
+        value = args.atomicity(value)
         self._layout.atomic = self._steps.atomic = value
+        for b in self._planner.buckets:  # their undo copies, with or without
+            self._layout.fill(b, to_store=False)
 
     @property
     def log_steps(self) -> bool:
@@ -143,17 +163,19 @@ class StreamedOptimizer:
 
     def _refuse_a_window_over(self, budget: int | None) -> None:
         """UsageError when the pipeline's window is more than hbm_budget (None: none)."""
-        (bucket, held), window = self._planner.window_parts(), self._planner.window()
+        (buckets, held), window = self._planner.window_parts(), self._planner.window()
         if budget is None or window <= budget:
             return
         residual = (f" + the residual masters' scratch of {ExceptionCounts.LAG} buckets, "
                     f"held until their exceptions are counted ({held / MiB:.0f} MiB)"
                     if held else "")
         raise _C.UsageError(
-            f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: depth "
-            f"{self.depth} x the largest bucket ({bucket / MiB:.0f} MiB with its page "
-            f"rounding){residual} = {window / MiB:.0f} MiB. Raise hbm_budget, or lower "
-            "depth or bucket_size (a parameter whose state is larger than bucket_size "
+            f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: the pages "
+            f"of {self.depth} consecutive buckets of {self.bucket_size / MiB:g} MiB, each "
+            f"tensor's rounded to pages of {self.pager.page_size / MiB:g} MiB "
+            f"({buckets / MiB:.0f} MiB){residual} = {window / MiB:.0f} MiB. Give hbm_budget "
+            f"{-(-window // MiB)} MiB at least, or lower depth, bucket_size or the Pager's "
+            "page_size (a parameter whose state is larger than bucket_size "
             "steps in chunks of at most bucket_size, of 262144 elements at least; it is a "
             "bucket of its own when its optimizer is not Adam's, when bucket hooks come "
             "without chunk hooks, or when its pager tensor was made without "
@@ -165,14 +187,15 @@ class StreamedOptimizer:
         tier (`host` bytes) smaller than twice the state spills to the store at every
         step. Said at attach, with the fix, rather than found in the step's time."""
         stored = self.stored_bytes()
-        if not self.atomic or not host or 2 * stored <= host:
+        if self.atomic != "step" or not host or 2 * stored <= host:
             return
         warn_user(
             f"statepager: optimizer {self.name!r} keeps about {stored / GiB:.2f} GiB at rest; "
-            f"an atomic step needs twice that in the host tier ({2 * stored / GiB:.2f} GiB), "
-            f"which has {host / GiB:.2f} GiB: about {(2 * stored - host) / GiB:.2f} GiB spill "
-            "to the store at every step. Raise host_budget, or attach(atomic=False) (a step "
-            "that fails then leaves the state partly stepped).")
+            f"an all-or-nothing step (atomic='step') needs twice that in the host tier "
+            f"({2 * stored / GiB:.2f} GiB), which has {host / GiB:.2f} GiB: about "
+            f"{(2 * stored - host) / GiB:.2f} GiB spill to the store at every step. Raise "
+            "host_budget, or attach(atomic='bucket') (resumable steps: a step that fails "
+            "leaves each bucket stepped or not, and the next step() finishes it).")
 
     def _adopt_existing_state(self) -> None:
         """State that already exists in ordinary memory moves into the pager as a load of
@@ -363,10 +386,30 @@ class StreamedOptimizer:
 
     @serialized
     def step_buckets(self) -> None:
-        """One step, all or nothing when atomic: a step that raises has changed nothing
-        (statepager.core.atomic), and a retry steps once. before_step and after_step, when
-        set, run before the first bucket and after the last (not after a failed step)."""
+        """One step, or the end of a pending one (see pending). atomic="step": a step
+        that raises has changed nothing (statepager.core.atomic); "bucket": it leaves
+        each bucket stepped or not and is pending (statepager.core.resumable); either
+        way a retry steps once. before_step and after_step, when set, run before the
+        first bucket and after the last (not after a failed step)."""
         self._steps.step()
+
+    @property
+    def pending(self) -> bool:
+        """True while a resumable step that failed partway is unfinished: step() then
+        finishes it, as do zero_grad(), state_dict(), saves and pause() first; a load
+        forgets it (Note [Resumable steps] in docs/design.md)."""
+        return self._steps.pending is not None
+
+    @serialized
+    def finish_step(self) -> None:
+        """Finishes a pending step (as step() does, its hooks included); nothing
+        otherwise. Where it fails again it raises, and the step stays pending."""
+        self._steps.finish_pending()
+
+    @serialized
+    def drop_pending_step(self) -> None:
+        """Forgets a pending step (a load replaced the state): the next step is new."""
+        self._steps.drop_pending()
 
     @serialized
     def begin_step(self) -> None:
@@ -417,8 +460,10 @@ def _paged_step(binding: StreamedOptimizer, optimizer, closure=None):
 
 
 def _paged_zero_grad(binding: StreamedOptimizer, zero_grad, *args, **kwargs):
-    """optimizer.zero_grad() of an attached optimizer: its own, then prepare_step()."""
+    """optimizer.zero_grad() of an attached optimizer: a pending step finished with the
+    grads it needs, then its own, then prepare_step()."""
     with lock_of(binding):
+        binding.finish_step()
         result = zero_grad(*args, **kwargs)
         binding.prepare_step()
     return result
@@ -426,6 +471,7 @@ def _paged_zero_grad(binding: StreamedOptimizer, zero_grad, *args, **kwargs):
 
 def _paged_state_dict(binding: StreamedOptimizer) -> dict:
     with lock_of(binding):
+        binding.finish_step()
         return state_dict.paged_state_dict(binding)
 
 
@@ -435,6 +481,7 @@ def _paged_load_state_dict(binding: StreamedOptimizer, loaded: dict) -> None:
             state_dict.paged_load_state_dict(binding, loaded)
         finally:
             state_access.wrap(binding)  # torch's load sets optimizer.state anew
+        binding.drop_pending_step()  # loaded: the state it left is replaced
 
 
 @serialized

@@ -20,11 +20,13 @@ megatron_internals, the one place that names Megatron's attributes:
   coefficient; the step applies that coefficient to the upcast grads. fp32 grads
   (grad_reduce_in_fp32) are used in place, as upstream does;
 - native fp32 params (views of an fp32 param buffer) keep their state resident;
-- a step that raises is undone (statepager.core.atomic): mains and moments return to their
-  bytes of before it, and so does the DDP param buffer, rewritten from the restored mains
-  (`_shard16`, the same memory as the buffer's slice; with residual mains from undo
-  copies). Each member is undone on its own: in a ChainedOptimizer, members that
-  Megatron stepped before the failing one stay stepped;
+- a step that raises leaves each bucket stepped or not (atomic="bucket", the default,
+  statepager.core.resumable; Megatron's retry of the step finishes it, as does
+  zero_grad()) or is undone (atomic="step", statepager.core.atomic): mains and moments
+  of what did not step return to their bytes of before it, and so does the DDP param
+  buffer, rewritten from the restored mains (`_shard16`, the same memory as the
+  buffer's slice; with residual mains from undo copies). Each member on its own: in a
+  ChainedOptimizer, members that Megatron stepped before the failing one stay stepped;
 - reload_model_params refreshes the mains through the pager; checkpoint methods that
   would read the state behind the pager's back are refused with what to use instead
   (statepager.checkpoint.save / load into rank_directory(base)), and offload_to_cpu / restore_from_cpu point to
@@ -43,18 +45,18 @@ from dataclasses import dataclass, field
 import torch
 
 from statepager import _C
-from statepager.core import adapters, slices
+from statepager.core import adapters, defaults, slices
 from statepager.core.hooks import Hooks
 from statepager.core.serial import lock_of, serialized
 from statepager.util.flat import copy_each, flat_view
-from statepager.core.pager import MiB
+from statepager.util.units import MiB
 from statepager.integrations import megatron_internals as internals
 from statepager.integrations.megatron_internals import Internals
 
 
-def attach(pager, optimizer, *, bucket_size: int = 256 * MiB, depth: int = 3,
+def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | None = None,
            log_steps: bool = False, moments: str = "fp32", mains: str = "fp32",
-           atomic: bool = True):
+           atomic="bucket"):
     """Streams every DistributedOptimizer in `optimizer` through `pager`. Returns the
     MegatronBinding; refuses (UsageError) a megatron-core outside the supported range
     and configurations it cannot page exactly, before changing anything."""
@@ -123,7 +125,9 @@ class MegatronMember:
         self.begins_step = begins_step
         self.optimizer = d  # the DistributedOptimizer
         self.megatron = Internals(d)
-        self._adopt_mains(options["bucket_size"])
+        # The mains' pieces follow the bucket size attach starts from (core.defaults).
+        self._adopt_mains(defaults.bucketing(pager.page_size, pager.hbm_budget,
+                                             options["bucket_size"], options["depth"])[0])
         self.model_of: dict[int, torch.nn.Parameter] = {  # main -> model param
             id(main): model_param for model_param, main in self.megatron.float16_params()}
         self.bf16_grads = any(Internals.grad_dtype(p) != torch.float32
@@ -330,6 +334,7 @@ class MegatronMember:
         """Megatron's zero_grad() (the training loop's, at each iteration's start), then
         the next step's preparation while forward and backward run (StreamedOptimizer.
         prepare_step: its undo copies, with residual mains)."""
+        self.stream.finish_step()  # a pending step, with the grads it needs
         self.megatron.zero_grad_as_megatron(*args, **kwargs)
         self.stream.prepare_step()
 

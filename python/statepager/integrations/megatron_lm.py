@@ -184,13 +184,16 @@ class Run:
         with self.pager.scope():
             optimizer = megatron_build()
         self.binding = self.pager.attach(optimizer, bucket_size=o.bucket_size, depth=o.depth,
-                                         moments=o.moments, mains=o.mains)
+                                         moments=o.moments, mains=o.mains,
+                                         atomic=o.attach_atomic())
         self.optimizer = optimizer
         if ranks.rank() == 0:
             print(f"statepager: optimizer state paged through {self.pager.directory} "
                   f"(rank 0; hbm budget {o.hbm_budget or 'unbounded'}, host budget "
-                  f"{o.host_budget or 'none'}, buckets of "
-                  f"{o.bucket_size / MiB:g} MiB, moments {o.moments}, mains {o.mains})",
+                  f"{o.host_budget or 'none'}, pages of {self.pager.page_size / MiB:g} MiB, "
+                  f"buckets of {self.pager.bindings[0].bucket_size / MiB:g} MiB x "
+                  f"{self.pager.bindings[0].depth}, moments {o.moments}, mains "
+                  f"{o.mains})",
                   flush=True)
         return optimizer
 

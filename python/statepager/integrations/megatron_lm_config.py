@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from statepager._C import UsageError
 from statepager.core.args import parse_size
-from statepager.util.units import MiB
 
 MOMENTS = ("fp32", "bf16", "q8")
 MAINS = ("fp32", "residual")
+ATOMIC = ("bucket", "step", "off")  # attach(atomic=): "bucket", "step", False
 
 
 class RefusedConfiguration(UsageError):
@@ -32,11 +32,15 @@ class Options:
     directory: str                  # the rank's store; "{rank}" becomes the global rank
     hbm_budget: int | None = None   # bytes of device memory the pool may hold
     host_budget: int = 0            # bytes of pinned host memory between HBM and the store
-    page_size: int = 32 * MiB
-    bucket_size: int = 256 * MiB
-    depth: int = 3
+    page_size: int | None = None    # None: chosen from the device and hbm_budget
+    bucket_size: int | None = None  # None (and depth): chosen to fit hbm_budget
+    depth: int | None = None
     moments: str = "fp32"
     mains: str = "fp32"
+    atomic: str = "bucket"          # ATOMIC; attach_atomic() gives attach()'s value
+
+    def attach_atomic(self) -> str | bool:
+        return False if self.atomic == "off" else self.atomic
 
 
 # flag (without --statepager-), environment variable, Options field, parse, help
@@ -50,16 +54,23 @@ _FLAGS = (
      "pinned host memory that keeps paged-out state between HBM and the store files, e.g. "
      "64G; above it the least needed state goes to the store (default: none)"),
     ("page-size", "STATEPAGER_PAGE_SIZE", "page_size", "size",
-     "bytes per physical page, a multiple of 2M (default 32M)"),
+     "bytes per physical page, a multiple of 2M (default: chosen from hbm_budget, up to "
+     "256M)"),
     ("bucket-size", "STATEPAGER_BUCKET_SIZE", "bucket_size", "size",
-     "optimizer state per streamed bucket, e.g. 256M (default)"),
+     "optimizer state per streamed bucket, e.g. 256M (default: chosen to fit "
+     "hbm_budget, up to 512M)"),
     ("depth", "STATEPAGER_DEPTH", "depth", "depth",
-     "buckets resident or in flight at once, at least 2 (default 3)"),
+     "buckets resident or in flight at once, at least 2 (default: 4, fewer to fit "
+     "hbm_budget)"),
     ("moments", "STATEPAGER_MOMENTS", "moments", MOMENTS,
      "on-disk format of Adam's moments: fp32 (default, exact), bf16 or q8"),
     ("mains", "STATEPAGER_MAINS", "mains", MAINS,
      "on-disk format of the fp32 master weights: fp32 (default) or residual (lossless, "
      "about 2 bytes per parameter)"),
+    ("atomic", "STATEPAGER_ATOMIC", "atomic", ATOMIC,
+     "what a step that fails leaves: bucket (default: each bucket stepped or not, the "
+     "next step finishes it), step (all or nothing; the host tier needs twice the state) "
+     "or off (in place)"),
 )
 
 

@@ -30,6 +30,18 @@ CONFIGS = {
                       what="statepager, fp32, state in the pinned host tier"),
     "host-q8": dict(pager=True, host=True, moments="q8", mains="residual",
                     what="statepager, q8 moments, residual mains, state in the pinned host tier"),
+    # Pager and attach left to their defaults: page, bucket size and depth chosen from the
+    # device and --hbm-budget (statepager.core.defaults).
+    "fp32-defaults": dict(pager=True, defaults=True, moments="fp32", mains="fp32",
+                          what="statepager, fp32, store on --dir, Pager and attach defaults"),
+    # The host tier at the state's size (what Megatron's offload pins), with the default
+    # failure guarantee and in place.
+    "host-fp32-1x": dict(pager=True, host=True, host_copies=1, moments="fp32", mains="fp32",
+                         what="statepager, fp32, host tier of 1 x the state"),
+    "host-fp32-1x-inplace": dict(pager=True, host=True, host_copies=1, moments="fp32",
+                                 mains="fp32", atomic=False,
+                                 what="statepager, fp32, host tier of 1 x the state, "
+                                      "atomic=False"),
 }
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
 

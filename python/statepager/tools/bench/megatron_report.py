@@ -121,6 +121,10 @@ def config_lines(c: dict) -> list[str]:
             notes.append(f"host tier {p['host_budget'] / 1e9:.2f} GB pinned, "
                          f"{p['host_used'] / 1e9:.2f} GB in use after the steps; spilled to "
                          f"the store over the timed steps: {sum(p['spilled_bytes']) / 1e9:.2f} GB")
+        if "bucket_size" in p:
+            notes.append(f"pages of {p['page_size'] // MiB} MiB, buckets of "
+                         f"{p['bucket_size'] // MiB} MiB x depth {p['depth']}, atomic="
+                         f"{p['atomic']!r}")
         notes.append(f"{p['buckets']} buckets, largest {p['largest_bucket'] / MiB:.0f} MiB; pool "
                      f"peak mapped {p['peak_mapped'] / GiB:.2f} GiB of a window of "
                      f"{p['window'] / GiB:.2f} GiB; pager compute (codecs + optimizer math) "

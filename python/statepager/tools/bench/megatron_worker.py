@@ -99,13 +99,14 @@ def _moment_bytes(fmt: str, n: int) -> int:
     return {"fp32": 4 * n, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n)}[fmt]
 
 
-def host_budget_for(params, moments: str, mains: str) -> int:
-    """Host tier bytes that hold the paged state of `params` (the trained ones; one rank,
-    so each is one main) through atomic steps: the state twice (a step's old bytes stay
-    until it commits), and 3% + 256 MiB for the tier's 4 KiB rounding."""
+def host_budget_for(params, moments: str, mains: str, copies: int = 2) -> int:
+    """Host tier bytes that hold `copies` of the paged state of `params` (the trained
+    ones; one rank, so each is one main): 2 for atomic="step" (a step's old bytes stay
+    until it commits), 1 for the state alone; and 3% + 256 MiB for the tier's 4 KiB
+    rounding."""
     state = sum((4 if mains == "fp32" else 2) * p.numel() + 2 * _moment_bytes(moments, p.numel())
                 for p in params if p.requires_grad)
-    return int(2 * state * 1.03) + 256 * MiB
+    return int(copies * state * 1.03) + 256 * MiB
 
 def run_config(spec: dict) -> dict:
     """Trains the GPT of `spec` in this process and measures it, then the floor of a
@@ -132,16 +133,19 @@ def run_config(spec: dict) -> dict:
     host_budget = 0
     if config.get("host"):
         host_budget = spec.get("host_budget") or host_budget_for(
-            model.parameters(), config["moments"], config["mains"])
-    pager = (Pager(spec["store"], "cuda", page_size=spec["page_size"],
+            model.parameters(), config["moments"], config["mains"], config.get("host_copies", 2))
+    defaults = config.get("defaults", False)
+    pager = (Pager(spec["store"], "cuda", page_size=None if defaults else spec["page_size"],
                    hbm_budget=spec["hbm_budget"], host_budget=host_budget,
                    map_ram=not spec["no_map_ram"])
              if config["pager"] else None)
     try:
         model, optimizer, scheduler, binding = gpt.build(
-            setup, pager, model=model, bucket_size=spec["bucket"], depth=spec["depth"],
+            setup, pager, model=model, bucket_size=None if defaults else spec["bucket"],
+            depth=None if defaults else spec["depth"],
             moments=config.get("moments", "fp32"), mains=config.get("mains", "fp32"),
-            optimizer_options=config.get("optimizer_options"))
+            optimizer_options=config.get("optimizer_options"),
+            attach_options={k: config[k] for k in ("atomic",) if k in config})
         opt_times = []
         _timed(optimizer, opt_times)
         torch.cuda.synchronize()
@@ -215,6 +219,8 @@ def run_config(spec: dict) -> dict:
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
+                page_size=pager.page_size, bucket_size=binding.streams[0].bucket_size,
+                depth=binding.streams[0].depth, atomic=binding.streams[0].atomic,
                 largest_bucket=max(b.nbytes for s in binding.streams for b in s.buckets),
                 # The members step one after another: the largest one's window.
                 window=max(s.window_bytes for s in binding.streams),
@@ -226,7 +232,7 @@ def run_config(spec: dict) -> dict:
                 result["timeline_files"] = trace.write_outputs(
                     last, spec.get("trace"), spec.get("plot"),
                     f"bench megatron {spec['config']}: GPT {result['params'] / 1e9:.2f} B, "
-                    f"buckets of {spec['bucket'] // MiB} MiB, step {last.step}")
+                    f"buckets of {binding.streams[0].bucket_size // MiB} MiB, step {last.step}")
         if spec.get("device_time"):  # past the schedule's steps: at its last rate
             n = spec["warmup"] + spec["steps"]
             try:

@@ -1,0 +1,86 @@
+"""A 0.116 B Megatron GPT (12 layers, hidden 768, vocab 32000, sequences of 512, bf16
+grads) under hbm_budget 256 MiB, everything else left to the Pager's and attach's
+defaults: 20 steps bit-exact with unpaged Megatron, then the optimizer's state_dict(), a
+save, a load and pause/resume, each within the budget. Prints the step time against the
+same run without a budget. Skips without megatron-core."""
+import importlib.util
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from statepager import Pager, checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+from test_megatron import assert_same, snapshot  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                       reason="megatron-core is not installed (the GPU suite carries it)"),
+]
+MiB = 1 << 20
+BUDGET = 256 * MiB
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    import megatron_gpt
+
+    megatron_gpt.init()
+    return megatron_gpt
+
+
+def train(gpt, setup, pager=None):
+    """(losses, params, state, (model, optimizer, binding), seconds per step after 5)."""
+    model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=None,
+                                                     depth=None)
+    losses, times = [], []
+    for i in range(setup.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    gpt.finish(model)
+    params = [p.detach().cpu() for p in model.parameters()]
+    step = sorted(times[5:])[len(times[5:]) // 2]
+    return losses, params, snapshot(optimizer, binding), (model, optimizer, binding), step
+
+
+def within_budget(pager, what: str, action) -> None:
+    pager.reset_peak()
+    action()
+    peak = pager.stats()["peak_mapped_bytes"]
+    assert peak <= BUDGET, f"{what} mapped {peak / MiB:.0f} MiB"
+    print(f"  {what}: peak mapped {peak / MiB:.0f} MiB of {BUDGET / MiB:.0f}")
+
+
+def test_the_small_gpt_under_256_mib_left_to_the_defaults(gpt, tmp_path, capsys):
+    setup = gpt.Setup(layers=12, hidden=768, heads=12, vocab=32000, seq=512, batch=4,
+                      steps=20, ddp_bucket=40_000_000)
+    base = train(gpt, setup)
+    with Pager(str(tmp_path / "free"), "cuda") as pager:
+        free = train(gpt, setup, pager)
+    with Pager(str(tmp_path / "tight"), "cuda", hbm_budget=BUDGET) as pager:
+        tight = train(gpt, setup, pager)
+        stream = pager.bindings[0]
+        with capsys.disabled():
+            print(f"\n0.116 B GPT, hbm_budget {BUDGET / MiB:.0f} MiB: pages of "
+                  f"{pager.page_size / MiB:g} MiB, buckets of {stream.bucket_size / MiB:g} MiB "
+                  f"x depth {stream.depth}, window {stream.window_bytes / MiB:.0f} MiB, "
+                  f"{len(stream.buckets)} buckets; step (median of 6-20) "
+                  f"{tight[4] * 1e3:.1f} ms, without a budget {free[4] * 1e3:.1f} ms "
+                  f"({tight[4] / free[4]:.2f} x), unpaged {base[4] * 1e3:.1f} ms")
+            assert pager.stats()["peak_mapped_bytes"] <= BUDGET
+            assert_same(base[:4], tight[:4])
+            within_budget(pager, "state_dict()", stream.optimizer.state_dict)
+            path = str(tmp_path / "ckpt")
+            within_budget(pager, "save", lambda: checkpoint.save(pager, path))
+            within_budget(pager, "load", lambda: checkpoint.load(pager, path))
+            within_budget(pager, "pause/resume", lambda: (pager.pause(), pager.resume()))
+        assert_same(base[:4], (tight[0], tight[1], snapshot(tight[3][1], tight[3][2]),
+                               None))

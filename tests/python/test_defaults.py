@@ -1,0 +1,106 @@
+"""What Pager and attach() choose when left to their defaults (statepager.core.defaults),
+and the step's window counted per tensor's pages: a window attach accepts holds every
+step, and attach's refusal names the budget that fits."""
+import itertools
+import re
+
+import pytest
+import torch
+
+import statepager
+from statepager import Pager
+from statepager.core import defaults
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def test_the_page_follows_the_device_and_the_budget():
+    assert defaults.page_size("cuda", None) == 256 * MiB
+    assert defaults.page_size("cuda", 8 * GiB) == 256 * MiB
+    assert defaults.page_size("cuda", 256 * MiB) == 8 * MiB
+    assert defaults.page_size("cuda", 32 * MiB) == 2 * MiB  # the granularity at least
+    assert defaults.page_size("cpu", None) == 32 * MiB
+    assert defaults.page_size("cpu", 1 * MiB) == 32 * KiB
+
+
+def test_buckets_follow_the_page_and_the_budget():
+    assert defaults.bucketing(256 * MiB, None, None, None) == (512 * MiB, 4)
+    # 4 x (512 MiB + 2 pages of 256 MiB) > 3 GiB: the depth first, then halves.
+    assert defaults.bucketing(256 * MiB, 3 * GiB, None, None) == (256 * MiB, 4)
+    assert defaults.bucketing(8 * MiB, 256 * MiB, None, None) == (32 * MiB, 4)
+    assert defaults.bucketing(8 * MiB, 256 * MiB, 64 * MiB, None) == (64 * MiB, 3)
+    assert defaults.bucketing(8 * MiB, 256 * MiB, None, 2) == (64 * MiB, 2)
+    assert defaults.bucketing(8 * MiB, 20 * MiB, None, None) == (8 * MiB, 2)  # none fits
+
+
+def params(n: int = 24):
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(5000 + 700 * i).bfloat16()) for i in range(n)] + \
+        [torch.nn.Parameter(torch.randn(300_000).bfloat16())]  # one steps in chunks
+
+
+def run(directory, budget, steps=3, **options):
+    """PagedAdamW over params() through a Pager of `budget`: (the window attach counted,
+    the peak mapped, the params after `steps` steps)."""
+    ps, options = params(), dict(options)
+    with Pager(directory, page_size=options.pop("page_size", None), hbm_budget=budget) as p:
+        opt = statepager.PagedAdamW(ps, pager=p, lr=1e-2, **options)
+        window = opt.binding.window_bytes  # as attach counted it
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            for q in ps:
+                q.grad = torch.randn(q.shape, generator=g).bfloat16()
+            opt.step()
+        return window, p.stats()["peak_mapped_bytes"], \
+            [q.detach().clone() for q in ps]
+
+
+def test_attach_left_to_its_defaults_streams_the_largest_buckets(store_dir):
+    with Pager(store_dir) as p:
+        assert p.page_size == 32 * MiB
+        b = p.attach(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1000))]))
+        assert (b.bucket_size, b.depth) == (512 * MiB, 4)
+
+
+@pytest.mark.parametrize("moments, mains", [("fp32", "fp32"), ("q8", "residual")])
+def test_defaults_fit_a_tight_budget_and_step_as_without_one(tmp_path, moments, mains):
+    budget = 16 * MiB  # a chunk of the large parameter maps 3 MiB and more
+    window, peak, got = run(str(tmp_path / "tight"), budget, moments=moments, mains=mains)
+    assert window <= budget and peak <= budget
+    _, _, want = run(str(tmp_path / "free"), None, moments=moments, mains=mains)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("page, bucket, formats", list(itertools.product(
+    (16 * KiB, 64 * KiB), (64 * KiB, 256 * KiB),
+    (("fp32", "fp32"), ("q8", "residual"), ("bf16", "fp32")))))
+def test_a_window_attach_accepts_holds_every_step(tmp_path, page, bucket, formats):
+    """The window counts the pages each bucket's tensors touch: given exactly that as
+    hbm_budget, attach accepts and every step runs within it."""
+    moments, mains = formats
+    options = dict(page_size=page, bucket_size=bucket, depth=3, moments=moments, mains=mains)
+    window, _, want = run(str(tmp_path / "free"), None, **options)
+    got_window, peak, got = run(str(tmp_path / "exact"), window, **options)
+    assert got_window == window and peak <= window
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_explicit_settings_win_and_the_refusal_names_a_budget_that_fits(tmp_path):
+    """bucket_size and depth given are kept, not lowered to fit: attach refuses, naming
+    the budget they need, and accepts that budget."""
+    def attach(directory, budget):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        opt = torch.optim.AdamW(model.parameters())
+        with Pager(directory, page_size=64 * KiB, hbm_budget=budget) as p:
+            b = p.attach(opt, bucket_size=1 * MiB, depth=4)
+            assert (b.bucket_size, b.depth) == (1 * MiB, 4)
+            model(torch.randn(2, 256)).sum().backward()
+            opt.step()
+            return p.stats()["peak_mapped_bytes"]
+    with pytest.raises(statepager.UsageError, match="cannot hold the step's pipeline") as e:
+        attach(str(tmp_path / "small"), 2 * MiB)
+    needed = re.search(r"Give hbm_budget (\d+) MiB at least", str(e.value))
+    assert needed is not None, str(e.value)
+    assert attach(str(tmp_path / "fits"), int(needed.group(1)) * MiB) <= \
+        int(needed.group(1)) * MiB

@@ -1,0 +1,218 @@
+"""statepager.memory_saver on the host backend: tags, backups, nesting, argument errors
+and the sys.modules opt-in. Regions there hold what Pager.scope() captures on the host
+backend (fp32 copies), which is enough to page them by tag."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import statepager
+from statepager import memory_saver
+from statepager.memory_saver import TorchMemorySaver
+
+N = 1 << 18  # fp32 elements: 1 MiB
+
+
+@pytest.fixture
+def saver():
+    s = TorchMemorySaver(device="cpu")
+    yield s
+    s.close()
+
+
+def _made(saver, value, **region):
+    with saver.region(**region):
+        return torch.full((N,), value, dtype=torch.float32).clone()
+
+
+def test_backed_up_tag_comes_back_bit_exact_others_zero(saver):
+    src = torch.randn(N)
+    with saver.region(tag="weights", enable_cpu_backup=True):
+        weights = src.clone()
+    kv = _made(saver, 7.0, tag="kv")
+    assert saver.pager("weights", "cpu").owns(weights) and saver.pager("kv").owns(kv)
+    address = (weights.data_ptr(), kv.data_ptr())
+    saver.pause()
+    assert saver.tags() == {"weights": True, "kv": True}
+    assert saver.pager("weights", "cpu").residency(weights) in ("file", "host")
+    assert saver.pager("kv").residency(kv) == "zero"
+    saver.resume()
+    assert (weights.data_ptr(), kv.data_ptr()) == address
+    assert torch.equal(weights, src)
+    assert torch.count_nonzero(kv) == 0
+
+
+def test_pause_one_tag_leaves_the_others(saver):
+    a = _made(saver, 1.0, tag="a", enable_cpu_backup=True)
+    b = _made(saver, 2.0, tag="b", enable_cpu_backup=True)
+    saver.pause("a")
+    assert saver.tags() == {"a": True, "b": False}
+    assert torch.all(b == 2.0)
+    with pytest.raises(statepager.UsageError, match=r"pause\('a'\).*already paused"):
+        saver.pause("a")
+    with pytest.raises(statepager.UsageError, match=r"resume\('b'\).*not paused"):
+        saver.resume("b")
+    saver.pause()  # every tag not paused: b
+    saver.resume("b")
+    assert saver.tags() == {"a": True, "b": False}
+    saver.resume()
+    assert torch.all(a == 1.0) and torch.all(b == 2.0)
+    saver.pause("no such tag")  # nothing allocated under it: nothing to do, as TMS
+    assert saver.tags() == {"a": False, "b": False}
+
+
+def test_nested_region_uses_the_inner_tag_then_the_outer(saver):
+    with saver.region(tag="outer", enable_cpu_backup=True):
+        before = torch.full((N,), 3.0).clone()
+        with saver.region(tag="inner"):
+            inner = torch.full((N,), 4.0).clone()
+        after = torch.full((N,), 5.0).clone()
+    outer = saver.pager("outer", "cpu")
+    assert outer.owns(before) and outer.owns(after) and not outer.owns(inner)
+    assert saver.pager("inner").owns(inner)
+    saver.pause()
+    saver.resume()
+    assert torch.all(before == 3.0) and torch.all(after == 5.0)
+    assert torch.count_nonzero(inner) == 0
+
+
+def test_disable_inside_a_region_allocates_outside_it(saver):
+    with saver.region(tag="t"):
+        with saver.disable():
+            plain = torch.full((N,), 1.0).clone()
+        mine = torch.full((N,), 1.0).clone()
+    assert not saver.pager("t").owns(plain) and saver.pager("t").owns(mine)
+
+
+def test_backed_up_store_is_sized_when_the_region_ends(saver):
+    t = _made(saver, 1.0, tag="w", enable_cpu_backup=True)
+    pager = saver.pager("w", "cpu")
+    assert os.path.getsize(pager.file_path) >= t.numel() * 4
+    kv = _made(saver, 1.0, tag="kv")  # dropped at pause: no store
+    assert os.path.getsize(saver.pager("kv").file_path) == 0 < kv.numel()
+
+
+def test_disk_backup_goes_under_the_directory_set(saver, tmp_path):
+    with pytest.raises(statepager.UsageError, match="set_disk_backup_dir"):
+        with saver.region(enable_disk_backup=True):
+            pass
+    saver.set_disk_backup_dir(str(tmp_path / "disk"))
+    t = _made(saver, 6.0, tag="d", enable_disk_backup=True)
+    assert saver.pager("d", "disk").directory.startswith(str(tmp_path / "disk"))
+    saver.pause("d")
+    saver.resume("d")
+    assert torch.all(t == 6.0)
+
+
+def test_region_refused_while_its_tag_is_paused(saver):
+    _made(saver, 1.0, tag="p")
+    saver.pause("p")
+    with pytest.raises(statepager.UsageError, match=r"tag 'p' is paused: resume\('p'\)"):
+        with saver.region(tag="p"):
+            pass
+    with pytest.raises(statepager.UsageError, match="inside region"):
+        with saver.region(tag="q"):
+            saver.resume("p")
+    saver.resume("p")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tag=3), "tag must be a str"),
+    (dict(enable_cpu_backup=1), "enable_cpu_backup must be a bool"),
+    (dict(cpu_backup_backend="mmap"), "requires enable_cpu_backup=True"),
+    (dict(enable_cpu_backup=True, cpu_backup_backend="cuda"), "must be None, 'pinned'"),
+    (dict(enable_cpu_backup=True, enable_disk_backup=True), "exclusive"),
+])
+def test_region_arguments_refused_before_anything_is_made(saver, kwargs, match):
+    with pytest.raises(statepager.UsageError, match=match):
+        with saver.region(**kwargs):
+            pass
+    assert saver.tags() == {}
+
+
+def test_settings(saver):
+    assert saver.enabled
+    saver.hook_mode = "preload"
+    assert saver.hook_mode == "preload"
+    with pytest.raises(statepager.UsageError, match="hook_mode must be one of"):
+        saver.hook_mode = "ld_preload"
+    saver.memory_margin_bytes = 1 << 20
+    assert saver.memory_margin_bytes == 1 << 20
+    with pytest.raises(statepager.UsageError, match="memory_margin_bytes"):
+        saver.memory_margin_bytes = -1
+    assert saver.retain_cpu_backup is False
+    saver.retain_cpu_backup = True
+    assert saver.retain_cpu_backup is True
+    with pytest.raises(statepager.UsageError, match="retain_cpu_backup must be a bool"):
+        saver.retain_cpu_backup = "yes"
+
+
+def test_memory_margin_refuses_a_resume_that_would_not_leave_it(saver):
+    t = _made(saver, 2.0, tag="m", enable_cpu_backup=True)
+    saver.pause("m")
+    saver.memory_margin_bytes = (1 << 63)
+    with pytest.raises(statepager.OutOfMemoryError, match="memory_margin_bytes"):
+        saver.resume("m")
+    assert saver.tags() == {"m": True}
+    saver.memory_margin_bytes = 0
+    saver.resume("m")
+    assert torch.all(t == 2.0)
+
+
+def test_get_cpu_backup(saver):
+    plain = torch.ones(4)
+    assert saver.get_cpu_backup(plain) is None
+    kv = _made(saver, 1.0, tag="kv")
+    w = _made(saver, 1.0, tag="w", enable_cpu_backup=True)
+    assert saver.get_cpu_backup(w) is None  # not paused
+    saver.pause()
+    assert saver.get_cpu_backup(kv) is None  # no backup
+    with pytest.raises(statepager.UsageError, match=r"resume\(tag\)"):
+        saver.get_cpu_backup(w)
+    with pytest.raises(statepager.UsageError, match="must be a tensor"):
+        saver.get_cpu_backup("w")
+    saver.resume()
+
+
+def test_cuda_graph_refused_on_the_host_backend(saver):
+    with pytest.raises(statepager.UsageError, match="cuda_graph"):
+        with saver.cuda_graph(object()):
+            pass
+
+
+def test_close_deletes_the_directories_it_made():
+    s = TorchMemorySaver(device="cpu")
+    _made(s, 1.0, tag="x", enable_cpu_backup=True)
+    root = os.path.dirname(s.pager("x", "cpu").directory)
+    assert os.path.isdir(root)
+    s.close()
+    assert not os.path.exists(root)
+
+
+_OPT_IN = """
+import sys
+import statepager.memory_saver as ms
+assert "torch_memory_saver" not in sys.modules
+module = ms.install_as_torch_memory_saver()
+import torch_memory_saver
+from torch_memory_saver import torch_memory_saver as tms, configure_subprocess
+assert torch_memory_saver is module and tms is ms.torch_memory_saver
+assert ms.install_as_torch_memory_saver() is module
+with configure_subprocess():
+    pass
+print("ok")
+"""
+
+
+def test_install_as_torch_memory_saver_in_a_fresh_process():
+    out = subprocess.run([sys.executable, "-c", _OPT_IN], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_install_refused_over_the_real_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", type(sys)("torch_memory_saver"))
+    with pytest.raises(statepager.UsageError, match="before anything imports it"):
+        memory_saver.install_as_torch_memory_saver()
