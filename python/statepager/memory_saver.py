@@ -4,9 +4,10 @@ torch_memory_saver`, or install_as_torch_memory_saver() first so that the traine
 docs/design.md).
 
 A tag's memory lives in Pagers of its own, one per (tag, backup, device), as
-torch_memory_saver keys its MemPools: region() routes the allocations made inside it on
-the current CUDA device into that Pager's pool (Pager.scope()), pause(tag) pauses those
-Pagers, resume(tag) brings them back at the same addresses. Backup:
+torch_memory_saver keys its MemPools, and one more per such key for its CUDA graphs:
+region() routes the allocations made inside it on the current CUDA device into that
+Pager's pool (Pager.scope()), cuda_graph() captures into its graphs' one, pause(tag)
+pauses those Pagers, resume(tag) brings them back at the same addresses. Backup:
 - none (the default): pause() drops the bytes (Pager.pause(discard=True)); after resume()
   the tensors read zeros;
 - enable_cpu_backup: bit-exact through a store in RAM (/dev/shm where there is one), sized
@@ -70,9 +71,12 @@ class TorchMemorySaver:
 
     def __init__(self, device: str | torch.device | None = None):
         self._device = None if device is None else args.device(device)
-        self._pagers: dict[tuple, Pager] = {}  # (tag, backup, device) -> its Pager
+        # (tag, backup, device, "region" or "graph") -> its Pager, and its MemPool's id
+        self._pagers: dict[tuple, Pager] = {}
+        self._pool_ids: dict[tuple, tuple] = {}
         self._paused_bytes: dict[tuple, int] = {}  # what resume() brings back, per key
         self._regions: list[Region] = []  # open regions, innermost last
+        self._capturing = False  # inside cuda_graph()
         self._roots: dict[str, str] = {}  # base directory -> the one made in it
         self._disk_dir = os.environ.get("TMS_DISK_BACKUP_DIR") or None
         self._retain = os.environ.get("TMS_RETAIN_CPU_BACKUP") == "1"
@@ -89,6 +93,10 @@ class TorchMemorySaver:
         the outer one's again after it."""
         key = self._key("region()", tag, enable_cpu_backup, enable_disk_backup,
                         cpu_backup_backend)
+        if self._capturing:
+            raise _C.UsageError("region() inside cuda_graph(): the capture's allocations "
+                                "go to the graph's pool whatever the region; open the "
+                                "region before the capture or after it")
         with self._innermost(key):
             yield
         if key[1] != "none":
@@ -98,26 +106,44 @@ class TorchMemorySaver:
     def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",
                    tag: str = DEFAULT_TAG, enable_cpu_backup: bool = False,
                    cpu_backup_backend: str | None = None):
-        """torch.cuda.graph(cuda_graph, ...) capturing into the tag's pool, so the graph's
-        memory is paused and resumed with the tag at the same addresses (replays stay
-        valid). `pool` is replaced by the tag's pool: a tag's graphs share it."""
-        key = self._key("cuda_graph()", tag, enable_cpu_backup, False, cpu_backup_backend)
+        """torch.cuda.graph(cuda_graph, ...) capturing into the pool of the tag's graphs,
+        so the graph's memory is paused and resumed with the tag at the same addresses
+        (replays stay valid). `pool` is replaced by that pool: a tag's graphs share it, as
+        graphs given one pool do. It is never a region's: what a capture frees is the
+        graph's scratch at every replay, which eager tensors must not be given. A capture
+        that fails is ended and the current stream restored (see capture())."""
+        key = self._key("cuda_graph()", tag, enable_cpu_backup, False, cpu_backup_backend,
+                        kind="graph")
         if key[2].type != "cuda":
             raise _C.UsageError("cuda_graph(): this memory saver is on the host backend; "
                                 "CUDA graphs need TorchMemorySaver() on a CUDA device")
-        with self._innermost(key) as region:
-            with torch.cuda.graph(cuda_graph, pool=region.pool.id, stream=stream,
-                                  capture_error_mode=capture_error_mode):
-                yield
+        if self._capturing:
+            raise _C.UsageError("cuda_graph() inside cuda_graph(): end the first capture "
+                                "before starting another")
+        if stream is not None and stream == torch.cuda.default_stream(stream.device):
+            raise _C.UsageError("cuda_graph(): stream is the default stream, which CUDA "
+                                "graphs cannot be captured on: pass stream=None or a "
+                                "torch.cuda.Stream()")
+        pager = self._usable_pager(key)
+        with self._outer_closed(), pager.routed_pool() as mem_pool:
+            self._pool_ids[key] = mem_pool.id
+            self._capturing = True
+            try:
+                with capture(cuda_graph, mem_pool.id, stream, capture_error_mode):
+                    yield
+            finally:
+                self._capturing = False
+        if key[1] != "none":
+            reserve_store(pager)
 
     @contextlib.contextmanager
     def disable(self):
         """Allocations inside go to PyTorch's own allocator, in a pool of their own that
         is emptied at the end (torch_memory_saver's disable())."""
-        outer = self._regions[-1] if self._regions else None
-        if outer is not None:
-            outer.close()
-        try:
+        if self._capturing:
+            raise _C.UsageError("disable() inside cuda_graph(): the capture's allocations "
+                                "are the graph's; allocate outside the capture instead")
+        with self._outer_closed():
             if self._device_now().type == "cuda":
                 pool = torch.cuda.MemPool()
                 with torch.cuda.use_mem_pool(pool):
@@ -125,34 +151,40 @@ class TorchMemorySaver:
                 del pool
             else:
                 yield
-        finally:
-            if outer is not None:
-                outer.open()
 
     @contextlib.contextmanager
     def _innermost(self, key: tuple):
-        pager = self._pager_for(key)
-        if pager.paused:
-            raise _C.UsageError(f"tag {key[0]!r} is paused: resume({key[0]!r}) before "
-                                "allocating into it again")
-        region = Region(pager, 1 if key[2].type == "cpu" else _NO_CAPTURE)
+        region = Region(self._usable_pager(key), 1 if key[2].type == "cpu" else _NO_CAPTURE)
+        with self._outer_closed():
+            region.open()
+            if region.pool is not None:
+                self._pool_ids[key] = region.pool.id
+            self._regions.append(region)
+            try:
+                yield region
+            finally:
+                self._regions.pop()
+                region.close()
+
+    @contextlib.contextmanager
+    def _outer_closed(self):
+        """Closes the innermost open region for the duration (one Pager is routed per
+        device at a time) and opens it again after."""
         outer = self._regions[-1] if self._regions else None
         if outer is not None:
             outer.close()
         try:
-            region.open()
-        except BaseException:
-            if outer is not None:
-                outer.open()
-            raise
-        self._regions.append(region)
-        try:
-            yield region
+            yield
         finally:
-            self._regions.pop()
-            region.close()
             if outer is not None:
                 outer.open()
+
+    def _usable_pager(self, key: tuple) -> Pager:
+        pager = self._pager_for(key)
+        if pager.paused:
+            raise _C.UsageError(f"tag {key[0]!r} is paused: resume({key[0]!r}) before "
+                                "allocating into it again")
+        return pager
 
     # -- pause / resume ----------------------------------------------------------------
 
@@ -196,9 +228,9 @@ class TorchMemorySaver:
                 "lower memory_margin_bytes")
 
     def _keys_of(self, what: str, tag: str | None, paused: bool) -> list:
-        if self._regions:
-            raise _C.UsageError(f"{what}() inside region(): leave the region first (its "
-                                "allocations would go to memory being paused)")
+        if self._regions or self._capturing:
+            raise _C.UsageError(f"{what}() inside region() or cuda_graph(): leave it first "
+                                "(its allocations would go to memory being paused)")
         if tag is None:
             return [k for k, p in self._pagers.items() if p.paused == paused]
         tag = args.text("tag", tag)
@@ -259,32 +291,48 @@ class TorchMemorySaver:
         if not isinstance(x, torch.Tensor):
             raise _C.UsageError(f"get_cpu_backup(x): x must be a tensor, not {type(x).__name__}")
         args.flag("zero_copy", zero_copy)
-        for key, pager in self._pagers.items():
-            if pager.owns(x):
-                if key[1] == "none" or not pager.paused:
-                    return None
-                raise _C.UsageError(
-                    f"get_cpu_backup(): tag {key[0]!r} is paused and its bytes are in its "
-                    "store, which is not read tensor by tensor: resume(tag) and copy x "
-                    "with x.cpu(), or copy it before pause()")
-        return None
+        key = self._key_holding(x)
+        if key is None or key[1] == "none" or not self._pagers[key].paused:
+            return None
+        raise _C.UsageError(
+            f"get_cpu_backup(): tag {key[0]!r} is paused and its bytes are in its "
+            "store, which is not read tensor by tensor: resume(tag) and copy x "
+            "with x.cpu(), or copy it before pause()")
 
     # -- tags and their Pagers ---------------------------------------------------------
 
     def tags(self) -> dict[str, bool]:
         """{tag: paused} of every tag something was allocated under."""
         out: dict[str, bool] = {}
-        for (tag, _, _), pager in self._pagers.items():
-            out[tag] = out.get(tag, False) or pager.paused
+        for key, pager in self._pagers.items():
+            out[key[0]] = out.get(key[0], False) or pager.paused
         return out
 
-    def pager(self, tag: str, backup: str = "none", device=None) -> Pager | None:
-        """The Pager of (tag, backup, device) ("none", "cpu" or "disk"; device None: the
-        current one), or None before a region made it."""
-        device = self._device_now() if device is None else args.device(device)
-        return self._pagers.get((tag, backup, device))
+    def tag_of(self, x: torch.Tensor) -> str | None:
+        """The tag whose memory holds tensor x (a region's or a graph's), None when no
+        tag's does. On CUDA a region's tensors are PyTorch's blocks in segments of the
+        tag's pool (not pager tensors: Pager.owns() is False for them)."""
+        key = self._key_holding(x)
+        return None if key is None else key[0]
 
-    def _key(self, what: str, tag, cpu_backup, disk_backup, backend) -> tuple:
+    def _key_holding(self, x) -> tuple | None:
+        if not isinstance(x, torch.Tensor):
+            raise _C.UsageError(f"x must be a tensor, not {type(x).__name__}")
+        for key, pager in self._pagers.items():
+            if pager.owns(x) or pool_holds(self._pool_ids.get(key), x):
+                return key
+        return None
+
+    def pager(self, tag: str, backup: str = "none", device=None,
+              graph: bool = False) -> Pager | None:
+        """The Pager of (tag, backup, device) ("none", "cpu" or "disk"; device None: the
+        current one) for regions, or for cuda_graph() captures when `graph`; None before
+        one made it."""
+        device = self._device_now() if device is None else args.device(device)
+        return self._pagers.get((tag, backup, device, "graph" if graph else "region"))
+
+    def _key(self, what: str, tag, cpu_backup, disk_backup, backend,
+             kind: str = "region") -> tuple:
         tag = args.text("tag", tag)
         cpu_backup = args.flag("enable_cpu_backup", cpu_backup)
         disk_backup = args.flag("enable_disk_backup", disk_backup)
@@ -300,7 +348,7 @@ class TorchMemorySaver:
             raise _C.UsageError(f"{what}: enable_disk_backup needs a directory: call "
                                 "set_disk_backup_dir(path) or set TMS_DISK_BACKUP_DIR first")
         backup = "cpu" if cpu_backup else "disk" if disk_backup else "none"
-        return tag, backup, self._device_now()
+        return tag, backup, self._device_now(), kind
 
     def _device_now(self) -> torch.device:
         if self._device is not None and self._device.type != "cuda":
@@ -330,11 +378,43 @@ class TorchMemorySaver:
         for pager in self._pagers.values():
             pager.close()
         self._pagers.clear()
+        self._pool_ids.clear()
         self._paused_bytes.clear()
         for root in self._roots.values():
             with contextlib.suppress(OSError):
                 os.rmdir(root)
         self._roots.clear()
+
+
+@contextlib.contextmanager
+def capture(graph, pool_id, stream, capture_error_mode):
+    """torch.cuda.graph(graph, pool=pool_id, ...) that, when it fails, leaves no capture
+    underway on its stream and the current stream as before: torch.cuda.graph leaves its
+    capture stream current when capture_begin() or capture_end() raises, and the capture
+    running when capture_end() refuses a body that left another stream current."""
+    context = torch.cuda.graph(graph, pool=pool_id, stream=stream,
+                               capture_error_mode=capture_error_mode)
+    before = torch.cuda.current_stream()
+    try:
+        with context:
+            yield
+    except BaseException:
+        with torch.cuda.stream(context.capture_stream):
+            if torch.cuda.is_current_stream_capturing():
+                with contextlib.suppress(RuntimeError):  # the error raised is the one to see
+                    graph.capture_end()
+        torch.cuda.set_stream(before)
+        raise
+
+
+def pool_holds(pool_id: tuple | None, x: torch.Tensor) -> bool:
+    """Whether x's memory lies in a segment of the MemPool `pool_id` (CUDA tensors)."""
+    if pool_id is None or x.device.type != "cuda":
+        return False
+    address = x.untyped_storage().data_ptr()
+    return any(tuple(s["segment_pool_id"]) == tuple(pool_id) and s["device"] == x.device.index
+               and s["address"] <= address < s["address"] + s["total_size"]
+               for s in torch.cuda.memory_snapshot(pool_id, include_traces=False))
 
 
 def ram_directory() -> str:

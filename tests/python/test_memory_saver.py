@@ -72,6 +72,10 @@ def test_nested_region_uses_the_inner_tag_then_the_outer(saver):
     outer = saver.pager("outer", "cpu")
     assert outer.owns(before) and outer.owns(after) and not outer.owns(inner)
     assert saver.pager("inner").owns(inner)
+    assert [saver.tag_of(t) for t in (before, inner, after)] == ["outer", "inner", "outer"]
+    assert saver.tag_of(torch.ones(4)) is None
+    with pytest.raises(statepager.UsageError, match="must be a tensor"):
+        saver.tag_of([before])
     saver.pause()
     saver.resume()
     assert torch.all(before == 3.0) and torch.all(after == 5.0)
@@ -84,6 +88,7 @@ def test_disable_inside_a_region_allocates_outside_it(saver):
             plain = torch.full((N,), 1.0).clone()
         mine = torch.full((N,), 1.0).clone()
     assert not saver.pager("t").owns(plain) and saver.pager("t").owns(mine)
+    assert saver.tag_of(plain) is None and saver.tag_of(mine) == "t"
 
 
 def test_backed_up_store_is_sized_when_the_region_ends(saver):
@@ -180,6 +185,15 @@ def test_cuda_graph_refused_on_the_host_backend(saver):
     with pytest.raises(statepager.UsageError, match="cuda_graph"):
         with saver.cuda_graph(object()):
             pass
+    assert saver.tags() == {}
+
+
+def test_routed_pool_refused_on_the_host_backend(saver):
+    kv = _made(saver, 1.0, tag="kv")
+    with pytest.raises(statepager.UsageError, match="MemPools are CUDA's"):
+        with saver.pager("kv").routed_pool():
+            pass
+    assert saver.tag_of(kv) == "kv"
 
 
 def test_close_deletes_the_directories_it_made():

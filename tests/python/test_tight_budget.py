@@ -124,7 +124,8 @@ def test_narrow_formats_read_and_load_in_pieces(store_dir, device, moments, main
         return pager, w, opt.state_dict()
 
     whole, w0, sd0 = run(store_dir + "-whole", 4, None)
-    tight, w, sd = run(store_dir, 4, 20 * MiB, reload_at=2)
+    # CUDA's 2 MiB pages round a q8 chunk's tensors and the residual scratch up: 30 MiB.
+    tight, w, sd = run(store_dir, 4, (32 if device == "cuda" else 20) * MiB, reload_at=2)
     with whole, tight:
         assert torch.equal(w, w0)
         assert same(sd, sd0)

@@ -150,7 +150,6 @@ class Pager:
         self.page_size = page_size
         self.keep = keep
         self._sleep = sleep.Sleep()
-        self._mem_pool = None  # the MemPool of scope(), created on first use
         self._bindings = []    # attached optimizers, in attach order (checkpoint layout)
 
     # -- tensors ---------------------------------------------------------------------
@@ -320,14 +319,15 @@ class Pager:
         capture = scope.Capture(self, min_bytes)
         with contextlib.ExitStack() as stack:
             if self.device.type == "cuda":
-                if self._mem_pool is None:
-                    self._mem_pool = scope.mem_pool_for(self)
-                capture.pool = self._mem_pool
-                _C.route_device(self.device.index, self._core)
-                stack.callback(_C.route_device, self.device.index, None)
-                stack.enter_context(scope.using_pool(self._mem_pool, self.device))
+                capture.pool = stack.enter_context(self.routed_pool())
+                stack.enter_context(torch.cuda.use_mem_pool(capture.pool, self.device))
             stack.enter_context(capture)
             yield capture
+
+    def routed_pool(self):
+        """This pager's MemPool with allocations routed to it, for the caller to
+        allocate into: see statepager.core.scope.routed_pool."""
+        return scope.routed_pool(self, self._core)
 
     # -- sleep / wake ----------------------------------------------------------------
 
@@ -477,9 +477,7 @@ class Pager:
             self._end_begun_steps()
         finally:
             self._core.close()
-        if self._mem_pool is not None:
-            self._mem_pool = None
-            scope.retire_pool_of(id(self))
+        scope.retire_pool_of(id(self))
 
     def __enter__(self) -> "Pager":
         return self

@@ -141,9 +141,14 @@ class Planner:
         and for state yet to be created (planned beyond them) its bytes in whole pages and
         two more: the arena makes a bucket's new state in one or two runs (its tensors one
         after another, or around a hole). Kept while b's tensors are the same."""
-        key = (b.planned, tuple((t.data_ptr(), t.numel() * t.element_size())
-                                for t in b.incoming))
         known = self._pages_of.get(id(b))
+        try:
+            key = (b.planned, tuple((t.data_ptr(), t.numel() * t.element_size())
+                                    for t in b.incoming))
+        except RuntimeError:  # a closed Pager's tensors have no data: as last counted
+            if known is None:
+                raise
+            return known[1]
         if known is not None and known[0] == key:
             return known[1]
         page = self.layout.pager.page_size

@@ -86,13 +86,33 @@ def retire_pool_of(pager_id: int) -> None:
 
 
 @contextlib.contextmanager
-def using_pool(pool, device):
-    """torch.cuda.use_mem_pool(pool, device), counted (see _retired_pools)."""
+def routed_pool(pager, core):
+    """Routes the pluggable allocator on `pager`'s CUDA device to `core` (its _C pager)
+    and yields the pager's MemPool (made on first use), counted in use, for the caller
+    to allocate into: Pager.scope() makes it the thread's pool, a CUDA graph capture the
+    capture's (torch refuses both at once for one pool)."""
+    if pager.device.type != "cuda":
+        raise _C.UsageError(f"routed_pool(): this pager is on {pager.device}; MemPools "
+                            "are CUDA's (use scope() on the host backend)")
+    pool = _pools_of_pagers.get(id(pager))
+    if pool is None:
+        pool = mem_pool_for(pager)
+    _C.route_device(pager.device.index, core)
+    try:
+        with pool_in_use():
+            yield pool
+    finally:
+        _C.route_device(pager.device.index, None)
+
+
+@contextlib.contextmanager
+def pool_in_use():
+    """Counts a pool being allocated into (by a thread or a CUDA graph capture) for its
+    duration: no retired pool is destroyed meanwhile (see _retired_pools)."""
     global _pools_in_use
     _pools_in_use += 1
     try:
-        with torch.cuda.use_mem_pool(pool, device):
-            yield
+        yield
     finally:
         _pools_in_use -= 1
         _drop_retired_pools()

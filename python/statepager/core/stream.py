@@ -321,7 +321,7 @@ class StreamedOptimizer:
                 if b.chunks:
                     self._layout.fill(b)
 
-    def state_in_pieces(self, write: bool = False):
+    def state_in_pieces(self, write: bool = False, rebuild_mains: bool = False):
         """Yields (param, start, stop, entries) bucket by bucket as the step pages them, a
         parameter that steps in chunks chunk by chunk: entries maps each of the
         parameter's paged state entries ("param" for an fp32 master the pager owns) to a
@@ -332,7 +332,9 @@ class StreamedOptimizer:
         (Pager.release_unchanged_async). write=True: the caller may write the views; each
         bucket's forms are made from the state entries as they are (pager tensors the
         caller put there are stored from then on), and it is encoded and paged out after.
-        See Note [Reads and loads in the step's pieces] in docs/design.md."""
+        rebuild_mains: the caller overwrites the masters from changed model params, so
+        their stored form is not checked against them (as state_in_buckets). See Note
+        [Reads and loads in the step's pieces] in docs/design.md."""
         self.end_begun_step()
         pager = self.pager
         for b in self.buckets:
@@ -340,7 +342,7 @@ class StreamedOptimizer:
                 self._layout.fill(b)
             pager.page_in_async(b.stored, for_read=not write).wait()
             try:
-                residency.decode(pager, b)
+                residency.decode(pager, b, check_params=not rebuild_mains)
                 for p in b.params:
                     entries = {name: flat_view(f.working) for name, f in self.forms(p)}
                     if entries:

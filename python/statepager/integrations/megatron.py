@@ -357,14 +357,18 @@ class MegatronMember:
         if self.mains_copied:
             self.mains_copied = False
             return
-        for bucket in self.stream.state_in_buckets():
-            self._mains_out(bucket.params)
+        # Read in the step's pieces (within the budget attach accepted), written nowhere.
+        for main, start, stop, entries in self.stream.state_in_pieces():
+            model_param = self.model_of.get(id(main))
+            if model_param is not None and "param" in entries:
+                target = flat_view(self.megatron.param_buffer_slice(model_param))
+                target[start:stop].copy_(entries["param"])
 
     @serialized
     @torch.no_grad()
     def reload_mains(self, state_dict=None) -> None:
         """reload_model_params: mains rebuilt from the model params (or from
-        `state_dict`'s tensors in their place), bucket by bucket through the pager."""
+        `state_dict`'s tensors in their place), in the step's pieces through the pager."""
         source = self.megatron.state_dict_params(state_dict) if state_dict else {}
 
         def shard_of(model_param):
@@ -372,11 +376,12 @@ class MegatronMember:
 
         for model_param, shard in self.megatron.fp32_params():
             shard.copy_(shard_of(model_param))
-        for bucket in self.stream.state_in_buckets(rebuild_mains=True):
-            for main in bucket.params:
-                model_param = self.model_of.get(id(main))
-                if model_param is not None:
-                    main.copy_(shard_of(model_param))
+        # In the step's pieces: a main that steps in chunks is rebuilt chunk by chunk.
+        for main, start, stop, entries in self.stream.state_in_pieces(write=True,
+                                                                       rebuild_mains=True):
+            model_param = self.model_of.get(id(main))
+            if model_param is not None and "param" in entries:
+                entries["param"].copy_(flat_view(shard_of(model_param))[start:stop])
 
     @serialized
     def state_dict(self):
