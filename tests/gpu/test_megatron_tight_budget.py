@@ -3,35 +3,20 @@ grads) under hbm_budget 256 MiB, everything else left to the Pager's and attach'
 defaults: 20 steps bit-exact with unpaged Megatron, then the optimizer's state_dict(), a
 save, a load and pause/resume, each within the budget. Prints the step time against the
 same run without a budget. Skips without megatron-core."""
-import importlib.util
 import os
 import sys
 import time
 
-import pytest
 import torch
 
 from statepager import Pager, checkpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 sys.path.insert(0, os.path.dirname(__file__))
-from test_megatron import assert_same, members, snapshot  # noqa: E402
+# test_megatron's marks (gpu; skipped without megatron-core) and its module-wide GPT.
+from test_megatron import assert_same, gpt, members, pytestmark, snapshot  # noqa: E402,F401
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                       reason="megatron-core is not installed (the GPU suite carries it)"),
-]
 MiB = 1 << 20
 BUDGET = 256 * MiB
-
-
-@pytest.fixture(scope="module")
-def gpt():
-    import megatron_gpt
-
-    megatron_gpt.init()
-    return megatron_gpt
 
 
 def snapshot_in_pieces(optimizer, binding):

@@ -193,14 +193,20 @@ def test_a_parameter_failing_between_its_chunks_steps_once(tmp_path):
     assert int(s_failed[0]["step"]) == 3
 
 
-def test_a_finish_that_fails_again_stays_pending(tmp_path):
-    clean_before, _, clean_after = run("adamw", "cpu", str(tmp_path / "clean"), 2)
+def stepped_twice(tmp_path):
+    """The adamw configuration with resumable steps, after two steps."""
     setup, _ = CONFIGS["adamw"]
     model, pager, opt, binding = setup(str(tmp_path / "store"), "cpu", atomic="bucket")
+    for i in range(2):
+        set_grads(model, i)
+        opt.step()
+    return model, pager, opt, binding
+
+
+def test_a_finish_that_fails_again_stays_pending(tmp_path):
+    clean_before, _, clean_after = run("adamw", "cpu", str(tmp_path / "clean"), 2)
+    model, pager, opt, binding = stepped_twice(tmp_path)
     with pager:
-        for i in range(2):
-            set_grads(model, i)
-            opt.step()
         set_grads(model, 2)
         fault = FAULTS["after-hook"](model, pager, opt, binding, tmp_path)
         fault.arm()
@@ -226,12 +232,8 @@ def test_a_finish_that_fails_again_stays_pending(tmp_path):
 
 
 def test_a_load_forgets_a_pending_step_and_a_save_finishes_it(tmp_path):
-    setup, _ = CONFIGS["adamw"]
-    model, pager, opt, binding = setup(str(tmp_path / "store"), "cpu", atomic="bucket")
+    model, pager, opt, binding = stepped_twice(tmp_path)
     with pager:
-        for i in range(2):
-            set_grads(model, i)
-            opt.step()
         checkpoint.save(pager, str(tmp_path / "two"))
         loaded = copy.deepcopy(opt.state_dict())  # its step counters are the live ones
         set_grads(model, 2)
