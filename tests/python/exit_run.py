@@ -22,28 +22,28 @@ from compare import same
 MiB = 1 << 20
 
 
-def small_model(device):
+def small_model(device, width=256):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 256)).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, width)).to(device)
 
 
-def trained(pager, device, **attach):
+def trained(pager, device, width=256, **attach):
     """A model with an attached AdamW that has stepped once."""
-    model = small_model(device)
+    model = small_model(device, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pager.attach(opt, bucket_size=128 << 10, **attach)
-    model(torch.randn(8, 256, device=device)).sum().backward()
+    model(torch.randn(8, width, device=device)).sum().backward()
     opt.step()
     return model, opt
 
 
-def step_fails(pager, device, arrange, **attach):
+def step_fails(pager, device, arrange, width=256, **attach):
     """trained(), then a step that arrange(model, opt) makes fail from inside; arrange
     returns what ends the cause. Checks that the failed step (all or nothing) changed no
     parameter and no state, then lets its error out."""
-    model, opt = trained(pager, device, atomic=True, **attach)
-    model(torch.randn(8, 256, device=device)).sum().backward()
+    model, opt = trained(pager, device, width, atomic=True, **attach)
+    model(torch.randn(8, width, device=device)).sum().backward()
     params = [p.detach().clone() for p in model.parameters()]
     state = opt.state_dict()
     end_cause = arrange(model, opt)
@@ -160,7 +160,10 @@ def main():
     elif case == "oom-in-step":
         budgeted = statepager.Pager(args.store + "-budget", args.device, page_size=page,
                                     hbm_budget=64 * page)
-        step_fails(budgeted, args.device, budget_used_up(budgeted))
+        # State over many pages: the user's tensors that fill the budget may share a page
+        # with it (CUDA's are 2 MiB), never all of the step's.
+        step_fails(budgeted, args.device, budget_used_up(budgeted),
+                   width=1024 if args.device.startswith("cuda") else 256)
     elif case == "io-error-in-step":
         step_fails(pager, args.device, store_cut_short(pager))
     elif case in ("hook-in-step", "interrupt-in-step"):
