@@ -1,6 +1,7 @@
 """A checkpoint's checksums: crc32c (or the crc32 of format 3) of each CHUNK bytes of
-each tensor's data, computed while copying (allocator/store_snapshot.h) or by reading the files back on
-several threads (sums_of), and checked against the manifest (verify, verify_data)."""
+each tensor's data, computed while copying (allocator/store_snapshot.h) or by reading the
+files back on several threads (sums_of), and checked against the manifest (verify,
+verify_data)."""
 from __future__ import annotations
 
 import os

@@ -174,15 +174,15 @@ def require_checkpoint(path: str) -> None:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         raise _C.UsageError(f"no checkpoint at {path}: nothing exists there. Check the path "
-                            "(statepager.checkpoint.load(pager, path, missing_ok=True) loads a checkpoint only where "
-                            "one exists)") from None
+                            "(statepager.checkpoint.load(pager, path, missing_ok=True) "
+                            "loads a checkpoint only where one exists)") from None
     if not stat.S_ISDIR(mode):
         raise _C.UsageError(f"{path} is not a checkpoint: it is {_kind(mode)}, a checkpoint "
                             "is the directory statepager.checkpoint.save() wrote")
     if not os.path.lexists(os.path.join(path, MANIFEST)):
         raise _C.UsageError(f"{path} is not a checkpoint: it holds no {MANIFEST} (a checkpoint "
-                            "is the directory statepager.checkpoint.save() wrote, which has one from the "
-                            "moment it exists)")
+                            "is the directory statepager.checkpoint.save() wrote, which "
+                            "has one from the moment it exists)")
 
 
 def open_file(path: str) -> int:

@@ -1,4 +1,5 @@
-"""statepager.checkpoint.save(pager, path) / load(pager, path): checkpoints of the state of attached optimizers.
+"""statepager.checkpoint.save(pager, path) / load(pager, path): checkpoints of the state
+of attached optimizers.
 
 A checkpoint is a directory written once:
     manifest.json     what it holds, with a checksum of its own (statepager.checkpoint.manifest)
@@ -51,9 +52,10 @@ from statepager.checkpoint import dirs as checkpoint_dirs
 from statepager.checkpoint.checksums import sums_of, verify_data
 from statepager.checkpoint.dirs import DATA, MANIFEST
 from statepager.checkpoint.staging import Staged, check_entries, check_layout, missing_state
-from statepager.checkpoint.manifest import (CHECKSUMS, CHUNK, DIGEST, FORMAT, CheckpointMismatchError,
-                                 DataFile, align, checked_bytes, digest, encode,
-                                 read_manifest, stored)
+from statepager.checkpoint.manifest import (CHECKSUMS, CHUNK, DIGEST, FORMAT,
+                                            CheckpointMismatchError, DataFile, align,
+                                            checked_bytes, digest, encode, read_manifest,
+                                            stored)
 from statepager.core import args
 from statepager.util import ranks
 from statepager.util.names import check_name

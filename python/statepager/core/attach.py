@@ -13,10 +13,11 @@ default) makes a step resumable: one that raises leaves each bucket stepped or n
 the next step() finishes it (statepager.core.resumable); True or "step" makes it all or
 nothing: one that raises changes nothing (statepager.core.atomic; the store and the host
 tier need room for a second copy of the state); False steps in place, and a failed step
-may leave a bucket partly stepped. Either atomic kind's retry steps once. A parameter whose state is larger than bucket_size steps in chunks
-of consecutive elements over consecutive buckets when the optimizer's step is torch's
-Adam step and its pager tensors are made of pieces (statepager.core.slices; the binding
-makes the state so; an fp32 master the pager owns must be made with
+may leave a bucket partly stepped. Either atomic kind's retry steps once. A parameter
+whose state is larger than bucket_size steps in chunks of consecutive elements over
+consecutive buckets when the optimizer's step is torch's Adam step and its pager tensors
+are made of pieces (statepager.core.slices; the binding makes the state so; an fp32
+master the pager owns must be made with
 empty(pieces=statepager.core.slices.pieces(numel, 4)), as PagedAdamW makes them), else
 it is a bucket of its own. before_chunk(p, start, stop) and after_chunk(p, start, stop)
 are then called around the step of elements [start, stop) of p (memory order), where

@@ -124,8 +124,8 @@ def _refusing(what: str, original):
                 f"cannot {what} a pager tensor that is not resident ({_describe(self, residency)}):"
                 " its bytes are in the store, and reading its address would crash the process."
                 " For an attached optimizer's state use opt.state_dict() (a host copy, made "
-                "bucket by bucket) or statepager.checkpoint.save(pager, path); for a tensor of your own, "
-                "pager.page_in(t) first.")
+                "bucket by bucket) or statepager.checkpoint.save(pager, path); for a tensor of "
+                "your own, pager.page_in(t) first.")
         return original(self, *args, **kwargs)
 
     guarded.__name__ = original.__name__

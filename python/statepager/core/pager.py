@@ -251,7 +251,8 @@ class Pager:
         self.check_not_paused("page_out()")
         tensors = args.tensors("page_out", tensors)
         reuse_after = args.integer("reuse_after", reuse_after)
-        return PageHandle(self, self._core.page_out(tensors, _current_stream(self.device), reuse_after))
+        return PageHandle(self, self._core.page_out(tensors, _current_stream(self.device),
+                                                    reuse_after))
 
     @serialized
     def release_unchanged_async(self, tensors: Iterable[torch.Tensor],

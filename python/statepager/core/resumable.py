@@ -1,19 +1,20 @@
 """Resumable steps: atomic per bucket (see Note [Resumable steps] in docs/design.md).
 
 A step that fails leaves every bucket stepped or not, never torn, and remembers which it
-stepped; the next step() finishes that step (the buckets not stepped, with the grads they
-have) instead of starting another. Nothing is kept twice: a bucket's page-in is for a
-read (Pager.page_in_async(for_read=True): its bytes at rest stay where they are while it
-is resident) and its page-out writes in place. Until that page-out is issued, a failure
-hands the bucket back (Pager.release_unchanged_async: its device changes dropped, no
-write; the pipeline does that, statepager.core.pipeline) and ResumableStep.put_back()
-restores what its step changed in ordinary memory: its parameters' unpaged state (step
-counters, resident state), grads, residual exception lists and the param groups' options, the parameters the pager
-does not own and residual masters' model parameters (from undo copies, UndoCopies, taken
-a bucket ahead as an atomic step takes them), and fp32 masters' model parameters (written
-anew from the masters). Once its page-out is issued a bucket counts as stepped: a
-page-out that fails leaves its new bytes resident and whole, written by the next step's
-start (residency.to_rest).
+stepped; the next step() finishes that step (the buckets not stepped, with the grads
+they have) instead of starting another. Nothing is kept twice: a bucket's page-in is for
+a read (Pager.page_in_async(for_read=True): its bytes at rest stay where they are while
+it is resident) and its page-out writes in place. Until that page-out is issued, a
+failure hands the bucket back (Pager.release_unchanged_async: its device changes
+dropped, no write; the pipeline does that, statepager.core.pipeline) and
+ResumableStep.put_back() restores what its step changed in ordinary memory: its
+parameters' unpaged state (step counters, resident state), grads, residual exception
+lists and the param groups' options, the parameters the pager does not own and residual
+masters' model parameters (from undo copies, UndoCopies, taken a bucket ahead as an
+atomic step takes them), and fp32 masters' model parameters (written anew from the
+masters). Once its page-out is issued a bucket counts as stepped: a page-out that fails
+leaves its new bytes resident and whole, written by the next step's start
+(residency.to_rest).
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ megatron_internals, the one place that names Megatron's attributes:
   ChainedOptimizer, members that Megatron stepped before the failing one stay stepped;
 - reload_model_params refreshes the mains through the pager; checkpoint methods that
   would read the state behind the pager's back are refused with what to use instead
-  (statepager.checkpoint.save / load into rank_directory(base)), and offload_to_cpu / restore_from_cpu point to
-  Pager.pause / resume.
+  (statepager.checkpoint.save / load into rank_directory(base)), and offload_to_cpu /
+  restore_from_cpu point to Pager.pause / resume.
 
 Each DistributedOptimizer of a ChainedOptimizer is its own binding, named
 "<index>-dense" or "<index>-expert" (stable across runs of the same model), with its own
@@ -147,7 +147,8 @@ class MegatronMember:
             before_chunk=self._grads_in_chunk, after_chunk=self._mains_out_chunk,
             before_step=self._before_step, after_step=self._after_step), **options)
         refused = {m: _refusal(m, "statepager holds this optimizer's state: save it with "
-                               "statepager.checkpoint.save(pager, rank_directory(base)) and load it with "
+                               "statepager.checkpoint.save(pager, rank_directory(base)) and "
+                               "load it with "
                                "statepager.checkpoint.load(pager, rank_directory(base)) "
                                "(run Megatron with --no-save-optim --no-load-optim for its "
                                "own checkpoints)") for m in internals.CHECKPOINT_METHODS}

@@ -36,8 +36,8 @@ import torch
 from statepager import checkpoint
 from statepager._C import UsageError
 from statepager.core.pager import Pager
-from statepager.integrations.megatron_lm_config import (Options, RefusedConfiguration, add_arguments,
-                                           check)
+from statepager.integrations.megatron_lm_config import (Options, RefusedConfiguration,
+                                                        add_arguments, check)
 from statepager.integrations.megatron_lm_hooks import MegatronLM
 from statepager.util import ranks
 from statepager.util.names import MANIFEST

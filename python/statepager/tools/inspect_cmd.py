@@ -1,10 +1,11 @@
 """statepager inspect PATH [--verify] [--json]: what a checkpoint or a store holds.
 
 PATH may be
-  a checkpoint (statepager.checkpoint.save's directory, holding manifest.json): per optimizer its class,
-      parameters, formats, tensors by state name (count, dtypes, bytes, ZERO ones), data
-      file and its size, hyperparameters; --verify reads the data and checks every
-      checksum (statepager.checkpoint), else the checksums are reported as not verified;
+  a checkpoint (statepager.checkpoint.save's directory, holding manifest.json): per
+      optimizer its class, parameters, formats, tensors by state name (count, dtypes,
+      bytes, ZERO ones), data file and its size, hyperparameters; --verify reads the
+      data and checks every checksum (statepager.checkpoint), else the checksums are
+      reported as not verified;
   a rank_directory() base (a training loop's checkpoint directory): every rank's checkpoint
       under statepager/rank*/;
   a store directory (a Pager's, holding .lock): whether a process holds it now, and its

@@ -12,8 +12,8 @@ rest in the store. Then, from one run, on the same directory:
          was blocked (the call, plus what steps took beyond a step without a save) against
          the save's total;
   load   statepager.checkpoint.load() (checksums verified, then ranges copied into the
-         store), with the checkpoint's files dropped from the page cache first; the state is compared with
-         what was saved.
+         store), with the checkpoint's files dropped from the page cache first; the state
+         is compared with what was saved.
 Save, load and the file copy are measured in REPEAT rounds, each reported as the median
 with its range: on the VMs we measure on, the same copy varies severalfold from run to run.
 """

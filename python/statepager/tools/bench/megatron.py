@@ -85,8 +85,9 @@ def bench_megatron(args) -> dict:
     drawn = timeline_config(args)
     model = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
                                            "micro_batch", "warmup", "steps",
-                                           "bucket_size", "depth", "page_size", "hbm_budget", "host_budget",
-                                           "no_map_ram", "fio_jobs", "device_time")}
+                                           "bucket_size", "depth", "page_size", "hbm_budget",
+                                           "host_budget", "no_map_ram", "fio_jobs",
+                                           "device_time")}
     model["bucket"] = model.pop("bucket_size")  # the results' key, read by the reports
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
     model["page_size"] = args.page_size or page_for(args.bucket_size)
