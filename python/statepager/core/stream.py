@@ -296,19 +296,18 @@ class StreamedOptimizer:
 
     # -- the state between steps, bucket by bucket -----------------------------------
 
-    def state_in_buckets(self, rebuild_mains: bool = False, write: bool = True):
+    def state_in_buckets(self, write: bool = True):
         """Yields each bucket with its state resident and decoded to fp32; encodes and
         pages it out again afterwards. The caller may replace the bucket's parameters'
         state entries by resident pager tensors of its own: they are stored from then on.
-        rebuild_mains: the caller overwrites the masters from changed model params, so
-        their stored form is not checked against them. write=False: the caller only
+        write=False: the caller only
         reads; nothing is encoded, and the stored forms go back to their bytes at rest
         without any write (Pager.release_unchanged_async). A parameter that steps in
         chunks comes whole, in a bucket of its own."""
         pager = self.pager
         for b in self._whole_buckets():
             pager.page_in_async(b.stored, for_read=not write).wait()
-            residency.decode(pager, b, check_params=not rebuild_mains)
+            residency.decode(pager, b)
             try:
                 yield b
             finally:
@@ -333,7 +332,7 @@ class StreamedOptimizer:
         bucket's forms are made from the state entries as they are (pager tensors the
         caller put there are stored from then on), and it is encoded and paged out after.
         rebuild_mains: the caller overwrites the masters from changed model params, so
-        their stored form is not checked against them (as state_in_buckets). See Note
+        their stored form is not checked against them. See Note
         [Reads and loads in the step's pieces] in docs/design.md."""
         self.end_begun_step()
         pager = self.pager
