@@ -64,10 +64,7 @@ class BucketStepper:
         residency.decode(pager, bucket, not checked, skip=fused or (), checks=checks)
         if atomic:
             atomic.save(bucket)
-        if hooks.before_bucket:
-            hooks.before_bucket(bucket.params)
-        for c in bucket.chunks if hooks.before_chunk else ():
-            hooks.before_chunk(c.param, c.start, c.stop)
+        _call(hooks.before_bucket, hooks.before_chunk, bucket)
         if layout.create_deferred_state(bucket) or layout.chunks_got_state(bucket):
             layout.fill(bucket)
             fused = layout.fused_forms(bucket)
@@ -89,10 +86,7 @@ class BucketStepper:
             self._raw_step_bucket(bucket)
         if atomic:
             atomic.writing(bucket)
-        if hooks.after_bucket:
-            hooks.after_bucket(bucket.params)
-        for c in bucket.chunks if hooks.after_chunk else ():
-            hooks.after_chunk(c.param, c.start, c.stop)
+        _call(hooks.after_bucket, hooks.after_chunk, bucket)
         return residency.encode(bucket, skip=fused or ())
 
     def _raw_step_bucket(self, bucket: Bucket) -> None:
@@ -139,3 +133,11 @@ def _raw_step_function(optimizer) -> Callable:
     """The optimizer's algorithm without the hook wrapper (hooks run once, around buckets)."""
     step = type(optimizer).step
     return getattr(step, "__wrapped__", step)
+
+
+def _call(whole, chunk, bucket: Bucket) -> None:
+    """A bucket hook with the bucket's whole parameters, then a chunk hook per chunk."""
+    if whole:
+        whole(bucket.params)
+    for c in bucket.chunks if chunk else ():
+        chunk(c.param, c.start, c.stop)
