@@ -178,12 +178,12 @@ def test_reload_model_params_goes_through_the_pager(gpt, store_dir):
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
                                   "moe-fp32-grads-overlap"])
 def test_failed_step_changes_nothing_and_the_retry_is_exact(gpt, case, store_dir):
-    """A step that fails after some buckets' mains went into the DDP param buffer: the
-    model params, mains and moments are as before it (the param buffer rewritten from the
-    restored mains, or from undo copies with residual mains), and training on from there
-    matches unpaged Megatron bit for bit."""
+    """An all-or-nothing step (atomic="step") that fails after some buckets' mains went
+    into the DDP param buffer: the model params, mains and moments are as before it (the
+    param buffer rewritten from the restored mains, or from undo copies with residual
+    mains), and training on from there matches unpaged Megatron bit for bit."""
     options = dict(CASES[case])
-    attach = options.pop("attach", {})
+    attach = dict(options.pop("attach", {}), attach_options={"atomic": "step"})
     setup = gpt.Setup(steps=6, **options)
     base = run(gpt, setup)
     with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
@@ -216,6 +216,51 @@ def test_failed_step_changes_nothing_and_the_retry_is_exact(gpt, case, store_dir
         gpt.finish(model)
         paged = (losses, [p.detach().cpu() for p in model.parameters()],
                  snapshot(optimizer, binding), None)
+    assert_same(base, paged)
+
+
+@pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads-overlap",
+                                  "bf16-grads-residual-mains"])
+def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, store_dir):
+    """A resumable step (atomic="bucket", the default) that fails after some buckets
+    stepped leaves those stepped and the rest not; the loop's next zero_grad_buffer(),
+    which zeroes the grads the rest need before the optimizer's zero_grad(), finishes it
+    first. Training on from there matches unpaged Megatron with that step whole."""
+    options = dict(CASES[case])
+    attach = options.pop("attach", {})
+    setup = gpt.Setup(steps=6, **options)
+    base = run(gpt, setup)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
+                                                         **attach)
+        losses = [gpt.train_step(setup, model, optimizer, scheduler, i) for i in range(3)]
+        gpt.finish(model)
+        params = [p.detach().clone() for p in model.parameters()]
+        stream = binding.streams[0]
+        assert len(stream.buckets) >= 3 and stream.atomic == "bucket"
+        hook, calls = stream.after_bucket, []
+
+        def failing(bucket_params):
+            hook(bucket_params)
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+
+        stream.after_bucket = failing
+        with pytest.raises(RuntimeError, match="injected failure"):
+            gpt.train_step(setup, model, optimizer, scheduler, 3)
+        stream.after_bucket = hook
+        torch.cuda.synchronize()
+        changed = [not torch.equal(a, b) for a, b in zip(params, model.parameters())]
+        assert any(changed) and not all(changed), "some buckets stepped, not all"
+        model.zero_grad_buffer()  # finishes step 3 with its grads, then zeroes them
+        scheduler.step(increment=1)  # step 3 is whole: the loop's record of it
+        losses += [None] + [gpt.train_step(setup, model, optimizer, scheduler, i)
+                            for i in range(4, setup.steps)]
+        gpt.finish(model)
+        paged = (losses, [p.detach().cpu() for p in model.parameters()],
+                 snapshot(optimizer, binding), None)
+    base[0][3] = None  # the failed step's loss was never returned
     assert_same(base, paged)
 
 
@@ -257,9 +302,9 @@ def test_refusals_name_what_to_use_instead(gpt, store_dir):
     with Pager(store_dir, "cuda") as pager:
         model, optimizer, scheduler, _ = gpt.build(setup, pager)
         gpt.train_step(setup, model, optimizer, scheduler, 0)
-        with pytest.raises(_C.UsageError, match="save_to"):
+        with pytest.raises(_C.UsageError, match=r"statepager\.checkpoint\.save\(pager"):
             optimizer.sharded_state_dict({})
-        with pytest.raises(_C.UsageError, match="load_from"):
+        with pytest.raises(_C.UsageError, match=r"statepager\.checkpoint\.load\(pager"):
             optimizer.load_state_dict({})
         with pytest.raises(_C.UsageError, match="pause"):
             optimizer.offload_to_cpu()

@@ -73,8 +73,11 @@ def flat_copies(optimizer, pager=None, binding=None):
         inner = d.optimizer
         params = [p for g in inner.param_groups for p in g["params"]]
 
+        # Paged state as held: its buckets are paged in here, chunk by chunk.
+        state = inner.state if stream is None else inner.state.as_held()
+
         def tensors(p):
-            return [p] + [v for _, v in sorted(inner.state[p].items())
+            return [p] + [v for _, v in sorted(state[p].items())
                           if isinstance(v, torch.Tensor) and v.dim() > 0]
         parts = collections.defaultdict(list)
         if stream is None:

@@ -2,8 +2,8 @@
 (tests/python/test_exit.py on the host, tests/gpu/test_cuda_exit.py on CUDA):
     exit_run.py CASE STORE [--device D]
 Each case raises out of the script; the process must print the traceback and exit with
-status 1 (3 for `sys-exit`, 0 for `clean`; death by SIGINT, as Python's, for a
-KeyboardInterrupt), never abort. The `*-in-step` cases fail inside opt.step() (the pager's
+status 1 (3 for `sys-exit`, 0 for `clean`; for a KeyboardInterrupt, the status of the
+same interrupt after a torch optimizer's step, `interrupt-unpaged`), never abort. The `*-in-step` cases fail inside opt.step() (the pager's
 page budget used up, a store file cut short, a hook's exception, a KeyboardInterrupt) and
 check, before the error leaves the script, that the failed step changed no parameter and
 no state. STORE is the store directory: closed at exit, it is gone afterwards. Megatron
@@ -122,6 +122,12 @@ def main():
     args = ap.parse_args()
     page = 2 * MiB if args.device.startswith("cuda") else 64 << 10
     case = args.case
+    if case == "interrupt-unpaged":  # the control: a torch optimizer's step, no Pager
+        model = small_model(args.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(8, 256, device=args.device)).sum().backward()
+        opt.step()
+        raise KeyboardInterrupt
     if case == "megatron-assert-unpaged":  # the control: Megatron alone, no Pager at all
         setup, gpt, (model, optimizer, scheduler, _) = megatron(None)
         gpt.train_step(setup, model, optimizer, scheduler, 0)

@@ -22,11 +22,12 @@ megatron_internals, the one place that names Megatron's attributes:
 - native fp32 params (views of an fp32 param buffer) keep their state resident;
 - a step that raises leaves each bucket stepped or not (atomic="bucket", the default,
   statepager.core.resumable; Megatron's retry of the step finishes it, as does
-  zero_grad()) or is undone (atomic="step", statepager.core.atomic): mains and moments
-  of what did not step return to their bytes of before it, and so does the DDP param
-  buffer, rewritten from the restored mains (`_shard16`, the same memory as the
-  buffer's slice; with residual mains from undo copies). Each member on its own: in a
-  ChainedOptimizer, members that Megatron stepped before the failing one stay stepped;
+  zero_grad() and, first in Megatron's loop, model.zero_grad_buffer()) or is undone
+  (atomic="step", statepager.core.atomic): mains and moments of what did not step
+  return to their bytes of before it, and so does the DDP param buffer, rewritten from
+  the restored mains (`_shard16`, the same memory as the buffer's slice; with residual
+  mains from undo copies). Each member on its own: in a ChainedOptimizer, members that
+  Megatron stepped before the failing one stay stepped;
 - reload_model_params refreshes the mains through the pager; checkpoint methods that
   would read the state behind the pager's back are refused with what to use instead
   (statepager.checkpoint.save / load into rank_directory(base)), and offload_to_cpu /
@@ -162,6 +163,7 @@ class MegatronMember:
             zero_grad=self.zero_grad,
             get_parameters=self.parameters_with_carriers if self.bf16_grads else None,
             refused=refused)
+        self.megatron.before_grads_zeroed(self.finish_before_grads_zeroed)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -338,6 +340,12 @@ class MegatronMember:
         self.stream.finish_step()  # a pending step, with the grads it needs
         self.megatron.zero_grad_as_megatron(*args, **kwargs)
         self.stream.prepare_step()
+
+    @serialized
+    def finish_before_grads_zeroed(self) -> None:
+        """A pending step finishes while its grads are there: Megatron's loop zeroes the
+        grad buffers (model.zero_grad_buffer()) before it calls zero_grad()."""
+        self.stream.finish_step()
 
     def parameters_with_carriers(self) -> list:
         """get_parameters() as Megatron's norm and clip code sees it: each paged main

@@ -42,6 +42,8 @@ CONTRACT = (
     ("megatron.core.optimizer", "DistributedOptimizer", "get_parameters", ["self"]),
     ("megatron.core.optimizer", "DistributedOptimizer", "offload_to_cpu", None),
     ("megatron.core.optimizer", "DistributedOptimizer", "restore_from_cpu", None),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", "reset",
+     ["self"]),
 )
 INSTANCE_ATTRIBUTES = (
     "optimizer", "config", "ddp_config", "model_float16_groups", "model_fp32_groups",
@@ -231,6 +233,16 @@ class Internals:
 
     def zero_grad_as_megatron(self, *args, **kwargs) -> None:
         type(self.d).zero_grad(self.d, *args, **kwargs)
+
+    def before_grads_zeroed(self, callback) -> None:
+        """Calls `callback` before each of d's grad buffers is zeroed: the training loop's
+        model.zero_grad_buffer() resets them (before it calls the optimizer's zero_grad).
+        Set on the buffer instances, which d shares with the DDP model."""
+        for buffer in self.d.buffers:
+            def reset(zero=buffer.reset):
+                callback()
+                zero()
+            buffer.reset = reset
 
     def override(self, *, copy_grads, copy_mains_to_params, copy_params_to_mains,
                  state_dict, zero_grad, get_parameters=None, refused: dict) -> None:
