@@ -1,5 +1,7 @@
 #include "allocator/store_snapshot.h"
 
+#include <algorithm>
+#include <cstring>
 #include <optional>
 
 #include "backing/errors.h"
@@ -79,6 +81,36 @@ CopyMethod StoreSnapshot::copy_one(size_t i, const std::vector<OpenFile>& out,
   if (crcs) copied.crcs[i] = crcs->take();  // its own element: no other thread writes it
   unhold(i);
   return method;
+}
+
+void StoreSnapshot::read(size_t i, uint64_t offset, void* dst, uint64_t length) const {
+  const Placement& p = placements_.at(i);
+  if (offset > p.bytes || length > p.bytes - offset) {
+    throw UsageError("StoreSnapshot::read: bytes " + std::to_string(offset) + " to " +
+                     std::to_string(offset + length) + " pass the end of an extent of " +
+                     std::to_string(p.bytes));
+  }
+  char* to = static_cast<char*>(dst);
+  if (p.state == Residency::kZero) {
+    std::memset(to, 0, length);
+    return;
+  }
+  if (p.host != nullptr) {
+    std::memcpy(to, p.host + offset, length);
+    return;
+  }
+  for (const UringFile::Span& s : p.spans) {  // the store range, span after span
+    if (length == 0) break;
+    if (offset >= s.length) {
+      offset -= s.length;
+      continue;
+    }
+    const uint64_t n = std::min<uint64_t>(length, s.length - offset);
+    read_into(store_[s.file], s.offset + offset, to, n);
+    to += n;
+    length -= n;
+    offset = 0;
+  }
 }
 
 }  // namespace statepager

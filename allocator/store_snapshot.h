@@ -59,6 +59,12 @@ class StoreSnapshot {
   Copied copy_to(const std::vector<std::string>& files, const std::vector<Target>& targets,
                  uint64_t chunk_bytes = 0);
 
+  // Copies bytes [offset, offset + length) of extent i into memory `dst`, where they lie
+  // at rest: zeros (ZERO), the host tier's memory (HOST) or the store's files (FILE); reads
+  // only. UsageError when the range passes the extent's end. May run while holds are taken
+  // (before copy_to() or release()), not concurrently with them.
+  void read(size_t i, uint64_t offset, void* dst, uint64_t length) const;
+
   void release();  // releases every hold still taken
 
  private:

@@ -113,6 +113,18 @@ void write_range(const OpenFile& dst, uint64_t dst_offset, const void* buf, uint
   }
 }
 
+void read_into(const OpenFile& src, uint64_t src_offset, void* buf, uint64_t length) {
+  char* to = static_cast<char*>(buf);
+  for (uint64_t got = 0; got < length;) {
+    const ssize_t n = ::pread(src.fd(), to + got, static_cast<size_t>(length - got),
+                              static_cast<off_t>(src_offset + got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw_io_error(errno, "read", src.path(), src_offset + got);
+    if (n == 0) throw_short_source(src, src_offset + got);
+    got += static_cast<uint64_t>(n);
+  }
+}
+
 const char* copy_method_name(CopyMethod method) {
   switch (method) {
     case CopyMethod::kReflink: return "reflink";

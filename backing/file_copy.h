@@ -104,6 +104,10 @@ CopyMethod copy_range(const OpenFile& src, uint64_t src_offset, const OpenFile& 
 // Writes `length` bytes of memory at `dst_offset` of `dst` (pwrite until done).
 void write_range(const OpenFile& dst, uint64_t dst_offset, const void* buf, uint64_t length);
 
+// Reads `length` bytes at `src_offset` of `src` into memory `buf` (pread until done); a
+// source that ends inside the range is a CorruptStoreError.
+void read_into(const OpenFile& src, uint64_t src_offset, void* buf, uint64_t length);
+
 // Copies the whole file `src` to `dst` (created, or truncated first) and fsyncs it.
 CopyMethod copy_file(const std::string& src, const std::string& dst,
                      CopyMethod first = CopyMethod::kReflink);

@@ -705,6 +705,27 @@ PYBIND11_MODULE(_C, m) {
                                std::make_unique<StoreSnapshot>(*self.pager, self.extents_of(tensors))};
            },
            release_gil(), "Holds the tensors' store ranges (they must be at rest) for a copy of this moment")
+      .def("read_at_rest",
+           [](PyPager& self, const std::vector<ExtentId>& ids, uintptr_t address,
+              torch::Tensor& out) {
+             if (!out.device().is_cpu() || !out.is_contiguous()) {
+               throw UsageError("read_at_rest: out must be a contiguous CPU tensor");
+             }
+             const uint64_t nbytes = out.nbytes();
+             for (ExtentId id : ids) {
+               if (!self.pager->exists(id)) continue;
+               const uintptr_t start = self.pager->address(id);
+               if (address < start || address + nbytes > start + self.pager->size(id)) continue;
+               const StoreSnapshot held(*self.pager, {id});  // its range stays put meanwhile
+               held.read(0, address - start, out.data_ptr(), nbytes);
+               return true;
+             }
+             return false;
+           },
+           py::arg("ids"), py::arg("address"), py::arg("out"), release_gil(),
+           "Copies the out.nbytes bytes at `address`, inside one of the extents `ids` (at "
+           "rest; segments too), into `out` from where they lie, paging nothing; False when "
+           "none of them holds that range")
       .def("restore",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors,
               const std::vector<bool>& zero, const std::string& src,

@@ -285,19 +285,29 @@ class TorchMemorySaver:
         self._disk_dir = path
 
     def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False):
-        """None while x's tag is not paused or has no backup, as torch_memory_saver's.
-        A paused backed-up tensor's bytes are in its tag's store, which statepager does
-        not read tensor by tensor: UsageError naming the way to read them."""
+        """While x's tag is paused with enable_cpu_backup, x's bytes as a CPU tensor of its
+        shape and dtype, read from the tag's store without resuming it or changing
+        anything (Pager.read_paused); None otherwise where
+        torch_memory_saver returns None: the tag not paused (no backup is kept after
+        resume(), whatever retain_cpu_backup says) or backed up to disk. zero_copy=True
+        returns a copy too: the bytes lie in the tag's store file, not in a host buffer
+        per tensor that a view could alias. UsageError for x not a contiguous tensor of a
+        tag, or of a paused tag without backup (its bytes were dropped)."""
         if not isinstance(x, torch.Tensor):
             raise _C.UsageError(f"get_cpu_backup(x): x must be a tensor, not {type(x).__name__}")
         args.flag("zero_copy", zero_copy)
         key = self._key_holding(x)
-        if key is None or key[1] == "none" or not self._pagers[key].paused:
+        if key is None:
+            raise _C.UsageError(f"get_cpu_backup(x): the tensor of shape {list(x.shape)} is "
+                                "not in any tag's memory: pass a tensor allocated inside "
+                                "region()")
+        pager = self._pagers[key]
+        if not pager.paused or key[1] == "disk":
             return None
-        raise _C.UsageError(
-            f"get_cpu_backup(): tag {key[0]!r} is paused and its bytes are in its "
-            "store, which is not read tensor by tensor: resume(tag) and copy x "
-            "with x.cpu(), or copy it before pause()")
+        if key[1] == "none":
+            raise _C.UsageError(f"get_cpu_backup(x): tag {key[0]!r} has no backup, so pause() "
+                                "dropped x's bytes: use region(enable_cpu_backup=True)")
+        return pager.read_paused(x)
 
     # -- tags and their Pagers ---------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """statepager.memory_saver on CUDA: tags paused and resumed bit-exact at the same
 addresses, memory given back, no-backup tags zero-filled, nested regions, CUDA graphs
 replayed across pause/resume (in a child process: a capture that fails inside torch
-can leave the process's CUDA RNG in capture mode), and the store of a backed-up tag sized
-before its first pause."""
+can leave the process's CUDA RNG in capture mode), the store of a backed-up tag sized
+before its first pause, and get_cpu_backup() of a paused tensor."""
 import os
 import subprocess
 import sys
@@ -130,6 +130,36 @@ graph.replay()
 assert out.data_ptr() == address and out.item() == 6.0 * (1 << 20) + 1
 print("ok")
 """
+
+
+def _store_files(pager) -> dict:
+    out = {}
+    for root, _, names in os.walk(pager.directory):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+def test_get_cpu_backup_reads_a_paused_tensor_in_a_segment(saver):
+    with saver.region(tag="w", enable_cpu_backup=True):
+        big = torch.full((20_000_000,), 10, dtype=torch.uint8, device="cuda")
+        typed = torch.randn((10, 20, 30), dtype=torch.float32, device="cuda")
+        bf = torch.randn((1 << 20,), device="cuda").to(torch.bfloat16)
+    want = [t.cpu() for t in (big, typed, bf)]
+    saver.pause("w")
+    pager = saver.pager("w", "cpu")
+    assert not pager.owns(typed)  # PyTorch's block inside a segment of the tag's pool
+    stats, files = pager.stats(), _store_files(pager)
+    for t, expected in zip((big, typed, bf), want):
+        got = saver.get_cpu_backup(t)
+        assert got.device.type == "cpu" and got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got, expected)
+    assert torch.equal(saver.get_cpu_backup(big[123:4567], zero_copy=True), want[0][123:4567])
+    assert pager.stats() == stats and _store_files(pager) == files and pager.paused
+    saver.resume("w")
+    assert saver.get_cpu_backup(typed) is None
+    assert all(torch.equal(t.cpu(), e) for t, e in zip((big, typed, bf), want))
 
 
 def test_cuda_graph_memory_pauses_and_replays_at_the_same_addresses():

@@ -1,6 +1,7 @@
 """Megatron-core's DistributedOptimizer / ChainedOptimizer streamed by statepager, on the
 GPU: a small GPT trained with and without the pager must match bit for bit (losses,
 model params, mains and moments). Skips when megatron-core is not installed."""
+import contextlib
 import copy
 import importlib.util
 import os
@@ -175,6 +176,43 @@ def test_reload_model_params_goes_through_the_pager(gpt, store_dir):
                         assert torch.equal(main, model_param.view(-1)[r.start:r.end].float())
 
 
+@contextlib.contextmanager
+def three_steps(gpt, case, store_dir, atomic):
+    """(setup, the unpaged run of 6 steps, (model, optimizer, scheduler, binding) attached
+    with `atomic`, the losses of its first 3 steps, the model params after them), the
+    Pager open until the block ends."""
+    options = dict(CASES[case])
+    attach = dict(options.pop("attach", {}), attach_options={"atomic": atomic})
+    setup = gpt.Setup(steps=6, **options)
+    base = run(gpt, setup)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        built = gpt.build(setup, pager, bucket_size=1 * MiB, **attach)
+        model, optimizer, scheduler, _ = built
+        losses = [gpt.train_step(setup, model, optimizer, scheduler, i) for i in range(3)]
+        gpt.finish(model)
+        yield setup, base, built, losses, [p.detach().clone() for p in model.parameters()]
+
+
+def fail_in_second_bucket(stream, train_step) -> None:
+    """Runs train_step() with the second bucket's after_bucket raising (after it wrote
+    that bucket's stepped mains into the param buffer); checks that it raised."""
+    hook, calls = stream.after_bucket, []
+
+    def failing(bucket_params):
+        hook(bucket_params)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+
+    stream.after_bucket = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            train_step()
+    finally:
+        stream.after_bucket = hook
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
                                   "moe-fp32-grads-overlap"])
 def test_failed_step_changes_nothing_and_the_retry_is_exact(gpt, case, store_dir):
@@ -182,32 +220,12 @@ def test_failed_step_changes_nothing_and_the_retry_is_exact(gpt, case, store_dir
     into the DDP param buffer: the model params, mains and moments are as before it (the
     param buffer rewritten from the restored mains, or from undo copies with residual
     mains), and training on from there matches unpaged Megatron bit for bit."""
-    options = dict(CASES[case])
-    attach = dict(options.pop("attach", {}), attach_options={"atomic": "step"})
-    setup = gpt.Setup(steps=6, **options)
-    base = run(gpt, setup)
-    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
-        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
-                                                         **attach)
-        losses = [gpt.train_step(setup, model, optimizer, scheduler, i) for i in range(3)]
-        gpt.finish(model)
-        params = [p.detach().clone() for p in model.parameters()]
+    with three_steps(gpt, case, store_dir, "step") as (setup, base, built, losses, params):
+        model, optimizer, scheduler, binding = built
         state = snapshot(optimizer, binding)
-        stream = binding.streams[0]
-        assert len(stream.buckets) >= 3
-        hook, calls = stream.after_bucket, []
-
-        def failing(bucket_params):
-            hook(bucket_params)  # this bucket's stepped mains are in the param buffer now
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected failure")
-
-        stream.after_bucket = failing
-        with pytest.raises(RuntimeError, match="injected failure"):
-            gpt.train_step(setup, model, optimizer, scheduler, 3)
-        stream.after_bucket = hook
-        torch.cuda.synchronize()
+        assert len(binding.streams[0].buckets) >= 3
+        fail_in_second_bucket(binding.streams[0],
+                              lambda: gpt.train_step(setup, model, optimizer, scheduler, 3))
         assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
         for ma, mb in zip(state, snapshot(optimizer, binding)):
             assert all(torch.equal(x, y) for ta, tb in zip(ma, mb) for x, y in zip(ta, tb))
@@ -226,31 +244,12 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
     stepped leaves those stepped and the rest not; the loop's next zero_grad_buffer(),
     which zeroes the grads the rest need before the optimizer's zero_grad(), finishes it
     first. Training on from there matches unpaged Megatron with that step whole."""
-    options = dict(CASES[case])
-    attach = options.pop("attach", {})
-    setup = gpt.Setup(steps=6, **options)
-    base = run(gpt, setup)
-    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
-        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
-                                                         **attach)
-        losses = [gpt.train_step(setup, model, optimizer, scheduler, i) for i in range(3)]
-        gpt.finish(model)
-        params = [p.detach().clone() for p in model.parameters()]
+    with three_steps(gpt, case, store_dir, "bucket") as (setup, base, built, losses, params):
+        model, optimizer, scheduler, binding = built
         stream = binding.streams[0]
         assert len(stream.buckets) >= 3 and stream.atomic == "bucket"
-        hook, calls = stream.after_bucket, []
-
-        def failing(bucket_params):
-            hook(bucket_params)
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected failure")
-
-        stream.after_bucket = failing
-        with pytest.raises(RuntimeError, match="injected failure"):
-            gpt.train_step(setup, model, optimizer, scheduler, 3)
-        stream.after_bucket = hook
-        torch.cuda.synchronize()
+        fail_in_second_bucket(stream,
+                              lambda: gpt.train_step(setup, model, optimizer, scheduler, 3))
         changed = [not torch.equal(a, b) for a, b in zip(params, model.parameters())]
         assert any(changed) and not all(changed), "some buckets stepped, not all"
         model.zero_grad_buffer()  # finishes step 3 with its grads, then zeroes them

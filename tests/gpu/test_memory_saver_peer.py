@@ -26,8 +26,10 @@ _INTERNALS = "reads torch_memory_saver's internals (_impl._binary_wrapper.cdll, 
 _WHOLE_PROCESS = ("TMS_INIT_ENABLE makes the whole process one region through the LD_PRELOAD "
                   "cudaMalloc hook; statepager routes only allocations inside region()")
 EXPECTED_FAILURES = {
-    "test_cpu_backup[preload]": "get_cpu_backup() of a paused backed-up tensor (statepager "
-                                "keeps it in the tag's store, not read per tensor); " + _INTERNALS,
+    "test_cpu_backup[preload]": "with retain_cpu_backup, expects get_cpu_backup(zero_copy="
+                                "True) to give the same host buffer after resume() (statepager "
+                                "reads a paused tag's store into a copy per call, and keeps "
+                                "no per-tensor buffer after resume); " + _INTERNALS,
     "test_cpu_backup[torch]": "as test_cpu_backup[preload]",
     "test_cpu_backup_rss": "RSS grows at region end (the store is sized then, so the first "
                            "pause is fast) and stays; torch_memory_saver allocates at pause "

@@ -1,6 +1,8 @@
 """`bench sleep`'s report from canned results: pause and resume against the raw io_uring
 loop, and with --compare-tms torch-memory-saver's figures and statepager's steady
 pause and resume as multiples of its own."""
+import os
+
 from statepager.tools.bench import pager as bench_pager
 from statepager.tools.bench.report import spread
 
@@ -40,3 +42,44 @@ def test_the_sleep_report_says_why_torch_memory_saver_did_not_run(capsys):
     out = capsys.readouterr().out
     assert "torch-memory-saver: skipped: torch-memory-saver needs a CUDA device" in out
     assert "statepager vs torch-memory-saver" not in out
+
+
+def test_bench_sleep_saver_runs_each_backup_on_the_host_backend(tmp_path, capsys):
+    from statepager.tools import cli
+    rc = cli.main(["bench", "sleep", "--saver", "--compare-tms", "--size", "4M", "--repeat",
+                   "2", "--dir", str(tmp_path), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "allocated inside region('bench')" in out
+    rows = {line.split("  ")[1].strip(): line for line in out.splitlines()
+            if line.startswith("  statepager")}
+    assert len(rows) == 3, out
+    for backup in ("cpu backup", "disk backup"):
+        row = next(line for name, line in rows.items() if backup in name)
+        assert "pause first" in row and "GB/s, again" in row and "(median of 2" in row
+        assert "data intact: True" in row
+    discard = next(line for name, line in rows.items() if "no backup" in name)
+    assert "pause first" in discard and " ms, again" in discard and "resume first" in discard
+    assert "zeros after resume: True" in discard
+    assert out.count("torch-memory-saver") == 3 and "needs a CUDA device" in out
+    assert os.listdir(tmp_path) == []  # the bench's directory is gone, stores with it
+
+
+def test_the_saver_report_gives_torch_memory_saver_per_backup(capsys):
+    def rounds(intact, **more):
+        return {"bytes": 8 * GiB, "tensors": 40, "pause_s": [2.0, 1.0, 1.0],
+                "resume_s": [4.0, 2.0, 2.0], "data_intact": intact, **more}
+    r = {"saver": True, "device": "cuda:0", "dir": "/d", "repeat": 2, "data_intact": True,
+         "cpu": rounds(True, freed_bytes=8 * GiB, zeros_after_resume=None),
+         "disk": rounds(True, freed_bytes=8 * GiB, zeros_after_resume=None),
+         "none": rounds(None, freed_bytes=8 * GiB, zeros_after_resume=True),
+         "tms": {"cpu": rounds(True, version="0.0.10"), "disk": {"failed": "no room"},
+                 "none": rounds(None, version="0.0.10")}}
+    bench_pager.print_sleep(r)
+    out = capsys.readouterr().out
+    assert "8.00 GiB in 40 tensors allocated inside region('bench')" in out
+    # 8 GiB in 2 s first, 1 s after: 4.29 and 8.59 GB/s; no backup: 2000 ms, 1000 ms.
+    assert "pause first 4.29 GB/s, again 8.59 GB/s (median of 2, 8.59-8.59)" in out
+    assert "no backup (discard)           pause first 2000.0 ms, again 1000.0 ms" in out
+    assert "torch-memory-saver disk backup (store in --dir) FAILED: no room" in out
+    assert out.count("(0.0.10, hook_mode torch)") == 2

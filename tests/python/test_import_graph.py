@@ -61,7 +61,7 @@ MAX_FILE_LINES, MAX_CLASS_LINES = 500, 400
 
 # Private names of other libraries, allowed in one module each: {module: {name: why}}.
 FOREIGN = {
-    "statepager.core.stream": {
+    "statepager.core.optimizer_methods": {
         "_opt_called": "torch's LR schedulers check this flag to see that step() ran",
         "_wrapped_by_lr_sched": "torch's LR schedulers mark the step they wrapped so",
     },

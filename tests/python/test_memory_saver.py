@@ -166,19 +166,77 @@ def test_memory_margin_refuses_a_resume_that_would_not_leave_it(saver):
     assert torch.all(t == 2.0)
 
 
-def test_get_cpu_backup(saver):
-    plain = torch.ones(4)
-    assert saver.get_cpu_backup(plain) is None
-    kv = _made(saver, 1.0, tag="kv")
-    w = _made(saver, 1.0, tag="w", enable_cpu_backup=True)
+def _store_files(pager) -> dict:
+    out = {}
+    for root, _, names in os.walk(pager.directory):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.join(root, name)] = f.read()
+    return out
+
+
+def test_get_cpu_backup_reads_a_paused_tensor_changing_nothing(saver):
+    with saver.region(tag="w", enable_cpu_backup=True):
+        w = torch.randn(64, N // 64).clone()
+    before = w.clone()
     assert saver.get_cpu_backup(w) is None  # not paused
+    saver.pause("w")
+    pager = saver.pager("w", "cpu")
+    stats, files = pager.stats(), _store_files(pager)
+    got = saver.get_cpu_backup(w)
+    assert got.device.type == "cpu" and got.shape == w.shape and got.dtype == w.dtype
+    assert torch.equal(got, before)
+    assert torch.equal(saver.get_cpu_backup(w[3:7], zero_copy=True), before[3:7])
+    assert got.data_ptr() != saver.get_cpu_backup(w).data_ptr()  # a copy each time
+    assert pager.stats() == stats and _store_files(pager) == files
+    assert pager.paused and pager.residency(w) in ("file", "host")
+    saver.resume("w")
+    assert torch.equal(w, before) and saver.get_cpu_backup(w) is None
+
+
+def test_get_cpu_backup_of_other_tags_and_bad_input(saver, tmp_path):
+    kv = _made(saver, 1.0, tag="kv")
+    saver.set_disk_backup_dir(str(tmp_path))
+    d = _made(saver, 2.0, tag="d", enable_disk_backup=True)
+    w = torch.full((64, N // 64), 3.0).clone()
+    with saver.region(tag="w", enable_cpu_backup=True):
+        w = w.clone()
     saver.pause()
-    assert saver.get_cpu_backup(kv) is None  # no backup
-    with pytest.raises(statepager.UsageError, match=r"resume\(tag\)"):
-        saver.get_cpu_backup(w)
+    assert saver.get_cpu_backup(d) is None  # as torch_memory_saver: no host copy
+    with pytest.raises(statepager.UsageError, match="tag 'kv' has no backup"):
+        saver.get_cpu_backup(kv)
     with pytest.raises(statepager.UsageError, match="must be a tensor"):
         saver.get_cpu_backup("w")
+    with pytest.raises(statepager.UsageError, match="not in any tag's memory"):
+        saver.get_cpu_backup(torch.ones(4))
+    with pytest.raises(statepager.UsageError, match="must be contiguous"):
+        saver.get_cpu_backup(w.t())
+    with pytest.raises(statepager.UsageError, match="zero_copy must be a bool"):
+        saver.get_cpu_backup(w, zero_copy="yes")
     saver.resume()
+    assert torch.all(w == 3.0) and torch.all(d == 2.0)
+
+
+def test_read_paused_from_the_host_tier_and_after_a_discard(tmp_path):
+    with statepager.Pager(str(tmp_path / "p"), host_budget=4 * N * 4) as pager:
+        t, never = pager.empty(N), pager.empty(N)
+        pager.page_in(t)
+        t.copy_(torch.randn(N))
+        want = t.clone()
+        with pytest.raises(statepager.UsageError, match="not paused"):
+            pager.read_paused(t)
+        pager.pause()
+        assert pager.residency(t) == "host"
+        stats = pager.stats()
+        assert torch.equal(pager.read_paused(t), want)
+        assert torch.equal(pager.read_paused(t[N // 2:]), want[N // 2:])
+        assert pager.stats() == stats
+        with pytest.raises(statepager.UsageError, match="not in the memory"):
+            pager.read_paused(never)  # not paged out by pause(): at rest as zeros
+        pager.resume()
+        pager.pause(discard=True)
+        assert torch.count_nonzero(pager.read_paused(t)) == 0
+        pager.resume()
 
 
 def test_cuda_graph_refused_on_the_host_backend(saver):

@@ -25,8 +25,7 @@ host_budget: bytes of host memory for paged-out tensors (the host tier; pinned o
     for all-or-nothing steps (attach(atomic="step"): they keep the bytes of before).
 map_ram: map a store in RAM (tmpfs, ramfs) for the device's own copies (default
     True; Note [A store in RAM is mapped] in docs/design.md); False: io_uring always.
-Arguments outside these ranges or of another type are refused with a UsageError
-naming them (statepager.core.args).
+Arguments outside these ranges or of another type: UsageError naming them (core.args).
 """
 from __future__ import annotations
 
@@ -356,6 +355,11 @@ class Pager:
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
         self._core.check_usable()
         self._sleep.resume(self._core, bucket_size)
+
+    @serialized
+    def read_paused(self, x: torch.Tensor) -> torch.Tensor:
+        """While paused, x's bytes read where they lie, changing nothing (see Sleep.read)."""
+        return self._sleep.read(self._core, x)
 
     def _end_begun_steps(self, finish: bool = False) -> None:
         """Ends the bindings' steps begun and not taken up (StreamedOptimizer.begin_step)

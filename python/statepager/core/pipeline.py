@@ -122,12 +122,35 @@ class Pipeline:
     def stream(self) -> StepStats:
         """Steps every bucket (advance()) and finishes; returns the stats (the caller's
         once the step is whole). Where it fails, nothing is left in flight."""
+        self.begin_stream()
+        return self.complete()
+
+    def begin_stream(self) -> None:
+        """Before the first advance(): the counters the buckets step from."""
         if not self.resumed:
             self._stepper.begin()
         self._t_loop = time.monotonic()
+
+    @property
+    def stepped(self) -> int:
+        """How many buckets have stepped (or failed to)."""
+        return self._next
+
+    def advance_to(self, n: int) -> None:
+        """Steps buckets (advance()) until n have stepped. Where one fails, nothing is
+        left in flight."""
         try:
-            while self._next < len(self.buckets):
+            while self._next < min(n, len(self.buckets)):
                 self.advance()
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def complete(self) -> StepStats:
+        """Steps the buckets left and finishes; returns the stats. Where it fails,
+        nothing is left in flight."""
+        self.advance_to(len(self.buckets))
+        try:
             t0 = self.finish()
         except BaseException as error:
             self._fail(error)

@@ -11,6 +11,8 @@ Thread-safety: called under the Pager's lock (statepager.core.serial).
 """
 from __future__ import annotations
 
+import torch
+
 from statepager import _C
 from statepager.core import interrupts
 
@@ -63,8 +65,31 @@ class Sleep:
             raise
         core.trim()
 
+    def read(self, core, x: torch.Tensor) -> torch.Tensor:
+        """While paused, the bytes of x as a new CPU tensor of its shape and dtype, read
+        from where pause() paged them out to (the host tier or the store) without paging
+        anything: no counter changes and no file is written. core: the Pager's _C.Pager.
+        x: a contiguous tensor whose memory lies in one extent that pause() paged out (a
+        pager tensor, a view of one, or a tensor in a segment of the Pager's MemPool).
+        UsageError, before anything is read, when not paused or x is not such a tensor;
+        the store's I/O errors from the read."""
+        if not isinstance(x, torch.Tensor):
+            raise _C.UsageError(f"read_paused(x): x must be a tensor, not {type(x).__name__}")
+        core.check_usable()
+        if self._out is None:
+            raise _C.UsageError("read_paused(): the Pager is not paused: read x itself")
+        if not x.is_contiguous():
+            raise _C.UsageError("read_paused(x): x must be contiguous (its bytes are read as "
+                                "one range): keep x.contiguous() made before pause()")
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if out.numel() and not core.read_at_rest(self._out, x.data_ptr(), out):
+            raise _C.UsageError(f"read_paused(x): the tensor of shape {list(x.shape)} is not "
+                                "in the memory this Pager's pause() paged out")
+        return out
+
     def resume(self, core, bucket_size: int) -> None:
         if self._out is None:
             raise _C.UsageError("this Pager is not paused")
         core.page_all(self._out, bucket_size, False)
         self._out = None
+

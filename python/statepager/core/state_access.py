@@ -90,6 +90,7 @@ class ParamState(MutableMapping):
         if not isinstance(value, torch.Tensor) or not self._binding.pager.owns(value):
             return value
         with serial.lock_of(self._binding):
+            self._binding.complete_step_in_flight()  # its buckets are the pipeline's
             return self._binding.pager.reads.read(self._binding, self._param, name, value)
 
     def __setitem__(self, name, value) -> None:

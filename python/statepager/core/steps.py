@@ -2,7 +2,10 @@
 (statepager.core.pipeline), all or nothing (atomic="step", statepager.core.atomic),
 atomic per bucket and resumed where it failed (atomic="bucket",
 statepager.core.resumable) or in place (atomic=False), its first page-ins possibly begun
-ahead of step() (begin_step), and ends as the binding's last stats."""
+ahead of step() (begin_step), and ends as the binding's last stats. Under the forward
+(statepager.core.overlap) step() leaves the buckets to the next forward: the step is in
+flight until the forward's hooks have stepped them and something else needs the
+state."""
 from __future__ import annotations
 
 import logging
@@ -43,9 +46,12 @@ class Steps:
         self._steps = 0
         self._begun: Pipeline | None = None  # begin()'s, until step() takes it up
         self.pending: ResumableStep | None = None  # a resumable step that failed partway
+        self.in_flight: Pipeline | None = None  # a deferred step's, until complete
 
     def finish_pending(self) -> None:
-        """Steps the buckets a failed resumable step left (StreamedOptimizer.finish_step)."""
+        """Completes a step in flight, then steps the buckets a failed resumable step left
+        (StreamedOptimizer.finish_step)."""
+        self.complete_in_flight()
         if self.pending is not None:
             self.step()
 
@@ -69,18 +75,109 @@ class Steps:
         return self.planner.buckets
 
     def prepare(self) -> None:
-        """StreamedOptimizer.prepare_step."""
+        """StreamedOptimizer.prepare_step (nothing while a step is in flight: it is not
+        all or nothing, ForwardOverlap refuses atomic="step")."""
+        if self.in_flight is not None:
+            return
         self.end_begun()
         if self.atomic == "step" and self.layout.mains == "residual":
             self.undo.take_before_step(self.planned())
 
     def step(self) -> None:
         """StreamedOptimizer.step_buckets."""
+        self.complete_in_flight()  # a step() with no forward since the last
         if self.hooks.before_step:
             self.hooks.before_step()
+        if self.owner.overlap is not None and self.pending is None:
+            self._defer()
+            return
         self._step_all()
         if self.hooks.after_step:
             self.hooks.after_step()
+
+    def _defer(self) -> None:
+        """step() under the forward: the pipeline started, its buckets left to
+        advance_in_flight() (the forward's hooks) and complete_in_flight()."""
+        t0 = time.monotonic()
+        self.planned()
+        self._end_others_begun()
+        self.pager.reads.release()  # their room is the step's
+        run = self._begun
+        if run is not None and not self._takes_up(run):
+            self.end_begun()
+        run, self._begun = self._begun, None
+        step = None
+        if self.atomic == "bucket":
+            step = run.atomic if run is not None else self._new_step()
+        held = interrupts.Deferral()
+        try:
+            try:
+                held.poll()
+                checked = self._params_checked_up_front(
+                    step.remaining() if step is not None else self.planned())
+                if run is None:
+                    run = self.start(step)
+            except BaseException:
+                if run is not None and step is not None:
+                    run.end()
+                raise
+            run.checked = checked
+            run.setup_seconds += time.monotonic() - t0
+            run.begin_stream()
+            self.in_flight = run
+            self.owner.overlap.started(run)
+        finally:
+            held.release()
+
+    def advance_in_flight(self, n: int) -> None:
+        """Steps the step in flight's buckets until n have stepped. Where one fails, the
+        step ends as a failed step() does (a resumable one pending) and the error
+        raises here."""
+        run = self.in_flight
+        if run is None or run.stepped >= n:
+            return
+        held = interrupts.Deferral()
+        run.interrupts = held
+        try:
+            with self.owner.overlap.stepping(run, n):
+                try:
+                    run.advance_to(n)
+                except BaseException as error:
+                    self._in_flight_failed(error)
+                    raise
+        finally:
+            run.interrupts = None
+            held.release()
+
+    def complete_in_flight(self) -> None:
+        """Steps what is left of the step in flight and finishes it (its page-outs waited
+        for, its stats the last); nothing when none is."""
+        run = self.in_flight
+        if run is None:
+            return
+        self.advance_in_flight(len(run.buckets))
+        held = interrupts.Deferral()
+        try:
+            try:
+                stats = run.complete()
+            except BaseException as error:
+                self._in_flight_failed(error)
+                raise
+            self.in_flight = None
+            self._finish(stats)
+        finally:
+            held.release()
+        if self.hooks.after_step:
+            self.hooks.after_step()
+
+    def _in_flight_failed(self, error: BaseException) -> None:
+        """After `error` in the step in flight (its pipeline left nothing in flight): a
+        resumable step is pending once a bucket stepped."""
+        run, self.in_flight = self.in_flight, None
+        step = run.atomic
+        if isinstance(step, ResumableStep):
+            self.pending = step if step.stepped_count else None
+            self._refill(step.buckets, error)
 
     def begin(self) -> None:
         """StreamedOptimizer.begin_step."""
@@ -114,7 +211,8 @@ class Steps:
         return self._begun is not None
 
     def end_begun(self) -> None:
-        """StreamedOptimizer.end_begun_step."""
+        """StreamedOptimizer.end_begun_step (a step in flight completed first)."""
+        self.complete_in_flight()
         self.pager.reads.release()
         if self._begun is None:
             return

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import types
 import weakref
 from typing import Callable
 
 import torch
 
 from statepager import _C
-from statepager.core import args, defaults, residency, state_access, state_dict, support
+from statepager.core import (args, defaults, optimizer_methods, residency, state_access,
+                             state_dict, support)
 from statepager.core.atomic import UndoCopies
 from statepager.core.bucket_step import BucketStepper
 from statepager.core.fused_adamw import FusedStep, applies_to
@@ -36,7 +35,8 @@ from statepager.core.late_reads import ExceptionCounts
 from statepager.core.layout import StateLayout
 from statepager.core.plan import Bucket
 from statepager.core.planner import Planner
-from statepager.core.serial import lock_of, serialized
+from statepager.core.overlap import ForwardOverlap
+from statepager.core.serial import serialized
 from statepager.core.step_stats import StepStats
 from statepager.core.steps import Steps
 from statepager.formats.stored import StoredForm
@@ -74,6 +74,7 @@ class StreamedOptimizer:
         self.hooks = hooks
         # False within state_dict_by_reference().
         self.copies_state_dict = True
+        self.overlap: ForwardOverlap | None = None  # overlap_forward()'s
         fused = FusedStep(self) if applies_to(optimizer) else None
         undo = UndoCopies(pager, hooks.model_param if mains == "residual" else None)
         self._layout = StateLayout(pager, optimizer, store=name, moments=moments, mains=mains,
@@ -100,17 +101,7 @@ class StreamedOptimizer:
             self._layout.to_store(b)
         self._adopt_existing_state()
         _attached.add(optimizer)
-        # The optimizer's methods below refer to this binding (a reference cycle, which the
-        # garbage collector frees with the optimizer).
-        step = torch.optim.Optimizer.profile_hook_step(functools.partial(_paged_step, self))
-        # LR schedulers wrap step() to notice it ran; ours sets the same flag
-        # (_opt_called), so mark it the way theirs is marked.
-        step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(step, optimizer)
-        optimizer.state_dict = types.MethodType(_paged_state_dict, self)
-        optimizer.load_state_dict = types.MethodType(_paged_load_state_dict, self)
-        optimizer.add_param_group = functools.partial(_paged_add_param_group, self)
-        optimizer.zero_grad = functools.partial(_paged_zero_grad, self, optimizer.zero_grad)
+        optimizer_methods.replace(self, optimizer)
         state_access.wrap(self)  # its state readable between steps
 
     # -- configuration -------------------------------------------------------------
@@ -146,6 +137,9 @@ class StreamedOptimizer:
     @serialized
     def atomic(self, value) -> None:
         value = args.atomicity(value)
+        if value == "step" and self.overlap is not None:
+            raise _C.UsageError("atomic='step' cannot step under the forward: call "
+                                "overlap_forward(...).remove() first")
         self._layout.atomic = self._steps.atomic = value
         for b in self._planner.buckets:  # their undo copies, with or without
             self._layout.fill(b, to_store=False)
@@ -373,6 +367,7 @@ class StreamedOptimizer:
             yield
         finally:
             self.copies_state_dict = True
+        self.overlap: ForwardOverlap | None = None  # overlap_forward()'s
 
     # -- the step (statepager.core.steps) ------------------------------------------
 
@@ -438,61 +433,31 @@ class StreamedOptimizer:
         self._steps.end_begun()
 
 
+    # -- steps under the forward (statepager.core.overlap) -------------------------
+
+    @serialized
+    def overlap_forward(self, *modules) -> ForwardOverlap:
+        """Steps under the next forward of `modules` from the next step() on
+        (statepager.core.overlap); remove() on what it returns ends it."""
+        if self.overlap is not None:
+            raise _C.UsageError("overlap_forward() is set already: remove() it first")
+        self.overlap = ForwardOverlap(self, modules, self._planner)
+        return self.overlap
+
+    @property
+    def step_in_flight(self):
+        """A step's Pipeline whose buckets are left to the forward, or None."""
+        return self._steps.in_flight
+
+    @serialized
+    def complete_step_in_flight(self) -> None:
+        self._steps.complete_in_flight()  # Steps.complete_in_flight
+
+    @serialized
+    def step_in_flight_to(self, n: int) -> None:
+        self._steps.advance_in_flight(n)  # Steps.advance_in_flight: the forward's hooks
+
+
 # Optimizers attached to a Pager (an optimizer is attached once). Weak: a binding lives
 # as long as its optimizer, through the methods it set on it.
 _attached: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-
-
-# The optimizer's methods below hold the Pager's lock (statepager.core.serial): a step, a
-# state_dict() or a save on another thread waits for the one running.
-
-def _paged_step(binding: StreamedOptimizer, optimizer, closure=None):
-    """optimizer.step() of an attached optimizer (the closure runs outside the lock)."""
-    binding.pager.check_not_paused("step()")
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    with lock_of(binding):
-        binding.pager.check_not_paused("step()")
-        optimizer._opt_called = True  # what LR schedulers check; their step wrapper is replaced
-        binding.step_buckets()
-    return loss
-
-
-def _paged_zero_grad(binding: StreamedOptimizer, zero_grad, *args, **kwargs):
-    """optimizer.zero_grad() of an attached optimizer: a pending step finished with the
-    grads it needs, then its own, then prepare_step()."""
-    with lock_of(binding):
-        binding.finish_step()
-        result = zero_grad(*args, **kwargs)
-        binding.prepare_step()
-    return result
-
-
-def _paged_state_dict(binding: StreamedOptimizer) -> dict:
-    with lock_of(binding):
-        binding.finish_step()
-        return state_dict.paged_state_dict(binding)
-
-
-def _paged_load_state_dict(binding: StreamedOptimizer, loaded: dict) -> None:
-    with lock_of(binding):
-        try:
-            state_dict.paged_load_state_dict(binding, loaded)
-        finally:
-            state_access.wrap(binding)  # torch's load sets optimizer.state anew
-        binding.drop_pending_step()  # loaded: the state it left is replaced
-
-
-@serialized
-def _paged_add_param_group(binding: StreamedOptimizer, param_group: dict) -> None:
-    """torch's add_param_group, refused (and undone) when the pager cannot hold the new
-    group's state; the group is streamed from the next step on."""
-    optimizer = binding.optimizer
-    type(optimizer).add_param_group(optimizer, param_group)
-    try:
-        binding.check_group(optimizer.param_groups[-1], len(optimizer.param_groups) - 1)
-    except _C.UsageError:
-        optimizer.param_groups.pop()
-        raise

@@ -344,7 +344,8 @@ class MegatronMember:
     @serialized
     def finish_before_grads_zeroed(self) -> None:
         """A pending step finishes while its grads are there: Megatron's loop zeroes the
-        grad buffers (model.zero_grad_buffer()) before it calls zero_grad()."""
+        grad buffers (model.zero_grad_buffer()) before it calls zero_grad() (Note
+        [Megatron's failed step finishes before the grads are zeroed])."""
         self.stream.finish_step()
 
     def parameters_with_carriers(self) -> list:

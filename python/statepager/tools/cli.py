@@ -122,6 +122,10 @@ def parser(prog: str) -> argparse.ArgumentParser:
                        help="also pause/resume the same tensors with torch-memory-saver "
                             "(CUDA; in a process of its own; skipped, saying why, when the "
                             "package is missing)")
+    sleep.add_argument("--saver", action="store_true",
+                       help="pause/resume through memory_saver: SIZE allocated inside a "
+                            "region, with cpu backup, disk backup (in --dir) and none "
+                            "(discard), first round and the rest")
     _io_arguments(sleep)
     _repeat(sleep, "pause/resume rounds after the first (the steady state)")
     mapping = _bench(bench, "map", "page map + unmap cost per GiB", dir=False)

@@ -3,7 +3,8 @@
 store  page-out then page-in of SIZE bytes of tensors, beside fio and the raw io_uring
        loop on the same directory;
 sleep  pause()/resume() of SIZE bytes of mixed tensors, beside the raw loop; through the
-       host tier with --host-budget, beside torch-memory-saver with --compare-tms;
+       host tier with --host-budget, beside torch-memory-saver with --compare-tms; with
+       --saver through memory_saver's regions, per backup (bench.sleep_saver);
 map    the cost of mapping and unmapping pages, per GiB, and its share of a transfer.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import torch
 
 from statepager import _C
+from statepager.tools.bench import sleep_saver
 from statepager.tools.bench import tms as bench_tms
 from statepager.tools.bench.common import bench_directory, fio
 from statepager.tools.bench.report import faster, show, spread
@@ -133,7 +135,12 @@ def _mixed_tensors(pager: Pager, size: int, seed: int = 0) -> list:
 
 def bench_sleep(args) -> dict:
     with bench_directory(args.dir) as work:
-        return _bench_sleep(args, work)
+        if not args.saver:
+            return _bench_sleep(args, work)
+        backups = len(bench_tms.BACKUPS)
+        with Progress("bench sleep --saver", phases=backups * (3 + args.repeat)
+                      + backups * args.compare_tms) as bar:
+            return sleep_saver.bench(args, work, bar)
 
 
 def _bench_sleep(args, work: str) -> dict:
@@ -189,6 +196,9 @@ def _pager_sleep(args, work: str, pager: Pager, size: int, bar) -> dict:
 
 
 def print_sleep(r: dict) -> None:
+    if r.get("saver"):
+        sleep_saver.print_saver(r)
+        return
     tier = (f", host tier {r['host_budget'] / GiB:.2f} GiB" if r["host_budget"] else "")
     print(f"sleep bench: {r['bytes'] / GiB:.2f} GiB in {r['tensors']} tensors on {r['device']}, "
           f"dir {r['dir']}, direct_io={r['direct_io']}, io {r['io_depth']} x "

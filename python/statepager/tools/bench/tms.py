@@ -1,7 +1,7 @@
 """torch-memory-saver's pause/resume on the tensors bench sleep pauses, for `bench sleep
---compare-tms`: the same sizes, dtypes and bytes (tensor_spec and fill), CPU backup
-enabled in pinned memory, its allocator hooked through torch (hook_mode "torch": a
-pluggable allocator).
+--compare-tms`: the same sizes, dtypes and bytes (tensor_spec and fill), with CPU backup
+in pinned memory (or, for --saver, disk backup or none), its allocator hooked through
+torch (hook_mode "torch": a pluggable allocator).
 
 It runs in a process of its own (this file run as a script, importing torch and
 torch_memory_saver only): the hook is process-wide, and statepager's own allocator must
@@ -54,17 +54,24 @@ def sums(tensors: list) -> list[int]:
     return [int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in tensors]
 
 
-def run(size: int, repeat: int, device: torch.device, timeout_s: int = 600) -> dict:
+BACKUPS = ("cpu", "disk", "none")
+
+
+def run(size: int, repeat: int, device: torch.device, timeout_s: int = 600,
+        backup: str = "cpu", disk_dir: str | None = None) -> dict:
     """torch-memory-saver's pause/resume of tensor_spec(size) in a child process:
     {"pause_s": [...], "resume_s": [...], "bytes", "data_intact", "version"}, round 0
-    first; or {"skipped": why}."""
+    first (data_intact None without backup: its bytes are dropped); or {"skipped": why}.
+    backup: "cpu" (pinned), "disk" (files in disk_dir) or "none"."""
     if device.type != "cuda":
         return {"skipped": f"{PACKAGE} needs a CUDA device (this run is on {device})"}
     if importlib.util.find_spec(PACKAGE) is None:
         return {"skipped": f"{PACKAGE} is not installed (pip install {WHEEL}) for the "
                            "side-by-side figure"}
     argv = [sys.executable, os.path.abspath(__file__), "--size", str(size),
-            "--repeat", str(repeat), "--device", str(device)]
+            "--repeat", str(repeat), "--device", str(device), "--backup", backup]
+    if disk_dir is not None:
+        argv += ["--disk-dir", disk_dir]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
                          env=dict(os.environ))
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -74,14 +81,19 @@ def run(size: int, repeat: int, device: torch.device, timeout_s: int = 600) -> d
     return json.loads(lines[-1])
 
 
-def _child(size: int, repeat: int, device: torch.device) -> dict:
+def _child(size: int, repeat: int, device: torch.device, backup: str,
+           disk_dir: str | None) -> dict:
     from importlib.metadata import version
 
     from torch_memory_saver import torch_memory_saver as tms
 
     tms.hook_mode = "torch"
     torch.cuda.set_device(device)
-    with tms.region(enable_cpu_backup=True, cpu_backup_backend="pinned"):
+    if backup == "disk":
+        tms.set_disk_backup_dir(disk_dir)
+    region = {"cpu": dict(enable_cpu_backup=True, cpu_backup_backend="pinned"),
+              "disk": dict(enable_disk_backup=True), "none": {}}[backup]
+    with tms.region(**region):
         ts = [torch.empty(n, dtype=dt, device=device) for n, dt in tensor_spec(size)]
     want = fill(ts, device)
     pause_s, resume_s = [], []
@@ -97,7 +109,8 @@ def _child(size: int, repeat: int, device: torch.device) -> dict:
         resume_s.append(time.perf_counter() - t0)
     return {"pause_s": pause_s, "resume_s": resume_s,
             "bytes": sum(t.numel() * t.element_size() for t in ts),
-            "data_intact": sums(ts) == want, "version": version(PACKAGE)}
+            "data_intact": sums(ts) == want if backup != "none" else None,
+            "version": version(PACKAGE)}
 
 
 def main() -> None:
@@ -105,8 +118,11 @@ def main() -> None:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--repeat", type=int, required=True)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--backup", choices=BACKUPS, default="cpu")
+    p.add_argument("--disk-dir")
     a = p.parse_args()
-    print(json.dumps(_child(a.size, a.repeat, torch.device(a.device))), flush=True)
+    print(json.dumps(_child(a.size, a.repeat, torch.device(a.device), a.backup, a.disk_dir)),
+          flush=True)
     # No interpreter teardown: torch-memory-saver's hooked free asserts that it runs
     # inside a region ("only support interesting region"), and at exit its pool's
     # blocks are freed outside one, which would abort this process after its figures.

@@ -1,0 +1,153 @@
+"""Steps under the next forward: an attached optimizer's step() returns once its first
+page-ins are issued, and each bucket steps when the next forward first reaches a module
+that uses its parameters (see Note [Steps under the forward] in docs/design.md).
+
+A ForwardOverlap (StreamedOptimizer.overlap_forward) sets a forward pre-hook on every
+module of `modules` that holds parameters, and a forward hook on each of `modules`:
+- step() (statepager.core.steps, `defer`) starts the step's pipeline and returns; the
+  grads of its parameters are kept as they were then (a zero_grad() that sets them to
+  None does not reach the step);
+- a module's pre-hook steps the buckets up to the last one holding one of its
+  parameters (or, through model_param, the model parameter it writes), on the
+  binding's own CUDA stream, and makes the forward's stream wait for them on the device
+  (a CUDA event, no host sync);
+- the forward hook steps whatever is left, so that backward never meets a bucket not
+  stepped; the last page-outs are waited for by whatever the pager does next.
+On the host backend the same happens in order, without streams.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from statepager import _C
+from statepager.core.serial import lock_of
+
+
+class ForwardOverlap:
+    """The forward hooks of one binding (`binding`, a StreamedOptimizer, planned by
+    `planner`) over `modules`.
+    Thread-safety: its hooks take the Pager's lock, as the binding's entry points do.
+    remove() finishes a step in flight and takes the hooks off."""
+
+    def __init__(self, binding, modules: tuple, planner):
+        if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
+            raise _C.UsageError("overlap_forward(*modules) takes the torch.nn.Module(s) "
+                                "whose forward uses the optimizer's parameters, e.g. "
+                                "overlap_forward(model)")
+        if binding.atomic == "step":
+            raise _C.UsageError(
+                "overlap_forward() steps buckets while the forward runs, which an "
+                "all-or-nothing step (atomic='step') cannot: attach with "
+                "atomic='bucket' (the default) or atomic=False")
+        self.binding, self._planner = binding, planner
+        planner.set_deal(False)  # buckets in parameter order, as the forward meets them
+        device = binding.pager.device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._events: dict[int, torch.cuda.Event] = {}  # bucket index -> its step's end
+        self._grads: dict[int, torch.Tensor | None] = {}  # id(param) -> grad at step()
+        self._last: dict[int, int] = {}   # id(param) -> its last bucket (chunks: several)
+        self._index: dict[int, int] = {}  # ... and id(its model param) -> that bucket
+        self._needs: dict[int, int] = {}  # id(module) -> buckets it waits for
+        self._handles = []
+        for m in modules:
+            for sub in m.modules():
+                if next(sub.parameters(recurse=False), None) is not None:
+                    self._handles.append(
+                        sub.register_forward_pre_hook(self._before_module, prepend=True))
+            self._handles.append(m.register_forward_hook(self._after_forward))
+
+    def remove(self) -> None:
+        """Finishes a step in flight, then takes the hooks off (idempotent)."""
+        with lock_of(self.binding):
+            self.binding.end_begun_step()
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            if self.binding.overlap is self:
+                self.binding.overlap = None
+                self._planner.set_deal(True)
+
+    # -- called by the binding's steps (statepager.core.steps) ------------------------
+
+    def started(self, run) -> None:
+        """A step deferred: its grads kept, its buckets indexed, its stream after the
+        work that made the grads."""
+        model_param = self.binding.hooks.model_param
+        self._grads, self._last, self._needs, self._events = {}, {}, {}, {}
+        for i, b in enumerate(run.buckets):
+            for p in _params(b):
+                self._grads[id(p)] = p.grad
+                self._last[id(p)] = i
+        self._index = dict(self._last)
+        if model_param is not None:
+            for b in run.buckets:
+                for p in _params(b):
+                    self._index[id(model_param(p))] = self._last[id(p)]
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            for g in self._grads.values():
+                if g is not None:
+                    g.record_stream(self._stream)  # freed by a zero_grad meanwhile
+
+    @contextlib.contextmanager
+    def stepping(self, run, n: int):
+        """Around stepping run's buckets until n have stepped: their kept grads in place
+        (the grads now put back after), on the binding's stream, an event after them."""
+        first = run.stepped
+        params = [p for b in run.buckets[first:n] for p in _params(b)]
+        now = [p.grad for p in params]
+        for p in params:
+            p.grad = self._grads.get(id(p))
+        try:
+            with (torch.cuda.stream(self._stream) if self._stream is not None
+                  else contextlib.nullcontext()):
+                yield
+        finally:
+            for p, g in zip(params, now):
+                p.grad = g
+                if self._last[id(p)] < run.stepped:  # its last chunk stepped too
+                    self._grads.pop(id(p), None)
+            if self._stream is not None and run.stepped > first:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                for i in range(first, run.stepped):
+                    self._events[i] = event
+
+    # -- the forward's hooks -----------------------------------------------------------
+
+    def _before_module(self, module, inputs) -> None:
+        with lock_of(self.binding):
+            run = self.binding.step_in_flight
+            if run is None:
+                return
+            need = self._needs.get(id(module))
+            if need is None:
+                need = self._needs[id(module)] = 1 + max(
+                    (self._index.get(id(p), -1) for p in module.parameters(recurse=False)),
+                    default=-1)
+            if need:
+                self.binding.step_in_flight_to(need)
+                self._wait(need - 1)
+
+    def _after_forward(self, module, inputs, output) -> None:
+        with lock_of(self.binding):
+            run = self.binding.step_in_flight
+            if run is None:
+                return
+            n = len(run.buckets)
+            self.binding.step_in_flight_to(n)
+            if n:
+                self._wait(n - 1)
+
+    def _wait(self, i: int) -> None:
+        """The current stream waits, on the device, for bucket i's step."""
+        event = self._events.get(i)
+        if event is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(event)
+
+
+def _params(b) -> list:
+    """A bucket's parameters, those that step in chunks in it included."""
+    return list(b.params) + [c.param for c in b.chunks]

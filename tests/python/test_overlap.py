@@ -1,0 +1,170 @@
+"""Steps under the next forward (binding.overlap_forward(model)): step() returns with
+its buckets not stepped; each steps before the first module of the next forward that
+uses its parameters runs, the rest when the forward ends. Training so is bit-identical
+to training without it, whatever reads the state in between (state_dict(), reads,
+checkpoints) completes the step first, and a bucket that fails under the forward raises
+from the forward, the step pending as a failed step() leaves it."""
+import os
+
+import pytest
+import torch
+
+from statepager import Pager, checkpoint
+from statepager import _C
+
+from small_jobs import KiB, bits
+
+WIDTH, LAYERS = 96, 6
+
+
+def model_and_opt(pager, overlap, **attach):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    model = model.to(pager.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    binding = pager.attach(opt, bucket_size=48 * KiB, depth=3, **attach)
+    handle = binding.overlap_forward(model) if overlap else None
+    return model, opt, binding, handle
+
+
+def train(model, opt, steps, first=0, watch=None):
+    """`steps` iterations of zero_grad, forward, backward, step; the losses."""
+    losses = []
+    for i in range(first, first + steps):
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
+        x = x.to(next(model.parameters()).device)
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        if watch is not None:
+            watch(i)
+        losses.append(loss.item())
+    return losses
+
+
+def result(model, opt):
+    state = opt.state_dict()["state"]
+    return ([bits(p) for p in model.parameters()],  # bits: host copies
+            [bits(v) for k in sorted(state) for _, v in sorted(state[k].items())])
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def run(tmp_path, name, overlap, steps=5, watch=None, device="cpu", **attach):
+    page = 2 << 20 if device == "cuda" else 16 * KiB
+    with Pager(str(tmp_path / name), device, page_size=page) as pager:
+        model, opt, binding, _ = model_and_opt(pager, overlap, **attach)
+        losses = train(model, opt, steps, watch=watch and (lambda i: watch(binding, i)))
+        return losses, result(model, opt), binding
+
+
+@pytest.mark.parametrize("atomic", ["bucket", False])
+def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic):
+    base = run(tmp_path, "base", False, atomic=atomic)
+    left = []
+    paged = run(tmp_path, "under", True, atomic=atomic,
+                watch=lambda binding, i: left.append(
+                    binding.step_in_flight is not None
+                    and binding.step_in_flight.stepped == 0))
+    assert paged[2].last.buckets > 2, "several buckets"
+    assert all(left), "step() returned with its buckets left to the forward"
+    assert base[0] == paged[0]
+    assert same(base[1], paged[1])
+
+
+def test_each_module_runs_after_its_bucket_stepped(tmp_path):
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True)
+        train(model, opt, 1)
+        run_ = binding.step_in_flight
+        bucket_of = {id(p): i for i, b in enumerate(run_.buckets) for p in b.params}
+        seen = []
+
+        def check(module, inputs):  # runs after statepager's pre-hook (it is prepended)
+            need = max(bucket_of[id(p)] for p in module.parameters(recurse=False))
+            seen.append((binding.step_in_flight.stepped, need))
+
+        hooks = [m.register_forward_pre_hook(check) for m in model]
+        model(torch.zeros(2, WIDTH))
+        for h in hooks:
+            h.remove()
+        assert all(stepped > need for stepped, need in seen)
+        assert [s for s, _ in seen] != [len(run_.buckets)] * len(seen), \
+            "the first modules ran before the last buckets stepped"
+        assert binding.step_in_flight is run_, "its page-outs left to what comes next"
+        opt.state_dict()
+        assert binding.step_in_flight is None
+
+
+@pytest.mark.parametrize("reader", ["state_dict", "read", "save", "zero_grad_in_place",
+                                    "remove"])
+def test_what_needs_the_state_completes_the_step_first(tmp_path, reader):
+    """Between step() and the forward, whatever reads or pages the state completes the
+    step in flight; training on is still bit-identical."""
+    base = run(tmp_path, "base", False, steps=4)
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, handle = model_and_opt(pager, True)
+        losses = train(model, opt, 2)
+        assert binding.step_in_flight is not None
+        if reader == "state_dict":
+            opt.state_dict()
+        elif reader == "read":
+            p = next(model.parameters())
+            assert opt.state[p]["exp_avg"].shape == p.shape
+        elif reader == "save":
+            checkpoint.save(pager, str(tmp_path / "ckpt"))
+        elif reader == "zero_grad_in_place":
+            opt.zero_grad(set_to_none=False)  # zeroes the grads the step needs
+        elif reader == "remove":
+            handle.remove()
+        assert binding.step_in_flight is None
+        losses += train(model, opt, 2, first=2)
+        assert losses == base[0]
+        assert same(base[1], result(model, opt))
+
+
+def test_a_bucket_failing_under_the_forward_raises_from_it_and_the_step_resumes(tmp_path):
+    base = run(tmp_path, "base", False, steps=4)
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True)
+        losses = train(model, opt, 2)
+        calls = []
+
+        def failing(params):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure under the forward")
+
+        binding.before_bucket = failing
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(2))
+        with pytest.raises(RuntimeError, match="injected failure under the forward"):
+            model(x)
+        binding.before_bucket = None
+        assert binding.step_in_flight is None and binding.pending
+        opt.zero_grad()  # finishes the pending step, with the grads it kept
+        assert not binding.pending
+        losses += train(model, opt, 2, first=2)
+        assert losses == base[0]
+        assert same(base[1], result(model, opt))
+
+
+def test_refusals(tmp_path):
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, handle = model_and_opt(pager, True)
+        with pytest.raises(_C.UsageError, match="remove"):
+            binding.overlap_forward(model)
+        with pytest.raises(_C.UsageError, match="atomic='step' cannot step under"):
+            binding.atomic = "step"
+        handle.remove()
+        binding.atomic = "step"
+        with pytest.raises(_C.UsageError, match="atomic='bucket'"):
+            binding.overlap_forward(model)
+        binding.atomic = "bucket"
+        with pytest.raises(_C.UsageError, match="torch.nn.Module"):
+            binding.overlap_forward()
+        with pytest.raises(_C.UsageError, match="torch.nn.Module"):
+            binding.overlap_forward(opt)
+        assert os.path.isdir(str(tmp_path / "s"))
