@@ -263,6 +263,45 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
     assert_same(base, paged)
 
 
+@pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
+                                  "bf16-grads-q8-moments"])
+def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
+    """binding.overlap_forward(model): Megatron's step() returns with the buckets left to
+    the next forward, each stepped (and its mains in the param buffer, its grads zeroed)
+    before the first module using it runs; bit-identical to unpaged Megatron."""
+    options = dict(CASES[case])
+    attach = options.pop("attach", {})
+    setup = gpt.Setup(steps=6, **options)
+    base = run(gpt, setup)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
+                                                         **attach)
+        binding.overlap_forward(model)
+        stream = binding.streams[0]
+        losses = []
+        for i in range(setup.steps):
+            losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
+            run_ = stream.step_in_flight
+            assert run_ is not None and run_.stepped == 0, "left to the next forward"
+        for s in binding.streams:
+            s.complete_step_in_flight()  # what the next forward would step
+        gpt.finish(model)
+        paged = (losses, [p.detach().cpu() for p in model.parameters()],
+                 snapshot(optimizer, binding), None)
+    if attach.get("moments") == "q8":  # lossy by design: the same as q8 without overlap
+        with Pager(store_dir + "-q8", "cuda", page_size=2 * MiB) as pager:
+            base = run(gpt, setup, pager, bucket_size=1 * MiB, **attach)
+    assert_same(base, paged)
+
+
+def test_steps_under_the_forward_refuse_overlap_param_gather(gpt, store_dir):
+    setup = gpt.Setup(steps=1, **CASES["bf16-grads-overlap"])
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB)
+        with pytest.raises(_C.UsageError, match="without overlap_param_gather"):
+            binding.overlap_forward(model)
+
+
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads-overlap"])
 def test_a_step_stopped_before_the_inner_step_writes_nothing(gpt, case, store_dir):
     """The streamed step begins once the grads are ready (its page-ins overlap the grad

@@ -48,6 +48,9 @@ def test_instance_attributes_of_a_built_optimizer():
     for _, d in internals.members(optimizer):
         for name in internals.INSTANCE_ATTRIBUTES:
             assert hasattr(d, name), f"DistributedOptimizer has no attribute {name}"
+        for buffer in d.buffers:
+            for name in internals.BUFFER_ATTRIBUTES:
+                assert hasattr(buffer, name), f"_ParamAndGradBuffer has no attribute {name}"
         m = internals.Internals(d)
         assert m.unsupported() is None
         pairs = m.float16_params()

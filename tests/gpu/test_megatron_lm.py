@@ -209,6 +209,8 @@ def runs(tmp_path_factory):
                   {}),
         "crash": ("crash", ["--save", crash, "--save-interval", "5"], {}),
         "env": ("env", ["--save", r.path("ckpt-env")], env_only_options(r)),
+        "overlap": ("overlap", ["--save", r.path("ckpt-overlap"),
+                                "--statepager-overlap-forward", "on"], {}),
     }
     if two_gpus:
         first.update({
@@ -267,6 +269,14 @@ def tracker(base):
 def test_paged_losses_equal_unpaged(runs):
     assert sorted(runs.unpaged) == list(range(1, ITERS + 1))
     assert runs.paged == runs.unpaged
+
+
+def test_steps_under_the_forward_equal_unpaged(runs):
+    """--statepager-overlap-forward on: each step ends under the next forward; the losses
+    are unpaged Megatron's, and the checkpoints (saved after a step in flight completes)
+    are the paged run's, byte for byte."""
+    assert logged(ok(runs.result["overlap"])) == runs.unpaged
+    same_state(runs.path("ckpt-paged"), runs.path("ckpt-overlap"))
 
 
 def test_log_line_carries_step_stats(runs):

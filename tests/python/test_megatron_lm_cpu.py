@@ -136,6 +136,23 @@ def test_every_refused_flag_is_listed_at_once():
     assert [f.split(":")[0] for f in found] == ["--optimizer-cpu-offload", "--fp16"]
 
 
+@pytest.mark.parametrize("changes, flag", [
+    (dict(overlap_param_gather=True), "--overlap-param-gather"),
+    (dict(data_parallel_size=2), "data-parallel size > 1"),
+])
+def test_steps_under_the_forward_refuse_what_reads_params_early(changes, flag):
+    on = dict(statepager_overlap_forward="on")
+    assert check(megatron_args(**on)) == Options("/sp", overlap_forward="on")
+    assert refusals(megatron_args(**changes)) == []  # without it, these run
+    with pytest.raises(RefusedConfiguration,
+                       match=f"{flag} with --statepager-overlap-forward on"):
+        check(megatron_args(**changes, **on))
+    args = parse(["--statepager-dir", "/d", "--statepager-overlap-forward", "on"])
+    assert options_from(args).overlap_forward == "on"
+    assert options_from(parse([], {"STATEPAGER_DIR": "/d", "STATEPAGER_OVERLAP_FORWARD": "on"})
+                        ).overlap_forward == "on"
+
+
 def test_log_num_zeros_with_fp32_grads_and_other_formats_without_checkpoints_pass():
     assert refusals(megatron_args(log_num_zeros_in_grad=True)) == []
     assert refusals(megatron_args(ckpt_format="torch", save=None, load=None)) == []

@@ -13,6 +13,8 @@ module of `modules` that holds parameters, and a forward hook on each of `module
   (a CUDA event, no host sync);
 - the forward hook steps whatever is left, so that backward never meets a bucket not
   stepped; the last page-outs are waited for by whatever the pager does next.
+The modules' parameters are found as the optimizer's, or as forward_param(p) of one
+(Megatron's bf16 model parameter of an fp32 main).
 On the host backend the same happens in order, without streams.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ class ForwardOverlap:
     Thread-safety: its hooks take the Pager's lock, as the binding's entry points do.
     remove() finishes a step in flight and takes the hooks off."""
 
-    def __init__(self, binding, modules: tuple, planner):
+    def __init__(self, binding, modules: tuple, planner, forward_param=None):
         if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
             raise _C.UsageError("overlap_forward(*modules) takes the torch.nn.Module(s) "
                                 "whose forward uses the optimizer's parameters, e.g. "
@@ -42,6 +44,9 @@ class ForwardOverlap:
                 "all-or-nothing step (atomic='step') cannot: attach with "
                 "atomic='bucket' (the default) or atomic=False")
         self.binding, self._planner = binding, planner
+        # What the forward uses for an optimizer parameter: forward_param(p), else the
+        # model parameter model_param writes from it, else p itself.
+        self._forward_param = forward_param or binding.hooks.model_param
         planner.set_deal(False)  # buckets in parameter order, as the forward meets them
         device = binding.pager.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -74,7 +79,7 @@ class ForwardOverlap:
     def started(self, run) -> None:
         """A step deferred: its grads kept, its buckets indexed, its stream after the
         work that made the grads."""
-        model_param = self.binding.hooks.model_param
+        model_param = self._forward_param
         self._grads, self._last, self._needs, self._events = {}, {}, {}, {}
         for i, b in enumerate(run.buckets):
             for p in _params(b):
@@ -84,7 +89,9 @@ class ForwardOverlap:
         if model_param is not None:
             for b in run.buckets:
                 for p in _params(b):
-                    self._index[id(model_param(p))] = self._last[id(p)]
+                    used = model_param(p)
+                    if used is not None:
+                        self._index[id(used)] = self._last[id(p)]
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
             for g in self._grads.values():
@@ -100,6 +107,9 @@ class ForwardOverlap:
         now = [p.grad for p in params]
         for p in params:
             p.grad = self._grads.get(id(p))
+        if self._stream is not None and first == 0:
+            # After what ran since step() returned (an integration's param sync, say).
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         try:
             with (torch.cuda.stream(self._stream) if self._stream is not None
                   else contextlib.nullcontext()):

@@ -436,12 +436,12 @@ class StreamedOptimizer:
     # -- steps under the forward (statepager.core.overlap) -------------------------
 
     @serialized
-    def overlap_forward(self, *modules) -> ForwardOverlap:
+    def overlap_forward(self, *modules, forward_param=None) -> ForwardOverlap:
         """Steps under the next forward of `modules` from the next step() on
         (statepager.core.overlap); remove() on what it returns ends it."""
         if self.overlap is not None:
             raise _C.UsageError("overlap_forward() is set already: remove() it first")
-        self.overlap = ForwardOverlap(self, modules, self._planner)
+        self.overlap = ForwardOverlap(self, modules, self._planner, forward_param)
         return self.overlap
 
     @property

@@ -105,7 +105,27 @@ class MegatronBinding:
                 return self.megatron_step(*args, **kwargs)
             finally:
                 for m in self.members:
-                    m.stream.end_begun_step()
+                    if m.stream.begun:
+                        m.stream.end_begun_step()
+
+    def overlap_forward(self, *model_chunks) -> list:
+        """Each member's steps end under the next forward of `model_chunks` (the DDP
+        model chunks; StreamedOptimizer.overlap_forward): Megatron's step() returns once
+        the first page-ins are issued, and each bucket's mains reach the param buffer
+        before the first module that uses them runs. One data-parallel rank only (the
+        param all-gather that follows the step would read mains not stepped yet); in a
+        ChainedOptimizer a member's step in flight completes when the next one starts.
+        Returns the members' ForwardOverlaps."""
+        for m in self.members:
+            size = m.megatron.data_parallel_size()
+            if size > 1 or m.megatron.overlaps_param_gather():
+                raise _C.UsageError(
+                    f"overlap_forward() runs with one data-parallel rank (not {size}) and "
+                    "without overlap_param_gather: Megatron's param all-gather would read "
+                    "the param buffer before the forward has stepped its mains")
+        return [m.stream.overlap_forward(
+            *model_chunks, forward_param=lambda main, m=m: m.model_of.get(id(main)))
+            for m in self.members]
 
     @property
     def last(self) -> list:
@@ -140,6 +160,9 @@ class MegatronMember:
         self._carriers = {}   # main -> its norm carrier (bf16 grads only)
         self._probes = {}     # grad-norm group -> clip probe (bf16 grads only)
         self._norm_group = {}  # main -> its grad-norm group (bf16 grads only)
+        # id() of model params whose main grads a step in flight still reads: zeroed
+        # once their main has stepped (zero_grads).
+        self._zero_after_step: set[int] = set()
         if self.bf16_grads:
             self._make_carriers()
         self.stream = pager.attach(self.megatron.inner, name=name, hooks=Hooks(
@@ -163,7 +186,7 @@ class MegatronMember:
             zero_grad=self.zero_grad,
             get_parameters=self.parameters_with_carriers if self.bf16_grads else None,
             refused=refused)
-        self.megatron.before_grads_zeroed(self.finish_before_grads_zeroed)
+        self.megatron.on_grads_zeroed(self.zero_grads)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -291,8 +314,10 @@ class MegatronMember:
             return
         target = flat_view(self.megatron.param_buffer_slice(model_param))
         target[start:stop].copy_(flat_view(main)[start:stop])
-        if self.bf16_grads and stop == main.numel():
-            main.grad = None
+        if stop == main.numel():
+            if self.bf16_grads:
+                main.grad = None
+            self._zeroed_after_step(model_param)
 
     @torch.no_grad()
     def _mains_out(self, params) -> None:
@@ -303,9 +328,10 @@ class MegatronMember:
         # time in the 1.34 B GPT's bucket of ~200 small parameters (H200).
         copy_each([self.megatron.param_buffer_slice(self.model_of[id(main)]) for main in mains],
                   mains)
-        if self.bf16_grads:
-            for main in mains:
+        for main in mains:
+            if self.bf16_grads:
                 main.grad = None
+            self._zeroed_after_step(self.model_of[id(main)])
 
     # -- Megatron's hooks, set on the DistributedOptimizer ------------------------------
     # Each holds the Pager's lock (statepager.core.serial): they page the state, and
@@ -336,17 +362,36 @@ class MegatronMember:
     def zero_grad(self, *args, **kwargs) -> None:
         """Megatron's zero_grad() (the training loop's, at each iteration's start), then
         the next step's preparation while forward and backward run (StreamedOptimizer.
-        prepare_step: its undo copies, with residual mains)."""
-        self.stream.finish_step()  # a pending step, with the grads it needs
+        prepare_step: its undo copies, with residual mains). A step in flight under the
+        forward keeps the grads it reads, unless they are zeroed in place."""
+        to_none = args[0] if args else kwargs.get("set_to_none", True)
+        if self.stream.step_in_flight is None or not to_none:
+            self.stream.finish_step()  # a pending step, with the grads it needs
         self.megatron.zero_grad_as_megatron(*args, **kwargs)
         self.stream.prepare_step()
 
     @serialized
-    def finish_before_grads_zeroed(self) -> None:
-        """A pending step finishes while its grads are there: Megatron's loop zeroes the
-        grad buffers (model.zero_grad_buffer()) before it calls zero_grad() (Note
-        [Megatron's failed step finishes before the grads are zeroed])."""
-        self.stream.finish_step()
+    def zero_grads(self, buffer, reset) -> None:
+        """A grad buffer's reset() (Megatron's loop zeroes them, model.zero_grad_buffer(),
+        before it calls zero_grad()): a pending step finishes first, with its grads; the
+        grads of the mains a step in flight under the forward has not stepped yet are
+        zeroed once they have (_zeroed_after_step), the rest now (Note [Megatron's failed
+        step finishes before the grads are zeroed])."""
+        run = self.stream.step_in_flight
+        if run is None:
+            self.stream.finish_step()
+            return reset()
+        kept = [self.model_of[id(p)] for b in run.buckets[run.stepped:]
+                for p in list(b.params) + [c.param for c in b.chunks] if id(p) in self.model_of]
+        self.megatron.zero_grads_but(buffer, kept)
+        self._zero_after_step.update(id(p) for p in kept)
+
+    def _zeroed_after_step(self, model_param) -> None:
+        """Zeroes model_param's main grad where zero_grads left it to its step (on the
+        step's stream: before the forward's next use waits for it, and backward's)."""
+        if id(model_param) in self._zero_after_step:
+            self._zero_after_step.discard(id(model_param))
+            model_param.main_grad.zero_()
 
     def parameters_with_carriers(self) -> list:
         """get_parameters() as Megatron's norm and clip code sees it: each paged main
@@ -364,6 +409,8 @@ class MegatronMember:
         a second time. Elsewhere they are paged in to copy."""
         for model_param, shard in self.megatron.fp32_params():
             self.megatron.param_buffer_slice(model_param).copy_(shard)
+        if self.stream.step_in_flight is not None:
+            return  # each bucket's mains go to the buffer as the forward steps it
         if self.mains_copied:
             self.mains_copied = False
             return

@@ -8,6 +8,7 @@ imports without it).
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 
 import torch
@@ -44,12 +45,17 @@ CONTRACT = (
     ("megatron.core.optimizer", "DistributedOptimizer", "restore_from_cpu", None),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", "reset",
      ["self"]),
+    # Megatron-LM's training calls it; statepager.megatron_lm takes model_chunks from it.
+    ("megatron.core.optimizer", None, "get_megatron_optimizer", ["config", "model_chunks"]),
 )
 INSTANCE_ATTRIBUTES = (
     "optimizer", "config", "ddp_config", "model_float16_groups", "model_fp32_groups",
     "shard_fp32_from_float16_groups", "shard_fp32_groups", "model_param_gbuf_map",
-    "buffers", "is_stub_optimizer",
+    "buffers", "is_stub_optimizer", "data_parallel_group",
 )
+# ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
+# main_grad views into grad_data.
+BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads")
 
 # Megatron's checkpoint methods that read the state behind the pager's back (refused).
 CHECKPOINT_METHODS = (
@@ -234,15 +240,39 @@ class Internals:
     def zero_grad_as_megatron(self, *args, **kwargs) -> None:
         type(self.d).zero_grad(self.d, *args, **kwargs)
 
-    def before_grads_zeroed(self, callback) -> None:
-        """Calls `callback` before each of d's grad buffers is zeroed: the training loop's
-        model.zero_grad_buffer() resets them (before it calls the optimizer's zero_grad).
-        Set on the buffer instances, which d shares with the DDP model."""
+    def on_grads_zeroed(self, handler) -> None:
+        """Each of d's grad buffers zeroed by handler(buffer, reset) in place of reset():
+        the training loop's model.zero_grad_buffer() resets them (before it calls the
+        optimizer's zero_grad). Set on the buffer instances, which d shares with the DDP
+        model."""
         for buffer in self.d.buffers:
-            def reset(zero=buffer.reset):
-                callback()
-                zero()
-            buffer.reset = reset
+            buffer.reset = functools.partial(handler, buffer, buffer.reset)
+
+    @staticmethod
+    def zero_grads_but(buffer, kept: list) -> None:
+        """What buffer.reset() does, but the main grads of the model params `kept` (views
+        into its grad data, or extra main grads of its own) keep their values."""
+        data = buffer.grad_data.view(-1)
+        base, size = data.data_ptr(), data.element_size()
+        spans = sorted(((g.data_ptr() - base) // size, (g.data_ptr() - base) // size + g.numel())
+                       for g in (p.main_grad for p in kept)
+                       if base <= g.data_ptr() < base + data.numel() * size)
+        at = 0
+        for start, stop in spans:
+            data[at:start].zero_()
+            at = max(at, stop)
+        data[at:].zero_()
+        kept_extra = {id(p.main_grad) for p in kept}
+        for grad in buffer.extra_main_grads:
+            if id(grad) not in kept_extra:
+                grad.zero_()
+
+    def data_parallel_size(self) -> int:
+        return self.d.data_parallel_group.size()
+
+    def overlaps_param_gather(self) -> bool:
+        """Whether DDP all-gathers the params in the forward's hooks."""
+        return bool(self.d.ddp_config.overlap_param_gather)
 
     def override(self, *, copy_grads, copy_mains_to_params, copy_params_to_mains,
                  state_dict, zero_grad, get_parameters=None, refused: dict) -> None:

@@ -169,9 +169,10 @@ class Run:
     def check_arguments(self, args) -> None:
         self.options = check(args)
 
-    def build_optimizer(self, megatron_build):
+    def build_optimizer(self, megatron_build, model_chunks=()):
         """Megatron's optimizer, built inside Pager.scope() (its fp32 mains go straight
-        into the store) and attached."""
+        into the store) and attached; its steps end under the next forward of
+        `model_chunks` with --statepager-overlap-forward on."""
         if self.optimizer is not None:
             raise UsageError("statepager.megatron_lm pages one Megatron optimizer per run; "
                              "the script built a second one")
@@ -186,6 +187,8 @@ class Run:
         self.binding = self.pager.attach(optimizer, bucket_size=o.bucket_size, depth=o.depth,
                                          moments=o.moments, mains=o.mains,
                                          atomic=o.attach_atomic())
+        if o.overlap_forward == "on":
+            self.binding.overlap_forward(*model_chunks)
         self.optimizer = optimizer
         if ranks.rank() == 0:
             print(f"statepager: optimizer state paged through {self.pager.directory} "

@@ -18,6 +18,7 @@ from statepager.core.args import parse_size
 MOMENTS = ("fp32", "bf16", "q8")
 MAINS = ("fp32", "residual")
 ATOMIC = ("bucket", "step", "off")  # attach(atomic=): "bucket", "step", False
+ON_OFF = ("off", "on")
 
 
 class RefusedConfiguration(UsageError):
@@ -38,6 +39,7 @@ class Options:
     moments: str = "fp32"
     mains: str = "fp32"
     atomic: str = "bucket"          # ATOMIC; attach_atomic() gives attach()'s value
+    overlap_forward: str = "off"    # ON_OFF: steps under the next forward
 
     def attach_atomic(self) -> str | bool:
         return False if self.atomic == "off" else self.atomic
@@ -71,6 +73,10 @@ _FLAGS = (
      "what a step that fails leaves: bucket (default: each bucket stepped or not, the "
      "next step finishes it), step (all or nothing; the host tier needs twice the state) "
      "or off (in place)"),
+    ("overlap-forward", "STATEPAGER_OVERLAP_FORWARD", "overlap_forward", ON_OFF,
+     "on: each step ends under the next forward, each bucket stepped before the first "
+     "layer that uses it (one data-parallel rank, without --overlap-param-gather; "
+     "default off)"),
 )
 
 
@@ -198,6 +204,16 @@ def _on(args, name: str) -> bool:
     return bool(getattr(args, name, None))
 
 
+# Megatron flags that steps under the forward cannot run with (Megatron's param all-gather
+# would read the param buffer before the forward stepped its mains).
+_NOT_UNDER_THE_FORWARD = (
+    ("--overlap-param-gather", lambda a: _on(a, "overlap_param_gather"),
+     "drop one of them"),
+    ("data-parallel size > 1", lambda a: (getattr(a, "data_parallel_size", 1) or 1) > 1,
+     "run one data-parallel rank, or drop --statepager-overlap-forward"),
+)
+
+
 def _layer_wise(args) -> bool:
     return _on(args, "use_layer_wise_distributed_optimizer")
 
@@ -217,6 +233,9 @@ def check(args) -> Options:
     naming every flag to change."""
     options = options_from(args)
     refused = refusals(args)
+    if options.overlap_forward == "on":
+        refused += [f"{flag} with --statepager-overlap-forward on: {why}"
+                    for flag, test, why in _NOT_UNDER_THE_FORWARD if test(args)]
     if refused:
         raise RefusedConfiguration("statepager cannot run with these Megatron flags:\n  "
                                    + "\n  ".join(refused))

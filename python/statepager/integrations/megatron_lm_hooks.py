@@ -118,11 +118,14 @@ class MegatronLM:
         self._wrap("arguments", "set_global_variables", make)
 
     def wrap_optimizer_builder(self, build) -> None:
-        """build(megatron_build) replaces training's get_megatron_optimizer;
+        """build(megatron_build, model_chunks) replaces training's get_megatron_optimizer;
         megatron_build() calls it as Megatron did and returns the optimizer."""
         def make(original):
+            signature = inspect.signature(original)
+
             def get_megatron_optimizer(*a, **kw):
-                return build(lambda: original(*a, **kw))
+                chunks = signature.bind(*a, **kw).arguments["model_chunks"]
+                return build(lambda: original(*a, **kw), chunks)
             return get_megatron_optimizer
         self._wrap("training", "get_megatron_optimizer", make)
 

@@ -42,6 +42,15 @@ CONFIGS = {
                                  mains="fp32", atomic=False,
                                  what="statepager, fp32, host tier of 1 x the state, "
                                       "atomic=False"),
+    # Steps under the next forward (binding.overlap_forward(model)).
+    "fp32-overlap": dict(pager=True, overlap=True, moments="fp32", mains="fp32",
+                         what="statepager, fp32, store on --dir, steps under the forward"),
+    "host-fp32-overlap": dict(pager=True, host=True, overlap=True, moments="fp32",
+                              mains="fp32", what="statepager, fp32, host tier, steps under "
+                                                 "the forward"),
+    "host-q8-overlap": dict(pager=True, host=True, overlap=True, moments="q8",
+                            mains="residual", what="statepager, q8 moments, residual mains, "
+                                                   "host tier, steps under the forward"),
 }
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
 

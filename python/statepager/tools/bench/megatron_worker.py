@@ -146,6 +146,8 @@ def run_config(spec: dict) -> dict:
             moments=config.get("moments", "fp32"), mains=config.get("mains", "fp32"),
             optimizer_options=config.get("optimizer_options"),
             attach_options={k: config[k] for k in ("atomic",) if k in config})
+        if config.get("overlap"):
+            binding.overlap_forward(model)
         opt_times = []
         _timed(optimizer, opt_times)
         torch.cuda.synchronize()
