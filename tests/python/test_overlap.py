@@ -27,8 +27,9 @@ def model_and_opt(pager, overlap, **attach):
     return model, opt, binding, handle
 
 
-def train(model, opt, steps, first=0, watch=None):
-    """`steps` iterations of zero_grad, forward, backward, step; the losses."""
+def train(model, opt, steps, first=0, watch=None, scheduler=None):
+    """`steps` iterations of zero_grad, forward, backward, step (and the LR scheduler's
+    step, which sets another lr before the next forward); the losses."""
     losses = []
     for i in range(first, first + steps):
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
@@ -37,6 +38,8 @@ def train(model, opt, steps, first=0, watch=None):
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         if watch is not None:
             watch(i)
         losses.append(loss.item())
@@ -53,19 +56,24 @@ def same(a, b):
     return all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
-def run(tmp_path, name, overlap, steps=5, watch=None, device="cpu", **attach):
+def run(tmp_path, name, overlap, steps=5, watch=None, device="cpu", lr_decay=None, **attach):
     page = 2 << 20 if device == "cuda" else 16 * KiB
     with Pager(str(tmp_path / name), device, page_size=page) as pager:
         model, opt, binding, _ = model_and_opt(pager, overlap, **attach)
-        losses = train(model, opt, steps, watch=watch and (lambda i: watch(binding, i)))
+        scheduler = (torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=lr_decay)
+                     if lr_decay else None)
+        losses = train(model, opt, steps, watch=watch and (lambda i: watch(binding, i)),
+                       scheduler=scheduler)
         return losses, result(model, opt), binding
 
 
-@pytest.mark.parametrize("atomic", ["bucket", False])
-def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic):
-    base = run(tmp_path, "base", False, atomic=atomic)
+@pytest.mark.parametrize("atomic, lr_decay", [("bucket", None), (False, None), ("bucket", 0.5)])
+def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic, lr_decay):
+    """With an LR scheduler too: its step between step() and the forward sets the next
+    step's lr, which the buckets stepped under the forward do not take."""
+    base = run(tmp_path, "base", False, atomic=atomic, lr_decay=lr_decay)
     left = []
-    paged = run(tmp_path, "under", True, atomic=atomic,
+    paged = run(tmp_path, "under", True, atomic=atomic, lr_decay=lr_decay,
                 watch=lambda binding, i: left.append(
                     binding.step_in_flight is not None
                     and binding.step_in_flight.stepped == 0))

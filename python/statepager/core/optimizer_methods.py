@@ -76,6 +76,7 @@ def _paged_add_param_group(binding, param_group: dict) -> None:
     """torch's add_param_group, refused (and undone) when the pager cannot hold the new
     group's state; the group is streamed from the next step on."""
     optimizer = binding.optimizer
+    binding.complete_step_in_flight()  # its buckets step with the groups of its step()
     type(optimizer).add_param_group(optimizer, param_group)
     try:
         binding.check_group(optimizer.param_groups[-1], len(optimizer.param_groups) - 1)

@@ -5,8 +5,9 @@ that uses its parameters (see Note [Steps under the forward] in docs/design.md).
 A ForwardOverlap (StreamedOptimizer.overlap_forward) sets a forward pre-hook on every
 module of `modules` that holds parameters, and a forward hook on each of `modules`:
 - step() (statepager.core.steps, `defer`) starts the step's pipeline and returns; the
-  grads of its parameters are kept as they were then (a zero_grad() that sets them to
-  None does not reach the step);
+  grads of its parameters and the param groups' options are kept as they were then (a
+  zero_grad() that sets grads to None, or an LR scheduler's step, does not reach the
+  step);
 - a module's pre-hook steps the buckets up to the last one holding one of its
   parameters (or, through model_param, the model parameter it writes), on the
   binding's own CUDA stream, and makes the forward's stream wait for them on the device
@@ -52,6 +53,7 @@ class ForwardOverlap:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: dict[int, torch.cuda.Event] = {}  # bucket index -> its step's end
         self._grads: dict[int, torch.Tensor | None] = {}  # id(param) -> grad at step()
+        self._options: list[dict] = []  # per param group, its options at step()
         self._last: dict[int, int] = {}   # id(param) -> its last bucket (chunks: several)
         self._index: dict[int, int] = {}  # ... and id(its model param) -> that bucket
         self._needs: dict[int, int] = {}  # id(module) -> buckets it waits for
@@ -81,6 +83,7 @@ class ForwardOverlap:
         work that made the grads."""
         model_param = self._forward_param
         self._grads, self._last, self._needs, self._events = {}, {}, {}, {}
+        self._options = [_options(g) for g in self.binding.optimizer.param_groups]
         for i, b in enumerate(run.buckets):
             for p in _params(b):
                 self._grads[id(p)] = p.grad
@@ -107,6 +110,10 @@ class ForwardOverlap:
         now = [p.grad for p in params]
         for p in params:
             p.grad = self._grads.get(id(p))
+        groups = self.binding.optimizer.param_groups
+        options_now = [_options(g) for g in groups]
+        for g, kept in zip(groups, self._options):
+            g.update(kept)
         if self._stream is not None and first == 0:
             # After what ran since step() returned (an integration's param sync, say).
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
@@ -115,6 +122,8 @@ class ForwardOverlap:
                   else contextlib.nullcontext()):
                 yield
         finally:
+            for g, options in zip(groups, options_now):
+                g.update(options)
             for p, g in zip(params, now):
                 p.grad = g
                 if self._last[id(p)] < run.stepped:  # its last chunk stepped too
@@ -156,6 +165,12 @@ class ForwardOverlap:
         event = self._events.get(i)
         if event is not None:
             torch.cuda.current_stream(self._stream.device).wait_event(event)
+
+
+def _options(group: dict) -> dict:
+    """A param group's options (lr, betas, ...): not its params, nor the step counter
+    that the bucket steps keep (statepager.core.bucket_step)."""
+    return {k: v for k, v in group.items() if k not in ("params", "step")}
 
 
 def _params(b) -> list:
