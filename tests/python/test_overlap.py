@@ -108,7 +108,7 @@ def test_each_module_runs_after_its_bucket_stepped(tmp_path):
 
 
 @pytest.mark.parametrize("reader", ["state_dict", "read", "save", "zero_grad_in_place",
-                                    "remove"])
+                                    "remove", "begin_step", "pause"])
 def test_what_needs_the_state_completes_the_step_first(tmp_path, reader):
     """Between step() and the forward, whatever reads or pages the state completes the
     step in flight; training on is still bit-identical."""
@@ -128,6 +128,11 @@ def test_what_needs_the_state_completes_the_step_first(tmp_path, reader):
             opt.zero_grad(set_to_none=False)  # zeroes the grads the step needs
         elif reader == "remove":
             handle.remove()
+        elif reader == "begin_step":  # the next step's page-ins, after this one's page-outs
+            binding.begin_step()
+        elif reader == "pause":
+            pager.pause()
+            pager.resume()
         assert binding.step_in_flight is None
         losses += train(model, opt, 2, first=2)
         assert losses == base[0]

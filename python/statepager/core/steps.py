@@ -180,9 +180,11 @@ class Steps:
             self._refill(step.buckets, error)
 
     def begin(self) -> None:
-        """StreamedOptimizer.begin_step."""
+        """StreamedOptimizer.begin_step (a step in flight completed first: its page-outs
+        and the stats of its bytes are its own)."""
         if self._begun is not None or not self.atomic or self.pager.paused:
             return
+        self.complete_in_flight()
         self._end_others_begun()
         self.pager.reads.release()  # their room is the step's
         t0, run = time.monotonic(), None
