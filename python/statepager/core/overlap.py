@@ -48,7 +48,14 @@ class ForwardOverlap:
         # What the forward uses for an optimizer parameter: forward_param(p), else the
         # model parameter model_param writes from it, else p itself.
         self._forward_param = forward_param or binding.hooks.model_param
-        planner.set_deal(False)  # buckets in parameter order, as the forward meets them
+        # Buckets in the order the forward meets their parameters: the modules'.
+        used = {id(p): i for i, p in enumerate(q for m in modules for q in m.parameters())}
+        unused = len(used)
+
+        def order(p) -> int:
+            seen = self._forward_param(p) if self._forward_param else None
+            return used.get(id(p if seen is None else seen), unused)
+        planner.set_order(order)
         device = binding.pager.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: dict[int, torch.cuda.Event] = {}  # bucket index -> its step's end
@@ -74,7 +81,7 @@ class ForwardOverlap:
             self._handles = []
             if self.binding.overlap is self:
                 self.binding.overlap = None
-                self._planner.set_deal(True)
+                self._planner.set_order(None)
 
     # -- called by the binding's steps (statepager.core.steps) ------------------------
 

@@ -40,10 +40,11 @@ class Bucket:
 
 
 def plan(groups: list, bucket_size: int, planned_bytes: Callable, chunking: Callable,
-         dealable: Callable) -> tuple[list[Bucket], dict]:
+         dealable: Callable, order: Callable | None = None) -> tuple[list[Bucket], dict]:
     """(buckets, split) for the param groups `groups`: buckets of about bucket_size over
-    their parameters, in order (a parameter listed twice steps twice, as in torch, in
-    one bucket); a parameter larger than a bucket in chunks, over consecutive buckets;
+    their parameters, in order (param-group order, or by order(p) where given: the
+    forward's, statepager.core.overlap; a parameter listed twice steps twice, as in
+    torch, in one bucket); a parameter larger than a bucket in chunks, over consecutive buckets;
     small parameters dealt over the buckets (_deal). Within a bucket, its parameters keep
     the param groups' order. split: id(param) -> its chunks' (start, stop) bounds.
 
@@ -64,24 +65,27 @@ def plan(groups: list, bucket_size: int, planned_bytes: Callable, chunking: Call
         cur.planned += nbytes
         return cur
 
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            if id(p) in home:
-                continue
-            nbytes = planned_bytes(p, group)
-            bounds = chunking(p, nbytes)
-            if bounds:
-                split[id(p)] = bounds
-                for start, stop in bounds:
-                    part = -(-nbytes * (stop - start) // p.numel())
-                    room(part).chunks.append(Chunk(p, gi, start, stop))
-                home[id(p)] = None
-            elif nbytes * SMALL_SHARE <= bucket_size and dealable(p, group):
-                small.append((p, nbytes))
-                home[id(p)] = None
-            else:
-                home[id(p)] = b = room(nbytes)
-                b.params.append(p)
+    listed = [(gi, p) for gi, group in enumerate(groups) for p in group["params"]]
+    if order is not None:
+        listed.sort(key=lambda item: order(item[1]))  # stable: ties keep group order
+    for gi, p in listed:
+        group = groups[gi]
+        if id(p) in home:
+            continue
+        nbytes = planned_bytes(p, group)
+        bounds = chunking(p, nbytes)
+        if bounds:
+            split[id(p)] = bounds
+            for start, stop in bounds:
+                part = -(-nbytes * (stop - start) // p.numel())
+                room(part).chunks.append(Chunk(p, gi, start, stop))
+            home[id(p)] = None
+        elif nbytes * SMALL_SHARE <= bucket_size and dealable(p, group):
+            small.append((p, nbytes))
+            home[id(p)] = None
+        else:
+            home[id(p)] = b = room(nbytes)
+            b.params.append(p)
     _deal(small, buckets, home, len(groups), bucket_size)
     _list_members(buckets, groups, home)
     return buckets, split

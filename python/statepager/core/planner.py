@@ -21,9 +21,10 @@ class Planner:
         self.bucket_size, self.depth = bucket_size, depth
         self.hooks = hooks  # chunks need chunk hooks beside bucket hooks
         self.buckets: list[Bucket] = []
-        # Small parameters dealt over the buckets (plan._deal), or kept in param order,
-        # where a forward waits for each bucket in turn (statepager.core.overlap).
-        self.deal = True
+        # None: buckets in param-group order, small parameters dealt over them
+        # (plan._deal); else order(p) ranks the parameters, the forward's order, where it
+        # waits for each bucket in turn (statepager.core.overlap), and none is dealt.
+        self.order = None
         self._planned_for: list = []  # groups_layout() of the last plan
         self._pages_of: dict = {}  # id(bucket) -> (what its pages were counted for, count)
 
@@ -32,13 +33,12 @@ class Planner:
         return [[id(p) for p in g["params"]] for g in self.layout.optimizer.param_groups]
 
     def changed(self) -> bool:
-        """True when the param groups changed since the last plan, or deal did."""
+        """True when the param groups changed since the last plan, or the order did."""
         return self.groups_layout() != self._planned_for
 
-    def set_deal(self, deal: bool) -> None:
-        """Sets deal; the next planned() plans anew."""
-        if deal != self.deal:
-            self.deal, self._planned_for = deal, []
+    def set_order(self, order) -> None:
+        """Sets order (see __init__); the next planned() plans anew."""
+        self.order, self._planned_for = order, []
 
     def plan(self, to_store: bool = True) -> list[Bucket]:
         """Plans the buckets for the param groups as they are now (statepager.core.plan),
@@ -52,10 +52,11 @@ class Planner:
                                   if layout.fused.may_step(g, p)}
 
         def dealable(p, group: dict) -> bool:
-            return self.deal and not layout.resident(p) and (not fused or id(p) in fused)
+            return self.order is None and not layout.resident(p) and \
+                (not fused or id(p) in fused)
 
         buckets, layout.split = planning.plan(groups, self.bucket_size, layout.planned_bytes,
-                                              self._chunking, dealable)
+                                              self._chunking, dealable, self.order)
         for b in buckets:
             layout.fill(b, to_store)
         self._planned_for = self.groups_layout()
