@@ -277,6 +277,17 @@ def test_the_summary_compares_with_the_offload_only_when_it_ran():
     assert "q8 / fp32: step 0.70, opt.step 0.70" in text  # the rest is still compared
 
 
+def test_the_summary_gives_each_iteration_against_unpaged():
+    text = summary(canned_run())
+    assert "  the whole iteration against unpaged's (0.120 s):" in text
+    assert ("    fp32      1.000 s = 8.33 x, paging exposed 0.880 s; 2.00 x the larger of "
+            "unpaged's and its floor (0.500 s)") in text
+    assert "    host-fp32 0.350 s = 2.92 x" in text and "    offload " not in text
+    r = canned_run()
+    r["configs"] = r["configs"][1:]
+    assert "against unpaged's" not in summary(r)
+
+
 def test_the_kernels_device_time_is_shown_when_the_profiler_saw_them():
     r = canned_run()
     assert "statepager's kernels on the device" not in summary(r)  # no --device-time

@@ -207,6 +207,7 @@ def summary_lines(r: dict) -> list[str]:
     done = _done(r["configs"])
     lines = ["summary (medians of the timed steps):"]
     lines += _offload_lines(done)
+    lines += _unpaged_lines(done)
     floored = [(n, c, c["floor"]) for n, c in done.items()
                if c.get("floor") and c["floor"]["seconds"]]
     if floored:
@@ -247,6 +248,24 @@ def _offload_lines(done: dict) -> list[str]:
                      f"{faster(_step(c), step, higher_is_better=False)}; opt.step {ours:.3f} s: "
                      f"{faster(ours, opt_step, higher_is_better=False)}; driver peak "
                      f"{_gib(used)} GiB = {multiple(used, peak, offloads)}")
+    return lines
+
+
+def _unpaged_lines(done: dict) -> list[str]:
+    """Each paged configuration's whole iteration (forward + backward + step) against
+    unpaged's: the paging it leaves exposed, and the multiple of the larger of unpaged's
+    iteration and the floor of its bytes (what steps under the forward can reach)."""
+    unpaged = done.get("unpaged")
+    paged = [(n, c) for n, c in done.items() if c["pager"]]
+    if not unpaged or not paged:
+        return []
+    base = _step(unpaged)
+    lines = [f"  the whole iteration against unpaged's ({base:.3f} s):"]
+    for n, c in paged:
+        floor = (c.get("floor") or {}).get("seconds") or 0.0
+        lines.append(f"    {n:9s} {_step(c):.3f} s = {_step(c) / base:.2f} x, paging exposed "
+                     f"{_step(c) - base:.3f} s; {_step(c) / max(base, floor):.2f} x the larger "
+                     f"of unpaged's and its floor ({floor:.3f} s)")
     return lines
 
 
