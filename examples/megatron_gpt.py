@@ -34,6 +34,8 @@ class Setup:
     grad_fp32: bool = False     # DDP grad_reduce_in_fp32
     overlap: bool = False       # overlap_grad_reduce and overlap_param_gather
     lr: float = 3e-3
+    optimizer: str = "adam"     # OptimizerConfig.optimizer: "adam" or "sgd"
+    sgd_momentum: float = 0.9
     steps: int = 20
     clip_grad: float = 1.0
     ddp_bucket: int = 40_000    # elements per DDP bucket: several buckets even when small
@@ -117,10 +119,12 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model = build_model(setup) if model is None else model
-    opt_config = OptimizerConfig(optimizer="adam", lr=setup.lr, min_lr=setup.lr / 10,
-                                 weight_decay=0.1, bf16=True, use_distributed_optimizer=True,
-                                 clip_grad=setup.clip_grad, overlap_param_gather=setup.overlap,
-                                 **(optimizer_options or {}))
+    opt_config = OptimizerConfig(**{
+        **dict(optimizer=setup.optimizer, sgd_momentum=setup.sgd_momentum, lr=setup.lr,
+               min_lr=setup.lr / 10, weight_decay=0.1, bf16=True,
+               use_distributed_optimizer=True, clip_grad=setup.clip_grad,
+               overlap_param_gather=setup.overlap),
+        **(optimizer_options or {})})
     binding = None
     if pager is None:
         optimizer = get_megatron_optimizer(opt_config, [model])
