@@ -49,6 +49,17 @@ def test_state_larger_than_the_free_space_is_a_blocker(tmp_path):
     code, c = doctor("--dir", tmp_path, "--device", "cpu", "--size", "1000T")
     assert code == 1 and c["free space"]["status"] == "FAIL"
     assert "free space" in c["free space"]["fix"]
+    # ... and than the host memory: a host tier holding it is a warning, with the sizes.
+    h = c["host memory"]
+    assert h["status"] == "warn" and "spills the rest to the store" in h["fix"]
+    assert "host_budget 1024000.0 GiB (atomic='bucket', the default), 2048000.0 GiB with " \
+        "atomic='step'" in h["detail"]
+
+
+def test_host_memory_holds_a_small_state(tmp_path):
+    code, c = doctor("--dir", tmp_path, "--device", "cpu", "--size", "1M")
+    h = c["host memory"]
+    assert code == 0 and h["status"] == "ok" and h["figures"]["available_bytes"] > 1 << 20
 
 
 def test_tmpfs(shm_dir):

@@ -376,13 +376,15 @@ def test_a_step_failing_to_write_the_store_changes_nothing(store_dir, layers_ref
 
 
 @pytest.mark.parametrize("host_budget, atomic, warned", [
-    (4 * MiB, True, True),    # under twice the state: every atomic step would spill
+    (16 * MiB, True, True),   # under twice the state: every atomic step would spill
     (64 * MiB, True, False),
-    (4 * MiB, "bucket", False),  # resumable, the state alone fits
-    (4 * MiB, False, False),  # in place, likewise
+    (16 * MiB, "bucket", False),  # resumable: the state alone fits
+    (16 * MiB, False, False),  # in place, likewise
+    (4 * MiB, "bucket", True),  # ... and does not fit 4 MiB
+    (4 * MiB, False, True),
 ])
-def test_attach_says_when_atomic_steps_would_spill_the_host_tier(store_dir, host_budget,
-                                                                 atomic, warned):
+def test_attach_says_when_steps_would_spill_the_host_tier(store_dir, host_budget, atomic,
+                                                          warned):
     model = torch.nn.Linear(1024, 1024)  # 8 MiB of moments at rest
     opt = torch.optim.AdamW(model.parameters())
     with Pager(store_dir, page_size=64 * 1024, host_budget=host_budget) as p:
@@ -396,4 +398,7 @@ def test_attach_says_when_atomic_steps_would_spill_the_host_tier(store_dir, host
         said = [str(w.message) for w in said]
         assert binding.stored_bytes() == 2 * 4 * (1024 * 1024 + 1024)
         if warned:
-            assert "Raise host_budget, or attach(atomic='bucket')" in said[0]
+            shown = "'step'" if atomic is True else repr(atomic)  # as attach names it
+            assert f"its steps (atomic={shown}) need" in said[0]
+            assert ("Raise host_budget, or attach(atomic='bucket')" if atomic is True
+                    else "Raise host_budget.") in said[0]

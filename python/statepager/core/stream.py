@@ -96,7 +96,7 @@ class StreamedOptimizer:
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
         pager.keep_at_least(self._planner.window())
-        self._warn_if_the_host_tier_spills(pager.host_budget)
+        _warn_if_the_host_tier_spills(self, pager.host_budget)
         for b in self._planner.buckets:
             self._layout.to_store(b)
         self._adopt_existing_state()
@@ -174,22 +174,6 @@ class StreamedOptimizer:
             "bucket of its own when its optimizer is not Adam's, when bucket hooks come "
             "without chunk hooks, or when its pager tensor was made without "
             "Pager.empty(pieces=...)).")
-
-    def _warn_if_the_host_tier_spills(self, host: int) -> None:
-        """An atomic step writes fresh ranges and frees the committed ones at commit (Note
-        [Atomic steps need twice the state in the host tier] in docs/design.md): a host
-        tier (`host` bytes) smaller than twice the state spills to the store at every
-        step. Said at attach, with the fix, rather than found in the step's time."""
-        stored = self.stored_bytes()
-        if self.atomic != "step" or not host or 2 * stored <= host:
-            return
-        warn_user(
-            f"statepager: optimizer {self.name!r} keeps about {stored / GiB:.2f} GiB at rest; "
-            f"an all-or-nothing step (atomic='step') needs twice that in the host tier "
-            f"({2 * stored / GiB:.2f} GiB), which has {host / GiB:.2f} GiB: about "
-            f"{(2 * stored - host) / GiB:.2f} GiB spill to the store at every step. Raise "
-            "host_budget, or attach(atomic='bucket') (resumable steps: a step that fails "
-            "leaves each bucket stepped or not, and the next step() finishes it).")
 
     def _adopt_existing_state(self) -> None:
         """State that already exists in ordinary memory moves into the pager as a load of
@@ -456,6 +440,25 @@ class StreamedOptimizer:
     @serialized
     def step_in_flight_to(self, n: int) -> None:
         self._steps.advance_in_flight(n)  # Steps.advance_in_flight: the forward's hooks
+
+
+def _warn_if_the_host_tier_spills(binding: StreamedOptimizer, host: int) -> None:
+    """A host tier (`host` bytes) that cannot hold the state spills to the store at
+    every step: the state's size with resumable or in-place steps, twice it with
+    all-or-nothing ones, which write fresh ranges (Note [Atomic steps need twice the
+    state in the host tier]). Said at attach, with the fix, rather than found in the
+    step's time."""
+    stored = binding.stored_bytes()
+    needed = 2 * stored if binding.atomic == "step" else stored
+    if not host or needed <= host:
+        return
+    fix = ("Raise host_budget, or attach(atomic='bucket') (resumable steps need the "
+           "state once)" if binding.atomic == "step" else "Raise host_budget")
+    warn_user(
+        f"statepager: optimizer {binding.name!r} keeps about {stored / GiB:.2f} GiB at rest; "
+        f"its steps (atomic={binding.atomic!r}) need {needed / GiB:.2f} GiB in the host "
+        f"tier, which has {host / GiB:.2f} GiB: about {(needed - host) / GiB:.2f} GiB "
+        f"spill to the store at every step. {fix}.")
 
 
 # Optimizers attached to a Pager (an optimizer is attached once). Weak: a binding lives

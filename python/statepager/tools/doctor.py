@@ -14,6 +14,7 @@ Checks, each ok, warn (works, slower or with a caveat), FAIL (a blocker) or skip
   checkpoints  how a checkpoint on D's filesystem copies (reflink or copy_file_range)
   bandwidth    D's sequential read and write through the pager's raw io_uring loop
   memlock      RLIMIT_MEMLOCK against the pager's registered staging buffers
+  host memory  the memory available, against a host tier holding --size (host_budget)
   cuda         (--device cuda) the CUDA driver, the device's virtual memory management
                support (the pool needs it), and host<->device copy bandwidth (PCIe)
 The exit status is 1 when a check failed, else 0. D is left as found: the checks work
@@ -69,9 +70,35 @@ def run(directory: str | None, device: str, size: int | None, probe_bytes: int) 
             found, staging = check_directory(directory, size, probe_bytes, io_ok, bar)
             checks += found
         checks.append(check_memlock(staging))
+        checks.append(check_host_memory(size))
         bar.phase("cuda")
         checks += check_cuda(device, probe_bytes)
     return checks
+
+
+def check_host_memory(size: int | None) -> Check:
+    """What a host tier holding the whole state (host_budget) needs: the state's size with
+    the default resumable steps, twice that with all-or-nothing ones (Note [Atomic steps
+    need twice the state in the host tier])."""
+    available = _mem_available()
+    figures = {"available_bytes": available, "needed_bytes": size}
+    if size is None or available is None:
+        return Check("host memory", "ok", "pass --size to check a host tier holding the state "
+                     "(host_budget) against the memory available", figures=figures)
+    text = (f"{available / GiB:.1f} GiB available; a host tier holding the state needs "
+            f"host_budget {size / GiB:.1f} GiB (atomic='bucket', the default), "
+            f"{2 * size / GiB:.1f} GiB with atomic='step'")
+    if available < size:
+        return Check("host memory", "warn", text, "a smaller host_budget spills the rest to "
+                     "the store at every step: keep the store on local NVMe", figures)
+    return Check("host memory", "ok", text, figures=figures)
+
+
+def _mem_available() -> int | None:
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 # -- torch and io_uring --------------------------------------------------------------
