@@ -158,12 +158,15 @@ def test_a_bucket_failing_under_the_forward_raises_from_it_and_the_step_resumes(
                 raise RuntimeError("injected failure under the forward")
 
         binding.before_bucket = failing
+        opt.zero_grad()  # the next iteration's: the step in flight keeps its grads
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(2))
         with pytest.raises(RuntimeError, match="injected failure under the forward"):
             model(x)
         binding.before_bucket = None
         assert binding.step_in_flight is None and binding.pending
-        opt.zero_grad()  # finishes the pending step, with the grads it kept
+        assert all(p.grad is not None for p in model.parameters()), \
+            "what did not step has its grads back, for the step that finishes it"
+        opt.zero_grad()  # finishes the pending step with them, then sets them to None
         assert not binding.pending
         losses += train(model, opt, 2, first=2)
         assert losses == base[0]

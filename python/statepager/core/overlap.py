@@ -128,13 +128,21 @@ class ForwardOverlap:
             with (torch.cuda.stream(self._stream) if self._stream is not None
                   else contextlib.nullcontext()):
                 yield
-        finally:
-            for g, options in zip(groups, options_now):
-                g.update(options)
+        except BaseException:
+            # The step failed: what it did not step keeps its grads, for the step that
+            # finishes it (a resumable step pending) whatever zero_grad() did meanwhile.
+            for b in run.buckets[first:]:
+                for p in _params(b):
+                    p.grad = self._grads.get(id(p))
+            raise
+        else:
             for p, g in zip(params, now):
                 p.grad = g
                 if self._last[id(p)] < run.stepped:  # its last chunk stepped too
                     self._grads.pop(id(p), None)
+        finally:
+            for g, options in zip(groups, options_now):
+                g.update(options)
             if self._stream is not None and run.stepped > first:
                 event = torch.cuda.Event()
                 event.record(self._stream)
