@@ -123,9 +123,8 @@ class MegatronBinding:
                     f"overlap_forward() runs with one data-parallel rank (not {size}) and "
                     "without overlap_param_gather: Megatron's param all-gather would read "
                     "the param buffer before the forward has stepped its mains")
-        return [m.stream.overlap_forward(
-            *model_chunks, forward_param=lambda main, m=m: m.model_of.get(id(main)))
-            for m in self.members]
+        return [m.stream.overlap_forward(*model_chunks, forward_param=m.model_param_of)
+                for m in self.members]
 
     @property
     def last(self) -> list:
@@ -153,6 +152,10 @@ class MegatronMember:
             id(main): model_param for model_param, main in self.megatron.float16_params()}
         self.bf16_grads = any(Internals.grad_dtype(p) != torch.float32
                               for p in self.model_of.values())
+        # A native fp32 model param's shard (what the inner optimizer steps, in place) ->
+        # the model param.
+        self.fp32_model_of: dict[int, torch.nn.Parameter] = {
+            id(shard): model_param for model_param, shard in self.megatron.fp32_params()}
         # True from a streamed inner step until Megatron's main->param copy that follows it
         # in step_with_ready_grads: the step already copied each bucket's mains.
         self.mains_copied = False
@@ -321,6 +324,9 @@ class MegatronMember:
 
     @torch.no_grad()
     def _mains_out(self, params) -> None:
+        for p in params:  # native fp32 params, stepped in place: done with their grads
+            if id(p) in self.fp32_model_of:
+                self._zeroed_after_step(self.fp32_model_of[id(p)])
         mains = [main for main in params if id(main) in self.model_of]
         if not mains:
             return
@@ -381,10 +387,16 @@ class MegatronMember:
         if run is None:
             self.stream.finish_step()
             return reset()
-        kept = [self.model_of[id(p)] for b in run.buckets[run.stepped:]
-                for p in list(b.params) + [c.param for c in b.chunks] if id(p) in self.model_of]
+        kept = [m for b in run.buckets[run.stepped:]
+                for m in map(self.model_param_of, list(b.params) + [c.param for c in b.chunks])
+                if m is not None]
         self.megatron.zero_grads_but(buffer, kept)
         self._zero_after_step.update(id(p) for p in kept)
+
+    def model_param_of(self, p) -> torch.nn.Parameter | None:
+        """The model param the inner optimizer's parameter p (a main, or a native fp32
+        param's shard) stands for; None for another."""
+        return self.model_of.get(id(p)) or self.fp32_model_of.get(id(p))
 
     def _zeroed_after_step(self, model_param) -> None:
         """Zeroes model_param's main grad where zero_grads left it to its step (on the
