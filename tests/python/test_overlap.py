@@ -145,7 +145,12 @@ def test_what_needs_the_state_completes_the_step_first(tmp_path, reader):
         assert same(base[1], result(model, opt))
 
 
-def test_a_bucket_failing_under_the_forward_raises_from_it_and_the_step_resumes(tmp_path):
+@pytest.mark.parametrize("failing_bucket", [2, 1])
+def test_a_bucket_failing_under_the_forward_raises_from_it_and_the_step_resumes(
+        tmp_path, failing_bucket):
+    """The step is owed since step() returned, whether some bucket stepped (2: the second
+    fails) or none (1): it is pending, what did not step has its grads back, and the next
+    zero_grad() finishes it."""
     base = run(tmp_path, "base", False, steps=4)
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True)
@@ -154,7 +159,7 @@ def test_a_bucket_failing_under_the_forward_raises_from_it_and_the_step_resumes(
 
         def failing(params):
             calls.append(1)
-            if len(calls) == 2:
+            if len(calls) == failing_bucket:
                 raise RuntimeError("injected failure under the forward")
 
         binding.before_bucket = failing
@@ -190,3 +195,80 @@ def test_refusals(tmp_path):
         with pytest.raises(_C.UsageError, match="torch.nn.Module"):
             binding.overlap_forward(opt)
         assert os.path.isdir(str(tmp_path / "s"))
+
+
+def _case(case, pager):
+    """(model, optimizer, binding, scheduler or None, zero_grad after the forward, x)."""
+    torch.manual_seed(0)
+    scheduler, late_zero = None, False
+    if case in ("paged-adamw", "paged-adamw-chunks"):
+        from statepager.core.optim import PagedAdamW
+        layers = ([torch.nn.Linear(512, 16), torch.nn.Linear(16, 65536)]
+                  if case == "paged-adamw-chunks" else
+                  [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+        model = torch.nn.Sequential(*layers).to(torch.bfloat16)
+        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2,
+                         bucket_size=(3 << 20) + (512 << 10) if case == "paged-adamw-chunks"
+                         else 48 * KiB, depth=3)
+        binding = opt.binding
+        late_zero = case == "paged-adamw-chunks"  # zero_grad between forward and backward
+        shape = (4, 512) if case == "paged-adamw-chunks" else (8, WIDTH)
+    else:
+        if case == "transformer":  # MultiheadAttention reads out_proj without calling it
+            model = torch.nn.TransformerEncoder(
+                torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True),
+                2, enable_nested_tensor=False)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            shape = (2, 5, 64)
+        else:  # a tensor lr, which an LR scheduler fills in place
+            model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+            opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), foreach=False)
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            shape = (8, WIDTH)
+        binding = pager.attach(opt, bucket_size=32 * KiB, depth=3)
+    dtype = next(model.parameters()).dtype
+    return model, opt, binding, scheduler, late_zero, shape, dtype
+
+
+@pytest.mark.parametrize("case", ["paged-adamw", "paged-adamw-chunks", "transformer",
+                                  "tensor-lr"])
+def test_models_and_optimizers_under_the_forward_are_bit_identical(tmp_path, case):
+    """PagedAdamW (it reads the model params' grads, which zero_grad() sets to None before
+    the forward), a parameter stepping in chunks over buckets that earlier modules'
+    hooks step in part, a module reading a child's parameters without calling it, and a
+    tensor lr that an LR scheduler changes in place before the forward."""
+    out = []
+    for overlap in (False, True):
+        with Pager(str(tmp_path / f"s{overlap}"), "cpu", page_size=16 * KiB) as pager:
+            model, opt, binding, scheduler, late_zero, shape, dtype = _case(case, pager)
+            if overlap:
+                binding.overlap_forward(model)
+            losses = []
+            for i in range(3):
+                x = torch.randn(*shape, generator=torch.Generator().manual_seed(i)).to(dtype)
+                if not late_zero:
+                    opt.zero_grad()
+                loss = model(x).float().square().mean()
+                if late_zero:
+                    opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if scheduler is not None:
+                    scheduler.step()
+                losses.append(loss.item())
+            if overlap:
+                assert binding.step_in_flight is not None and binding.last.buckets > 1
+            binding.complete_step_in_flight()
+            out.append((losses, [bits(p) for p in model.parameters()]))
+    assert out[0][0] == out[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_state_dict_by_reference_keeps_steps_under_the_forward(tmp_path):
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, handle = model_and_opt(pager, True)
+        with binding.state_dict_by_reference():
+            opt.state_dict()
+        assert binding.overlap is handle
+        train(model, opt, 1)
+        assert binding.step_in_flight is not None

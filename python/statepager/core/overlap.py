@@ -9,9 +9,10 @@ module of `modules` that holds parameters, and a forward hook on each of `module
   zero_grad() that sets grads to None, or an LR scheduler's step, does not reach the
   step);
 - a module's pre-hook steps the buckets up to the last one holding one of its
-  parameters (or, through model_param, the model parameter it writes), on the
-  binding's own CUDA stream, and makes the forward's stream wait for them on the device
-  (a CUDA event, no host sync);
+  parameters or its children's (it may read them without calling them, as
+  torch.nn.MultiheadAttention does its out_proj's), on the binding's own CUDA stream,
+  and makes the forward's stream wait for them on the device (a CUDA event, no host
+  sync);
 - the forward hook steps whatever is left, so that backward never meets a bucket not
   stepped; the last page-outs are waited for by whatever the pager does next.
 The modules' parameters are found as the optimizer's, or as forward_param(p) of one
@@ -59,7 +60,10 @@ class ForwardOverlap:
         device = binding.pager.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: dict[int, torch.cuda.Event] = {}  # bucket index -> its step's end
-        self._grads: dict[int, torch.Tensor | None] = {}  # id(param) -> grad at step()
+        # Per optimizer param, the tensors whose grads its step reads: the param and the
+        # model param the forward uses for it (PagedAdamW reads the model param's grad).
+        self._holders: dict[int, list] = {}
+        self._grads: dict[int, torch.Tensor | None] = {}  # id(holder) -> its grad kept
         self._options: list[dict] = []  # per param group, its options at step()
         self._last: dict[int, int] = {}   # id(param) -> its last bucket (chunks: several)
         self._index: dict[int, int] = {}  # ... and id(its model param) -> that bucket
@@ -86,22 +90,21 @@ class ForwardOverlap:
     # -- called by the binding's steps (statepager.core.steps) ------------------------
 
     def started(self, run) -> None:
-        """A step deferred: its grads kept, its buckets indexed, its stream after the
-        work that made the grads."""
-        model_param = self._forward_param
-        self._grads, self._last, self._needs, self._events = {}, {}, {}, {}
+        """A step deferred: its grads and options kept, its buckets indexed, its stream
+        after the work that made the grads."""
+        self._holders, self._grads, self._last, self._needs, self._events = {}, {}, {}, {}, {}
         self._options = [_options(g) for g in self.binding.optimizer.param_groups]
         for i, b in enumerate(run.buckets):
             for p in _params(b):
-                self._grads[id(p)] = p.grad
+                used = self._forward_param(p) if self._forward_param else None
+                holders = [p] if used is None or used is p else [p, used]
+                self._holders[id(p)] = holders
+                self._grads.update((id(h), h.grad) for h in holders)
                 self._last[id(p)] = i
         self._index = dict(self._last)
-        if model_param is not None:
-            for b in run.buckets:
-                for p in _params(b):
-                    used = model_param(p)
-                    if used is not None:
-                        self._index[id(used)] = self._last[id(p)]
+        for holders in self._holders.values():
+            for used in holders[1:]:
+                self._index[id(used)] = self._last[id(holders[0])]
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
             for g in self._grads.values():
@@ -111,14 +114,16 @@ class ForwardOverlap:
     @contextlib.contextmanager
     def stepping(self, run, n: int):
         """Around stepping run's buckets until n have stepped: their kept grads in place
-        (the grads now put back after), on the binding's stream, an event after them."""
+        (the grads now put back after), the param groups' options of step() (the ones
+        now put back after), on the binding's stream, an event after them."""
         first = run.stepped
-        params = [p for b in run.buckets[first:n] for p in _params(b)]
-        now = [p.grad for p in params]
-        for p in params:
-            p.grad = self._grads.get(id(p))
+        holders = [h for b in run.buckets[first:n] for p in _params(b)
+                   for h in self._holders[id(p)]]
+        now = [h.grad for h in holders]
+        for h in holders:
+            h.grad = self._grads.get(id(h))
         groups = self.binding.optimizer.param_groups
-        options_now = [_options(g) for g in groups]
+        options_now = [_options(g, copy=False) for g in groups]
         for g, kept in zip(groups, self._options):
             g.update(kept)
         if self._stream is not None and first == 0:
@@ -133,13 +138,19 @@ class ForwardOverlap:
             # finishes it (a resumable step pending) whatever zero_grad() did meanwhile.
             for b in run.buckets[first:]:
                 for p in _params(b):
-                    p.grad = self._grads.get(id(p))
+                    for h in self._holders[id(p)]:
+                        h.grad = self._grads.get(id(h))
             raise
         else:
-            for p, g in zip(params, now):
-                p.grad = g
-                if self._last[id(p)] < run.stepped:  # its last chunk stepped too
-                    self._grads.pop(id(p), None)
+            for b in run.buckets[first:n]:
+                for p in _params(b):
+                    for h in self._holders[id(p)]:
+                        if self._last[id(p)] < run.stepped:  # its last chunk stepped too
+                            self._grads.pop(id(h), None)
+                        else:  # later chunks step with the grad its hooks put in place
+                            self._grads[id(h)] = h.grad
+            for h, g in zip(holders, now):
+                h.grad = g
         finally:
             for g, options in zip(groups, options_now):
                 g.update(options)
@@ -149,6 +160,12 @@ class ForwardOverlap:
                 for i in range(first, run.stepped):
                     self._events[i] = event
 
+    def joined(self) -> None:
+        """The current stream after everything queued on the binding's: a step completed
+        outside the forward's hooks (the forward that follows waits for none)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+
     # -- the forward's hooks -----------------------------------------------------------
 
     def _before_module(self, module, inputs) -> None:
@@ -157,10 +174,9 @@ class ForwardOverlap:
             if run is None:
                 return
             need = self._needs.get(id(module))
-            if need is None:
+            if need is None:  # its children's too: it may read them without calling them
                 need = self._needs[id(module)] = 1 + max(
-                    (self._index.get(id(p), -1) for p in module.parameters(recurse=False)),
-                    default=-1)
+                    (self._index.get(id(p), -1) for p in module.parameters()), default=-1)
             if need:
                 self.binding.step_in_flight_to(need)
                 self._wait(need - 1)
@@ -182,10 +198,12 @@ class ForwardOverlap:
             torch.cuda.current_stream(self._stream.device).wait_event(event)
 
 
-def _options(group: dict) -> dict:
+def _options(group: dict, copy: bool = True) -> dict:
     """A param group's options (lr, betas, ...): not its params, nor the step counter
-    that the bucket steps keep (statepager.core.bucket_step)."""
-    return {k: v for k, v in group.items() if k not in ("params", "step")}
+    that the bucket steps keep (statepager.core.bucket_step). copy: tensor options
+    cloned (an LR scheduler fills a tensor lr in place)."""
+    return {k: v.clone() if copy and isinstance(v, torch.Tensor) else v
+            for k, v in group.items() if k not in ("params", "step")}
 
 
 def _params(b) -> list:

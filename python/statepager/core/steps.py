@@ -166,17 +166,20 @@ class Steps:
             self.in_flight = None
             self._finish(stats)
         finally:
+            self.owner.overlap.joined()  # what comes next waits for none of its events
             held.release()
         if self.hooks.after_step:
             self.hooks.after_step()
 
     def _in_flight_failed(self, error: BaseException) -> None:
         """After `error` in the step in flight (its pipeline left nothing in flight): a
-        resumable step is pending once a bucket stepped."""
+        resumable step is pending, a bucket stepped or none (step() returned: the step
+        is owed)."""
         run, self.in_flight = self.in_flight, None
+        self.owner.overlap.joined()
         step = run.atomic
         if isinstance(step, ResumableStep):
-            self.pending = step if step.stepped_count else None
+            self.pending = step
             self._refill(step.buckets, error)
 
     def begin(self) -> None:

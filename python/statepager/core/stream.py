@@ -140,6 +140,7 @@ class StreamedOptimizer:
         if value == "step" and self.overlap is not None:
             raise _C.UsageError("atomic='step' cannot step under the forward: call "
                                 "overlap_forward(...).remove() first")
+        self._steps.complete_in_flight()  # its buckets are filled for the atomicity it has
         self._layout.atomic = self._steps.atomic = value
         for b in self._planner.buckets:  # their undo copies, with or without
             self._layout.fill(b, to_store=False)
@@ -351,7 +352,6 @@ class StreamedOptimizer:
             yield
         finally:
             self.copies_state_dict = True
-        self.overlap: ForwardOverlap | None = None  # overlap_forward()'s
 
     # -- the step (statepager.core.steps) ------------------------------------------
 

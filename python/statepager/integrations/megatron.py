@@ -126,6 +126,12 @@ class MegatronBinding:
         return [m.stream.overlap_forward(*model_chunks, forward_param=m.model_param_of)
                 for m in self.members]
 
+    def complete_step_in_flight(self) -> None:
+        """Steps what each member's step in flight has left (overlap_forward): the
+        model params are then the step's, for what reads them outside a forward."""
+        for m in self.members:
+            m.stream.complete_step_in_flight()
+
     @property
     def last(self) -> list:
         """StepStats of the last step, one per member."""

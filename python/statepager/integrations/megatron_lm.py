@@ -204,6 +204,8 @@ class Run:
 
     def save(self, iteration: int, optimizer, release: bool, megatron_save):
         args = self.megatron.args()
+        if self.binding is not None:
+            self.binding.complete_step_in_flight()  # the model params Megatron saves
         if optimizer is None or optimizer is not self.optimizer or args.no_save_optim:
             return megatron_save(optimizer)  # --no-save-optim: Megatron saves no optimizer
         directory = self.megatron.iteration_directory(args.save, iteration, release)
