@@ -16,7 +16,7 @@ from statepager import Pager
 
 from compare import same
 from small_jobs import KiB, bits, set_grads
-from test_fault_step import CONFIGS, FAULTS, RESIDUAL_ONLY
+from test_fault_step import CONFIGS, FAULTS, skip_what_cannot_fail
 
 RESUMABLE_FAULTS = ("before-hook", "after-hook", "optimizer", "out-of-memory",
                     "unreadable-store", "no-space", "counts-unread")
@@ -92,10 +92,7 @@ def check_never_torn(clean_before, clean_after, failed) -> None:
 def test_a_failed_step_is_never_torn_and_its_retry_steps_once(tmp_path, request, config,
                                                               fault, begun):
     _, warm = CONFIGS[config]
-    if config == "sgd-first-step" and fault in ("optimizer", "unreadable-store"):
-        pytest.skip("SGD takes sparse grads, and its first step reads nothing from the store")
-    if fault in RESIDUAL_ONLY and "residual" not in config:
-        pytest.skip("only residual masters have exception counts")
+    skip_what_cannot_fail(config, fault)
     if fault == "no-space":
         warm = 0  # steps write in place: only the first one grows the store
     root = (request.getfixturevalue("sized_tmpfs")(4, "the out-of-space case")
@@ -115,8 +112,7 @@ def test_a_failed_step_is_never_torn_and_its_retry_steps_once(tmp_path, request,
 def test_a_failed_step_on_the_gpu_is_never_torn(tmp_path, request, config, fault, begun):
     """The same on CUDA memory: buckets handed back after their kernels were queued, undo
     copies read back from their own stream."""
-    if fault in RESIDUAL_ONLY and "residual" not in config:
-        pytest.skip("only residual masters have exception counts")
+    skip_what_cannot_fail(config, fault)
     warm = 0 if fault == "no-space" else CONFIGS[config][1]
     root = (request.getfixturevalue("sized_tmpfs")(4, "the out-of-space case")
             if fault == "no-space" else str(tmp_path))

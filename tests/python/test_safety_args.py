@@ -95,11 +95,7 @@ def test_attach_flags_must_be_bools(store_dir, kwargs, name):
 
 @pytest.mark.parametrize("value", ["no", 1, None, "Step", "epoch"])
 def test_attach_atomic_is_one_of_its_choices(store_dir, value):
-    with Pager(store_dir, page_size=64 * KiB) as p:
-        before = tree(store_dir)
-        with pytest.raises(statepager.UsageError, match=r"atomic must be one of .*'bucket'"):
-            p.attach(model_and_optimizer()[1], atomic=value)
-        assert p.bindings == () and tree(store_dir) == before
+    attach_refused(store_dir, r"atomic must be one of .*'bucket'", atomic=value)
 
 
 @pytest.mark.parametrize("value, kind", [(True, "step"), ("step", "step"),
@@ -208,10 +204,16 @@ def test_attach_options_are_checked_at_the_call(store_dir, kwargs, match):
 @pytest.mark.parametrize("name", ["manifest.json", "-run1", ".hidden", "a/b", "a+b", "",
                                   "x" * 129, "caf\u00e9"])
 def test_attach_refuses_the_names_save_would_refuse(store_dir, name):
+    attach_refused(store_dir, r"optimizer name .* names its ", name=name)
+
+
+def attach_refused(store_dir, match: str, **attach) -> None:
+    """attach(**attach) refused with UsageError matching `match`, before anything
+    changed: no binding, the store directory as it was."""
     with Pager(store_dir, page_size=64 * KiB) as p:
         before = tree(store_dir)
-        with pytest.raises(statepager.UsageError, match=r"optimizer name .* names its "):
-            p.attach(model_and_optimizer()[1], name=name)
+        with pytest.raises(statepager.UsageError, match=match):
+            p.attach(model_and_optimizer()[1], **attach)
         assert p.bindings == () and tree(store_dir) == before
 
 
