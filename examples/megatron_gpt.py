@@ -1,4 +1,4 @@
-"""Trains a small GPT with megatron-core, its DistributedOptimizer streamed by statepager.
+"""Trains a small GPT with megatron-core, its optimizer streamed by statepager.
 
     python examples/megatron_gpt.py --steps 20 --store /tmp/sp-store            # one GPU
     torchrun --nproc-per-node 2 examples/megatron_gpt.py --store /tmp/sp-{rank}  # DP=2
@@ -34,8 +34,14 @@ class Setup:
     grad_fp32: bool = False     # DDP grad_reduce_in_fp32
     overlap: bool = False       # overlap_grad_reduce and overlap_param_gather
     lr: float = 3e-3
-    optimizer: str = "adam"     # OptimizerConfig.optimizer: "adam" or "sgd"
+    optimizer: str = "adam"     # OptimizerConfig.optimizer: "adam", "sgd" or "muon"
     sgd_momentum: float = 0.9
+    # use_distributed_optimizer (Megatron's DistributedOptimizer refuses SGD; without it,
+    # a non-distributed chain of Float16OptimizerWithFloat16Params)
+    distributed: bool = True
+    # use_layer_wise_distributed_optimizer (Muon): a LayerWiseDistributedOptimizer for the
+    # matrices beside a DistributedOptimizer for the rest, over Megatron-LM's buffer layout
+    layer_wise: bool = False
     steps: int = 20
     clip_grad: float = 1.0
     ddp_bucket: int = 40_000    # elements per DDP bucket: several buckets even when small
@@ -92,9 +98,20 @@ def build_model(setup: Setup):
         gpt.loss_log_scale = torch.nn.Parameter(torch.zeros(1, device="cuda"))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=setup.grad_fp32, overlap_grad_reduce=setup.overlap,
-        overlap_param_gather=setup.overlap, use_distributed_optimizer=True,
+        overlap_param_gather=setup.overlap,
+        use_distributed_optimizer=setup.distributed or setup.layer_wise,
         bucket_size=setup.ddp_bucket)
-    return DistributedDataParallel(config, ddp_config, gpt)
+    layout = {}
+    if setup.layer_wise:  # as Megatron-LM's training wraps the model for it
+        from megatron.core.optimizer.layer_wise_optimizer import (
+            LayerWiseDistributedOptimizer, tag_params_for_buffer_routing)
+
+        tag_params_for_buffer_routing([gpt])
+        size = torch.distributed.get_world_size()
+        layout = dict(full_param_layout=LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in gpt.parameters() if p.requires_grad], setup.ddp_bucket, size,
+            ddp_config))
+    return DistributedDataParallel(config, ddp_config, gpt, **layout)
 
 
 def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 * MiB,
@@ -102,7 +119,7 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
           optimizer_options: dict | None = None, model=None, depth: int | None = 3,
           attach_options: dict | None = None):
     """(model, optimizer, scheduler, binding): build_model()'s GPT (or `model`, one it
-    built), its DistributedOptimizer (built in pager.scope() and, unless attach=False,
+    built), its Megatron optimizer (built in pager.scope() and, unless attach=False,
     attached when a pager is given). optimizer_options: more OptimizerConfig fields (e.g.
     Megatron's own optimizer_cpu_offload, for comparison; statepager refuses it);
     attach_options: more attach() keywords (e.g. atomic); bucket_size or depth None: the
@@ -122,7 +139,9 @@ def build(setup: Setup, pager: statepager.Pager | None = None, *, bucket_size=8 
     opt_config = OptimizerConfig(**{
         **dict(optimizer=setup.optimizer, sgd_momentum=setup.sgd_momentum, lr=setup.lr,
                min_lr=setup.lr / 10, weight_decay=0.1, bf16=True,
-               use_distributed_optimizer=True, clip_grad=setup.clip_grad,
+               use_distributed_optimizer=setup.distributed and not setup.layer_wise,
+               use_layer_wise_distributed_optimizer=setup.layer_wise,
+               clip_grad=setup.clip_grad,
                overlap_param_gather=setup.overlap),
         **(optimizer_options or {})})
     binding = None
@@ -177,8 +196,9 @@ def train_step(setup: Setup, model, optimizer, scheduler, step: int) -> float:
 
 def finish(model) -> None:
     """Brings the model params up to date (the overlapped all-gather runs in the next
-    forward otherwise)."""
-    model.start_param_sync(force_sync=True)
+    forward otherwise; without the distributed optimizer the step wrote them)."""
+    if model.ddp_config.use_distributed_optimizer:
+        model.start_param_sync(force_sync=True)
     torch.cuda.synchronize()
 
 

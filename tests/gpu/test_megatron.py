@@ -1,6 +1,7 @@
-"""Megatron-core's DistributedOptimizer / ChainedOptimizer streamed by statepager, on the
-GPU: a small GPT trained with and without the pager must match bit for bit (losses,
-model params, mains and moments). Skips when megatron-core is not installed."""
+"""Megatron-core's optimizers streamed by statepager, on the GPU (DistributedOptimizer and
+ChainedOptimizer with Adam; SGD and Muon in non-distributed and layer-wise chains): a
+small GPT trained with and without the pager must match bit for bit (losses, model params,
+mains and optimizer state). Skips when megatron-core is not installed."""
 import contextlib
 import copy
 import importlib.util
@@ -12,6 +13,7 @@ import torch
 
 from statepager import Pager
 from statepager import _C
+from statepager.integrations import megatron_internals
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -23,6 +25,11 @@ pytestmark = [
                        reason="megatron-core is not installed (the GPU suite carries it)"),
 ]
 MiB = 1 << 20
+# Muon, AdaptiveMuon, SOAP and Lion come from emerging-optimizers (a wheel the GPU suite
+# carries); the cases that build them skip without it.
+needs_emerging = pytest.mark.skipif(
+    importlib.util.find_spec("emerging_optimizers") is None,
+    reason="emerging-optimizers is not installed (the GPU suite carries its wheel)")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +41,8 @@ def gpt():
 
 
 def members(optimizer):
-    return getattr(optimizer, "chained_optimizers", [optimizer])
+    """The optimizer's members, one binding each (nested chains' leaves)."""
+    return [m for _, m in megatron_internals.members(optimizer)]
 
 
 def snapshot(optimizer, binding=None):
@@ -68,18 +76,22 @@ def run(gpt, setup, pager=None, **attach):
     return losses, params, snapshot(optimizer, binding), (model, optimizer, binding)
 
 
-def assert_same(a, b, entries=3):
+def assert_same(a, b, entries=(3,)):
+    """Losses, model params and every member's mains and state equal; entries: per
+    member, the tensors per param in snapshot() (its main and state tensors)."""
     la, pa, sa, _ = a
     lb, pb, sb, _ = b
     assert la == lb, f"losses differ:\n{la}\n{lb}"
     assert len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb))
-    for ma, mb in zip(sa, sb):
+    assert len(sa) == len(sb) == len(entries)
+    for ma, mb, n in zip(sa, sb, entries):
         assert len(ma) == len(mb)
         for ta, tb in zip(ma, mb):
-            assert len(ta) == len(tb) == entries
+            assert len(ta) == len(tb) == n
             assert all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 
+ALL_OR_NOTHING = dict(attach_options=dict(atomic="step"))
 CASES = {
     "bf16-grads": dict(),
     "bf16-grads-overlap": dict(overlap=True),
@@ -89,15 +101,35 @@ CASES = {
     "bf16-grads-q8-moments": dict(attach=dict(moments="q8")),
     "moe": dict(experts=4),
     "moe-fp32-grads-overlap": dict(experts=4, grad_fp32=True, overlap=True),
-    "sgd": dict(optimizer="sgd"),
-    "sgd-fp32-grads": dict(optimizer="sgd", grad_fp32=True),
-    "sgd-no-momentum": dict(optimizer="sgd", sgd_momentum=0.0),
+    # Megatron's DistributedOptimizer refuses SGD: a non-distributed chain, whose grad
+    # buffers statepager cannot reach (its steps are all or nothing).
+    "sgd": dict(optimizer="sgd", distributed=False, attach=ALL_OR_NOTHING),
+    "sgd-fp32-grads": dict(optimizer="sgd", distributed=False, grad_fp32=True,
+                           attach=ALL_OR_NOTHING),
+    "sgd-no-momentum": dict(optimizer="sgd", sgd_momentum=0.0, distributed=False,
+                            attach=ALL_OR_NOTHING),
+    # Muon for the matrices, Adam for the rest: two members.
+    "muon": dict(optimizer="muon", distributed=False, attach=ALL_OR_NOTHING),
+    "muon-fp32-grads": dict(optimizer="muon", distributed=False, grad_fp32=True,
+                            attach=ALL_OR_NOTHING),
+    "muon-layer-wise": dict(optimizer="muon", layer_wise=True),
+    "muon-layer-wise-fp32-grads": dict(optimizer="muon", layer_wise=True, grad_fp32=True),
 }
-# Tensors per main in snapshot(): the main and its state (Adam: two moments).
-ENTRIES = {"sgd": 2, "sgd-fp32-grads": 2, "sgd-no-momentum": 1}
+# The inner optimizers each case's members step with.
+INNER = {"sgd": ["SGD"], "sgd-fp32-grads": ["SGD"], "sgd-no-momentum": ["SGD"],
+         **{case: ["TensorParallelMuon", "AdamW"] for case in CASES if "muon" in case}}
 
 
-@pytest.mark.parametrize("case", CASES)
+def state_entries(optimizer) -> tuple:
+    """Per member, tensors per main in snapshot(): the main and its state (Adam: two
+    moments; SGD with momentum and Muon: a momentum buffer)."""
+    counts = {"Adam": 3, "AdamW": 3, "TensorParallelMuon": 2}
+    return tuple(counts.get(type(m.optimizer).__name__, 1 + bool(m.optimizer.defaults.get(
+        "momentum"))) for m in members(optimizer))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[needs_emerging] if "muon" in c else [])
+                                  for c in CASES])
 def test_parity_with_unpaged_megatron(gpt, case, store_dir):
     options = dict(CASES[case])
     attach = options.pop("attach", {})
@@ -112,10 +144,15 @@ def test_parity_with_unpaged_megatron(gpt, case, store_dir):
         binding = paged[3][2]
         # One GPU: experts are not expert-parallel, so one (dense) DistributedOptimizer;
         # the dense + expert ChainedOptimizer runs on two GPUs (test_expert_parallel_...).
-        assert [s.name for s in binding.streams] == ["0-dense"]
-        assert megatron_run.stores_in_use(pager, binding) == ["0-dense"]
-        assert all(st.buckets > 1 for st in binding.last), "several buckets per member"
-        assert_same(base, paged, ENTRIES.get(case, 3))
+        optimizer = paged[3][1]
+        inner = [type(m.optimizer).__name__ for m in members(optimizer)]
+        assert sorted(inner) == sorted(INNER.get(case, ["AdamW"]))
+        entries = state_entries(optimizer)
+        names = [f"{i}-dense" for i in range(len(entries))]
+        assert [s.name for s in binding.streams] == names
+        assert megatron_run.stores_in_use(pager, binding) == names
+        assert max(st.buckets for st in binding.last) > 1, "several buckets"
+        assert_same(base, paged, entries)
         # The model's loss went down: the pager trains, it does not just copy.
         assert paged[0][-1] < paged[0][0]
 
@@ -269,7 +306,8 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
 
 
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
-                                  "bf16-grads-q8-moments"])
+                                  "bf16-grads-q8-moments",
+                                  pytest.param("muon-layer-wise", marks=needs_emerging)])
 def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
     """binding.overlap_forward(model): Megatron's step() returns with the buckets left to
     the next forward, each stepped (and its mains in the param buffer, its grads zeroed)
@@ -282,7 +320,7 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
         model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
                                                          **attach)
         binding.overlap_forward(model)
-        stream = binding.streams[0]
+        stream = binding.streams[-1]  # a chain's earlier members complete as it starts
         losses = []
         for i in range(setup.steps):
             losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
@@ -296,7 +334,7 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
     if attach.get("moments") == "q8":  # lossy by design: the same as q8 without overlap
         with Pager(store_dir + "-q8", "cuda", page_size=2 * MiB) as pager:
             base = run(gpt, setup, pager, bucket_size=1 * MiB, **attach)
-    assert_same(base, paged)
+    assert_same(base, paged, state_entries(optimizer))
 
 
 def test_steps_under_the_forward_refuse_overlap_param_gather(gpt, store_dir):
@@ -352,6 +390,74 @@ def test_refusals_name_what_to_use_instead(gpt, store_dir):
         with pytest.raises(_C.UsageError, match="pause"):
             optimizer.offload_to_cpu()
         assert "optimizer" in members(optimizer)[0].state_dict()  # served, no state read
+
+
+@needs_emerging
+def test_muon_steps_whole_matrices_larger_than_a_bucket(gpt, store_dir):
+    """Newton-Schulz needs each matrix whole: with buckets smaller than the matrices, each
+    of Muon's matrices larger than a bucket is a bucket of its own, never chunks, and
+    the run matches unpaged Megatron bit for bit."""
+    options = dict(CASES["muon-layer-wise"])
+    setup = gpt.Setup(steps=4, **options)
+    base = run(gpt, setup)
+    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+        paged = run(gpt, setup, pager, bucket_size=128 * 1024)
+        muon = paged[3][2].streams[0]
+        assert type(muon.optimizer).__name__ == "TensorParallelMuon"
+        assert all(not b.chunks for b in muon.buckets)
+        big = [b for b in muon.buckets
+               if any(p.numel() * 8 > 128 * 1024 for p in b.params)]
+        assert big and all(len(b.params) == 1 for b in big)
+    assert_same(base, paged, state_entries(paged[3][1]))
+
+
+@needs_emerging
+def test_muon_window_is_checked_against_the_budget_at_attach(gpt, store_dir):
+    """A matrix larger than bucket_size is a bucket of its own: attach names the window it
+    needs when hbm_budget cannot hold it, before any step."""
+    setup = gpt.Setup(steps=1, layers=1, hidden=1024, heads=8, ddp_bucket=4_000_000,
+                      **CASES["muon-layer-wise"])
+    _, optimizer, _, _ = gpt.build(setup)  # its mains move into the pager at attach
+    with Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=24 * MiB) as pager:
+        with pytest.raises(_C.UsageError, match="hbm_budget 24 MiB cannot hold the step"):
+            pager.attach(optimizer, bucket_size=4 * MiB)
+        assert pager.bindings == ()
+
+
+@needs_emerging
+@pytest.mark.parametrize("optimizer, match", [
+    ("adaptive_muon", "TensorParallelAdaptiveMuon: its step fails"),
+    ("soap", "SOAP: SOAP replaces its state tensors"),
+    ("lion", "Lion: statepager has not been checked against it"),
+])
+def test_optimizers_not_checked_are_refused_by_name(gpt, store_dir, optimizer, match):
+    setup = gpt.Setup(steps=1, optimizer=optimizer, distributed=False)
+    with Pager(store_dir, "cuda") as pager:
+        with pytest.raises(_C.UsageError, match=match):
+            gpt.build(setup, pager, attach_options=dict(atomic="step"))
+        assert pager.bindings == ()
+
+
+@needs_emerging
+def test_a_non_distributed_chain_refuses_resumable_steps_and_steps_under_the_forward(
+        gpt, store_dir):
+    """Its grad buffers are out of statepager's reach (a resumable step must finish before
+    they are zeroed, and steps under the forward keep each member's unstepped grads in
+    them); its state_dict() would read the state: each is refused with what to do
+    instead."""
+    setup = gpt.Setup(steps=1, **{k: v for k, v in CASES["muon"].items() if k != "attach"})
+    with Pager(store_dir, "cuda") as pager:
+        with pytest.raises(_C.UsageError, match="atomic='step'.*use_layer_wise"):
+            gpt.build(setup, pager)
+        assert pager.bindings == ()
+    with Pager(store_dir + "-step", "cuda") as pager:
+        model, optimizer, scheduler, binding = gpt.build(
+            setup, pager, attach_options=dict(atomic="step"))
+        with pytest.raises(_C.UsageError, match="do not know theirs or share them"):
+            binding.overlap_forward(model)
+        gpt.train_step(setup, model, optimizer, scheduler, 0)
+        with pytest.raises(_C.UsageError, match=r"statepager\.checkpoint\.save\(pager"):
+            members(optimizer)[0].state_dict()
 
 
 def test_precision_aware_optimizer_is_refused(gpt, store_dir):

@@ -65,3 +65,36 @@ def test_instance_attributes_of_a_built_optimizer():
         assert m.grad_shard(model_param).numel() == main.numel()
         hash(internals.grad_norm_group(main))
     megatron_gpt.finish(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [
+    dict(optimizer="sgd", distributed=False),
+    pytest.param(dict(optimizer="muon", layer_wise=True), marks=pytest.mark.skipif(
+        importlib.util.find_spec("emerging_optimizers") is None,
+        reason="emerging-optimizers is not installed (the GPU suite carries its wheel)"))])
+def test_instance_attributes_of_a_built_mixed_precision_member(options):
+    import megatron_gpt
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    megatron_gpt.init()
+    setup = megatron_gpt.Setup(steps=1, **options)
+    model, optimizer, _, _ = megatron_gpt.build(setup, None)
+    chunks = internals.model_chunks(optimizer)
+    for chunk in chunks:
+        for name in internals.MODEL_CHUNK_ATTRIBUTES:
+            assert hasattr(chunk, name), f"the DDP model chunk has no attribute {name}"
+    mixed = [d for _, d in internals.members(optimizer)
+             if isinstance(d, Float16OptimizerWithFloat16Params)]
+    assert mixed, "no Float16OptimizerWithFloat16Params member"
+    for d in mixed:
+        for name in internals.MIXED_PRECISION_ATTRIBUTES:
+            assert hasattr(d, name), f"Float16OptimizerWithFloat16Params has no {name}"
+        m = internals.view(d, chunks)
+        assert m.unsupported() is None
+        model_param, main = m.float16_params()[0]
+        assert main.shape == model_param.shape and model_param.main_param is main
+        assert m.grad_shard(model_param).shape == main.shape
+        # The layer-wise chain knows its model's grad buffers; a non-distributed one not.
+        assert bool(m.buffers()) == bool(options.get("layer_wise"))
+    megatron_gpt.finish(model)

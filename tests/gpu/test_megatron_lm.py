@@ -7,8 +7,9 @@ process group) once it has logged iteration 15 and restarted with --load: iterat
 for byte the uninterrupted run's. Losses and grad norms are compared as Megatron logs
 them (every iteration). Also: --no-load-optim against Megatron's own, a rank's state
 missing, a refused flag, --async-save, a crash between statepager's save and Megatron's,
-and statepager turned on by environment variables alone (no -m statepager.megatron_lm:
-the package's start-up hook, its .pth in a site directory).
+statepager turned on by environment variables alone (no -m statepager.megatron_lm:
+the package's start-up hook, its .pth in a site directory), and --optimizer muon paged,
+unpaged, killed and restarted.
 
 Megatron's own logging: the first iteration a run logs does not reset its loss sum
 (training_log's is_first_iteration), so the second iteration after a resume prints the
@@ -69,6 +70,8 @@ TINY_GPT = [
     "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
     "--save-interval", str(SAVE_AT),
 ]
+MUON = ["--optimizer", "muon"]
+HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
 PAGED = ["--statepager-dir", "{store}", "--statepager-bucket-size", "4M",
          "--statepager-page-size", "2M", "--statepager-hbm-budget", "256M"]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: "
@@ -212,6 +215,13 @@ def runs(tmp_path_factory):
         "overlap": ("overlap", ["--save", r.path("ckpt-overlap"),
                                 "--statepager-overlap-forward", "on"], {}),
     }
+    if HAVE_EMERGING:  # --optimizer muon with --use-distributed-optimizer: layer-wise
+        first.update({
+            "muon-unpaged": ("muon-unpaged", MUON, dict(paged=False)),
+            "muon-paged": ("muon-paged", MUON + ["--save", r.path("ckpt-muon-paged")], {}),
+            "muon-killed": ("muon-killed", MUON + ["--save", r.path("ckpt-muon-killed")],
+                            dict(kill_after=KILL_AT)),
+        })
     if two_gpus:
         first.update({
             "dp2-unpaged": ("dp2-unpaged", ["--save", r.path("dp2-unpaged")],
@@ -239,6 +249,9 @@ def runs(tmp_path_factory):
         "crash-resumed": ("crash-resumed", ["--load", crash, "--save", crash,
                                             "--save-interval", "5"], {}),
     }
+    if HAVE_EMERGING:
+        second["muon-restarted"] = ("muon-restarted", MUON + [
+            "--load", r.path("ckpt-muon-killed"), "--save", r.path("ckpt-muon-killed")], {})
     if two_gpus and r.result["dp2-paged"][0] == 0:
         dp2_broken = r.path("dp2-broken")
         shutil.copytree(r.path("dp2-paged"), dp2_broken, symlinks=True)
@@ -277,6 +290,22 @@ def test_steps_under_the_forward_equal_unpaged(runs):
     are the paged run's, byte for byte."""
     assert logged(ok(runs.result["overlap"])) == runs.unpaged
     same_state(runs.path("ckpt-paged"), runs.path("ckpt-overlap"))
+
+
+@pytest.mark.skipif(not HAVE_EMERGING, reason="emerging-optimizers is not installed (the "
+                                              "GPU suite carries its wheel)")
+def test_muon_paged_equals_unpaged_and_resumes_exactly(runs):
+    """--optimizer muon (Megatron-LM builds the layer-wise chain: Muon for the matrices,
+    a DistributedOptimizer's Adam for the rest): the paged run logs unpaged Megatron's
+    losses and grad norms, and killed at 15 and restarted it continues exactly."""
+    unpaged = logged(ok(runs.result["muon-unpaged"]))
+    assert sorted(unpaged) == list(range(1, ITERS + 1)) and unpaged != runs.unpaged
+    paged = logged(ok(runs.result["muon-paged"]))
+    assert paged == unpaged
+    code, text = runs.result["muon-killed"]
+    assert code != 0 and max(logged(text)) == KILL_AT
+    resumed_as(logged(ok(runs.result["muon-restarted"])), paged, SAVE_AT + 1)
+    same_state(runs.path("ckpt-muon-paged"), runs.path("ckpt-muon-killed"))
 
 
 def test_log_line_carries_step_stats(runs):

@@ -3,6 +3,7 @@
 Megatron adapter refuses a megatron-core outside its supported range before changing
 anything."""
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -25,6 +26,10 @@ FakeMegatronOptimizer.__module__ = "megatron.core.optimizer.distrib_optimizer"
 def test_megatron_is_registered():
     assert adapters.find(FakeMegatronOptimizer()).name == "Megatron"
     assert adapters.find(torch.optim.SGD([torch.zeros(2, requires_grad=True)])) is None
+    # A torch optimizer Megatron defines (TensorParallelMuon) is a member's inner one,
+    # attached as a torch optimizer.
+    inner = _optimizer_named("megatron.core.optimizer.emerging_optimizers", "TensorParallelMuon")
+    assert adapters.find(inner) is None
 
 
 @pytest.mark.parametrize("option", ["name", "before_bucket", "after_bucket", "model_param",
@@ -50,3 +55,31 @@ def test_attach_without_a_supported_megatron_core_is_refused(store_dir):
 def test_supported_range_is_one_minor_release():
     low, high = megatron_internals.SUPPORTED
     assert low < high and low[0] == high[0] and high[1] == low[1] + 1
+
+
+def _optimizer_named(module: str, name: str) -> torch.optim.Optimizer:
+    cls = type(name, (torch.optim.Optimizer,), {"__module__": module})
+    cls.__qualname__ = name
+    return cls([torch.zeros(2, requires_grad=True)], {})
+
+
+@pytest.mark.parametrize("module, name, match", [
+    ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam",
+     "counts its step per param group.*torch.optim.AdamW"),
+    ("megatron.core.optimizer.emerging_optimizers", "TensorParallelAdaptiveMuon",
+     "scale_mode is never set.*--optimizer muon"),
+    ("emerging_optimizers.soap.soap", "SOAP", "replaces its state tensors"),
+    ("apex.optimizers.fused_sgd", "FusedSGD", "has not been checked against it"),
+])
+def test_megatron_inner_optimizers_not_checked_are_refused_by_name(module, name, match):
+    problem = megatron_internals.inner_problem(_optimizer_named(module, name))
+    assert f"{module}.{name}" in problem and re.search(match, problem)
+
+
+def test_megatron_inner_optimizers_paged():
+    params = [torch.zeros(2, requires_grad=True)]
+    for optimizer in (torch.optim.Adam(params), torch.optim.AdamW(params),
+                      torch.optim.SGD(params, lr=0.1),
+                      _optimizer_named("megatron.core.optimizer.emerging_optimizers",
+                                       "TensorParallelMuon")):
+        assert megatron_internals.inner_problem(optimizer) is None

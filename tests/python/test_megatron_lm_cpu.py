@@ -121,14 +121,23 @@ def test_supported_flags_pass():
     (dict(non_persistent_save_interval=100), "--non-persistent-save-interval"),
     (dict(moe_use_upcycling=True), "--moe-use-upcycling"),
     (dict(load_main_params_from_ckpt=True), "--load-main-params-from-ckpt"),
-    (dict(use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True,
-          optimizer="dist_muon"), "--optimizer dist_muon"),
 ])
 def test_unsupported_flag_is_refused_by_name(changes, flag):
     found = refusals(megatron_args(**changes))
     assert len(found) == 1 and found[0].startswith(flag), found
     with pytest.raises(RefusedConfiguration, match=flag):
         check(megatron_args(**changes))
+
+
+def test_layer_wise_runs_and_a_non_distributed_optimizer_needs_steps_all_or_nothing():
+    # Megatron-LM turns --optimizer muon --use-distributed-optimizer into these.
+    layer_wise = dict(use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True,
+                      optimizer="muon")
+    assert refusals(megatron_args(**layer_wise)) == []
+    sgd = dict(use_distributed_optimizer=False, optimizer="sgd")
+    assert check(megatron_args(**sgd, statepager_atomic="step")).atomic == "step"
+    with pytest.raises(RefusedConfiguration, match="--statepager-atomic step"):
+        check(megatron_args(**sgd))
 
 
 def test_every_refused_flag_is_listed_at_once():

@@ -24,6 +24,16 @@ SUPPORTED = ((0, 19), (0, 20))
 CONTRACT = (
     ("megatron.core.optimizer", None, "ChainedOptimizer", None),
     ("megatron.core.optimizer", None, "DistributedOptimizer", None),
+    ("megatron.core.optimizer.optimizer", None, "Float16OptimizerWithFloat16Params", None),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params",
+     "_copy_model_grads_to_main_grads", ["self"]),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params",
+     "_copy_main_params_to_model_params", ["self"]),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params",
+     "_copy_model_params_to_main_params", ["self", "state_dict"]),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "zero_grad",
+     ["self", "set_to_none"]),
+    ("megatron.core.optimizer.emerging_optimizers", None, "TensorParallelMuon", None),
     ("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", None,
      "HybridDeviceOptimizer", None),
     ("megatron.core.optimizer.optimizer", None, "_get_param_grad_norm_group", ["param"]),
@@ -53,9 +63,16 @@ INSTANCE_ATTRIBUTES = (
     "shard_fp32_from_float16_groups", "shard_fp32_groups", "model_param_gbuf_map",
     "buffers", "is_stub_optimizer", "data_parallel_group",
 )
+# ... on a Float16OptimizerWithFloat16Params, and on the DDP model chunks whose grad buffers
+# statepager finds a Float16OptimizerWithFloat16Params' grads in.
+MIXED_PRECISION_ATTRIBUTES = (
+    "optimizer", "config", "float16_groups", "fp32_from_float16_groups",
+    "fp32_from_fp32_groups", "is_stub_optimizer",
+)
+MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config")
 # ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
 # main_grad views into grad_data.
-BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads")
+BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
 
 # Megatron's checkpoint methods that read the state behind the pager's back (refused).
 CHECKPOINT_METHODS = (
@@ -68,7 +85,10 @@ CHECKPOINT_METHODS = (
 
 
 def is_megatron(optimizer) -> bool:
-    return type(optimizer).__module__.startswith("megatron.")
+    """Megatron's optimizer wrappers (MegatronOptimizer: none is a torch optimizer); a torch
+    optimizer that Megatron defines (TensorParallelMuon) is a member's inner one."""
+    return (type(optimizer).__module__.startswith("megatron.")
+            and not isinstance(optimizer, torch.optim.Optimizer))
 
 
 def version() -> tuple:
@@ -98,13 +118,74 @@ def check_version() -> None:
 
 
 def members(optimizer) -> list:
-    """(index, member) of each DistributedOptimizer of `optimizer` (a ChainedOptimizer's
-    members, or the optimizer itself) that holds parameters (stubs left out)."""
+    """(index, member) of each optimizer that `optimizer` steps parameters with: the
+    leaves of its chain (a ChainedOptimizer's members, a LayerWiseDistributedOptimizer's,
+    nested), in the order Megatron steps them, or the optimizer itself; stubs left out."""
+    return [(i, m) for i, m in enumerate(_leaves(optimizer))
+            if not getattr(m, "is_stub_optimizer", False)]
+
+
+def _leaves(optimizer) -> list:
     from megatron.core.optimizer import ChainedOptimizer
 
-    chain = (optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer)
-             else [optimizer])
-    return [(i, m) for i, m in enumerate(chain) if not getattr(m, "is_stub_optimizer", False)]
+    if not isinstance(optimizer, ChainedOptimizer):
+        return [optimizer]
+    return [leaf for m in optimizer.chained_optimizers for leaf in _leaves(m)]
+
+
+def model_chunks(optimizer) -> list:
+    """The DDP model chunks the optimizer's chain knows (the model_chunks of its
+    DistributedOptimizers and LayerWiseDistributedOptimizers; a non-distributed chain
+    knows none)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    found = list(getattr(optimizer, "model_chunks", None) or [])
+    if isinstance(optimizer, ChainedOptimizer):
+        found += [c for m in optimizer.chained_optimizers for c in model_chunks(m)]
+    return list({id(c): c for c in found}.values())
+
+
+def view(d, chunks=()) -> "Internals":
+    """Megatron's view of member d (members()): a DistributedOptimizer's Internals, else
+    a Float16OptimizerWithFloat16Params' MixedPrecisionInternals, whose grad buffers are
+    found in `chunks` (model_chunks()); anything else an Internals whose unsupported()
+    names it."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if isinstance(d, Float16OptimizerWithFloat16Params):
+        return MixedPrecisionInternals(d, chunks)
+    return Internals(d)
+
+
+def inner_problem(inner) -> str | None:
+    """Why statepager cannot page the inner torch optimizer `inner` of a Megatron member,
+    with the fix; None for those it steps exactly in buckets: torch's Adam, AdamW and SGD,
+    and Megatron's TensorParallelMuon (whole matrices, never slices: its Newton-Schulz
+    iteration needs each one whole)."""
+    name = f"{type(inner).__module__}.{type(inner).__qualname__}"
+    if type(inner) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        return None
+    if name == "megatron.core.optimizer.emerging_optimizers.TensorParallelMuon":
+        return None
+    known = {
+        "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam":
+            "Transformer Engine's FusedAdam counts its step per param group and call, "
+            "which a step in buckets would advance once per bucket, and it has not been "
+            "tested here. Run without Transformer Engine's optimizers (megatron-core "
+            "falls back to torch.optim.AdamW when transformer_engine.pytorch.optimizers "
+            "does not import)",
+        "megatron.core.optimizer.emerging_optimizers.TensorParallelAdaptiveMuon":
+            "its step fails in emerging-optimizers 0.3.0 (AdaptiveMuon's scale_mode is "
+            "never set). Use --optimizer muon",
+        "emerging_optimizers.soap.soap.SOAP":
+            "SOAP replaces its state tensors with new ones at every step, and the pager "
+            "holds state at fixed addresses. Use --optimizer muon or adam",
+    }
+    why = known.get(name) or (
+        "statepager has not been checked against it (it pages torch's Adam, AdamW and SGD "
+        "and Megatron's TensorParallelMuon). Use one of those, or leave this optimizer "
+        "unattached")
+    return f"its inner optimizer is a {name}: {why}."
 
 
 def override_step(optimizer, step):
@@ -133,18 +214,23 @@ class Internals:
         """What in d's configuration statepager cannot page, with the fix; None if all
         is supported."""
         from megatron.core.optimizer import DistributedOptimizer
+
+        if not isinstance(self.d, DistributedOptimizer):
+            return (f"it is a {type(self.d).__name__}. Use the distributed optimizer "
+                    "(OptimizerConfig.use_distributed_optimizer=True), or bf16 params "
+                    "(a Float16OptimizerWithFloat16Params: non-distributed and layer-wise "
+                    "chains).")
+        return self._config_problem(self.d.ddp_config) or self._params_problem()
+
+    def _config_problem(self, ddp) -> str | None:
         from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import (
             HybridDeviceOptimizer)
 
-        d = self.d
-        if not isinstance(d, DistributedOptimizer):
-            return (f"it is a {type(d).__name__}. Use the distributed optimizer "
-                    "(OptimizerConfig.use_distributed_optimizer=True).")
-        cfg, ddp = d.config, d.ddp_config
+        cfg = self.d.config
         if getattr(ddp, "use_megatron_fsdp", False):
             return "Megatron-FSDP manages the optimizer state itself. Turn use_megatron_fsdp off."
         if cfg.use_precision_aware_optimizer or getattr(cfg, "optimizer_cpu_offload", False) \
-                or isinstance(d.optimizer, HybridDeviceOptimizer):
+                or isinstance(self.inner, HybridDeviceOptimizer):
             return ("the precision-aware optimizer and optimizer CPU offload keep the state "
                     "in their own kernels. Turn use_precision_aware_optimizer and "
                     "optimizer_cpu_offload off; statepager takes their place.")
@@ -152,6 +238,10 @@ class Internals:
                 or getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
             return ("fp8/fp4 param gather (incl. the MXFP8 grad-buffer reuse) is not "
                     "supported. Train with bf16 or fp16 params.")
+        return inner_problem(self.inner)
+
+    def _params_problem(self) -> str | None:
+        cfg = self.d.config
         for model_param, _ in self.float16_params():
             if type(model_param) is not torch.nn.Parameter:  # TE's fp8 / NVFP4 tensors
                 return (f"a parameter is a {type(model_param).__name__}. Train with bf16 "
@@ -165,6 +255,14 @@ class Internals:
                     "log_num_zeros_in_grad off, or set grad_reduce_in_fp32=True.")
         return None
 
+    def buffers(self) -> list:
+        """The DDP grad buffers holding d's model params' main grads."""
+        return list(self.d.buffers)
+
+    # Whether d.state_dict() holds the mains and the inner optimizer's state (refused: it
+    # would read them behind the pager's back).
+    state_dict_holds_state = False
+
     # -- parameters ----------------------------------------------------------------------
 
     @property
@@ -172,11 +270,16 @@ class Internals:
         """The torch optimizer that steps the mains."""
         return self.d.optimizer
 
+    def _groups(self) -> tuple[list, list, list]:
+        """d's per-param-group lists: the bf16/fp16 model params, their fp32 mains, and
+        the native fp32 model params."""
+        return (self.d.model_float16_groups, self.d.shard_fp32_from_float16_groups,
+                self.d.model_fp32_groups)
+
     def float16_params(self) -> list:
         """(model param, its fp32 main) of each bf16/fp16 model parameter of d."""
-        return [(m, main) for models, mains in zip(self.d.model_float16_groups,
-                                                    self.d.shard_fp32_from_float16_groups)
-                for m, main in zip(models, mains)]
+        models, mains, _ = self._groups()
+        return [(m, main) for ms, mains_ in zip(models, mains) for m, main in zip(ms, mains_)]
 
     def fp32_params(self) -> list:
         """(model param, its fp32 shard) of each native fp32 model parameter of d."""
@@ -189,8 +292,8 @@ class Internals:
         Megatron's groups and model_param.main_param. Returns {id(old): new}; the inner
         optimizer's references are the caller's."""
         moved = {}
-        for models, mains in zip(self.d.model_float16_groups,
-                                 self.d.shard_fp32_from_float16_groups):
+        model_groups, main_groups, _ = self._groups()
+        for models, mains in zip(model_groups, main_groups):
             for i, (model_param, main) in enumerate(zip(models, mains)):
                 new = replace(main)
                 if new is not None:
@@ -199,9 +302,8 @@ class Internals:
 
     def is_expert(self) -> bool:
         """Whether d steps expert-parallel parameters (not all-reduced over all ranks)."""
-        return any(not getattr(p, "allreduce", True)
-                   for group in self.d.model_float16_groups + self.d.model_fp32_groups
-                   for p in group)
+        models, _, fp32 = self._groups()
+        return any(not getattr(p, "allreduce", True) for group in models + fp32 for p in group)
 
     @staticmethod
     def grad_dtype(model_param) -> torch.dtype:
@@ -245,7 +347,7 @@ class Internals:
         the training loop's model.zero_grad_buffer() resets them (before it calls the
         optimizer's zero_grad). Set on the buffer instances, which d shares with the DDP
         model."""
-        for buffer in self.d.buffers:
+        for buffer in self.buffers():
             buffer.reset = functools.partial(handler, buffer, buffer.reset)
 
     @staticmethod
@@ -277,17 +379,74 @@ class Internals:
     def override(self, *, copy_grads, copy_mains_to_params, copy_params_to_mains,
                  state_dict, zero_grad, get_parameters=None, refused: dict) -> None:
         """Sets d's methods, on the instance (never its class): the hooks that
-        step_with_ready_grads and reload_model_params call, state_dict, zero_grad (what
-        ChainedOptimizer's and the training loop's zero_grad() call), get_parameters,
-        and callables that refuse each method named in `refused` ({name: refusal})."""
+        step_with_ready_grads and reload_model_params call, state_dict (unless None),
+        zero_grad (what ChainedOptimizer's and the training loop's zero_grad() call),
+        get_parameters, and callables that refuse each method named in `refused` ({name: refusal})."""
         d = self.d
         d.zero_grad = zero_grad
         d._copy_model_grads_to_main_grads = copy_grads
         d._copy_main_params_to_model_params = copy_mains_to_params
         d._copy_model_params_to_main_params = copy_params_to_mains
-        d.state_dict = state_dict
+        if state_dict is not None:
+            d.state_dict = state_dict
         if get_parameters is not None:
             d.get_parameters = get_parameters
         for name, refusal in refused.items():
             if hasattr(d, name):
                 setattr(d, name, refusal)
+
+
+class MixedPrecisionInternals(Internals):
+    """Megatron's view of one Float16OptimizerWithFloat16Params `d`, the member of a
+    non-distributed chain (SGD, Muon and the Adam beside it without
+    use_distributed_optimizer) and of a LayerWiseDistributedOptimizer: every bf16 model
+    param this rank steps is whole, with a whole fp32 main shaped like it (a "shard" here
+    is the whole param), and the mains are copied into the model params themselves."""
+
+    state_dict_holds_state = True
+
+    def __init__(self, d, chunks=()):
+        super().__init__(d)
+        self._chunks = list(chunks)
+
+    def unsupported(self) -> str | None:
+        ddp = next((c.ddp_config for c in self._chunks), None)
+        return self._config_problem(ddp) or self._params_problem()
+
+    def _groups(self) -> tuple[list, list, list]:
+        return self.d.float16_groups, self.d.fp32_from_float16_groups, self.d.fp32_from_fp32_groups
+
+    def fp32_params(self) -> list:
+        """(model param, itself) of each native fp32 model param: stepped in place."""
+        return [(p, p) for group in self.d.fp32_from_fp32_groups for p in group]
+
+    def shard(self, model_param, whole: torch.Tensor | None = None) -> torch.Tensor:
+        """`whole` (default model_param itself, detached), shaped like the main."""
+        return (model_param if whole is None else whole).detach().view(model_param.shape)
+
+    def grad_shard(self, model_param) -> torch.Tensor:
+        return model_param.main_grad
+
+    def param_buffer_slice(self, model_param) -> torch.Tensor:
+        """The model param itself (Megatron's main-to-model copy writes it)."""
+        return model_param.detach()
+
+    def state_dict_params(self, state_dict) -> dict:
+        raise _C.UsageError(
+            "reload_model_params(state_dict) with a Float16OptimizerWithFloat16Params: "
+            "Megatron does not initialize its main params from a state dict either. Load "
+            "the model's weights into the model, then call reload_model_params()")
+
+    def buffers(self) -> list:
+        """The grad buffers of the chain's model chunks that hold d's params' grads."""
+        mine = {id(p) for p, _ in self.float16_params() + self.fp32_params()}
+        return [b for c in self._chunks for b in c.buffers + c.expert_parallel_buffers
+                if any(id(p) in mine for p in b.params)]
+
+    def data_parallel_size(self) -> int:
+        """The world's size: a non-distributed chain all-reduces its grads over every
+        data-parallel rank, and the layer-wise one all-gathers the params after the step."""
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def overlaps_param_gather(self) -> bool:
+        return bool(getattr(self.d.config, "overlap_param_gather", False))

@@ -155,9 +155,6 @@ def options_from(args) -> Options:
 
 # (flag, test of Megatron's parsed arguments, why and what to do)
 _REFUSED = (
-    ("--use-distributed-optimizer is missing",
-     lambda a: not _on(a, "use_distributed_optimizer") and not _layer_wise(a),
-     "statepager pages Megatron's DistributedOptimizer: add --use-distributed-optimizer"),
     ("--use-megatron-fsdp", lambda a: _on(a, "use_megatron_fsdp"),
      "Megatron-FSDP manages the optimizer state itself: drop it"),
     ("--use-torch-fsdp2", lambda a: _on(a, "use_torch_fsdp2"),
@@ -218,13 +215,20 @@ def _layer_wise(args) -> bool:
     return _on(args, "use_layer_wise_distributed_optimizer")
 
 
-def refusals(args) -> list[str]:
-    """Why each Megatron flag in `args` (its parsed arguments) cannot run with statepager,
-    naming the flag and what to do; empty when all can."""
+def refusals(args, options: Options | None = None) -> list[str]:
+    """Why each Megatron flag in `args` (its parsed arguments) cannot run with statepager
+    and `options` (default Options()), naming the flag and what to do; empty when all
+    can."""
+    options = Options(directory="") if options is None else options
     out = [f"{flag}: {why}" for flag, test, why in _REFUSED if test(args)]
-    if _layer_wise(args):
-        out.append(f"--optimizer {args.optimizer}: its layer-wise distributed optimizer is "
-                   "not a DistributedOptimizer statepager can page: use --optimizer adam")
+    if not (_on(args, "use_distributed_optimizer") or _layer_wise(args)) \
+            and options.atomic == "bucket":
+        out.append("--use-distributed-optimizer is missing: without it Megatron builds a "
+                   "non-distributed optimizer, whose grad buffers statepager cannot reach "
+                   "to finish a resumable step (--statepager-atomic bucket) before they "
+                   "are zeroed: add --use-distributed-optimizer (--optimizer muon then "
+                   "builds the layer-wise one), or pass --statepager-atomic step (SGD, "
+                   "which Megatron's DistributedOptimizer refuses)")
     return out
 
 
@@ -232,7 +236,7 @@ def check(args) -> Options:
     """The Options of a run with Megatron arguments `args`, or RefusedConfiguration
     naming every flag to change."""
     options = options_from(args)
-    refused = refusals(args)
+    refused = refusals(args, options)
     if options.overlap_forward == "on":
         refused += [f"{flag} with --statepager-overlap-forward on: {why}"
                     for flag, test, why in _NOT_UNDER_THE_FORWARD if test(args)]

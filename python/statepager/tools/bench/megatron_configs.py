@@ -1,6 +1,6 @@
 """`bench megatron`'s configurations and options: what each configuration runs (unpaged,
 Megatron's own optimizer CPU offload, statepager in each on-disk format with its state on
-the store or in the pinned host tier), the command line that picks them, and the page
+the store or in the pinned host tier; Adam, or Muon unpaged and paged), the command line that picks them, and the page
 size and timeline those options imply."""
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from statepager.util.units import MiB
 # copies overlapped with it (HybridDeviceOptimizer).
 OFFLOAD = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                overlap_cpu_optimizer_d2h_h2d=True)
+# Muon for the matrices and Adam for the rest, as Megatron-LM's --optimizer muon
+# --use-distributed-optimizer builds them (the layer-wise chain). megatron-core 0.19 has no
+# offload of Muon's state to compare with (its optimizer_cpu_offload steps Adam or SGD).
+MUON = dict(optimizer="muon", layer_wise=True)
 # host: the Pager's host tier (host_budget) holds the whole paged state in pinned host
 # memory; the store on --dir is then only where a spill would go.
 CONFIGS = {
@@ -51,6 +55,13 @@ CONFIGS = {
     "host-q8-overlap": dict(pager=True, host=True, overlap=True, moments="q8",
                             mains="residual", what="statepager, q8 moments, residual mains, "
                                                    "host tier, steps under the forward"),
+    "muon-unpaged": dict(pager=False, setup=MUON,
+                         what="unpaged, Muon (layer-wise, Adam for the rest)"),
+    "muon-host-fp32": dict(pager=True, host=True, setup=MUON, moments="fp32", mains="fp32",
+                           what="statepager, Muon (layer-wise), fp32, state in the pinned "
+                                "host tier"),
+    "muon-fp32": dict(pager=True, setup=MUON, moments="fp32", mains="fp32",
+                      what="statepager, Muon (layer-wise), fp32, store on --dir"),
 }
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from statepager.tools.bench import floor as bench_floor
-from statepager.tools.bench.megatron_configs import CONFIGS
+from statepager.tools.bench.megatron_configs import CONFIGS, MUON
 from statepager.tools.bench.report import faster, multiple, show
 from statepager.util.units import GiB, MiB
 
@@ -241,7 +241,7 @@ def _offload_lines(done: dict) -> list[str]:
     lines = [f"  step against Megatron's offload ({step:.3f} s; opt.step {opt_step:.3f} s; "
              f"driver peak {_gib(peak)} GiB):"]
     for n, c in done.items():
-        if n == "offload":
+        if n == "offload" or _unpaged_of(n) != "unpaged":  # the offload steps Adam
             continue
         ours, used = _step(c, "opt_step_s"), _used(c)
         lines.append(f"    {n:9s} {_step(c):.3f} s: "
@@ -251,21 +251,29 @@ def _offload_lines(done: dict) -> list[str]:
     return lines
 
 
+def _unpaged_of(name: str) -> str:
+    """The unpaged configuration a configuration compares with: the same optimizer's."""
+    return "muon-unpaged" if CONFIGS[name].get("setup") == MUON else "unpaged"
+
+
 def _unpaged_lines(done: dict) -> list[str]:
-    """Each paged configuration's whole iteration (forward + backward + step) against
-    unpaged's: the paging it leaves exposed, and the multiple of the larger of unpaged's
-    iteration and the floor of its bytes (what steps under the forward can reach)."""
-    unpaged = done.get("unpaged")
-    paged = [(n, c) for n, c in done.items() if c["pager"]]
-    if not unpaged or not paged:
-        return []
-    base = _step(unpaged)
-    lines = [f"  the whole iteration against unpaged's ({base:.3f} s):"]
-    for n, c in paged:
-        floor = (c.get("floor") or {}).get("seconds") or 0.0
-        lines.append(f"    {n:9s} {_step(c):.3f} s = {_step(c) / base:.2f} x, paging exposed "
-                     f"{_step(c) - base:.3f} s; {_step(c) / max(base, floor):.2f} x the larger "
-                     f"of unpaged's and its floor ({floor:.3f} s)")
+    """Each paged configuration's whole iteration (forward + backward + step) against its
+    optimizer's unpaged one: the paging it leaves exposed, and the multiple of the larger
+    of unpaged's iteration and the floor of its bytes (what steps under the forward can
+    reach)."""
+    lines = []
+    for base_name in ("unpaged", "muon-unpaged"):
+        unpaged = done.get(base_name)
+        paged = [(n, c) for n, c in done.items() if c["pager"] and _unpaged_of(n) == base_name]
+        if not unpaged or not paged:
+            continue
+        base = _step(unpaged)
+        lines.append(f"  the whole iteration against {base_name}'s ({base:.3f} s):")
+        for n, c in paged:
+            floor = (c.get("floor") or {}).get("seconds") or 0.0
+            lines.append(f"    {n:9s} {_step(c):.3f} s = {_step(c) / base:.2f} x, paging "
+                         f"exposed {_step(c) - base:.3f} s; {_step(c) / max(base, floor):.2f} x "
+                         f"the larger of {base_name}'s and its floor ({floor:.3f} s)")
     return lines
 
 

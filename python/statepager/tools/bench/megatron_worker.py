@@ -128,7 +128,7 @@ def run_config(spec: dict) -> dict:
     setup = gpt.Setup(layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
                       vocab=spec["vocab"], seq=spec["seq"], batch=spec["micro_batch"],
                       grad_fp32=spec["grads"] == "fp32", steps=spec["warmup"] + spec["steps"],
-                      ddp_bucket=40_000_000, fp32_param=False)
+                      ddp_bucket=40_000_000, fp32_param=False, **config.get("setup", {}))
     model = gpt.build_model(setup)
     host_budget = 0
     if config.get("host"):
