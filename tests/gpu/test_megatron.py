@@ -114,6 +114,8 @@ CASES = {
                             attach=ALL_OR_NOTHING),
     "muon-layer-wise": dict(optimizer="muon", layer_wise=True),
     "muon-layer-wise-fp32-grads": dict(optimizer="muon", layer_wise=True, grad_fp32=True),
+    "muon-layer-wise-residual-mains": dict(optimizer="muon", layer_wise=True,
+                                           attach=dict(mains="residual")),
 }
 # The inner optimizers each case's members step with.
 INNER = {"sgd": ["SGD"], "sgd-fp32-grads": ["SGD"], "sgd-no-momentum": ["SGD"],
@@ -311,7 +313,9 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
 def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
     """binding.overlap_forward(model): Megatron's step() returns with the buckets left to
     the next forward, each stepped (and its mains in the param buffer, its grads zeroed)
-    before the first module using it runs; bit-identical to unpaged Megatron."""
+    before the first module using it runs; bit-identical to unpaged Megatron. In a chain
+    (Muon's layer-wise one) only the last member's steps are left to the forward: each
+    earlier one completes when the next begins."""
     options = dict(CASES[case])
     attach = options.pop("attach", {})
     setup = gpt.Setup(steps=6, **options)
@@ -326,6 +330,7 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
             losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
             run_ = stream.step_in_flight
             assert run_ is not None and run_.stepped == 0, "left to the next forward"
+            assert all(s.step_in_flight is None for s in binding.streams[:-1])
         for s in binding.streams:
             s.complete_step_in_flight()  # what the next forward would step
         gpt.finish(model)
@@ -417,11 +422,19 @@ def test_muon_window_is_checked_against_the_budget_at_attach(gpt, store_dir):
     needs when hbm_budget cannot hold it, before any step."""
     setup = gpt.Setup(steps=1, layers=1, hidden=1024, heads=8, ddp_bucket=4_000_000,
                       **CASES["muon-layer-wise"])
-    _, optimizer, _, _ = gpt.build(setup)  # its mains move into the pager at attach
+    model, optimizer, _, _ = gpt.build(setup)  # its mains move into the pager at attach
+    mains = [p.main_param for p in model.parameters() if hasattr(p, "main_param")]
+    groups = [list(g["params"]) for g in optimizer.param_groups]
     with Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=24 * MiB) as pager:
         with pytest.raises(_C.UsageError, match="hbm_budget 24 MiB cannot hold the step"):
             pager.attach(optimizer, bucket_size=4 * MiB)
         assert pager.bindings == ()
+        # Every member's mains are Megatron's own again, none in the pager.
+        assert all(p.main_param is m for p, m in zip(
+            [p for p in model.parameters() if hasattr(p, "main_param")], mains))
+        assert all(a is b for g, before in zip(optimizer.param_groups, groups)
+                   for a, b in zip(g["params"], before))
+        assert not any(pager.owns(m) for m in mains)
 
 
 @needs_emerging
@@ -447,13 +460,13 @@ def test_a_non_distributed_chain_refuses_resumable_steps_and_steps_under_the_for
     instead."""
     setup = gpt.Setup(steps=1, **{k: v for k, v in CASES["muon"].items() if k != "attach"})
     with Pager(store_dir, "cuda") as pager:
-        with pytest.raises(_C.UsageError, match="atomic='step'.*use_layer_wise"):
+        with pytest.raises(_C.UsageError, match="atomic='step'.*use_distributed_optimizer"):
             gpt.build(setup, pager)
         assert pager.bindings == ()
     with Pager(store_dir + "-step", "cuda") as pager:
         model, optimizer, scheduler, binding = gpt.build(
             setup, pager, attach_options=dict(atomic="step"))
-        with pytest.raises(_C.UsageError, match="do not know theirs or share them"):
+        with pytest.raises(_C.UsageError, match="do not know theirs"):
             binding.overlap_forward(model)
         gpt.train_step(setup, model, optimizer, scheduler, 0)
         with pytest.raises(_C.UsageError, match=r"statepager\.checkpoint\.save\(pager"):

@@ -148,11 +148,17 @@ def test_every_refused_flag_is_listed_at_once():
 @pytest.mark.parametrize("changes, flag", [
     (dict(overlap_param_gather=True), "--overlap-param-gather"),
     (dict(data_parallel_size=2), "data-parallel size > 1"),
+    (dict(use_distributed_optimizer=False, optimizer="sgd", statepager_atomic="step"),
+     "no --use-distributed-optimizer"),
+    (dict(use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True,
+          optimizer="muon", use_layer_wise_param_layout=False),
+     "--no-use-layer-wise-param-layout"),
 ])
 def test_steps_under_the_forward_refuse_what_reads_params_early(changes, flag):
     on = dict(statepager_overlap_forward="on")
     assert check(megatron_args(**on)) == Options("/sp", overlap_forward="on")
-    assert refusals(megatron_args(**changes)) == []  # without it, these run
+    args = megatron_args(**changes)
+    assert refusals(args, options_from(args)) == []  # without it, these run
     with pytest.raises(RefusedConfiguration,
                        match=f"{flag} with --statepager-overlap-forward on"):
         check(megatron_args(**changes, **on))
@@ -334,6 +340,18 @@ def test_build_attaches_inside_scope(tmp_path):
     assert run.binding.last.buckets >= 1
     with pytest.raises(statepager.UsageError, match="one Megatron optimizer per run"):
         run.build_optimizer(lambda: None)
+    run.close()
+
+
+def test_a_refused_attach_fails_every_rank_naming_it(tmp_path):
+    fake = FakeMegatron()
+    run = Run(fake, device="cpu")
+    run.options = Options(str(tmp_path / "store"), bucket_size=4096)
+    params = [torch.nn.Parameter(torch.randn(10))]
+    with pytest.raises(RanksFailedError, match="attaching the optimizer failed.*rank 0: "
+                                               "UsageError: LBFGS cannot be attached"):
+        run.build_optimizer(lambda: torch.optim.LBFGS(params))
+    assert run.optimizer is None
     run.close()
 
 

@@ -217,6 +217,28 @@ def attach_refused(store_dir, match: str, **attach) -> None:
         assert p.bindings == () and tree(store_dir) == before
 
 
+def test_attach_without_binding_plans_and_changes_nothing_until_bind(store_dir):
+    """attach(bind=False), as an integration plans several optimizers before attaching
+    any: the checks and the plan, and no binding, state or method of the optimizer's
+    changed until bind()."""
+    model, opt = model_and_optimizer()
+    with Pager(store_dir, page_size=64 * KiB) as p:
+        before = tree(store_dir)
+        binding = p.attach(opt, bind=False)
+        assert p.bindings == () and tree(store_dir) == before
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # torch's own step: nothing paged
+        assert p.stats()["bytes_written"] == 0 and not any(p.owns(v) for s in opt.state.values()
+                                                          for v in s.values())
+        binding.bind()
+        assert p.bindings == (binding,)
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        assert binding.last.buckets >= 1 and all(p.owns(s["exp_avg"]) for s in opt.state.values())
+        with pytest.raises(statepager.UsageError, match="already attached"):
+            p.attach(opt)
+
+
 def test_a_name_attach_takes_is_one_save_writes(store_dir, tmp_path):
     model, opt = model_and_optimizer()
     with Pager(store_dir, page_size=64 * KiB) as p:

@@ -28,7 +28,9 @@ MegatronBinding); it sets name, before_bucket, after_bucket, model_param and
 keep_resident itself, and passing any of them is refused (UsageError). hooks: a
 statepager.core.hooks.Hooks in place of the hook keywords (passing both is refused),
 which may add before_step and after_step, called around each step's buckets (the
-integrations' way in). Returns the StreamedOptimizer binding; its `.last` holds the last
+integrations' way in). bind=False: every check and the plan, and nothing attached yet;
+the binding's bind() attaches it (an integration attaching several optimizers checks
+them all first). Returns the StreamedOptimizer binding; its `.last` holds the last
 step's StepStats.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ from statepager.core.stream import StreamedOptimizer
 
 def attach(pager, optimizer, *, bucket_size, depth, log_steps, before_bucket, after_bucket,
            moments, mains, model_param, name, keep_resident, atomic, before_chunk,
-           after_chunk, hooks=None):
+           after_chunk, hooks=None, bind=True):
     """Pager.attach, under the Pager's lock: the binding (a StreamedOptimizer, or an
     adapter's own for an optimizer of another framework), which Pager.attach records.
     Every argument is checked before anything is made: the binding's store
@@ -56,6 +58,9 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, before_bucket, af
     pager.check_not_paused("attach()")
     adapter = adapters.find(optimizer)
     if adapter is not None:
+        if not bind:
+            raise _C.UsageError(f"attach(bind=False) is for torch optimizers, not a "
+                                f"{adapter.name} optimizer")
         adapters.refuse_set_options(adapter, {"name": name, **hooks.given()})
         return adapter.attach(pager, optimizer, bucket_size=bucket_size, depth=depth,
                               log_steps=log_steps, moments=moments, mains=mains,
@@ -68,4 +73,4 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, before_bucket, af
                             "Pager: give each attach() its own name")
     return StreamedOptimizer(pager, optimizer, hooks, bucket_size=bucket_size, depth=depth,
                              log_steps=log_steps, moments=moments, mains=mains,
-                             name=name, atomic=atomic)
+                             name=name, atomic=atomic, bind=bind)

@@ -391,24 +391,24 @@ class Pager:
                log_steps: bool = False, before_bucket=None, after_bucket=None,
                moments: str = "fp32", mains: str = "fp32", model_param=None,
                name: str | None = None, keep_resident=None, atomic="bucket",
-               before_chunk=None, after_chunk=None, hooks=None):
+               before_chunk=None, after_chunk=None, hooks=None, bind: bool = True):
         """Streams `optimizer`'s state through this pager: each step pages buckets of
         about `bucket_size` bytes in, steps them and pages them out, `depth` at most
         resident or in flight (None: chosen to fit hbm_budget). Returns its binding. The
-        keywords, and what Megatron's optimizers take: statepager.core.attach."""
-        binding = attach.attach(
+        keywords (bind=False: planned; its bind() attaches it): statepager.core.attach."""
+        return attach.attach(
             self, optimizer, bucket_size=bucket_size, depth=depth, log_steps=log_steps,
             before_bucket=before_bucket, after_bucket=after_bucket, moments=moments,
             mains=mains, model_param=model_param, name=name, keep_resident=keep_resident,
-            atomic=atomic, before_chunk=before_chunk, after_chunk=after_chunk, hooks=hooks)
-        if isinstance(binding, StreamedOptimizer):
-            self._bindings.append(binding)
-        return binding
+            atomic=atomic, before_chunk=before_chunk, after_chunk=after_chunk, hooks=hooks,
+            bind=bind)
+
+    def record_binding(self, binding: StreamedOptimizer) -> None:
+        self._bindings.append(binding)  # StreamedOptimizer.bind's, once attached
 
     @property
     def bindings(self) -> tuple:
-        """The attached optimizers' StreamedOptimizer bindings, in attach order (a
-        Megatron optimizer has one per member)."""
+        """The attached StreamedOptimizers, in attach order (one per Megatron member)."""
         return tuple(self._bindings)
 
     # -- the state at rest, between steps (statepager.checkpoint builds on these) ------

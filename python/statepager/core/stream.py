@@ -62,7 +62,8 @@ class StreamedOptimizer:
     def __init__(self, pager, optimizer: torch.optim.Optimizer, hooks: Hooks = Hooks(), *,
                  bucket_size: int | None, depth: int | None, log_steps: bool,
                  moments: str = "fp32",
-                 mains: str = "fp32", name: str = "opt0", atomic: str | bool = "bucket"):
+                 mains: str = "fp32", name: str = "opt0", atomic: str | bool = "bucket",
+                 bind: bool = True):
         # Pager.attach checked the arguments.
         if optimizer in _attached:
             raise _C.UsageError("this optimizer is already attached to a Pager")
@@ -93,6 +94,14 @@ class StreamedOptimizer:
         self._planner.fit(pager.hbm_budget, bucket_given=bucket_size is not None,
                           depth_given=depth is not None)
         self._refuse_a_window_over(pager.hbm_budget)
+        if bind:
+            self.bind()
+
+    def bind(self) -> None:
+        """Attaches the planned binding (what __init__ does unless bind=False, which
+        checks and plans and changes nothing): its state into the store, the optimizer's
+        methods replaced, the binding recorded in Pager.bindings."""
+        pager, optimizer = self.pager, self.optimizer
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
         pager.keep_at_least(self._planner.window())
@@ -103,6 +112,7 @@ class StreamedOptimizer:
         _attached.add(optimizer)
         optimizer_methods.replace(self, optimizer)
         state_access.wrap(self)  # its state readable between steps
+        pager.record_binding(self)
 
     # -- configuration -------------------------------------------------------------
 

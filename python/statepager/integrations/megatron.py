@@ -59,9 +59,9 @@ from statepager.integrations.megatron_member import MegatronMember
 def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | None = None,
            log_steps: bool = False, moments: str = "fp32", mains: str = "fp32",
            atomic="bucket"):
-    """Streams every DistributedOptimizer in `optimizer` through `pager`. Returns the
-    MegatronBinding; refuses (UsageError) a megatron-core outside the supported range
-    and configurations it cannot page exactly, before changing anything."""
+    """Streams every member of `optimizer` through `pager`. Returns the MegatronBinding;
+    refuses (UsageError) a megatron-core outside the supported range and configurations
+    it cannot page exactly, before changing anything."""
     internals.check_version()
     chunks = internals.model_chunks(optimizer)
     views = [(i, internals.view(m, chunks)) for i, m in internals.members(optimizer)]
@@ -70,11 +70,19 @@ def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | Non
         if problem is not None:
             raise _C.UsageError(f"statepager cannot page this Megatron optimizer: {problem}")
     binding = MegatronBinding(optimizer)
-    for i, view in views:
-        kind = "expert" if view.is_expert() else "dense"
-        binding.members.append(MegatronMember(
-            pager, view, f"{i}-{kind}", begins_step=not binding.members, bucket_size=bucket_size,
-            depth=depth, log_steps=log_steps, moments=moments, mains=mains, atomic=atomic))
+    try:  # every member planned (its window checked) before any is attached
+        for i, view in views:
+            kind = "expert" if view.is_expert() else "dense"
+            binding.members.append(MegatronMember(
+                pager, view, f"{i}-{kind}", begins_step=not binding.members,
+                bucket_size=bucket_size, depth=depth, log_steps=log_steps, moments=moments,
+                mains=mains, atomic=atomic))
+    except BaseException:
+        for m in reversed(binding.members):
+            m.undo_adoption()
+        raise
+    for m in binding.members:
+        m.bind()
     binding.megatron_step = internals.override_step(optimizer, binding.step)
     return binding
 
@@ -89,7 +97,8 @@ def _resumable_problem(view, atomic) -> str | None:
             "in (a non-distributed chain has no model chunks), and a resumable step "
             "(atomic='bucket', the default) must finish before model.zero_grad_buffer() "
             "zeroes them. Attach with atomic='step' (all or nothing) or atomic=False, or "
-            "build the optimizer layer-wise (use_layer_wise_distributed_optimizer=True)")
+            "build Adam with use_distributed_optimizer=True and Muon with "
+            "use_layer_wise_distributed_optimizer=True")
 
 
 adapters.register(adapters.Adapter(
@@ -137,8 +146,10 @@ class MegatronBinding:
             raise _C.UsageError(
                 "overlap_forward() keeps, per member, the grads of the mains a step in "
                 "flight has not stepped, in the member's own grad buffers: this chain's "
-                "members do not know theirs or share them (a non-distributed chain). Use "
-                "the distributed or layer-wise optimizer, or step without overlap_forward()")
+                "members do not know theirs (a non-distributed chain) or share them (a "
+                "layer-wise chain over one buffer layout). Use the distributed optimizer, "
+                "or the layer-wise one over Megatron-LM's layout, or step without "
+                "overlap_forward()")
         for m in self.members:
             size = m.megatron.data_parallel_size()
             if size > 1 or m.megatron.overlaps_param_gather():

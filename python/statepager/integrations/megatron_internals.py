@@ -34,6 +34,9 @@ CONTRACT = (
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "zero_grad",
      ["self", "set_to_none"]),
     ("megatron.core.optimizer.emerging_optimizers", None, "TensorParallelMuon", None),
+    ("megatron.core.parallel_state", None, "get_data_parallel_world_size",
+     ["with_context_parallel"]),
+    ("megatron.core.parallel_state", None, "get_expert_data_parallel_world_size", None),
     ("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", None,
      "HybridDeviceOptimizer", None),
     ("megatron.core.optimizer.optimizer", None, "_get_param_grad_norm_group", ["param"]),
@@ -84,11 +87,18 @@ CHECKPOINT_METHODS = (
 )
 
 
+_OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the state in "
+            "their own kernels. Turn use_precision_aware_optimizer and optimizer_cpu_offload "
+            "off; statepager takes their place.")
+
+
 def is_megatron(optimizer) -> bool:
-    """Megatron's optimizer wrappers (MegatronOptimizer: none is a torch optimizer); a torch
-    optimizer that Megatron defines (TensorParallelMuon) is a member's inner one."""
-    return (type(optimizer).__module__.startswith("megatron.")
-            and not isinstance(optimizer, torch.optim.Optimizer))
+    """Megatron's optimizers, the adapter's (its wrappers, and HybridDeviceOptimizer to be
+    refused); the torch optimizers of Megatron's emerging_optimizers (TensorParallelMuon)
+    are members' inner ones, attached as torch optimizers."""
+    module = type(optimizer).__module__
+    return (module.startswith("megatron.")
+            and not module.startswith("megatron.core.optimizer.emerging_optimizers"))
 
 
 def version() -> tuple:
@@ -120,9 +130,17 @@ def check_version() -> None:
 def members(optimizer) -> list:
     """(index, member) of each optimizer that `optimizer` steps parameters with: the
     leaves of its chain (a ChainedOptimizer's members, a LayerWiseDistributedOptimizer's,
-    nested), in the order Megatron steps them, or the optimizer itself; stubs left out."""
+    nested), in the order Megatron steps them, or the optimizer itself; stubs and members
+    without parameters on this rank left out (index: the place among all leaves)."""
     return [(i, m) for i, m in enumerate(_leaves(optimizer))
-            if not getattr(m, "is_stub_optimizer", False)]
+            if not getattr(m, "is_stub_optimizer", False) and _has_params(m)]
+
+
+def _has_params(member) -> bool:
+    """False for a member left without parameters on this rank (a layer-wise chain's,
+    where its whole params are all other ranks')."""
+    inner = getattr(member, "optimizer", None)
+    return inner is None or any(g["params"] for g in inner.param_groups)
 
 
 def _leaves(optimizer) -> list:
@@ -214,7 +232,11 @@ class Internals:
         """What in d's configuration statepager cannot page, with the fix; None if all
         is supported."""
         from megatron.core.optimizer import DistributedOptimizer
+        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import (
+            HybridDeviceOptimizer)
 
+        if isinstance(self.d, HybridDeviceOptimizer):
+            return _OFFLOAD
         if not isinstance(self.d, DistributedOptimizer):
             return (f"it is a {type(self.d).__name__}. Use the distributed optimizer "
                     "(OptimizerConfig.use_distributed_optimizer=True), or bf16 params "
@@ -231,9 +253,7 @@ class Internals:
             return "Megatron-FSDP manages the optimizer state itself. Turn use_megatron_fsdp off."
         if cfg.use_precision_aware_optimizer or getattr(cfg, "optimizer_cpu_offload", False) \
                 or isinstance(self.inner, HybridDeviceOptimizer):
-            return ("the precision-aware optimizer and optimizer CPU offload keep the state "
-                    "in their own kernels. Turn use_precision_aware_optimizer and "
-                    "optimizer_cpu_offload off; statepager takes their place.")
+            return _OFFLOAD
         if getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False) \
                 or getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
             return ("fp8/fp4 param gather (incl. the MXFP8 grad-buffer reuse) is not "
@@ -242,6 +262,10 @@ class Internals:
 
     def _params_problem(self) -> str | None:
         cfg = self.d.config
+        if any(not hasattr(m, "main_grad") for m, _ in self.float16_params() + self.fp32_params()):
+            return ("a model param has no main_grad: the model is not wrapped in Megatron's "
+                    "DistributedDataParallel. Wrap each model chunk in it before building "
+                    "the optimizer.")
         for model_param, _ in self.float16_params():
             if type(model_param) is not torch.nn.Parameter:  # TE's fp8 / NVFP4 tensors
                 return (f"a parameter is a {type(model_param).__name__}. Train with bf16 "
@@ -444,9 +468,14 @@ class MixedPrecisionInternals(Internals):
                 if any(id(p) in mine for p in b.params)]
 
     def data_parallel_size(self) -> int:
-        """The world's size: a non-distributed chain all-reduces its grads over every
-        data-parallel rank, and the layer-wise one all-gathers the params after the step."""
-        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        """The data-parallel ranks (expert ones for an expert member): a non-distributed
+        chain all-reduces its grads over them, and the layer-wise one all-gathers the
+        params after the step."""
+        from megatron.core import parallel_state
+
+        if self.is_expert():
+            return parallel_state.get_expert_data_parallel_world_size()
+        return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
 
     def overlaps_param_gather(self) -> bool:
         return bool(getattr(self.d.config, "overlap_param_gather", False))

@@ -184,11 +184,18 @@ class Run:
                            host_budget=o.host_budget, page_size=o.page_size)
         with self.pager.scope():
             optimizer = megatron_build()
-        self.binding = self.pager.attach(optimizer, bucket_size=o.bucket_size, depth=o.depth,
-                                         moments=o.moments, mains=o.mains,
-                                         atomic=o.attach_atomic())
-        if o.overlap_forward == "on":
-            self.binding.overlap_forward(*model_chunks)
+        def attach():
+            binding = self.pager.attach(optimizer, bucket_size=o.bucket_size, depth=o.depth,
+                                        moments=o.moments, mains=o.mains,
+                                        atomic=o.attach_atomic())
+            if o.overlap_forward == "on":
+                binding.overlap_forward(*model_chunks)
+            return binding
+
+        # Ranks may differ (a layer-wise chain gives each its own matrices): one refused
+        # fails every rank, none is left waiting in a collective.
+        self.binding, ok, reason = _attempt(attach)
+        agree(ok, reason, "attaching the optimizer")
         self.optimizer = optimizer
         if ranks.rank() == 0:
             print(f"statepager: optimizer state paged through {self.pager.directory} "

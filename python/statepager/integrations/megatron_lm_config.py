@@ -208,6 +208,13 @@ _NOT_UNDER_THE_FORWARD = (
      "drop one of them"),
     ("data-parallel size > 1", lambda a: (getattr(a, "data_parallel_size", 1) or 1) > 1,
      "run one data-parallel rank, or drop --statepager-overlap-forward"),
+    # The members' grads must be in grad buffers of their own that statepager reaches.
+    ("no --use-distributed-optimizer",
+     lambda a: not (_on(a, "use_distributed_optimizer") or _layer_wise(a)),
+     "add --use-distributed-optimizer"),
+    ("--no-use-layer-wise-param-layout",
+     lambda a: _layer_wise(a) and not getattr(a, "use_layer_wise_param_layout", True),
+     "drop it (Muon's and Adam's params then share grad buffers)"),
 )
 
 

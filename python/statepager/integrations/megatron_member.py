@@ -20,17 +20,19 @@ class MegatronMember:
     its Megatron hooks are this object's methods."""
 
     def __init__(self, pager, view, name: str, begins_step: bool = False, **options):
-        """view: Megatron's view of the member (megatron_internals.view). begins_step: the
-        member Megatron steps first, whose streamed step begins when its grads are ready,
-        to overlap the grad norm and clipping (at most one member does: the pager's
-        budget holds one step's window at a time)."""
+        """The member's mains moved into the pager and its binding planned, nothing of
+        Megatron's changed but the mains (undo_adoption() puts them back); bind()
+        attaches it. view: Megatron's view of the member (megatron_internals.view).
+        begins_step: the member Megatron steps first, whose streamed step begins when its
+        grads are ready, to overlap the grad norm and clipping (at most one member does:
+        the pager's budget holds one step's window at a time)."""
         self.pager = pager
         self.begins_step = begins_step
         self.optimizer = view.d  # the DistributedOptimizer or Float16 optimizer
         self.megatron = view
         # The mains' pieces follow the bucket size attach starts from (core.defaults).
-        self._adopt_mains(defaults.bucketing(pager.page_size, pager.hbm_budget,
-                                             options["bucket_size"], options["depth"])[0])
+        self._replaced = self._adopt_mains(defaults.bucketing(
+            pager.page_size, pager.hbm_budget, options["bucket_size"], options["depth"])[0])
         self.model_of: dict[int, torch.nn.Parameter] = {  # main -> model param
             id(main): model_param for model_param, main in self.megatron.float16_params()}
         self.bf16_grads = any(self.megatron.grad_dtype(p) != torch.float32
@@ -51,11 +53,20 @@ class MegatronMember:
         self._zero_after_step: set[int] = set()
         if self.bf16_grads:
             self._make_carriers()
-        self.stream = pager.attach(self.megatron.inner, name=name, hooks=Hooks(
-            before_bucket=self._grads_in, after_bucket=self._mains_out,
-            keep_resident=lambda p: not pager.owns(p), model_param=self._shard16,
-            before_chunk=self._grads_in_chunk, after_chunk=self._mains_out_chunk,
-            before_step=self._before_step, after_step=self._after_step), **options)
+        try:
+            self.stream = pager.attach(self.megatron.inner, name=name, bind=False, hooks=Hooks(
+                before_bucket=self._grads_in, after_bucket=self._mains_out,
+                keep_resident=lambda p: not pager.owns(p), model_param=self._shard16,
+                before_chunk=self._grads_in_chunk, after_chunk=self._mains_out_chunk,
+                before_step=self._before_step, after_step=self._after_step), **options)
+        except BaseException:
+            self.undo_adoption()
+            raise
+
+    def bind(self) -> None:
+        """Attaches the planned binding and sets the member's methods on Megatron's
+        instance and its grad buffers."""
+        self.stream.bind()
         checkpoints = internals.CHECKPOINT_METHODS + (
             ("state_dict",) if self.megatron.state_dict_holds_state else ())
         refused = {m: _refusal(m, "statepager holds this optimizer's state: save it with "
@@ -79,12 +90,13 @@ class MegatronMember:
 
     # -- setup -------------------------------------------------------------------------
 
-    def _adopt_mains(self, bucket_size: int) -> None:
+    def _adopt_mains(self, bucket_size: int) -> dict:
         """Mains built outside Pager.scope() move into the pager, keeping their
         attributes, as do mains that scope() made of one piece and that may step in
         chunks with bucket_size (slices.may_step_in_chunks: they are made of pieces);
         Megatron's references to each (its groups, the inner optimizer's param groups
-        and state, model_param.main_param) are repointed."""
+        and state, model_param.main_param) are repointed. Returns {id(new main): the
+        main it replaced}."""
         pager = self.pager
         # What scope() left resident goes out first: the budget may hold little more.
         pager.page_out([main for _, main in self.megatron.float16_params() if pager.owns(main)])
@@ -96,7 +108,19 @@ class MegatronMember:
                 if slices.may_step_in_chunks(main.numel(), bucket_size) else None
             if not pager.owns(main) or pager.pieces(main) != (pieces or [4 * main.numel()]):
                 fresh[id(main)] = self._paged_copy(main, pieces)
-        moved = self.megatron.replace_mains(lambda main: fresh.get(id(main)))
+        olds = {id(main): main for _, main in self.megatron.float16_params()}
+        self._repoint(self.megatron.replace_mains(lambda main: fresh.get(id(main))))
+        return {id(fresh[k]): olds[k] for k in fresh}
+
+    def undo_adoption(self) -> None:
+        """Megatron's references back to the mains it had before _adopt_mains (an attach
+        that fails after it leaves the optimizer as it was)."""
+        self._repoint(self.megatron.replace_mains(lambda main: self._replaced.get(id(main))))
+        self._replaced = {}
+
+    def _repoint(self, moved: dict) -> None:
+        """The inner optimizer's param groups and state, each main `moved` ({id(old):
+        new}) replaced."""
         inner = self.megatron.inner
         for group in inner.param_groups:
             for i, p in enumerate(group["params"]):
@@ -307,7 +331,7 @@ class MegatronMember:
         copied bucket by bucket already: paging them in again would read the whole state
         a second time. Elsewhere they are paged in to copy."""
         for model_param, shard in self.megatron.fp32_params():
-            self.megatron.param_buffer_slice(model_param).copy_(shard)
+            _copy_apart(self.megatron.param_buffer_slice(model_param), shard)
         if self.stream.step_in_flight is not None:
             return  # each bucket's mains go to the buffer as the forward steps it
         if self.mains_copied:
@@ -331,7 +355,7 @@ class MegatronMember:
             return self.megatron.shard(model_param, source.get(model_param, model_param))
 
         for model_param, shard in self.megatron.fp32_params():
-            shard.copy_(shard_of(model_param))
+            _copy_apart(shard, shard_of(model_param))
         # In the step's pieces: a main that steps in chunks is rebuilt chunk by chunk.
         for main, start, stop, entries in self.stream.state_in_pieces(write=True,
                                                                        rebuild_mains=True):
@@ -346,6 +370,13 @@ class MegatronMember:
         (torch's own, which does not read the paged tensors) serves it."""
         with self.stream.state_dict_by_reference():
             return self.megatron.state_dict_as_megatron()
+
+
+def _copy_apart(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target.copy_(source) unless both are the same memory (a Float16 member's native
+    fp32 params are the tensors its inner optimizer steps in place)."""
+    if target.data_ptr() != source.data_ptr():
+        target.copy_(source)
 
 
 def _refusal(method: str, instead: str):

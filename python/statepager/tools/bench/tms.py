@@ -88,7 +88,8 @@ def _child(size: int, repeat: int, device: torch.device, backup: str,
     from torch_memory_saver import torch_memory_saver as tms
 
     tms.hook_mode = "torch"
-    torch.cuda.set_device(torch.device(device).index or 0)  # "cuda" names no index
+    index = torch.device(device).index  # "cuda" names none: the current device
+    torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
     if backup == "disk":
         tms.set_disk_backup_dir(disk_dir)
     region = {"cpu": dict(enable_cpu_backup=True, cpu_backup_backend="pinned"),
