@@ -398,21 +398,27 @@ def test_refusals_name_what_to_use_instead(gpt, store_dir):
 
 
 @needs_emerging
-def test_muon_steps_whole_matrices_larger_than_a_bucket(gpt, store_dir):
+@pytest.mark.parametrize("case", ["muon-layer-wise", "muon"])
+def test_muon_steps_whole_matrices_larger_than_a_bucket(gpt, store_dir, case):
     """Newton-Schulz needs each matrix whole: with buckets smaller than the matrices, each
-    of Muon's matrices larger than a bucket is a bucket of its own, never chunks, and
-    the run matches unpaged Megatron bit for bit."""
-    options = dict(CASES["muon-layer-wise"])
-    setup = gpt.Setup(steps=4, **options)
+    of Muon's matrices larger than a bucket is a bucket of its own, never chunks, while
+    Adam's large params (the embedding) step in chunks (of its flat shards, or of whole
+    shaped mains in the non-distributed chain); the run matches unpaged Megatron bit for
+    bit."""
+    options = dict(CASES[case])
+    attach = options.pop("attach", {})
+    # An embedding of 4096 x 128: more than a chunk's least (slices.CHUNK_ALIGN elements).
+    setup = gpt.Setup(steps=4, vocab=4096, **options)
     base = run(gpt, setup)
     with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
-        paged = run(gpt, setup, pager, bucket_size=128 * 1024)
-        muon = paged[3][2].streams[0]
-        assert type(muon.optimizer).__name__ == "TensorParallelMuon"
+        paged = run(gpt, setup, pager, bucket_size=128 * 1024, **attach)
+        streams = {type(s.optimizer).__name__: s for s in paged[3][2].streams}
+        muon, adam = streams["TensorParallelMuon"], streams["AdamW"]
         assert all(not b.chunks for b in muon.buckets)
         big = [b for b in muon.buckets
                if any(p.numel() * 8 > 128 * 1024 for p in b.params)]
         assert big and all(len(b.params) == 1 for b in big)
+        assert any(b.chunks for b in adam.buckets)
     assert_same(base, paged, state_entries(paged[3][1]))
 
 
