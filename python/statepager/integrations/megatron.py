@@ -40,14 +40,13 @@ bucket_size is a bucket of its own, and attach checks that window against hbm_bu
 
 Each member of a chain is its own binding, named "<index>-dense" or "<index>-expert"
 (index: its place among the chain's leaves, stable across runs of the same model), with
-its own store, <the rank's pager directory>/<name>/; all share the rank's Pager (one page pool,
-one HBM budget, one I/O ring). Attaching checks the megatron-core version
+its own store, <the rank's pager directory>/<name>/; all share the rank's Pager (one page
+pool, one HBM budget, one I/O ring). Attaching checks the megatron-core version
 (megatron_internals.SUPPORTED) and refuses the Pager.attach options it sets itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 
 from statepager import _C
 from statepager.core import adapters
