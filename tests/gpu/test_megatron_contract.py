@@ -4,6 +4,7 @@ parameters it calls it with, in the installed megatron-core, and that release is
 supported range. The signatures are checked wherever megatron-core imports; the instance
 attributes on a built DistributedOptimizer (GPU). Skips when megatron-core is not
 installed. When Megatron changes, this test names what moved."""
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -97,4 +98,12 @@ def test_instance_attributes_of_a_built_mixed_precision_member(options):
         assert m.grad_shard(model_param).shape == main.shape
         # The layer-wise chain knows its model's grad buffers; a non-distributed one not.
         assert bool(m.buffers()) == bool(options.get("layer_wise"))
+        if type(d.optimizer).__name__ == "TensorParallelMuon":
+            for name in internals.MUON_ATTRIBUTES:
+                assert hasattr(d.optimizer, name), f"TensorParallelMuon has no {name}"
+            groups = d.optimizer.pg_collection  # a dataclass whose groups may be unset
+            fields = {f.name for f in dataclasses.fields(groups)} if groups else set()
+            for name in internals.MUON_GROUPS:
+                assert groups is None or name in fields, \
+                    f"TensorParallelMuon's pg_collection has no field {name}"
     megatron_gpt.finish(model)

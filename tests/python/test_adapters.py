@@ -4,6 +4,7 @@ Megatron adapter refuses a megatron-core outside its supported range before chan
 anything."""
 import importlib.util
 import re
+import types
 
 import pytest
 import torch
@@ -76,10 +77,39 @@ def test_megatron_inner_optimizers_not_checked_are_refused_by_name(module, name,
     assert f"{module}.{name}" in problem and re.search(match, problem)
 
 
-def test_megatron_inner_optimizers_paged():
+def _muon(tp_mode: str, **sizes) -> torch.optim.Optimizer:
+    """A TensorParallelMuon by name whose pg_collection's groups have `sizes` ranks."""
+    muon = _optimizer_named("megatron.core.optimizer.emerging_optimizers", "TensorParallelMuon")
+    muon.tp_mode = tp_mode
+    muon.pg_collection = types.SimpleNamespace(**{g: FakeGroup(n) for g, n in sizes.items()})
+    return muon
+
+
+class FakeGroup:
+    def __init__(self, size: int):
+        self.size = size
+
+
+@pytest.fixture
+def group_sizes(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: group.size)
+
+
+def test_megatron_inner_optimizers_paged(group_sizes):
     params = [torch.zeros(2, requires_grad=True)]
     for optimizer in (torch.optim.Adam(params), torch.optim.AdamW(params),
-                      torch.optim.SGD(params, lr=0.1),
-                      _optimizer_named("megatron.core.optimizer.emerging_optimizers",
-                                       "TensorParallelMuon")):
+                      torch.optim.SGD(params, lr=0.1), _muon("duplicated"),
+                      _muon("blockwise", tp=4, expt_tp=2, gtp_remat=1),
+                      _muon("distributed", tp=1)):
         assert megatron_internals.inner_problem(optimizer) is None
+
+
+@pytest.mark.parametrize("muon, groups", [
+    (dict(tp_mode="duplicated", tp=2), "tp"),
+    (dict(tp_mode="distributed", tp=2, expt_tp=4), "tp, expt_tp"),
+    (dict(tp_mode="blockwise", tp=2, gtp_remat=2), "gtp_remat"),
+])
+def test_megatron_muon_across_ranks_is_refused(group_sizes, muon, groups):
+    problem = megatron_internals.inner_problem(_muon(**muon))
+    assert f"span the ranks of its {groups} group" in problem
+    assert "--muon-tp-mode blockwise" in problem

@@ -73,6 +73,9 @@ MIXED_PRECISION_ATTRIBUTES = (
     "fp32_from_fp32_groups", "is_stub_optimizer",
 )
 MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config")
+# ... on a built TensorParallelMuon, and of its pg_collection (its process groups).
+MUON_ATTRIBUTES = ("tp_mode", "pg_collection")
+MUON_GROUPS = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
 # ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
 # main_grad views into grad_data.
 BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
@@ -184,7 +187,7 @@ def inner_problem(inner) -> str | None:
     if type(inner) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         return None
     if name == "megatron.core.optimizer.emerging_optimizers.TensorParallelMuon":
-        return None
+        return _muon_problem(inner, name)
     known = {
         "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam":
             "Transformer Engine's FusedAdam counts its step per param group and call, "
@@ -204,6 +207,30 @@ def inner_problem(inner) -> str | None:
         "and Megatron's TensorParallelMuon). Use one of those, or leave this optimizer "
         "unattached")
     return f"its inner optimizer is a {name}: {why}."
+
+
+def _muon_problem(muon, name: str) -> str | None:
+    """Why TensorParallelMuon `muon` cannot step in buckets: when a matrix spans ranks
+    (its tp_mode other than "blockwise" over a tensor-parallel group of several ranks, or
+    a GTP-remat group of several), Newton-Schulz gathers it in collectives, one per matrix
+    in step order, which steps in buckets have not been tested to keep in order on every
+    rank of the group."""
+    groups = muon.pg_collection
+    blockwise = muon.tp_mode == "blockwise"  # its own block: no tensor-parallel collective
+    wide = [g for g in MUON_GROUPS if _group_size(getattr(groups, g, None)) > 1
+            and not (blockwise and g in ("tp", "expt_tp"))]
+    if not wide:
+        return None
+    return (f"its inner optimizer is a {name} whose matrices span the ranks of its "
+            f"{', '.join(wide)} group (tp_mode {muon.tp_mode!r}): Newton-Schulz gathers "
+            "each matrix in collectives across that group, which statepager has not been "
+            "tested to keep in order. Use --muon-tp-mode blockwise (Megatron's default: "
+            "each rank orthogonalizes its own block), or tensor-parallel size 1.")
+
+
+def _group_size(group) -> int:
+    """The number of ranks in a torch.distributed group; 1 for None."""
+    return 1 if group is None else torch.distributed.get_world_size(group)
 
 
 def override_step(optimizer, step):
