@@ -10,8 +10,10 @@
 #                                   tests/gpu/test_split_gpt.py), pytest of those alone
 #   scripts/gpu.sh suite            build, then test
 #   scripts/gpu.sh bench [NAME...]  the benchmarks, default all of: map store sleep formats
-#                                   ckpt step tier megatron (tier: the host tier; megatron:
-#                                   `bench megatron`'s 1.34 B GPT, needs megatron-core)
+#                                   ckpt step tier megatron megatron-lm (tier: the host
+#                                   tier; megatron: `bench megatron`'s 1.34 B GPT, needs
+#                                   megatron-core; megatron-lm: the same GPT in Megatron-LM's
+#                                   pretrain_gpt.py, needs its scripts in .deps/megatron-lm)
 #   scripts/gpu.sh megatron-lm      Megatron-LM's pretrain_gpt.py through
 #                                   `python -m statepager.megatron_lm`
 #                                   (tests/gpu/test_megatron_lm.py; a log per run)
@@ -29,7 +31,8 @@
 # SHM, one in RAM (default /dev/shm/statepager-bench). bench megatron: MEGATRON_CONFIGS
 # (its --configs), MEGATRON_ARGS (more options, e.g. "--layers 12"), PLOT=path.png (the
 # step timeline of TIMELINE, default fp32, as path.json and, where matplotlib imports, the
-# PNG). traces: PARAMS (default 1.34e9, on DISK), SHM_PARAMS (default 5e8).
+# PNG). bench megatron-lm: MEGATRON_LM_CONFIGS (its --configs). traces: PARAMS (default
+# 1.34e9, on DISK), SHM_PARAMS (default 5e8).
 # Offline, from git-ignored folders: liburing (.deps/liburing) and GoogleTest
 # (.deps/googletest) for build; wheels in .whl/ (megatron-core, expecttest), installed into
 # /tmp/site; fio (.deps/fio, or .deps/fio.tar.xz unpacked: scripts/fetch_fio.sh);
@@ -44,7 +47,7 @@ OUT=${OUT:-/tmp/statepager-gpu-out}
 DISK=${DISK:-/tmp/statepager-bench}
 SHM=${SHM:-/dev/shm/statepager-bench}
 SITE=/tmp/site
-BENCHES="map store sleep formats ckpt step tier megatron"
+BENCHES="map store sleep formats ckpt step tier megatron megatron-lm"
 status=0
 
 usage() {  # the header above
@@ -259,6 +262,16 @@ bench_megatron() {
   # shellcheck disable=SC2086
   sp 0 bench megatron --dir "$SHM" --warmup 3 --steps 5 --timeout 200 --device-time \
     "${extra[@]}" ${MEGATRON_ARGS:-}
+}
+
+bench_megatron-lm() {
+  if [ ! -f .deps/megatron-lm/pretrain_gpt.py ]; then
+    echo "skipped: Megatron-LM's scripts are not in .deps/megatron-lm (core_r0.19.0)"
+    return
+  fi
+  # shellcheck disable=SC2086
+  sp 0 bench megatron-lm --megatron-lm .deps/megatron-lm --dir "$SHM" --timeout 300 \
+    ${MEGATRON_LM_CONFIGS:+--configs "$MEGATRON_LM_CONFIGS"}
 }
 
 cmd_bench() {

@@ -8,6 +8,7 @@ written as a Chrome trace, and the driver's peak covers torch's peak allocation.
 without megatron-core."""
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -115,3 +116,28 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
                      r"\(--device-time\): fp32 [0-9.]+ ms = [0-9.]+ x its opt\.step, host-q8 "
                      r"[0-9.]+ ms = [0-9.]+ x its opt\.step$", summary, re.M), summary
     assert " / fp32:" not in summary and "failed:" not in summary
+
+
+MEGATRON_LM = os.path.join(os.path.dirname(__file__), "..", "..", ".deps", "megatron-lm")
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(MEGATRON_LM, "pretrain_gpt.py")),
+                    reason="Megatron-LM's pretrain_gpt.py is not in .deps/megatron-lm "
+                           "(NVIDIA/Megatron-LM core_r0.19.0, git-ignored)")
+def test_bench_megatron_lm_times_pretrain_gpt_side_by_side(tmp_path):
+    """`bench megatron-lm`: Megatron-LM's own iterations, unpaged and paged (host tier,
+    under the forward), each with a median of its logged times and a driver peak."""
+    out = subprocess.run([sys.executable, "-m", "statepager", "bench", "megatron-lm",
+                          "--megatron-lm", MEGATRON_LM, "--dir", str(tmp_path / "work"),
+                          "--configs", "unpaged,host-fp32-overlap", "--layers", "2",
+                          "--hidden", "256", "--heads", "4", "--vocab", "1024", "--seq",
+                          "128", "--micro-batch", "2", "--iters", "6", "--bucket-size", "4M",
+                          "--page-size", "2M", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["failed"] == []
+    for c in r["configs"]:
+        assert sorted(map(int, c["iterations"])) == list(range(1, 7))
+        assert c["n"] == 3 and c["min_ms"] <= c["median_ms"] <= c["max_ms"]
+        assert c["driver_peak"] > 0

@@ -73,12 +73,12 @@ MIXED_PRECISION_ATTRIBUTES = (
     "fp32_from_fp32_groups", "is_stub_optimizer",
 )
 MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config")
-# ... on a built TensorParallelMuon, and of its pg_collection (its process groups).
-MUON_ATTRIBUTES = ("tp_mode", "pg_collection")
-MUON_GROUPS = ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat")
 # ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
 # main_grad views into grad_data.
 BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
+# ... on a built TensorParallelMuon; its pg_collection's groups (dataclass fields).
+MUON_ATTRIBUTES, MUON_GROUPS = ("tp_mode", "pg_collection"), ("tp", "expt_tp", "gtp_remat",
+                                                              "expt_gtp_remat")
 
 # Megatron's checkpoint methods that read the state behind the pager's back (refused).
 CHECKPOINT_METHODS = (
@@ -88,7 +88,6 @@ CHECKPOINT_METHODS = (
     "load_parameter_state_from_dp_reshardable", "load_parameter_state_from_fs_model_space",
     "load_parameter_state_from_fully_reshardable",
 )
-
 
 _OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the state in "
             "their own kernels. Turn use_precision_aware_optimizer and optimizer_cpu_offload "
@@ -180,9 +179,8 @@ def view(d, chunks=()) -> "Internals":
 
 def inner_problem(inner) -> str | None:
     """Why statepager cannot page the inner torch optimizer `inner` of a Megatron member,
-    with the fix; None for those it steps exactly in buckets: torch's Adam, AdamW and SGD,
-    and Megatron's TensorParallelMuon (whole matrices, never slices: its Newton-Schulz
-    iteration needs each one whole)."""
+    with the fix; None for those it steps exactly in buckets: torch's Adam, AdamW, SGD, and
+    TensorParallelMuon (in whole matrices: Newton-Schulz needs each one whole)."""
     name = f"{type(inner).__module__}.{type(inner).__qualname__}"
     if type(inner) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         return None
@@ -210,15 +208,14 @@ def inner_problem(inner) -> str | None:
 
 
 def _muon_problem(muon, name: str) -> str | None:
-    """Why TensorParallelMuon `muon` cannot step in buckets: when a matrix spans ranks
-    (its tp_mode other than "blockwise" over a tensor-parallel group of several ranks, or
-    a GTP-remat group of several), Newton-Schulz gathers it in collectives, one per matrix
-    in step order, which steps in buckets have not been tested to keep in order on every
-    rank of the group."""
+    """Why TensorParallelMuon `muon` cannot step in buckets: a matrix spanning ranks (its
+    tp_mode not "blockwise" over several tensor-parallel ranks, or a GTP-remat group) is
+    gathered in collectives, one per matrix in step order, untested in buckets."""
     groups = muon.pg_collection
-    blockwise = muon.tp_mode == "blockwise"  # its own block: no tensor-parallel collective
-    wide = [g for g in MUON_GROUPS if _group_size(getattr(groups, g, None)) > 1
-            and not (blockwise and g in ("tp", "expt_tp"))]
+    wide = [g for g in MUON_GROUPS  # blockwise: each rank orthogonalizes its own block
+            if (muon.tp_mode != "blockwise" or "gtp" in g)
+            and getattr(groups, g, None) is not None
+            and torch.distributed.get_world_size(getattr(groups, g)) > 1]
     if not wide:
         return None
     return (f"its inner optimizer is a {name} whose matrices span the ranks of its "
@@ -226,11 +223,6 @@ def _muon_problem(muon, name: str) -> str | None:
             "each matrix in collectives across that group, which statepager has not been "
             "tested to keep in order. Use --muon-tp-mode blockwise (Megatron's default: "
             "each rank orthogonalizes its own block), or tensor-parallel size 1.")
-
-
-def _group_size(group) -> int:
-    """The number of ranks in a torch.distributed group; 1 for None."""
-    return 1 if group is None else torch.distributed.get_world_size(group)
 
 
 def override_step(optimizer, step):

@@ -148,6 +148,11 @@ def parser(prog: str) -> argparse.ArgumentParser:
     bench_megatron.add_arguments(bench.add_parser(
         "megatron", help="a Megatron GPT: unpaged, Megatron's CPU offload and statepager's "
                          "formats, each in its own process (needs megatron-core)"))
+    from statepager.tools.bench import megatron_lm as bench_megatron_lm
+
+    bench_megatron_lm.add_arguments(bench.add_parser(
+        "megatron-lm", help="Megatron-LM's pretrain_gpt.py: unpaged, Megatron's CPU offload "
+                            "and statepager by its flags, its elapsed time per iteration"))
     return parser
 
 
@@ -185,6 +190,9 @@ def _run_bench(args) -> int:
     elif args.what == "megatron":
         # bench_megatron prints each configuration as it ends; the summary follows.
         from statepager.tools.bench.megatron import bench_megatron as run, print_summary as show
+    elif args.what == "megatron-lm":
+        from statepager.tools.bench.megatron_lm import (bench_megatron_lm as run,
+                                                        print_megatron_lm as show)
     elif args.what == "formats":
         from statepager.tools.bench.formats import bench_formats as run, print_formats as show
     else:

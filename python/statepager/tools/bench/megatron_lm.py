@@ -1,0 +1,266 @@
+"""python -m statepager bench megatron-lm: Megatron-LM's own pretrain_gpt.py (mock data, one
+GPU) side by side in one run: unpaged, Megatron's optimizer CPU offload, and statepager by
+its flags (python -m statepager.megatron_lm), with the state on the store (--dir) or in the
+pinned host tier, its step after backward or under the next forward.
+
+The GPT is bench megatron's (24 layers, hidden 2048, 16 heads, vocab 32000, seq 512,
+micro-batch 4, untied embeddings, fp32 grads with overlap_grad_reduce: 1.34 B params),
+trained through Megatron-LM's own loop, so the figure is the one Megatron-LM users read:
+its log's `elapsed time per iteration (ms)`, median of the iterations after the first
+--skip (the first builds the moments). Each configuration is one torchrun of its own, one
+after another; the device memory the driver saw at the run's peak is sampled beside it
+(NVML, by a child process: statepager.tools.bench.driver_memory). A configuration that
+fails keeps its log's last lines in the results; the others go on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from statepager import _C
+from statepager.tools.bench.common import bench_directory
+from statepager.tools.bench.megatron_configs import OFFLOAD
+from statepager.tools.cli_args import at_least, directory, size
+from statepager.tools.progress import Progress
+from statepager.util.units import GiB, MiB
+
+# Megatron-LM's flags for Megatron's own offload (bench megatron's OFFLOAD), which needs
+# its precision-aware optimizer.
+_OFFLOAD_FLAGS = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                  "--optimizer-offload-fraction", str(OFFLOAD["optimizer_offload_fraction"]),
+                  "--overlap-cpu-optimizer-d2h-h2d"]
+# paged: statepager's options (host: the host tier holds the state; overlap: steps under
+# the next forward).
+CONFIGS = {
+    "unpaged": dict(what="unpaged (state in device memory)"),
+    "offload": dict(flags=_OFFLOAD_FLAGS, what="Megatron optimizer_cpu_offload (fraction "
+                                               "1.0, overlapped d2h/h2d)"),
+    "fp32": dict(paged=dict(), what="statepager, fp32, store on --dir"),
+    "fp32-overlap": dict(paged=dict(overlap=True),
+                         what="statepager, fp32, store on --dir, steps under the forward"),
+    "host-fp32": dict(paged=dict(host=True), what="statepager, fp32, host tier"),
+    "host-fp32-overlap": dict(paged=dict(host=True, overlap=True),
+                              what="statepager, fp32, host tier, steps under the forward"),
+    "host-q8": dict(paged=dict(host=True, moments="q8", mains="residual"),
+                    what="statepager, q8 moments, residual mains, host tier"),
+    "host-q8-overlap": dict(paged=dict(host=True, moments="q8", mains="residual", overlap=True),
+                            what="statepager, q8 moments, residual mains, host tier, steps "
+                                 "under the forward"),
+}
+DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "host-fp32", "host-q8", "host-q8-overlap"]
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
+                   r"([0-9.]+) \|")
+
+
+def configs(text: str) -> list[str]:
+    """A comma-separated subset of CONFIGS, in the order given."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: configurations are {', '.join(CONFIGS)} (comma-separated, each once)")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"),
+                   help="Megatron-LM's checkout (core_r0.19.0: pretrain_gpt.py and "
+                        "megatron/training); default $MEGATRON_LM")
+    p.add_argument("--dir", required=True, type=directory,
+                   help="where the stores go (e.g. /dev/shm/sp): the bench makes a new "
+                        "directory in it and deletes it afterwards")
+    p.add_argument("--configs", type=configs, default=list(DEFAULT_CONFIGS),
+                   help=f"which to run, comma-separated, of {','.join(CONFIGS)} (default "
+                        f"{','.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--layers", type=at_least(1, "transformer layers"), default=24)
+    p.add_argument("--hidden", type=at_least(1, "hidden size"), default=2048)
+    p.add_argument("--heads", type=at_least(1, "attention heads"), default=16)
+    p.add_argument("--vocab", type=at_least(2, "vocabulary size"), default=32000)
+    p.add_argument("--seq", type=at_least(1, "sequence length"), default=512)
+    p.add_argument("--micro-batch", type=at_least(1, "sequences per iteration"), default=4)
+    p.add_argument("--bf16-grads", action="store_true",
+                   help="reduce grads in bf16 (default: fp32 grads)")
+    p.add_argument("--iters", type=at_least(2, "iterations"), default=14)
+    p.add_argument("--skip", type=at_least(1, "the first iteration builds the moments"),
+                   default=3, help="iterations not counted (default 3: the median of the "
+                                   "4th onward)")
+    p.add_argument("--bucket-size", type=size, default=size("512M"))
+    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=4)
+    p.add_argument("--page-size", type=size, default=size("256M"))
+    p.add_argument("--host-budget", type=size, default=None,
+                   help="the host-* configurations' --statepager-host-budget (default: "
+                        "twice their state, from the GPT's parameter count)")
+    p.add_argument("--timeout", type=at_least(1, "seconds"), default=900,
+                   help="seconds each configuration may take")
+    p.add_argument("--json", action="store_true")
+
+
+def gpt_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
+    """Parameters of Megatron's GPT (local layers, learned positions, untied output)."""
+    per_layer = 12 * hidden * hidden + 13 * hidden  # QKV, proj, 4h MLP, two LayerNorms
+    return layers * per_layer + 2 * vocab * hidden + seq * hidden + 2 * hidden
+
+
+def host_budget(args, moments: str, mains: str) -> int:
+    """Host tier bytes for two copies of the paged state (a resumable step keeps the old
+    bytes of what it has not committed), with 3 % and 256 MiB for the tier's rounding."""
+    n = gpt_params(args.layers, args.hidden, args.vocab, args.seq)
+    per_param = (4 if mains == "fp32" else 2) + (8 if moments == "fp32" else 2)
+    return int(2 * n * per_param * 1.03) + 256 * MiB
+
+
+def gpt_flags(args) -> list[str]:
+    """pretrain_gpt.py's arguments for the GPT (see the module doc)."""
+    a = args
+    flags = [
+        "--num-layers", a.layers, "--hidden-size", a.hidden, "--num-attention-heads", a.heads,
+        "--seq-length", a.seq, "--max-position-embeddings", a.seq,
+        "--micro-batch-size", a.micro_batch, "--global-batch-size", a.micro_batch,
+        "--train-iters", a.iters, "--lr", "1e-4", "--min-lr", "1e-5",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1",
+        "--clip-grad", "1.0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", a.vocab, "--untie-embeddings-and-output-weights",
+        "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
+    if not a.bf16_grads:
+        flags.append("--accumulate-allreduce-grads-in-fp32")
+    return [str(f) for f in flags]
+
+
+def command(name: str, args, work: str) -> list[str]:
+    """The torchrun of configuration `name`, its store under `work`."""
+    config = CONFIGS[name]
+    paged = config.get("paged")
+    flags = gpt_flags(args) + config.get("flags", [])
+    module = []
+    if paged is not None:
+        module = ["-m", "statepager.megatron_lm"]
+        moments, mains = paged.get("moments", "fp32"), paged.get("mains", "fp32")
+        flags += ["--statepager-dir", os.path.join(work, f"{name}-{{rank}}"),
+                  "--statepager-bucket-size", str(args.bucket_size),
+                  "--statepager-page-size", str(args.page_size),
+                  "--statepager-depth", str(args.depth),
+                  "--statepager-moments", moments, "--statepager-mains", mains]
+        if paged.get("host"):
+            budget = args.host_budget or host_budget(args, moments, mains)
+            flags += ["--statepager-host-budget", str(budget)]
+        if paged.get("overlap"):
+            flags += ["--statepager-overlap-forward", "on"]
+    script = os.path.join(args.megatron_lm, "pretrain_gpt.py")
+    return ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "1"] + module + [script] + flags)
+
+
+def iteration_times(log: str) -> dict[int, float]:
+    """{iteration: elapsed ms} of Megatron's iteration lines in `log`."""
+    return {int(i): float(ms) for i, ms in _LINE.findall(log)}
+
+
+def bench_megatron_lm(args) -> dict:
+    """Runs each configuration (see the module doc), printing each as it ends unless
+    --json; print_megatron_lm() prints the comparison."""
+    args.megatron_lm = args.megatron_lm and os.path.abspath(args.megatron_lm)
+    if not args.megatron_lm or not os.path.isfile(os.path.join(args.megatron_lm,
+                                                               "pretrain_gpt.py")):
+        raise _C.UsageError(
+            f"bench megatron-lm runs Megatron-LM's pretrain_gpt.py, which is not in "
+            f"{args.megatron_lm or '(no --megatron-lm and no $MEGATRON_LM)'}: pass "
+            "--megatron-lm with Megatron-LM's checkout (core_r0.19.0)")
+    r = {"model": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
+                                                  "micro_batch", "iters", "skip")},
+         "configs": []}
+    r["model"]["params"] = gpt_params(args.layers, args.hidden, args.vocab, args.seq)
+    with bench_directory(args.dir) as work, \
+            Progress("bench megatron-lm", len(args.configs)) as bar:
+        for name in args.configs:
+            bar.phase(f"{name}: {CONFIGS[name]['what']}")
+            c = run_config(name, command(name, args, work), args, work)
+            r["configs"].append(c)
+            if not args.json:
+                print(config_line(c), flush=True)
+    r["failed"] = [c["config"] for c in r["configs"] if "error" in c]
+    return r
+
+
+def run_config(name: str, cmd: list[str], args, work: str) -> dict:
+    """One configuration's run: its iteration times and driver peak, or its error."""
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([args.megatron_lm] + sys.path))
+    log_path = os.path.join(work, f"{name}.log")
+    sampler = _driver_sampler()
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log, sampler:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=work, timeout=args.timeout).returncode
+            error = None if rc == 0 else f"exit status {rc}"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {args.timeout} s"
+    with open(log_path) as f:
+        text = f.read()
+    times = iteration_times(text)
+    counted = [ms for i, ms in sorted(times.items()) if i > args.skip]
+    c = {"config": name, "what": CONFIGS[name]["what"], "iterations": times,
+         "seconds": time.perf_counter() - t0, "driver_peak": getattr(sampler, "peak", None)}
+    if error is None and not counted:
+        error = f"no iteration after the first {args.skip} logged"
+    if error is not None:
+        return dict(c, error=error, log_tail=text.splitlines()[-60:])  # torchrun adds ~30
+    return dict(c, median_ms=statistics.median(counted), min_ms=min(counted),
+                max_ms=max(counted), n=len(counted))
+
+
+class _NoSampler:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _driver_sampler():
+    """The driver's device memory peak over a `with` block, on CUDA; else nothing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return _NoSampler()
+    from statepager.tools.bench.driver_memory import DriverMemory
+
+    return DriverMemory().sampler()
+
+
+def config_line(c: dict) -> str:
+    if "error" in c:
+        tail = "\n".join("      " + line for line in c["log_tail"])
+        return f"  {c['config']:18s} failed: {c['error']}\n{tail}"
+    peak = c["driver_peak"]
+    memory = f"; driver peak {peak / GiB:.2f} GiB" if peak else ""
+    return (f"  {c['config']:18s} {c['median_ms']:7.1f} ms per iteration ({c['min_ms']:.1f}-"
+            f"{c['max_ms']:.1f}, n={c['n']}){memory}: {c['what']}")
+
+
+def print_megatron_lm(r: dict) -> None:
+    m = r["model"]
+    print(f"megatron-lm bench: pretrain_gpt.py, {m['params'] / 1e9:.3f} B params ({m['layers']} "
+          f"layers, hidden {m['hidden']}, {m['heads']} heads, vocab {m['vocab']}, seq "
+          f"{m['seq']}, micro-batch {m['micro_batch']}); elapsed time per iteration, median "
+          f"of iterations {m['skip'] + 1}-{m['iters']}")
+    ok = {c["config"]: c for c in r["configs"] if "error" not in c}
+    for base in ("unpaged", "offload"):
+        if base not in ok:
+            continue
+        others = [c for c in ok.values() if c["config"] != base]
+        if others:
+            print(f"  against {base}'s ({ok[base]['median_ms']:.1f} ms): " + "; ".join(
+                f"{c['config']} {c['median_ms'] / ok[base]['median_ms']:.2f} x"
+                for c in others))
+    for name in r["failed"]:
+        print(f"  {name} failed (its log's last lines are above)")

@@ -1,0 +1,144 @@
+"""`bench megatron-lm` on the CPU: the commands it runs (the GPT's flags, Megatron's
+offload flags, statepager's flags per configuration), and a whole run against a stand-in
+pretrain_gpt.py that logs Megatron-LM's iteration lines: the medians, the comparison, a
+failed configuration with its log's last lines, and a missing checkout named.
+tests/gpu/test_cuda_bench_megatron.py runs it on Megatron-LM itself."""
+import json
+import os
+import textwrap
+
+import pytest
+
+from statepager.tools import cli
+from statepager.tools.bench import megatron_lm
+
+# Logs Megatron-LM's iteration lines: iteration i takes 100 + i ms, 200 + i ms under
+# Megatron's offload flags.
+PRETRAIN_GPT = textwrap.dedent('''
+    import sys
+    argv = sys.argv[1:]
+    iters = int(argv[argv.index("--train-iters") + 1])
+    base = 200 if "--optimizer-cpu-offload" in argv else 100
+    for i in range(1, iters + 1):
+        print(f" [2026-12-03 10:00:00] iteration {i:8d}/{iters:8d} | consumed samples: "
+              f"{4 * i} | elapsed time per iteration (ms): {base + i:.1f} | learning rate: "
+              "1.0E-04 | lm loss: 6.9E+00 | grad norm: 1.000 |")
+''')
+
+
+def parse(tmp_path, *argv):
+    return cli.parser("statepager").parse_args(
+        ["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
+         str(tmp_path / "mlm"), *argv])
+
+
+def test_each_configuration_runs_pretrain_gpt_with_its_flags(tmp_path):
+    args = parse(tmp_path, "--configs", "unpaged,offload,host-q8-overlap,fp32")
+    assert args.configs == ["unpaged", "offload", "host-q8-overlap", "fp32"]
+    unpaged = megatron_lm.command("unpaged", args, "/w")
+    assert unpaged[:6] == [unpaged[0], "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "1"]
+    assert unpaged[6] == os.path.join(str(tmp_path / "mlm"), "pretrain_gpt.py")
+    flags = unpaged[7:]
+    for pair in (("--num-layers", "24"), ("--hidden-size", "2048"), ("--vocab-size", "32000"),
+                 ("--micro-batch-size", "4"), ("--global-batch-size", "4"),
+                 ("--train-iters", "14")):
+        i = flags.index(pair[0])
+        assert flags[i + 1] == pair[1]
+    assert "--accumulate-allreduce-grads-in-fp32" in flags and "--overlap-grad-reduce" in flags
+    assert not any(f.startswith("--statepager") for f in flags)
+    offload = megatron_lm.command("offload", args, "/w")
+    assert offload[7:] == flags + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                                   "--optimizer-offload-fraction", "1.0",
+                                   "--overlap-cpu-optimizer-d2h-h2d"]
+    q8 = megatron_lm.command("host-q8-overlap", args, "/w")
+    assert q8[6:8] == ["-m", "statepager.megatron_lm"]
+    extra = q8[9 + len(flags):]
+    budget = megatron_lm.host_budget(args, "q8", "residual")
+    assert extra == ["--statepager-dir", "/w/host-q8-overlap-{rank}",
+                     "--statepager-bucket-size", str(512 << 20),
+                     "--statepager-page-size", str(256 << 20), "--statepager-depth", "4",
+                     "--statepager-moments", "q8", "--statepager-mains", "residual",
+                     "--statepager-host-budget", str(budget),
+                     "--statepager-overlap-forward", "on"]
+    fp32 = megatron_lm.command("fp32", args, "/w")
+    assert "--statepager-host-budget" not in fp32 and "--statepager-overlap-forward" not in fp32
+    assert megatron_lm.command("unpaged", parse(tmp_path, "--bf16-grads"), "/w").count(
+        "--accumulate-allreduce-grads-in-fp32") == 0
+
+
+def test_the_parameter_count_is_the_1_34_b_gpt_of_bench_megatron():
+    assert megatron_lm.gpt_params(24, 2048, 32000, 512) == 1_340_723_200
+    # Two copies of 12 bytes per parameter (fp32 mains and moments), 3 % and 256 MiB more.
+    args = parse_defaults()
+    assert megatron_lm.host_budget(args, "fp32", "fp32") == \
+        int(2 * 1_340_723_200 * 12 * 1.03) + (256 << 20)
+
+
+def parse_defaults():
+    return cli.parser("statepager").parse_args(["bench", "megatron-lm", "--dir", "/tmp"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "fp32,nope"], "configurations are unpaged, offload"),
+    (["--configs", "fp32,fp32"], "each once"),
+    (["--skip", "0"], "the first iteration builds the moments"),
+])
+def test_bad_options_are_refused_with_a_message(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit):
+        parse(tmp_path, *argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_run_prints_medians_side_by_side(tmp_path, capsys):
+    (tmp_path / "mlm").mkdir()
+    (tmp_path / "mlm" / "pretrain_gpt.py").write_text(PRETRAIN_GPT)
+    code = cli.main(["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
+                     str(tmp_path / "mlm"), "--configs", "unpaged,offload", "--iters", "8",
+                     "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # Iterations 4-8: 104-108 ms unpaged, 204-208 ms under the offload's flags.
+    assert "unpaged              106.0 ms per iteration (104.0-108.0, n=5)" in out, out
+    assert "offload              206.0 ms per iteration (204.0-208.0, n=5)" in out, out
+    assert "median of iterations 4-8" in out
+    assert "against unpaged's (106.0 ms): offload 1.94 x" in out
+    assert not os.listdir(tmp_path / "work")  # the bench's own directory is gone
+
+
+def test_a_failed_configuration_keeps_its_log_tail_and_the_others_run(tmp_path, capsys):
+    """statepager's flags need Megatron-LM's training code, which the stand-in lacks: the
+    paged run fails naming it, the unpaged one after it still runs."""
+    (tmp_path / "mlm").mkdir()
+    (tmp_path / "mlm" / "pretrain_gpt.py").write_text(PRETRAIN_GPT)
+    code = cli.main(["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
+                     str(tmp_path / "mlm"), "--configs", "fp32,unpaged", "--iters", "5",
+                     "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "fp32               failed: exit status 1" in out, out
+    assert "not importable" in out, out
+    assert "unpaged              104.5 ms per iteration (104.0-105.0, n=2)" in out
+    assert "fp32 failed" in out
+
+
+def test_json_results_hold_every_iteration(tmp_path, capsys):
+    (tmp_path / "mlm").mkdir()
+    (tmp_path / "mlm" / "pretrain_gpt.py").write_text(PRETRAIN_GPT)
+    code = cli.main(["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
+                     str(tmp_path / "mlm"), "--configs", "unpaged", "--iters", "5", "--skip",
+                     "1", "--json"])
+    assert code == 0
+    r = json.loads(capsys.readouterr().out)
+    (c,) = r["configs"]
+    assert c["iterations"] == {str(i): 100.0 + i for i in range(1, 6)}
+    assert (c["median_ms"], c["n"]) == (103.5, 4)
+    assert r["failed"] == []
+
+
+def test_a_missing_checkout_is_named(tmp_path, capsys):
+    code = cli.main(["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
+                     str(tmp_path / "nowhere")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "pretrain_gpt.py" in err and "--megatron-lm" in err
