@@ -81,7 +81,7 @@ def parse_defaults():
 
 @pytest.mark.parametrize("argv, message", [
     (["--configs", "fp32,nope"], "configurations are unpaged, offload"),
-    (["--configs", "fp32,fp32"], "each once"),
+    (["--configs", "fp32,fp32"], "names a configuration twice"),
     (["--skip", "0"], "the first iteration builds the moments"),
 ])
 def test_bad_options_are_refused_with_a_message(capsys, tmp_path, argv, message):
@@ -90,31 +90,30 @@ def test_bad_options_are_refused_with_a_message(capsys, tmp_path, argv, message)
     assert message in capsys.readouterr().err
 
 
-def test_a_run_prints_medians_side_by_side(tmp_path, capsys):
+def run_bench(tmp_path, capsys, *argv) -> tuple[int, str]:
+    """bench megatron-lm against the stand-in pretrain_gpt.py: (exit status, stdout)."""
     (tmp_path / "mlm").mkdir()
     (tmp_path / "mlm" / "pretrain_gpt.py").write_text(PRETRAIN_GPT)
     code = cli.main(["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
-                     str(tmp_path / "mlm"), "--configs", "unpaged,offload", "--iters", "8",
-                     "--timeout", "120"])
-    out = capsys.readouterr().out
+                     str(tmp_path / "mlm"), "--timeout", "120", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_a_run_prints_medians_side_by_side(tmp_path, capsys):
+    code, out = run_bench(tmp_path, capsys, "--configs", "unpaged,offload", "--iters", "8")
     assert code == 0, out
     # Iterations 4-8: 104-108 ms unpaged, 204-208 ms under the offload's flags.
-    assert "unpaged              106.0 ms per iteration (104.0-108.0, n=5)" in out, out
-    assert "offload              206.0 ms per iteration (204.0-208.0, n=5)" in out, out
-    assert "median of iterations 4-8" in out
-    assert "against unpaged's (106.0 ms): offload 1.94 x" in out
+    for shown in ("unpaged              106.0 ms per iteration (104.0-108.0, n=5)",
+                  "offload              206.0 ms per iteration (204.0-208.0, n=5)",
+                  "median of iterations 4-8", "against unpaged's (106.0 ms): offload 1.94 x"):
+        assert shown in out, out
     assert not os.listdir(tmp_path / "work")  # the bench's own directory is gone
 
 
 def test_a_failed_configuration_keeps_its_log_tail_and_the_others_run(tmp_path, capsys):
     """statepager's flags need Megatron-LM's training code, which the stand-in lacks: the
     paged run fails naming it, the unpaged one after it still runs."""
-    (tmp_path / "mlm").mkdir()
-    (tmp_path / "mlm" / "pretrain_gpt.py").write_text(PRETRAIN_GPT)
-    code = cli.main(["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
-                     str(tmp_path / "mlm"), "--configs", "fp32,unpaged", "--iters", "5",
-                     "--timeout", "120"])
-    out = capsys.readouterr().out
+    code, out = run_bench(tmp_path, capsys, "--configs", "fp32,unpaged", "--iters", "5")
     assert code == 1, out
     assert "fp32               failed: exit status 1" in out, out
     assert "not importable" in out, out
@@ -123,13 +122,10 @@ def test_a_failed_configuration_keeps_its_log_tail_and_the_others_run(tmp_path, 
 
 
 def test_json_results_hold_every_iteration(tmp_path, capsys):
-    (tmp_path / "mlm").mkdir()
-    (tmp_path / "mlm" / "pretrain_gpt.py").write_text(PRETRAIN_GPT)
-    code = cli.main(["bench", "megatron-lm", "--dir", str(tmp_path / "work"), "--megatron-lm",
-                     str(tmp_path / "mlm"), "--configs", "unpaged", "--iters", "5", "--skip",
-                     "1", "--json"])
+    code, out = run_bench(tmp_path, capsys, "--configs", "unpaged", "--iters", "5", "--skip",
+                          "1", "--json")
     assert code == 0
-    r = json.loads(capsys.readouterr().out)
+    r = json.loads(out)
     (c,) = r["configs"]
     assert c["iterations"] == {str(i): 100.0 + i for i in range(1, 6)}
     assert (c["median_ms"], c["n"]) == (103.5, 4)

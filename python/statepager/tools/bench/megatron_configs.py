@@ -66,16 +66,19 @@ CONFIGS = {
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
 
 
-def configs(text: str) -> list[str]:
-    """A comma-separated subset of CONFIGS, in the order given."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: configurations are {', '.join(CONFIGS)} (comma-separated)")
-    if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"{text!r} names a configuration twice")
-    return names
+def names_of(table: dict):
+    """The --configs type of a table of configurations: a comma-separated subset of it, in
+    the order given, each once."""
+    def configs(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in table]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: configurations are {', '.join(table)} (comma-separated)")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{text!r} names a configuration twice")
+        return names
+    return configs
 
 
 def paged_config(text: str) -> str:
@@ -93,17 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the pager's stores and the fio floor's files go (e.g. "
                         "/dev/shm/sp): the bench makes a new directory in it and deletes it "
                         "afterwards")
-    p.add_argument("--configs", type=configs, default=list(DEFAULT_CONFIGS),
-                   help=f"which to run, comma-separated, of {','.join(CONFIGS)} (default "
-                        f"{','.join(DEFAULT_CONFIGS)})")
-    p.add_argument("--layers", type=at_least(1, "transformer layers"), default=24)
-    p.add_argument("--hidden", type=at_least(1, "hidden size"), default=2048)
-    p.add_argument("--heads", type=at_least(1, "attention heads"), default=16)
-    p.add_argument("--vocab", type=at_least(2, "vocabulary size"), default=32000)
-    p.add_argument("--seq", type=at_least(1, "sequence length"), default=512)
-    p.add_argument("--micro-batch", type=at_least(1, "sequences per step"), default=4)
-    p.add_argument("--bf16-grads", action="store_true",
-                   help="reduce grads in bf16 (default: fp32 grads, grad_reduce_in_fp32)")
+    add_gpt_arguments(p, CONFIGS, DEFAULT_CONFIGS)
     p.add_argument("--warmup", type=at_least(1, "the first step creates the moments, so "
                                                 "it is not timed"), default=3)
     p.add_argument("--steps", type=at_least(1, "timed steps"), default=5)
@@ -146,6 +139,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=plot_file, metavar="FILE.png",
                    help="draw that step's timeline (needs matplotlib: statepager[plot])")
     p.add_argument("--json", action="store_true")
+
+
+def add_gpt_arguments(p: argparse.ArgumentParser, table: dict, default: list) -> None:
+    """--configs (of `table`) and the GPT's shape, shared with bench megatron-lm; the
+    defaults are a 1.34 B GPT."""
+    p.add_argument("--configs", type=names_of(table), default=list(default),
+                   help=f"which to run, comma-separated, of {','.join(table)} (default "
+                        f"{','.join(default)})")
+    p.add_argument("--layers", type=at_least(1, "transformer layers"), default=24)
+    p.add_argument("--hidden", type=at_least(1, "hidden size"), default=2048)
+    p.add_argument("--heads", type=at_least(1, "attention heads"), default=16)
+    p.add_argument("--vocab", type=at_least(2, "vocabulary size"), default=32000)
+    p.add_argument("--seq", type=at_least(1, "sequence length"), default=512)
+    p.add_argument("--micro-batch", type=at_least(1, "sequences per step"), default=4)
+    p.add_argument("--bf16-grads", action="store_true",
+                   help="reduce grads in bf16 (default: fp32 grads, grad_reduce_in_fp32)")
 
 
 def page_for(bucket: int) -> int:

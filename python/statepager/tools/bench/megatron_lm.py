@@ -24,7 +24,7 @@ import time
 
 from statepager import _C
 from statepager.tools.bench.common import bench_directory
-from statepager.tools.bench.megatron_configs import OFFLOAD
+from statepager.tools.bench.megatron_configs import OFFLOAD, add_gpt_arguments
 from statepager.tools.cli_args import at_least, directory, size
 from statepager.tools.progress import Progress
 from statepager.util.units import GiB, MiB
@@ -57,16 +57,6 @@ _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(
                    r"([0-9.]+) \|")
 
 
-def configs(text: str) -> list[str]:
-    """A comma-separated subset of CONFIGS, in the order given."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: configurations are {', '.join(CONFIGS)} (comma-separated, each once)")
-    return names
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"),
                    help="Megatron-LM's checkout (core_r0.19.0: pretrain_gpt.py and "
@@ -74,17 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", required=True, type=directory,
                    help="where the stores go (e.g. /dev/shm/sp): the bench makes a new "
                         "directory in it and deletes it afterwards")
-    p.add_argument("--configs", type=configs, default=list(DEFAULT_CONFIGS),
-                   help=f"which to run, comma-separated, of {','.join(CONFIGS)} (default "
-                        f"{','.join(DEFAULT_CONFIGS)})")
-    p.add_argument("--layers", type=at_least(1, "transformer layers"), default=24)
-    p.add_argument("--hidden", type=at_least(1, "hidden size"), default=2048)
-    p.add_argument("--heads", type=at_least(1, "attention heads"), default=16)
-    p.add_argument("--vocab", type=at_least(2, "vocabulary size"), default=32000)
-    p.add_argument("--seq", type=at_least(1, "sequence length"), default=512)
-    p.add_argument("--micro-batch", type=at_least(1, "sequences per iteration"), default=4)
-    p.add_argument("--bf16-grads", action="store_true",
-                   help="reduce grads in bf16 (default: fp32 grads)")
+    add_gpt_arguments(p, CONFIGS, DEFAULT_CONFIGS)
     p.add_argument("--iters", type=at_least(2, "iterations"), default=14)
     p.add_argument("--skip", type=at_least(1, "the first iteration builds the moments"),
                    default=3, help="iterations not counted (default 3: the median of the "
