@@ -126,18 +126,20 @@ MEGATRON_LM = os.path.join(os.path.dirname(__file__), "..", "..", ".deps", "mega
                            "(NVIDIA/Megatron-LM core_r0.19.0, git-ignored)")
 def test_bench_megatron_lm_times_pretrain_gpt_side_by_side(tmp_path):
     """`bench megatron-lm`: Megatron-LM's own iterations, unpaged and paged (host tier,
-    under the forward), each with a median of its logged times and a driver peak."""
+    under the forward), each with a median of its logged times and a driver peak, and with
+    an async save every 3 iterations the iterations under a save timed apart."""
     out = subprocess.run([sys.executable, "-m", "statepager", "bench", "megatron-lm",
                           "--megatron-lm", MEGATRON_LM, "--dir", str(tmp_path / "work"),
                           "--configs", "unpaged,host-fp32-overlap", "--layers", "2",
                           "--hidden", "256", "--heads", "4", "--vocab", "1024", "--seq",
-                          "128", "--micro-batch", "2", "--iters", "6", "--bucket-size", "4M",
-                          "--page-size", "2M", "--json"],
+                          "128", "--micro-batch", "2", "--iters", "8", "--bucket-size", "4M",
+                          "--page-size", "2M", "--save-interval", "3", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["failed"] == []
     for c in r["configs"]:
-        assert sorted(map(int, c["iterations"])) == list(range(1, 7))
-        assert c["n"] == 3 and c["min_ms"] <= c["median_ms"] <= c["max_ms"]
+        assert sorted(map(int, c["iterations"])) == list(range(1, 9))
+        assert c["n"] == 5 and c["min_ms"] <= c["median_ms"] <= c["max_ms"]
         assert c["driver_peak"] > 0
+        assert c["saving_wall_n"] >= 1 and c["quiet_wall_n"] >= 1  # saves at 3 and 6

@@ -12,17 +12,32 @@ import pytest
 from statepager.tools import cli
 from statepager.tools.bench import megatron_lm
 
-# Logs Megatron-LM's iteration lines: iteration i takes 100 + i ms, 200 + i ms under
-# Megatron's offload flags.
+# Logs Megatron-LM's iteration lines on a clock of its own: iteration i takes 100 + i ms,
+# 200 + i ms under Megatron's offload flags. With --save-interval N: after each N-th
+# iteration a save's call blocks 50 ms, and the next iteration, under the save, 30 ms more.
 PRETRAIN_GPT = textwrap.dedent('''
-    import sys
+    import datetime, sys
     argv = sys.argv[1:]
     iters = int(argv[argv.index("--train-iters") + 1])
+    every = int(argv[argv.index("--save-interval") + 1]) if "--save-interval" in argv else 0
     base = 200 if "--optimizer-cpu-offload" in argv else 100
+    clock = datetime.datetime(2026, 12, 3, 10)
+    def at(ms):
+        global clock
+        clock += datetime.timedelta(milliseconds=ms)
+        return clock.isoformat(" ")
+    saving = False
     for i in range(1, iters + 1):
-        print(f" [2026-12-03 10:00:00] iteration {i:8d}/{iters:8d} | consumed samples: "
-              f"{4 * i} | elapsed time per iteration (ms): {base + i:.1f} | learning rate: "
-              "1.0E-04 | lm loss: 6.9E+00 | grad norm: 1.000 |")
+        ms = base + i + (30 if saving else 0)
+        print(f" [{at(ms)}] iteration {i:8d}/{iters:8d} | consumed samples: {4 * i} | "
+              f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.0E-04 | "
+              "lm loss: 6.9E+00 | grad norm: 1.000 |")
+        if saving:
+            print(f"  [{at(0)}] successfully saved checkpoint from iteration {i - 1:7d}")
+            saving = False
+        if every and i % every == 0 and i < iters:
+            print(f"  [{at(50)}] scheduled an async checkpoint save at iteration {i:7d}")
+            saving = True
 ''')
 
 
@@ -127,9 +142,32 @@ def test_json_results_hold_every_iteration(tmp_path, capsys):
     assert code == 0
     r = json.loads(out)
     (c,) = r["configs"]
-    assert c["iterations"] == {str(i): 100.0 + i for i in range(1, 6)}
+    assert {int(i): it["ms"] for i, it in c["iterations"].items()} == \
+        {i: 100.0 + i for i in range(1, 6)}
+    assert [c["iterations"][str(i)]["wall_ms"] for i in range(1, 6)] == \
+        [None, 102.0, 103.0, 104.0, 105.0]
     assert (c["median_ms"], c["n"]) == (103.5, 4)
     assert r["failed"] == []
+
+
+def test_iterations_under_an_async_save_are_timed_apart_by_the_wall_clock(tmp_path, capsys):
+    """--save-interval 3: iterations 4 and 7 run under a save, their wall time 50 ms (the
+    save's call) + 30 ms more than their neighbours'; Megatron's own time misses the 50."""
+    code, out = run_bench(tmp_path, capsys, "--configs", "unpaged", "--iters", "9",
+                          "--save-interval", "3", "--json")
+    assert code == 0, out
+    (c,) = json.loads(out)["configs"]
+    saving = sorted(int(i) for i, it in c["iterations"].items() if it["saving"])
+    assert saving == [4, 7]
+    assert c["iterations"]["4"]["ms"] == 134.0 and c["iterations"]["4"]["wall_ms"] == 184.0
+    assert (c["saving_wall_median_ms"], c["saving_wall_n"]) == (185.5, 2)
+    assert (c["quiet_wall_median_ms"], c["quiet_wall_n"]) == (107.0, 4)  # 5, 6, 8, 9
+    line = megatron_lm.config_line(c)
+    assert "185.5 ms with a save in flight (n=2), 107.0 ms without (n=4): 1.73 x" in line
+    flags = megatron_lm.command("unpaged", parse(tmp_path, "--save-interval", "3"), "/w")
+    assert flags[-2:] == ["--save", "/w/ckpt-unpaged"]
+    for flag in ("--async-save", "--use-persistent-ckpt-worker"):
+        assert flag in flags
 
 
 def test_a_missing_checkout_is_named(tmp_path, capsys):

@@ -11,10 +11,18 @@ its log's `elapsed time per iteration (ms)`, median of the iterations after the 
 after another; the device memory the driver saw at the run's peak is sampled beside it
 (NVML, by a child process: statepager.tools.bench.driver_memory). A configuration that
 fails keeps its log's last lines in the results; the others go on.
+
+With --save-interval N each run also saves every N iterations with --async-save (Megatron's
+torch_dist checkpoint beside statepager's part), and each counted iteration is put in one
+of two sets by the log's order: those logged while a save is in flight (after Megatron's
+"scheduled an async checkpoint save" and before its "successfully saved checkpoint") and
+the others. Their times are wall-clock, from one iteration line's timestamp to the next:
+Megatron's own elapsed time leaves out the time its save call blocks the training thread.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 import statistics
@@ -53,8 +61,9 @@ CONFIGS = {
                                  "under the forward"),
 }
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "host-fp32", "host-q8", "host-q8-overlap"]
-_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
-                   r"([0-9.]+) \|")
+_LINE = re.compile(r"\[([0-9-]+ [0-9:.]+)\] iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per "
+                   r"iteration \(ms\): ([0-9.]+) \|")
+_SCHEDULED, _SAVED = "scheduled an async checkpoint save", "successfully saved checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' --statepager-host-budget (default: "
                         "twice their state, from the GPT's parameter count)")
+    p.add_argument("--save-interval", type=at_least(1, "iterations"), default=None,
+                   help="save every N iterations with --async-save, and time the iterations "
+                        "a save is in flight under against the others")
     p.add_argument("--timeout", type=at_least(1, "seconds"), default=900,
                    help="seconds each configuration may take")
     p.add_argument("--json", action="store_true")
@@ -112,6 +124,9 @@ def gpt_flags(args) -> list[str]:
         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
     if not a.bf16_grads:
         flags.append("--accumulate-allreduce-grads-in-fp32")
+    if a.save_interval:
+        flags += ["--save-interval", a.save_interval, "--async-save", "--async-strategy",
+                  "mcore", "--use-persistent-ckpt-worker"]
     return [str(f) for f in flags]
 
 
@@ -120,6 +135,8 @@ def command(name: str, args, work: str) -> list[str]:
     config = CONFIGS[name]
     paged = config.get("paged")
     flags = gpt_flags(args) + config.get("flags", [])
+    if args.save_interval:
+        flags += ["--save", os.path.join(work, f"ckpt-{name}")]
     module = []
     if paged is not None:
         module = ["-m", "statepager.megatron_lm"]
@@ -139,9 +156,28 @@ def command(name: str, args, work: str) -> list[str]:
              "--nproc-per-node", "1"] + module + [script] + flags)
 
 
-def iteration_times(log: str) -> dict[int, float]:
-    """{iteration: elapsed ms} of Megatron's iteration lines in `log`."""
-    return {int(i): float(ms) for i, ms in _LINE.findall(log)}
+def iterations(log: str) -> dict[int, dict]:
+    """{iteration: {"ms": Megatron's elapsed time, "wall_ms": since the line before (None
+    for the first), "saving": logged while an async save was in flight}} from `log`."""
+    out, saving, before = {}, False, None
+    for line in log.splitlines():
+        if _SCHEDULED in line:
+            saving = True
+        elif _SAVED in line:
+            saving = False
+        m = _LINE.search(line)
+        if m is None:
+            continue
+        at = datetime.datetime.fromisoformat(m.group(1))
+        wall = None if before is None else (at - before).total_seconds() * 1e3
+        out[int(m.group(2))] = {"ms": float(m.group(3)), "wall_ms": wall, "saving": saving}
+        before = at
+    return out
+
+
+def _stats(values: list, key: str) -> dict:
+    return {f"{key}median_ms": statistics.median(values), f"{key}min_ms": min(values),
+            f"{key}max_ms": max(values), f"{key}n": len(values)} if values else {}
 
 
 def bench_megatron_lm(args) -> dict:
@@ -186,16 +222,19 @@ def run_config(name: str, cmd: list[str], args, work: str) -> dict:
             error = f"timed out after {args.timeout} s"
     with open(log_path) as f:
         text = f.read()
-    times = iteration_times(text)
-    counted = [ms for i, ms in sorted(times.items()) if i > args.skip]
-    c = {"config": name, "what": CONFIGS[name]["what"], "iterations": times,
+    logged = iterations(text)
+    counted = [it for i, it in sorted(logged.items()) if i > args.skip]
+    c = {"config": name, "what": CONFIGS[name]["what"], "iterations": logged,
          "seconds": time.perf_counter() - t0, "driver_peak": getattr(sampler, "peak", None)}
     if error is None and not counted:
         error = f"no iteration after the first {args.skip} logged"
     if error is not None:
         return dict(c, error=error, log_tail=text.splitlines()[-60:])  # torchrun adds ~30
-    return dict(c, median_ms=statistics.median(counted), min_ms=min(counted),
-                max_ms=max(counted), n=len(counted))
+    c.update(_stats([it["ms"] for it in counted], ""))
+    if args.save_interval:
+        c.update(_stats([it["wall_ms"] for it in counted if it["saving"]], "saving_wall_"))
+        c.update(_stats([it["wall_ms"] for it in counted if not it["saving"]], "quiet_wall_"))
+    return c
 
 
 class _NoSampler:
@@ -223,8 +262,16 @@ def config_line(c: dict) -> str:
         return f"  {c['config']:18s} failed: {c['error']}\n{tail}"
     peak = c["driver_peak"]
     memory = f"; driver peak {peak / GiB:.2f} GiB" if peak else ""
-    return (f"  {c['config']:18s} {c['median_ms']:7.1f} ms per iteration ({c['min_ms']:.1f}-"
+    line = (f"  {c['config']:18s} {c['median_ms']:7.1f} ms per iteration ({c['min_ms']:.1f}-"
             f"{c['max_ms']:.1f}, n={c['n']}){memory}: {c['what']}")
+    if "quiet_wall_n" in c and "saving_wall_n" in c:
+        line += (f"\n{'':21s}wall clock: {c['saving_wall_median_ms']:.1f} ms with a save in "
+                 f"flight (n={c['saving_wall_n']}), {c['quiet_wall_median_ms']:.1f} ms without "
+                 f"(n={c['quiet_wall_n']}): "
+                 f"{c['saving_wall_median_ms'] / c['quiet_wall_median_ms']:.2f} x")
+    elif "quiet_wall_n" in c:
+        line += f"\n{'':21s}no counted iteration was logged with a save in flight"
+    return line
 
 
 def print_megatron_lm(r: dict) -> None:
