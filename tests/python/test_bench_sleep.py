@@ -47,7 +47,7 @@ def test_the_sleep_report_says_why_torch_memory_saver_did_not_run(capsys):
 def test_bench_sleep_saver_runs_each_backup_on_the_host_backend(tmp_path, capsys):
     from statepager.tools import cli
     rc = cli.main(["bench", "sleep", "--saver", "--compare-tms", "--size", "4M", "--repeat",
-                   "2", "--dir", str(tmp_path), "--device", "cpu"])
+                   "2", "--dir", str(tmp_path), "--device", "cpu", "--fio-jobs", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "allocated inside region('bench')" in out
@@ -62,6 +62,8 @@ def test_bench_sleep_saver_runs_each_backup_on_the_host_backend(tmp_path, capsys
     assert "pause first" in discard and " ms, again" in discard and "resume first" in discard
     assert "zeros after resume: True" in discard
     assert out.count("torch-memory-saver") == 3 and "needs a CUDA device" in out
+    floor = next(line for line in out.splitlines() if line.startswith("  disk floor"))
+    assert ("2 jobs" in floor and "x the write" in floor) or "fio not found" in floor, floor
     assert os.listdir(tmp_path) == []  # the bench's directory is gone, stores with it
 
 
@@ -74,7 +76,9 @@ def test_the_saver_report_gives_torch_memory_saver_per_backup(capsys):
          "disk": rounds(True, freed_bytes=8 * GiB, zeros_after_resume=None),
          "none": rounds(None, freed_bytes=8 * GiB, zeros_after_resume=True),
          "tms": {"cpu": rounds(True, version="0.0.10"), "disk": {"failed": "no room"},
-                 "none": rounds(None, version="0.0.10")}}
+                 "none": rounds(None, version="0.0.10")},
+         "disk_floor": {"version": "fio-3.33", "jobs": 8, "iodepth": 8, "block": 4 << 20,
+                        "direct": True, "write": {"gbps": 17.18}, "read": {"gbps": 8.59}}}
     bench_pager.print_sleep(r)
     out = capsys.readouterr().out
     assert "8.00 GiB in 40 tensors allocated inside region('bench')" in out
@@ -83,3 +87,7 @@ def test_the_saver_report_gives_torch_memory_saver_per_backup(capsys):
     assert "no backup (discard)           pause first 2000.0 ms, again 1000.0 ms" in out
     assert "torch-memory-saver disk backup (store in --dir) FAILED: no room" in out
     assert out.count("(0.0.10, hook_mode torch)") == 2
+    # The last round: 8 GiB paused in 1 s (8.59 GB/s), resumed in 2 s (4.29 GB/s).
+    assert ("disk floor (fio fio-3.33, 8 jobs, 4 MiB x 8 each, O_DIRECT): write 17.18 GB/s, "
+            "read 8.59 GB/s; the last round's pause 0.50 x the write, resume 0.50 x the read"
+            ) in out

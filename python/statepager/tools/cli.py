@@ -126,6 +126,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
                        help="pause/resume through memory_saver: SIZE allocated inside a "
                             "region, with cpu backup, disk backup (in --dir) and none "
                             "(discard), first round and the rest")
+    sleep.add_argument("--fio-jobs", type=job_counts, default=FIO_JOBS,
+                       help="--saver: fio jobs each way for the disk backup's floor, "
+                            "comma-separated: the fastest count sets it (default 4,8,16)")
     _io_arguments(sleep)
     _repeat(sleep, "pause/resume rounds after the first (the steady state)")
     mapping = _bench(bench, "map", "page map + unmap cost per GiB", dir=False)

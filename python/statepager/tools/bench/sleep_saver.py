@@ -6,7 +6,10 @@ backup, one after the other in one run:
   none  no backup: pause() drops the bytes (a discard), resume() maps zeros;
 each for a first round (the store's ranges written for the first time) and --repeat
 rounds after it (the steady state), beside torch-memory-saver's same three (with
---compare-tms; CUDA, each in a process of its own).
+--compare-tms; CUDA, each in a process of its own). The disk backup's floor follows: fio
+writing and reading SIZE bytes in --dir with the disk store's I/O shape (its request size
+and requests in flight, O_DIRECT where it uses it), at the best of --fio-jobs: what a pause
+(a write) and a resume (a read) can reach on that disk (statepager.tools.bench.floor).
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import time
 import torch
 
 from statepager.memory_saver import TorchMemorySaver
+from statepager.tools.bench import floor as bench_floor
 from statepager.tools.bench import tms as bench_tms
 from statepager.tools.bench.report import show, spread
-from statepager.util.units import GiB
+from statepager.util.units import GiB, MiB
 
 TAG = "bench"
 
@@ -34,6 +38,7 @@ def bench(args, work: str, bar) -> dict:
     result["data_intact"] = all(result[b]["data_intact"] is not False and
                                 result[b]["zeros_after_resume"] is not False
                                 for b in bench_tms.BACKUPS)
+    result["disk_floor"] = _disk_floor(args, work, result["disk"])
     if args.compare_tms:
         result["tms"] = {}
         for backup in bench_tms.BACKUPS:
@@ -43,6 +48,22 @@ def bench(args, work: str, bar) -> dict:
             result["tms"][backup] = bench_tms.run(args.size, args.repeat, device,
                                                   backup=backup, disk_dir=disk)
     return result
+
+
+def _disk_floor(args, work: str, disk: dict) -> dict:
+    """fio's write and read of SIZE bytes in the disk store's directory, in its I/O shape
+    (bench_floor.fio_best); {"skipped": why} without fio or when fio fails."""
+    fio, why = bench_floor.find_fio()
+    if fio is None:
+        return {"skipped": why}
+    shape = disk["io"]
+    try:
+        return bench_floor.fio_best(fio, os.path.join(work, "saver-disk"), disk["bytes"],
+                                    disk["bytes"], block=shape["io_block_bytes"],
+                                    depth=shape["io_depth"], jobs=args.fio_jobs,
+                                    direct=shape["direct_io"])
+    except OSError as e:
+        return {"skipped": f"fio failed: {e}"}
 
 
 def _alloc(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -84,7 +105,9 @@ def _rounds(args, work: str, device: torch.device, backup: str, bar) -> dict:
             _synchronize(device)
             times.append((pause_s, time.perf_counter() - t0))
         got = bench_tms.sums(ts)
+        stats = pager.stats()
         return {"bytes": sum(t.numel() * t.element_size() for t in ts), "tensors": len(ts),
+                "io": {k: stats[k] for k in ("io_block_bytes", "io_depth", "direct_io")},
                 "store": pager.directory, "pause_s": [p for p, _ in times],
                 "resume_s": [r for _, r in times], "freed_bytes": freed,
                 "data_intact": got == want if backup != "none" else None,
@@ -121,6 +144,19 @@ def print_saver(r: dict) -> None:
                  f"zeros after resume: {b['zeros_after_resume']}")
         print(f"  statepager {names[backup]:29s} {rates(b)}; device memory freed "
               f"{b['freed_bytes'] / GiB:.2f} GiB; {check}")
+    floor = r.get("disk_floor", {})
+    if "skipped" in floor:
+        print(f"  disk floor not measured: {floor['skipped']}")
+    elif floor:
+        disk = r["disk"]
+        pause, resume = (disk["bytes"] / s / 1e9 for s in (disk["pause_s"][-1],
+                                                           disk["resume_s"][-1]))
+        print(f"  disk floor (fio {floor['version']}, {floor['jobs']} jobs, "
+              f"{floor['block'] // MiB} MiB x {floor['iodepth']} each, "
+              f"{'O_DIRECT' if floor['direct'] else 'buffered'}): write "
+              f"{floor['write']['gbps']:.2f} GB/s, read {floor['read']['gbps']:.2f} GB/s; the "
+              f"last round's pause {pause / floor['write']['gbps']:.2f} x the write, resume "
+              f"{resume / floor['read']['gbps']:.2f} x the read")
     for backup, t in r.get("tms", {}).items():
         label = f"torch-memory-saver {names[backup]:21s}"
         if "skipped" in t or "failed" in t:
