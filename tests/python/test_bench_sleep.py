@@ -87,7 +87,7 @@ def test_the_saver_report_gives_torch_memory_saver_per_backup(capsys):
     assert "no backup (discard)           pause first 2000.0 ms, again 1000.0 ms" in out
     assert "torch-memory-saver disk backup (store in --dir) FAILED: no room" in out
     assert out.count("(0.0.10, hook_mode torch)") == 2
-    # The last round: 8 GiB paused in 1 s (8.59 GB/s), resumed in 2 s (4.29 GB/s).
+    # The rounds after the first: 8 GiB paused in 1 s (8.59 GB/s), resumed in 2 s.
     assert ("disk floor (fio fio-3.33, 8 jobs, 4 MiB x 8 each, O_DIRECT): write 17.18 GB/s, "
-            "read 8.59 GB/s; the last round's pause 0.50 x the write, resume 0.50 x the read"
+            "read 8.59 GB/s; pause again 0.50 x the write, resume 0.50 x the read"
             ) in out

@@ -14,6 +14,7 @@ and requests in flight, O_DIRECT where it uses it), at the best of --fio-jobs: w
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -149,13 +150,13 @@ def print_saver(r: dict) -> None:
         print(f"  disk floor not measured: {floor['skipped']}")
     elif floor:
         disk = r["disk"]
-        pause, resume = (disk["bytes"] / s / 1e9 for s in (disk["pause_s"][-1],
-                                                           disk["resume_s"][-1]))
+        pause, resume = (statistics.median(disk["bytes"] / s / 1e9 for s in disk[way][1:])
+                         for way in ("pause_s", "resume_s"))
         print(f"  disk floor (fio {floor['version']}, {floor['jobs']} jobs, "
               f"{floor['block'] // MiB} MiB x {floor['iodepth']} each, "
               f"{'O_DIRECT' if floor['direct'] else 'buffered'}): write "
-              f"{floor['write']['gbps']:.2f} GB/s, read {floor['read']['gbps']:.2f} GB/s; the "
-              f"last round's pause {pause / floor['write']['gbps']:.2f} x the write, resume "
+              f"{floor['write']['gbps']:.2f} GB/s, read {floor['read']['gbps']:.2f} GB/s; "
+              f"pause again {pause / floor['write']['gbps']:.2f} x the write, resume "
               f"{resume / floor['read']['gbps']:.2f} x the read")
     for backup, t in r.get("tms", {}).items():
         label = f"torch-memory-saver {names[backup]:21s}"
