@@ -355,6 +355,21 @@ def test_killed_at_15_and_restarted_continues_exactly(runs):
     same_state(runs.path("ckpt-paged"), runs.path("ckpt-killed"))
 
 
+def test_inspect_shows_whose_optimizer_state_each_save_holds(runs):
+    """statepager inspect on the --save directories: unpaged Megatron's checkpoints hold
+    the optimizer state in its dp_reshardable layout, the paged run's Megatron part none
+    (statepager's part beside it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for name, held in (("ckpt-unpaged", "optimizer state in Megatron's format, dp_reshardable"),
+                       ("ckpt-paged", "optimizer state in Megatron's format: none")):
+        out = subprocess.run([sys.executable, "-m", "statepager", "inspect", runs.path(name)],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"its tracker names iteration {ITERS}" in out.stdout, out.stdout
+        assert out.stdout.count(held) == 2, out.stdout  # iterations 10 and 20
+    assert "statepager/rank00000: statepager-checkpoint" in out.stdout
+
+
 def test_no_load_optim_starts_fresh_as_megatron_does(runs):
     fresh_paged = logged(ok(runs.result["fresh-paged"]))
     assert sorted(fresh_paged) == list(range(SAVE_AT + 1, ITERS + 1))

@@ -99,3 +99,59 @@ def test_anything_else_is_refused(tmp_path):
     assert code == 1 and "holds neither a statepager checkpoint" in text
     code, text = inspect(tmp_path / "missing")
     assert code == 1 and "does not exist" in text
+
+
+def megatron_iteration(path, tensors: dict):
+    """An iteration directory as Megatron-LM's torch_dist save writes it: its
+    dist-checkpointing config and a torch.distributed.checkpoint of `tensors`."""
+    import torch.distributed.checkpoint as dcp
+
+    os.makedirs(path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}, f)
+    dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
+
+
+def test_a_megatron_save_directory_shows_whose_optimizer_state_each_iteration_holds(tmp_path):
+    """Iteration 10 as a plain Megatron-LM run saves it (the optimizer's buckets in the
+    dp_reshardable layout), 20 as statepager.megatron_lm does (Megatron's part without the
+    optimizer, statepager's beside it); the tracker names 20."""
+    save = tmp_path / "save"
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_torch.bfloat16.bucket_idx_0"
+    megatron_iteration(save / "iter_0000010", {
+        "decoder.weight": torch.zeros(8, 8, dtype=torch.bfloat16),
+        f"{bucket}.param": torch.zeros(64), f"{bucket}.exp_avg": torch.zeros(64),
+        f"{bucket}.exp_avg_sq": torch.zeros(64)})
+    megatron_iteration(save / "iter_0000020",
+                       {"decoder.weight": torch.zeros(8, 8, dtype=torch.bfloat16)})
+    train_and_save(str(tmp_path / "store"), str(save / "iter_0000020"), save_to=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("20")
+    code, out = inspect(save)
+    assert code == 0, out
+    assert f"Megatron-LM --save directory {save}: its tracker names iteration 20" in out
+    assert (f"Megatron checkpoint {save / 'iter_0000010'} (torch_dist): 4 tensors, 896 B\n"
+            "  optimizer state in Megatron's format, dp_reshardable: 3 tensors, 768 B "
+            "(param, exp_avg, exp_avg_sq); a paged run resumes from it only with "
+            "--no-load-optim") in out
+    assert (f"Megatron checkpoint {save / 'iter_0000020'} (torch_dist): 1 tensors, 128 B\n"
+            "  optimizer state in Megatron's format: none") in out
+    assert f"checkpoint {save / 'iter_0000020' / 'statepager' / 'rank00000'}:" in out
+    code, out = inspect("--json", save / "iter_0000010")
+    assert code == 0
+    r = json.loads(out)
+    (c,) = r["megatron"]["checkpoints"]
+    assert c["optimizer"] == {"dp_reshardable": {"tensors": 3, "bytes": 768,
+                                                 "states": ["param", "exp_avg", "exp_avg_sq"]}}
+    assert r["megatron"]["tracker"] is None and r["checkpoints"] == []
+
+
+def test_model_space_optimizer_state_is_named_by_its_entries(tmp_path):
+    megatron_iteration(tmp_path / "it", {
+        "optimizer.state.fp32_param.decoder.weight": torch.zeros(4, 4),
+        "optimizer.state.exp_avg.decoder.weight": torch.zeros(4, 4),
+        "optimizer.state.exp_avg_sq.decoder.weight": torch.zeros(4, 4)})
+    code, out = inspect(tmp_path / "it")
+    assert code == 0, out
+    assert ("optimizer state in Megatron's format, model space: 3 tensors, 192 B "
+            "(fp32_param, exp_avg, exp_avg_sq)") in out

@@ -7,7 +7,9 @@ PATH may be
       data and checks every checksum (statepager.checkpoint), else the checksums are
       reported as not verified;
   a rank_directory() base (a training loop's checkpoint directory): every rank's checkpoint
-      under statepager/rank*/;
+      under statepager/rank*/; in a Megatron-LM iteration's directory, or in its --save
+      directory (every iter_*/), also what Megatron's own checkpoint there holds of the
+      optimizer state (statepager.tools.inspect_megatron);
   a store directory (a Pager's, holding .lock): whether a process holds it now, and its
       store files. A store is not a checkpoint: it holds state only while its Pager runs.
 Exit status: 0, or 1 when --verify found a bad checksum or PATH is neither.
@@ -22,6 +24,7 @@ import time
 from statepager import _C
 from statepager.checkpoint import checksums
 from statepager.checkpoint.manifest import read_manifest
+from statepager.tools import inspect_megatron
 from statepager.util.names import MANIFEST
 
 _LOCK = ".lock"
@@ -37,11 +40,12 @@ def inspect(path: str, *, verify: bool) -> dict:
     """What `path` holds, as a JSON-ready dict whose "kind" is "checkpoints", "store" or
     "unknown"."""
     path = os.path.abspath(path)
-    manifests = _manifests(path)
-    if manifests:
+    manifests, megatron = _manifests(path), _megatron(path)
+    if manifests or megatron:
         found = [_checkpoint(os.path.dirname(m), verify) for m in manifests]
-        return {"kind": "checkpoints", "path": path, "checkpoints": found,
-                "failed": any(c.get("error") for c in found)}
+        return {"kind": "checkpoints", "path": path, "checkpoints": found, "megatron": megatron,
+                "failed": any(c.get("error") for c in found + (megatron or {}).get(
+                    "checkpoints", []))}
     if os.path.isfile(os.path.join(path, _LOCK)):
         return _store(path)
     if not os.path.exists(path):
@@ -55,11 +59,22 @@ def inspect(path: str, *, verify: bool) -> dict:
 def _manifests(path: str) -> list:
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return [os.path.join(path, MANIFEST)]
-    for pattern in ("statepager/rank*/", "rank*/"):
+    for pattern in ("statepager/rank*/", "rank*/", "iter_*/statepager/rank*/"):
         found = sorted(glob.glob(os.path.join(path, pattern + MANIFEST)))
         if found:
             return found
     return []
+
+
+def _megatron(path: str) -> dict | None:
+    """Megatron-LM's tracker and checkpoints in `path` (an iteration's directory, or the
+    --save directory of several), or None where there is neither."""
+    dirs = inspect_megatron.iterations(path) or [path]
+    found = [c for c in map(inspect_megatron.checkpoint, dirs) if c is not None]
+    tracker = inspect_megatron.tracker(path)
+    if not found and tracker is None:
+        return None
+    return {"tracker": tracker, "checkpoints": found}
 
 
 def _checkpoint(path: str, verify: bool) -> dict:
@@ -147,6 +162,12 @@ def _print(r: dict) -> None:
         for f in r["files"]:
             print(f"  {f['file']}: {_size(f['bytes'])} ({_size(f['allocated_bytes'])} allocated)")
         return
+    megatron = r.get("megatron")
+    if megatron and megatron["tracker"] is not None:
+        print(f"Megatron-LM --save directory {r['path']}: its tracker names iteration "
+              f"{megatron['tracker']}")
+    for c in (megatron or {}).get("checkpoints", []):
+        print("\n".join(inspect_megatron.lines(c, _size)))
     for c in r["checkpoints"]:
         _print_checkpoint(c)
 
