@@ -102,6 +102,10 @@ def megatron_args(**changes):
 def test_supported_flags_pass():
     assert refusals(megatron_args()) == []
     assert check(megatron_args()) == Options("/sp")
+    # Muon: blockwise under tensor parallelism, or any mode on one tensor-parallel rank.
+    for mode, tp in (("blockwise", 4), ("duplicated", 1)):
+        assert refusals(megatron_args(optimizer="muon", muon_tp_mode=mode,
+                                      tensor_model_parallel_size=tp)) == []
 
 
 @pytest.mark.parametrize("changes, flag", [
@@ -121,6 +125,10 @@ def test_supported_flags_pass():
     (dict(non_persistent_save_interval=100), "--non-persistent-save-interval"),
     (dict(moe_use_upcycling=True), "--moe-use-upcycling"),
     (dict(load_main_params_from_ckpt=True), "--load-main-params-from-ckpt"),
+    (dict(optimizer="muon", muon_tp_mode="duplicated", tensor_model_parallel_size=2),
+     "--muon-tp-mode"),
+    (dict(optimizer="muon", muon_tp_mode="distributed", tensor_model_parallel_size=1,
+          expert_tensor_parallel_size=2), "--muon-tp-mode"),
 ])
 def test_unsupported_flag_is_refused_by_name(changes, flag):
     found = refusals(megatron_args(**changes))

@@ -190,10 +190,22 @@ _REFUSED = (
      "upcycling saves a checkpoint without the optimizer: run it without statepager"),
     ("--load-main-params-from-ckpt", lambda a: _on(a, "load_main_params_from_ckpt"),
      "statepager loads the master weights from its own checkpoint: drop it"),
+    ("--muon-tp-mode", lambda a: (getattr(a, "optimizer", None) == "muon"
+                                  and getattr(a, "muon_tp_mode", "blockwise") != "blockwise"
+                                  and _tensor_parallel(a) > 1),
+     "Muon's duplicated and distributed modes gather each matrix across the "
+     "tensor-parallel ranks in collectives, which statepager has not been tested to keep "
+     "in order: use --muon-tp-mode blockwise (the default), or tensor-parallel size 1"),
     ("--rl-offload-optimizer-during-inference",
      lambda a: _on(a, "rl_offload_optimizer_during_inference"),
      "the state is already off the GPU between steps: drop it"),
 )
+
+
+def _tensor_parallel(args) -> int:
+    """The larger of the tensor-parallel sizes of dense layers and of experts."""
+    return max(getattr(args, "tensor_model_parallel_size", 1) or 1,
+               getattr(args, "expert_tensor_parallel_size", 1) or 1)
 
 
 def _on(args, name: str) -> bool:
