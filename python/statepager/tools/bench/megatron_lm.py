@@ -22,6 +22,7 @@ Megatron's own elapsed time leaves out the time its save call blocks the trainin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -194,6 +195,8 @@ def bench_megatron_lm(args) -> dict:
                                                   "micro_batch", "iters", "skip")},
          "configs": []}
     r["model"]["params"] = gpt_params(args.layers, args.hidden, args.vocab, args.seq)
+    if not args.json:
+        print(header(r["model"]), flush=True)
     with bench_directory(args.dir) as work, \
             Progress("bench megatron-lm", len(args.configs)) as bar:
         for name in args.configs:
@@ -237,20 +240,13 @@ def run_config(name: str, cmd: list[str], args, work: str) -> dict:
     return c
 
 
-class _NoSampler:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _driver_sampler():
-    """The driver's device memory peak over a `with` block, on CUDA; else nothing."""
+    """The driver's device memory peak over a `with` block (its .peak), on CUDA; else a
+    block that measures nothing."""
     import torch
 
     if not torch.cuda.is_available():
-        return _NoSampler()
+        return contextlib.nullcontext()
     from statepager.tools.bench.driver_memory import DriverMemory
 
     return DriverMemory().sampler()
@@ -274,12 +270,15 @@ def config_line(c: dict) -> str:
     return line
 
 
+def header(m: dict) -> str:
+    return (f"megatron-lm bench: pretrain_gpt.py, {m['params'] / 1e9:.3f} B params "
+            f"({m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, vocab "
+            f"{m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}); elapsed time per "
+            f"iteration, median of iterations {m['skip'] + 1}-{m['iters']}")
+
+
 def print_megatron_lm(r: dict) -> None:
-    m = r["model"]
-    print(f"megatron-lm bench: pretrain_gpt.py, {m['params'] / 1e9:.3f} B params ({m['layers']} "
-          f"layers, hidden {m['hidden']}, {m['heads']} heads, vocab {m['vocab']}, seq "
-          f"{m['seq']}, micro-batch {m['micro_batch']}); elapsed time per iteration, median "
-          f"of iterations {m['skip'] + 1}-{m['iters']}")
+    """The comparison, after bench_megatron_lm printed each configuration."""
     ok = {c["config"]: c for c in r["configs"] if "error" not in c}
     for base in ("unpaged", "offload"):
         if base not in ok:
