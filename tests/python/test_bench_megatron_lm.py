@@ -76,6 +76,9 @@ def test_each_configuration_runs_pretrain_gpt_with_its_flags(tmp_path):
                      "--statepager-moments", "q8", "--statepager-mains", "residual",
                      "--statepager-host-budget", str(budget),
                      "--statepager-overlap-forward", "on"]
+    muon = megatron_lm.command("muon-host-fp32", args, "/w")
+    assert muon[9:9 + len(flags) + 2] == flags + ["--optimizer", "muon"]
+    assert "--statepager-host-budget" in muon
     fp32 = megatron_lm.command("fp32", args, "/w")
     assert "--statepager-host-budget" not in fp32 and "--statepager-overlap-forward" not in fp32
     assert megatron_lm.command("unpaged", parse(tmp_path, "--bf16-grads"), "/w").count(
@@ -176,3 +179,17 @@ def test_a_missing_checkout_is_named(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err
     assert "pretrain_gpt.py" in err and "--megatron-lm" in err
+
+
+def test_each_configuration_is_compared_with_its_own_optimizers(capsys):
+    """Adam's paged runs against unpaged and Megatron's offload; Muon's against Muon's
+    unpaged run, never against Adam's."""
+    def ran(name, ms):
+        return {"config": name, "median_ms": ms}
+    megatron_lm.print_megatron_lm({"configs": [
+        ran("unpaged", 100.0), ran("offload", 200.0), ran("host-q8", 120.0),
+        ran("muon-unpaged", 150.0), ran("muon-host-fp32", 180.0)], "failed": []})
+    assert capsys.readouterr().out.splitlines() == [
+        "  against unpaged's (100.0 ms): offload 2.00 x; host-q8 1.20 x",
+        "  against offload's (200.0 ms): host-q8 0.60 x",
+        "  against muon-unpaged's (150.0 ms): muon-host-fp32 1.20 x"]

@@ -60,6 +60,11 @@ CONFIGS = {
     "host-q8-overlap": dict(paged=dict(host=True, moments="q8", mains="residual", overlap=True),
                             what="statepager, q8 moments, residual mains, host tier, steps "
                                  "under the forward"),
+    # --optimizer muon: the layer-wise chain, Muon for the matrices and Adam for the rest.
+    "muon-unpaged": dict(flags=["--optimizer", "muon"],
+                         what="unpaged, Muon (layer-wise, Adam for the rest)"),
+    "muon-host-fp32": dict(flags=["--optimizer", "muon"], paged=dict(host=True),
+                           what="statepager, Muon (layer-wise), fp32, host tier"),
 }
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "host-fp32", "host-q8", "host-q8-overlap"]
 _LINE = re.compile(r"\[([0-9-]+ [0-9:.]+)\] iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per "
@@ -280,10 +285,11 @@ def header(m: dict) -> str:
 def print_megatron_lm(r: dict) -> None:
     """The comparison, after bench_megatron_lm printed each configuration."""
     ok = {c["config"]: c for c in r["configs"] if "error" not in c}
-    for base in ("unpaged", "offload"):
+    for base in ("unpaged", "offload", "muon-unpaged"):  # each against its own optimizer's
         if base not in ok:
             continue
-        others = [c for c in ok.values() if c["config"] != base]
+        others = [c for c in ok.values() if c["config"] not in (base, "unpaged")
+                  and ("muon" in c["config"]) == ("muon" in base)]
         if others:
             print(f"  against {base}'s ({ok[base]['median_ms']:.1f} ms): " + "; ".join(
                 f"{c['config']} {c['median_ms'] / ok[base]['median_ms']:.2f} x"
