@@ -157,6 +157,19 @@ def add_gpt_arguments(p: argparse.ArgumentParser, table: dict, default: list) ->
                    help="reduce grads in bf16 (default: fp32 grads, grad_reduce_in_fp32)")
 
 
+def host_budget(numels: list[int], moments: str, mains: str, copies: int = 2) -> int:
+    """Host tier bytes that hold `copies` of the paged state of parameters of `numels`
+    elements: 2 for atomic="step" (a step's old bytes stay until it commits), 1 for the
+    state alone; and 3% + 256 MiB for the tier's 4 KiB rounding."""
+    from statepager.formats import codecs
+
+    def moment(n: int) -> int:
+        return {"fp32": 4 * n, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n)}[moments]
+
+    state = sum((4 if mains == "fp32" else 2) * n + 2 * moment(n) for n in numels)
+    return int(copies * state * 1.03) + 256 * MiB
+
+
 def page_for(bucket: int) -> int:
     """The page size the bench streams with by default: the bucket size, in whole CUDA
     pages (2 MiB), at most 256 MiB (the largest measured: a 512 MiB bucket maps two)."""

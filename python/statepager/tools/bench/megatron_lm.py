@@ -33,10 +33,11 @@ import time
 
 from statepager import _C
 from statepager.tools.bench.common import bench_directory
+from statepager.tools.bench import megatron_configs
 from statepager.tools.bench.megatron_configs import OFFLOAD, add_gpt_arguments
 from statepager.tools.cli_args import at_least, directory, size
 from statepager.tools.progress import Progress
-from statepager.util.units import GiB, MiB
+from statepager.util.units import GiB
 
 # Megatron-LM's flags for Megatron's own offload (bench megatron's OFFLOAD), which needs
 # its precision-aware optimizer.
@@ -105,11 +106,9 @@ def gpt_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
 
 
 def host_budget(args, moments: str, mains: str) -> int:
-    """Host tier bytes for two copies of the paged state (a resumable step keeps the old
-    bytes of what it has not committed), with 3 % and 256 MiB for the tier's rounding."""
+    """Host tier bytes for two copies of the GPT's paged state (megatron_configs)."""
     n = gpt_params(args.layers, args.hidden, args.vocab, args.seq)
-    per_param = (4 if mains == "fp32" else 2) + (8 if moments == "fp32" else 2)
-    return int(2 * n * per_param * 1.03) + 256 * MiB
+    return megatron_configs.host_budget([n], moments, mains)
 
 
 def gpt_flags(args) -> list[str]:

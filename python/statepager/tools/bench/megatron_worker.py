@@ -23,7 +23,7 @@ from statepager.tools.bench import device_time
 from statepager.tools.bench import floor as bench_floor
 from statepager.tools.bench.cpu_use import CpuUse
 from statepager.tools.bench.driver_memory import DriverMemory
-from statepager.tools.bench.megatron_configs import CONFIGS
+from statepager.tools.bench.megatron_configs import CONFIGS, host_budget
 from statepager.tools.bench.megatron_report import median_bytes
 from statepager.tools.bench.report import spread
 from statepager.util.units import MiB
@@ -93,20 +93,10 @@ def _bytes(binding, kind: str) -> int:
                for t in getattr(b, kind))
 
 
-def _moment_bytes(fmt: str, n: int) -> int:
-    from statepager.formats import codecs
-
-    return {"fp32": 4 * n, "bf16": 2 * n, "q8": n + 4 * codecs.q8_num_blocks(n)}[fmt]
-
-
 def host_budget_for(params, moments: str, mains: str, copies: int = 2) -> int:
-    """Host tier bytes that hold `copies` of the paged state of `params` (the trained
-    ones; one rank, so each is one main): 2 for atomic="step" (a step's old bytes stay
-    until it commits), 1 for the state alone; and 3% + 256 MiB for the tier's 4 KiB
-    rounding."""
-    state = sum((4 if mains == "fp32" else 2) * p.numel() + 2 * _moment_bytes(moments, p.numel())
-                for p in params if p.requires_grad)
-    return int(copies * state * 1.03) + 256 * MiB
+    """megatron_configs.host_budget of the trained `params` (one rank: each is one main)."""
+    return host_budget([p.numel() for p in params if p.requires_grad], moments, mains, copies)
+
 
 def run_config(spec: dict) -> dict:
     """Trains the GPT of `spec` in this process and measures it, then the floor of a
