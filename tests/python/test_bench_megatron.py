@@ -357,7 +357,7 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     # q8 keeps the undo copies of its residual mains' bf16 params in host memory.
     assert ("stored state 5.00 GB; per step read = stored: True, written = stored: True\n"
             in out)
-    assert "atomic steps' undo copies: 2.00 GB of pinned host memory" in out
+    assert "undo copies: 2.00 GB of pinned host memory" in out
     assert ("through the mapped store files (map_ram): 5.00 GB of the read and 4.00 GB of the "
             "written per step") in out
     assert out.count("mapped store files") == 1  # the others moved none that way
@@ -370,6 +370,9 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             "first page-ins, the snapshot), its bucket loop 250.0 ms, commit 2.0 ms; the rest, "
             "Megatron's own (grad copies, norm, clip, the params' sync) and the pager's "
             "bookkeeping after the loop, 38.0 ms") in out
+    # Steps under the forward: the loop runs in the next forward's hooks, not in opt.step.
+    under = megatron_worker.opt_step_parts([0.05] * 5, [[0.010, 0.25, 0.0]] * 5, True)
+    assert abs(under["rest"]["median"] - 0.04) < 1e-9
     assert ("warm-up steps: driver peak 14.00 GiB; pool mapped before the first step 5.00 "
             "GiB; loss 10.5000 -> 9.2500") in out
     assert ("driver peak - torch max allocated = 4.00 GiB: CUDA context 0.50 + torch cache "

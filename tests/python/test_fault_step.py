@@ -380,11 +380,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, device):
+@pytest.mark.parametrize("atomic", [True, "bucket"])
+def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, device, atomic):
     """optimizer.zero_grad() takes the next step's undo copies of residual masters' model
     params (while forward and backward run): the step takes none of its own, and a step
-    that fails puts every parameter back from them; its retry takes its own."""
-    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
+    that fails puts every parameter back from them; its retry takes its own (a resumable
+    step's, for the buckets it finishes)."""
+    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8",
+                                       atomic=atomic)
     with pager:
         set_grads(model, 0)
         opt.step()
@@ -406,12 +409,17 @@ def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, d
         with pytest.raises(RuntimeError):
             opt.step()
         fault.disarm()
-        after = capture(model, pager, opt, binding)
-        for key in before:
-            assert same(before[key], after[key]), f"the failed step changed {key}"
+        if atomic is True:
+            after = capture(model, pager, opt, binding)
+            for key in before:
+                assert same(before[key], after[key]), f"the failed step changed {key}"
+            left = len(binding.buckets)
+        else:  # the failing bucket put back; the others stepped or not, never torn
+            assert binding.pending
+            left = len(binding._steps.pending.remaining())
         del takes[:]
         opt.step()
-        assert len(takes) == len(binding.buckets)
+        assert len(takes) == left > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -563,10 +571,11 @@ def test_what_comes_between_a_begun_step_and_step_ends_it(tmp_path, device, betw
     assert same(plain[1]["model"], ended[1]["model"])
     assert same(plain[1]["stored"][:len(ended[1]["stored"])],
                 ended[1]["stored"][:len(plain[1]["stored"])])
-    # Ended: the begun page-ins (the first buckets') were read, and dropped unwritten.
+    # Ended: the begun page-ins (the first buckets', all of them where the window holds
+    # every bucket, as with CUDA's default depth) were read, and dropped unwritten.
     if between in (_end, _zero_grad):
         assert ended[2]["bytes_written"] == plain[2]["bytes_written"]
-        assert plain[2]["bytes_read"] < ended[2]["bytes_read"] < 2 * plain[2]["bytes_read"]
+        assert plain[2]["bytes_read"] < ended[2]["bytes_read"] <= 2 * plain[2]["bytes_read"]
 
 
 # How a begin_step() is refused at its second page-in: the setup, and what is raised.

@@ -302,3 +302,49 @@ def test_checkpoints_load_across_the_forwards_order_and_the_groups(tmp_path,
             index = {id(p): i for i, p in enumerate(model.parameters())}
             orders.append([index[id(p)] for b in binding.params_by_bucket() for p in b])
     assert orders[0] != orders[1]  # the two orders differ
+
+
+def test_undo_copies_of_the_next_step_are_taken_once_the_forward_stepped_the_last_bucket(
+        tmp_path, monkeypatch):
+    """Residual masters under the forward: the hook that steps a step's last bucket takes
+    the next step's undo copies of their model params (they run under the backward);
+    that step takes none while its buckets step. Bit-identical to steps without it."""
+    from statepager.core.optim import PagedAdamW
+    out = []
+    for overlap in (False, True):
+        with Pager(str(tmp_path / f"s{overlap}"), "cpu", page_size=16 * KiB) as pager:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(torch.bfloat16)
+            opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
+                             depth=3, mains="residual", moments="q8")
+            binding = opt.binding
+            if overlap:
+                binding.overlap_forward(model)
+            takes, take = [], binding._steps.undo.take
+
+            def logged(copies, targets):
+                run = binding.step_in_flight
+                takes.append(None if run is None else (run.stepped, len(run.buckets)))
+                return take(copies, targets)
+            monkeypatch.setattr(binding._steps.undo, "take", logged)
+            losses = []
+            for i in range(4):
+                if i == 2:
+                    del takes[:]
+                x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
+                opt.zero_grad()
+                loss = model(x.to(torch.bfloat16)).float().square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            binding.complete_step_in_flight()
+            n = len(binding.buckets)
+            assert n >= 3
+            if overlap:  # steps 2 and 3: each taken once its step's last bucket stepped
+                assert takes == [(n, n)] * 2 * n, takes
+            else:  # at zero_grad()
+                assert takes == [None] * 2 * n, takes
+            out.append((losses, [bits(p) for p in model.parameters()]))
+    assert out[0][0] == out[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))

@@ -42,16 +42,20 @@ def snapshot(model, pager, opt, binding) -> dict:
                       opt.param_groups for p in g["params"]) if "step" in v]}
 
 
-def run(config, device, store, warm, fault=None, tmp=None, begun=False, retry="step"):
+def run(config, device, store, warm, fault=None, tmp=None, begun=False, retry="step",
+        prepared=False):
     """Steps `warm` times, then once with `fault` armed (it raises), then finishes the step
-    (retry: "step", "zero_grad" or "state_dict"). Returns the snapshots before the failing
-    step, after it failed, and after the finish."""
+    (retry: "step", "zero_grad" or "state_dict"). prepared: zero_grad() before that step
+    (it takes the step's undo copies). Returns the snapshots before the failing step,
+    after it failed, and after the finish."""
     setup, _ = CONFIGS[config]
     model, pager, opt, binding = setup(store, device, atomic="bucket")
     try:
         for i in range(warm):
             set_grads(model, i)
             opt.step()
+        if prepared:
+            opt.zero_grad()
         set_grads(model, warm)
         before = snapshot(model, pager, opt, binding)
         failed = None
@@ -119,6 +123,24 @@ def test_a_failed_step_on_the_gpu_is_never_torn(tmp_path, request, config, fault
     clean_before, _, clean_after = run(config, "cuda", str(tmp_path / "clean"), warm)
     _, failed, after = run(config, "cuda", os.path.join(root, "store"), warm, FAULTS[fault],
                            tmp_path, begun)
+    check_never_torn(clean_before, clean_after, failed)
+    assert same(clean_after, after)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fault", ["after-hook", "optimizer", "counts-unread"])
+def test_a_failed_step_puts_back_params_from_the_copies_zero_grad_took(tmp_path, device,
+                                                                      fault):
+    """Residual masters: zero_grad() took the step's undo copies of their model params,
+    and the bucket that fails is put back from them (the after-hook's has written its
+    params); the finished step is bit-identical to a clean one."""
+    config = "paged-residual-q8"
+    skip_what_cannot_fail(config, fault)
+    warm = CONFIGS[config][1]
+    clean_before, _, clean_after = run(config, device, str(tmp_path / "clean"), warm,
+                                       prepared=True)
+    _, failed, after = run(config, device, str(tmp_path / "store"), warm, FAULTS[fault],
+                           tmp_path, prepared=True)
     check_never_torn(clean_before, clean_after, failed)
     assert same(clean_after, after)
 

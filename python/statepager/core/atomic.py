@@ -27,9 +27,10 @@ they would take room in the step's window of HBM.
 
 Residual masters' model parameters can be copied before the step, while the device runs
 forward and backward and the copy engines have nothing else to do
-(UndoCopies.take_before_step, at zero_grad()): within the step those 2 bytes per element
-would share the device-to-host link with the page-outs. The step uses them only where
-they still hold what it overwrites: the same buckets and copies, and each parameter still
+(UndoCopies.take_before_step: see Note [Undo copies of residual masters' params are taken
+before the step] in docs/design.md): within the step those 2 bytes per element would
+share the device-to-host link with the page-outs. The step uses them only where they
+still hold what it overwrites: the same buckets and copies, and each parameter still
 matching the checksum its residual was encoded against (its fingerprint, unchanged
 since), checked on the device at the step's start and read back before the step's first
 write of a parameter (a LateRead: no device-wide sync). Otherwise the step takes its own
@@ -145,13 +146,15 @@ class UndoCopies:
                      for b in buckets}
         self._before = (taken, [(f, f.fingerprint) for f in forms])
 
-    def taken_before_step(self, buckets: list) -> tuple[dict, LateRead | None]:
+    def taken_before_step(self, buckets: list,
+                          check: bool = True) -> tuple[dict, LateRead | None]:
         """The copies take_before_step() took for this step, as ({id(bucket): event},
         changed), where they were taken of these buckets' targets and the forms'
         fingerprints have not changed since; `changed` (a LateRead of a bool, queued on
-        the device now) tells whether a target no longer matches its fingerprint: then
-        they do not hold what the step overwrites. ({}, None) otherwise. Either way they
-        are the step's from now on."""
+        the device now; None without `check`, for a step that checks every parameter
+        against its fingerprint itself before writing any) tells whether a target no
+        longer matches its fingerprint: then they do not hold what the step overwrites.
+        ({}, None) otherwise. Either way they are the step's from now on."""
         before, self._before = self._before, None
         if before is None:
             return {}, None
@@ -162,8 +165,11 @@ class UndoCopies:
                 fingerprinted) or any(f is not g or f.fingerprint is not fp
                                       for f, (g, fp) in zip(forms, fingerprinted)):
             return {}, None
+        events = {key: event for key, (_, event) in taken.items()}
+        if not check:
+            return events, None
         changed = params_changed_since_encoded(forms)  # each fingerprint is as taken
-        return {key: event for key, (_, event) in taken.items()}, LateRead(changed)
+        return events, LateRead(changed)
 
     def take_bucket(self, bucket):
         """take() of what the bucket's step overwrites into its undo copies."""

@@ -49,7 +49,11 @@ class ResumableStep:
         self.pager, self.optimizer, self.buckets = pager, optimizer, buckets
         self.undo, self.rebuild_mirror = undo, rebuild_mirror
         self._stepped: set[int] = set()  # id() of the buckets stepped
-        self._taken: dict = {}           # id(bucket) -> the event of its undo copies
+        # id(bucket) -> the event of its undo copies: those taken before the step
+        # (UndoCopies.take_before_step) where they are of these buckets. Unchecked here:
+        # the step checks every residual master's parameter against its fingerprint
+        # before writing any (Steps._params_checked_up_front), and refuses a changed one.
+        self._taken, _ = undo.taken_before_step(buckets, check=False)
         self._open: _Open | None = None
 
     def remaining(self) -> list:

@@ -75,13 +75,18 @@ class Steps:
         return self.planner.buckets
 
     def prepare(self) -> None:
-        """StreamedOptimizer.prepare_step (nothing while a step is in flight: it is not
-        all or nothing, ForwardOverlap refuses atomic="step")."""
+        """StreamedOptimizer.prepare_step (nothing while a step is in flight: the
+        forward's hooks prepare the next once its last bucket has stepped)."""
         if self.in_flight is not None:
             return
         self.end_begun()
-        if self.atomic == "step" and self.layout.mains == "residual":
-            self.undo.take_before_step(self.planned())
+        self._take_undo_before_step(self.planned())
+
+    def _take_undo_before_step(self, buckets: list) -> None:
+        """The next step's undo copies of residual masters' model parameters, taken now
+        (Note [Undo copies of residual masters' params are taken before the step])."""
+        if self.atomic and self.layout.mains == "residual":
+            self.undo.take_before_step(buckets)
 
     def step(self) -> None:
         """StreamedOptimizer.step_buckets."""
@@ -129,10 +134,11 @@ class Steps:
         finally:
             held.release()
 
-    def advance_in_flight(self, n: int) -> None:
+    def advance_in_flight(self, n: int, hook: bool = True) -> None:
         """Steps the step in flight's buckets until n have stepped. Where one fails, the
         step ends as a failed step() does (a resumable one pending) and the error
-        raises here."""
+        raises here. hook: called by the forward's hooks, which take the next step's
+        undo copies once the last bucket has stepped."""
         run = self.in_flight
         if run is None or run.stepped >= n:
             return
@@ -145,6 +151,10 @@ class Steps:
                 except BaseException as error:
                     self._in_flight_failed(error)
                     raise
+                if hook and run.stepped == len(run.buckets) and not self.planner.changed():
+                    # On the step's stream, after its last write of a parameter: the
+                    # copies run under the backward that follows, not the forward.
+                    self._take_undo_before_step(self.planner.buckets)
         finally:
             run.interrupts = None
             held.release()
@@ -155,7 +165,7 @@ class Steps:
         run = self.in_flight
         if run is None:
             return
-        self.advance_in_flight(len(run.buckets))
+        self.advance_in_flight(len(run.buckets), hook=False)
         held = interrupts.Deferral()
         try:
             try:

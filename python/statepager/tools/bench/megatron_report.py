@@ -113,10 +113,10 @@ def config_lines(c: dict) -> list[str]:
                          f"{median_bytes(p['mapped_written_bytes']) / 1e9:.2f} GB of the "
                          "written per step")
         if p["undo_bytes"]:  # statepager.core.atomic
-            notes.append(f"atomic steps' undo copies: {p['undo_bytes'] / 1e9:.2f} GB of pinned "
+            notes.append(f"undo copies: {p['undo_bytes'] / 1e9:.2f} GB of pinned "
                          "host memory (the bf16 params residual mains are stored against, "
-                         "copied from the device each step at zero_grad(), while forward and "
-                         "backward run; only a failed step reads them)")
+                         "copied from the device before each step, while forward and backward "
+                         "run; only a failed step reads them)")
         if p["host_budget"]:
             notes.append(f"host tier {p['host_budget'] / 1e9:.2f} GB pinned, "
                          f"{p['host_used'] / 1e9:.2f} GB in use after the steps; spilled to "
@@ -131,11 +131,14 @@ def config_lines(c: dict) -> list[str]:
                      f"{show(p['compute_s'], 's', 3)}")
         if p.get("parts_s"):
             ms = {k: 1e3 * v["median"] for k, v in p["parts_s"].items()}
+            loop = (f"its bucket loop {ms['loop']:.1f} ms (in the next forward's hooks, "
+                    "not in opt.step)" if p.get("under_forward") else
+                    f"its bucket loop {ms['loop']:.1f} ms")
             notes.append(f"opt.step's host time (medians): the pager's set-up {ms['setup']:.1f} "
-                         f"ms (the epoch, the first page-ins, the snapshot), its bucket loop "
-                         f"{ms['loop']:.1f} ms, commit {ms['commit']:.1f} ms; the rest, "
-                         f"Megatron's own (grad copies, norm, clip, the params' sync) and the "
-                         f"pager's bookkeeping after the loop, {ms['rest']:.1f} ms")
+                         f"ms (the epoch, the first page-ins, the snapshot), {loop}, commit "
+                         f"{ms['commit']:.1f} ms; the rest, Megatron's own (grad copies, norm, "
+                         f"clip, the params' sync) and the pager's bookkeeping after the loop, "
+                         f"{ms['rest']:.1f} ms")
     if c.get("cpu_cores"):
         notes.append("CPU over the timed steps, in cores busy: " + ", ".join(
             f"{kind} {cores:.1f}" for kind, cores in c["cpu_cores"].items())

@@ -69,11 +69,12 @@ def _profiled_opt_step(optimizer, train_step) -> dict:
     return seen
 
 
-def opt_step_parts(opt_times: list, parts: list) -> dict:
+def opt_step_parts(opt_times: list, parts: list, under_forward: bool = False) -> dict:
     """The host's time in each timed opt.step's parts (StepStats: the pager's set-up, its
     bucket loop, its commit) and the rest (Megatron's own work, the pager's bookkeeping
-    after the loop), as spreads."""
-    rest = [t - sum(p) for t, p in zip(opt_times, parts)]
+    after the loop), as spreads. under_forward: the loop runs in the next forward's
+    hooks, outside opt.step."""
+    rest = [t - sum(p) + (p[1] if under_forward else 0.0) for t, p in zip(opt_times, parts)]
     keys = ("setup", "loop", "commit")
     return dict({k: spread([p[i] for p in parts]) for i, k in enumerate(keys)},
                 rest=spread(rest))
@@ -207,7 +208,8 @@ def run_config(spec: dict) -> dict:
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
                 io_block=stats["io_block_bytes"],
                 compute_s=spread(compute), stream_s=spread(streams),
-                parts_s=opt_step_parts(opt_times, parts),
+                parts_s=opt_step_parts(opt_times, parts, bool(config.get("overlap"))),
+                under_forward=bool(config.get("overlap")),
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
