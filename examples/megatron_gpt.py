@@ -181,13 +181,17 @@ def train_step(setup: Setup, model, optimizer, scheduler, step: int) -> float:
     model.zero_grad_buffer()
     optimizer.zero_grad()
     tokens, position_ids, mask, labels = batch(setup, step)
-    per_token = model(tokens, position_ids, mask, labels=labels)
-    loss = per_token.float().mean()
-    if setup.fp32_param:
-        loss = loss * model.module.loss_log_scale.exp()
-    loss.backward()
-    model.finish_grad_sync()
-    ok, _, _ = optimizer.step()
+    # The phases, named for profilers (bench megatron --iteration-trace).
+    with torch.profiler.record_function("forward"):
+        per_token = model(tokens, position_ids, mask, labels=labels)
+        loss = per_token.float().mean()
+        if setup.fp32_param:
+            loss = loss * model.module.loss_log_scale.exp()
+    with torch.profiler.record_function("backward"):
+        loss.backward()
+        model.finish_grad_sync()
+    with torch.profiler.record_function("optimizer.step"):
+        ok, _, _ = optimizer.step()
     if not ok:
         raise RuntimeError(f"step {step} was skipped (inf/nan grads)")
     scheduler.step(increment=1)

@@ -15,9 +15,11 @@ import torch
 
 from statepager import _C
 from statepager.tools import cli
-from statepager.tools.bench import driver_memory
+from statepager.tools.bench import driver_memory, iteration
 from statepager.tools.bench import megatron as bench_megatron
 from statepager.tools.bench import megatron_configs, megatron_report, megatron_worker
+
+import test_bench_iteration
 
 GiB = 1 << 30
 
@@ -84,6 +86,8 @@ def test_the_timeline_is_the_first_paged_configuration_unless_chosen(tmp_path):
         tmp_path, "--trace", trace, "--configs", "offload,host-q8,q8")) == "host-q8"
     assert megatron_configs.timeline_config(parse(
         tmp_path, "--trace", trace, "--timeline", "q8")) == "q8"
+    assert megatron_configs.timeline_config(parse(  # the iteration's lanes alone
+        tmp_path, "--iteration-trace", trace, "--configs", "unpaged,host-q8")) == "host-q8"
     with pytest.raises(_C.UsageError, match="--timeline 'bf16' is not in --configs unpaged,"
                                             "offload,fp32,q8,host-fp32,host-q8: add it"):
         megatron_configs.timeline_config(parse(tmp_path, "--trace", trace, "--timeline", "bf16"))
@@ -329,6 +333,8 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     r = canned_run()
     r["configs"][3]["device_time"] = DEVICE_TIME  # q8 ran with --device-time
     r["configs"][3]["pager"]["skipped_steps"] = 1  # Megatron skipped one of q8's steps
+    r["configs"][4]["iteration"] = iteration.summary(  # host-fp32 ran with --iteration-trace
+        iteration.lanes_of(test_bench_iteration.EVENTS))
     json.dumps(r)  # what --json prints
     b = megatron_report.breakdown(r["configs"][2])
     # 10 - 1 (baseline) - 5 (torch max allocated) = 4 GiB above torch's peak: context 0.5,
@@ -338,6 +344,10 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     bench_megatron.print_megatron(r)
     out = capsys.readouterr().out
     assert out.startswith("megatron bench: GPT, 24 layers, hidden 2048")
+    assert ("one more iteration under torch.profiler: 160.0 ms; on the host forward 50.0, "
+            "backward 70.0, optimizer.step 40.0 ms; on the device the model's kernels 13.0 "
+            "ms, statepager's 1.0 ms, copies 15.0 ms (host to device 10.0, device to host "
+            "6.0), 10.0 ms of them under the model's kernels") in out
     lines = out.splitlines()
 
     def row(name):
@@ -414,7 +424,8 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             "residual_encode_kernel 3.1 ms, residual_rebuild_kernel 2.8 ms) of all kernels' "
             "34.0 ms, 2655 of 3689 launches; copies busy host to device 111.7 ms, device to "
             "host 104.9 ms, both at once 49.5 ms") in out
-    assert out.count("under torch.profiler") == 1  # the others ran without --device-time
+    # Only q8 ran with --device-time.
+    assert out.count("step's optimizer.step() under torch.profiler") == 1
 
 
 def test_each_configuration_is_printed_as_soon_as_it_ends(tmp_path, capsys, monkeypatch):

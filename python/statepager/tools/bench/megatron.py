@@ -23,7 +23,10 @@ paged configuration's process then measures the floor of its bytes
 (statepager.tools.bench.floor: PCIe both ways with pinned buffers, fio on --dir; the larger),
 and its step is printed as a multiple of it. With --device-time, one more step's
 optimizer.step() runs under torch.profiler (statepager.tools.bench.device_time): the device's
-time in statepager's kernels and the copy engines' busy time. The summary compares each
+time in statepager's kernels and the copy engines' busy time. With --iteration-trace or
+--iteration-plot, one more whole iteration of the --timeline configuration does
+(statepager.tools.bench.iteration): the host's phases and the device's lanes, and how much
+of the copies ran under the model's kernels. The summary compares each
 with Megatron's offload and with its floor, the narrow formats with fp32, and gives the
 kernels' device time (--device-time).
 """
@@ -101,8 +104,8 @@ def bench_megatron(args) -> dict:
             bar.phase(f"{name}: {CONFIGS[name]['what']}")
             spec = dict(model, config=name, store=os.path.join(work, name), example=example())
             if name == drawn:
-                spec.update(trace=args.trace and os.path.abspath(args.trace),
-                            plot=args.plot and os.path.abspath(args.plot))
+                spec.update({k: getattr(args, k) and os.path.abspath(getattr(args, k))
+                             for k in ("trace", "plot", "iteration_trace", "iteration_plot")})
             c = run_worker(spec, work, args.timeout)
             r["configs"].append(c)
             if live:

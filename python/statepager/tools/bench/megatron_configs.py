@@ -132,12 +132,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "busy time")
     p.add_argument("--timeline", type=paged_config, default=None,
                    help="the paged configuration whose last timed step --trace and --plot "
-                        "draw (default: the first paged one of --configs)")
+                        "draw, and whose iteration --iteration-trace and --iteration-plot "
+                        "(default: the first paged one of --configs)")
     p.add_argument("--trace", type=output_file, metavar="FILE.json",
                    help="write that step's buckets (page-in, step, page-out) as a Chrome "
                         "trace (chrome://tracing, ui.perfetto.dev)")
     p.add_argument("--plot", type=plot_file, metavar="FILE.png",
                    help="draw that step's timeline (needs matplotlib: statepager[plot])")
+    p.add_argument("--iteration-trace", type=output_file, metavar="FILE.json",
+                   help="one more iteration of that configuration under torch.profiler: "
+                        "its host phases, the model's kernels, statepager's and the copies "
+                        "each way, as lanes of intervals (statepager.tools.bench.iteration)")
+    p.add_argument("--iteration-plot", type=plot_file, metavar="FILE.png",
+                   help="draw those lanes (needs matplotlib: statepager[plot])")
     p.add_argument("--json", action="store_true")
 
 
@@ -180,15 +187,17 @@ def page_for(bucket: int) -> int:
 def timeline_config(args) -> str | None:
     """The configuration whose step --trace / --plot draw (None when neither is asked
     for); UsageError when it is not a paged one of --configs."""
-    if not (args.trace or args.plot):
+    if not (args.trace or args.plot or args.iteration_trace or args.iteration_plot):
         return None
     paged = [n for n in args.configs if CONFIGS[n]["pager"]]
     name = args.timeline or (paged[0] if paged else None)
     if name is None:
-        raise _C.UsageError(f"--trace and --plot draw a paged configuration's step, and "
+        raise _C.UsageError(f"--trace, --plot and --iteration-* draw a paged configuration's "
+                            f"step, and "
                             f"--configs {','.join(args.configs)} has none: add one (e.g. fp32)")
     if name not in paged:
-        raise _C.UsageError(f"--trace and --plot draw a paged configuration's step: --timeline "
+        raise _C.UsageError(f"--trace, --plot and --iteration-* draw a paged configuration's "
+                            f"step: --timeline "
                             f"{name!r} is not in --configs {','.join(args.configs)}: add it "
                             "there or choose another")
     return name

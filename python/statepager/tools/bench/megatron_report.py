@@ -162,11 +162,27 @@ def config_lines(c: dict) -> list[str]:
                       if f["seconds"] else "no floor") +
                      "; the floor of its median step's bytes, measured after its steps:")
         notes += ["  " + line for line in bench_floor.describe(f)]
+    if c.get("iteration"):
+        notes.append(_iteration_line(c["iteration"]))
     if c.get("device_time"):
         notes.append(_device_time_line(c["device_time"]))
     if c["timeline_files"]:
-        notes.append(f"last timed step's timeline: {', '.join(c['timeline_files'])}")
+        notes.append(f"timelines written: {', '.join(c['timeline_files'])}")
     return lines + [f"  {'':9s} {note}" for note in notes]
+
+
+def _iteration_line(t: dict) -> str:
+    """One more iteration under torch.profiler (--iteration-trace, --iteration-plot)."""
+    if "error" in t:
+        return f"one more iteration under torch.profiler failed: {t['error']}"
+    b = t["busy_ms"]
+    return (f"one more iteration under torch.profiler: {t['span_ms']:.1f} ms; on the host "
+            f"forward {b['forward']:.1f}, backward {b['backward']:.1f}, optimizer.step "
+            f"{b['optimizer.step']:.1f} ms; on the device the model's kernels "
+            f"{b['compute']:.1f} ms, statepager's {b['statepager']:.1f} ms, copies "
+            f"{t['copies_ms']:.1f} ms (host to device {b['h2d']:.1f}, device to host "
+            f"{b['d2h']:.1f}), {t['copies_under_compute_ms']:.1f} ms of them under the "
+            f"model's kernels")
 
 
 def _device_time_line(t: dict) -> str:

@@ -21,6 +21,7 @@ import torch
 from statepager import _C
 from statepager.tools.bench import device_time
 from statepager.tools.bench import floor as bench_floor
+from statepager.tools.bench import iteration
 from statepager.tools.bench.cpu_use import CpuUse
 from statepager.tools.bench.driver_memory import DriverMemory
 from statepager.tools.bench.megatron_configs import CONFIGS, host_budget
@@ -227,8 +228,19 @@ def run_config(spec: dict) -> dict:
                     last, spec.get("trace"), spec.get("plot"),
                     f"bench megatron {spec['config']}: GPT {result['params'] / 1e9:.2f} B, "
                     f"buckets of {binding.streams[0].bucket_size // MiB} MiB, step {last.step}")
-        if spec.get("device_time"):  # past the schedule's steps: at its last rate
-            n = spec["warmup"] + spec["steps"]
+        n = spec["warmup"] + spec["steps"]  # past the schedule's steps: at its last rate
+        if spec.get("iteration_trace") or spec.get("iteration_plot"):
+            try:
+                timeline = iteration.profile(
+                    lambda: gpt.train_step(setup, model, optimizer, scheduler, n))
+                result["iteration"] = iteration.summary(timeline)
+                result["timeline_files"] += iteration.write_outputs(
+                    timeline, spec.get("iteration_trace"), spec.get("iteration_plot"),
+                    f"bench megatron {spec['config']}: one iteration")
+            except Exception as error:  # the timed steps' figures stand without it
+                result["iteration"] = {"error": f"{type(error).__name__}: {error}"}
+            n += 1
+        if spec.get("device_time"):
             try:
                 result["device_time"] = _profiled_opt_step(
                     optimizer, lambda: gpt.train_step(setup, model, optimizer, scheduler, n))

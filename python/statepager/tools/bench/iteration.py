@@ -1,0 +1,152 @@
+"""One whole training iteration as torch.profiler sees it (CUPTI): where the host spends
+it (forward, backward, optimizer.step: record_function ranges the training step marks)
+and what the device does meanwhile (the model's kernels, statepager's, the copies each
+way), as lanes of intervals. `bench megatron --iteration-trace F.json --iteration-plot
+F.png` runs one more iteration under it after the timed ones (a profiled iteration is
+slower on the host: it is not timed) and writes the lanes and their picture; the summary
+says how much of the copies ran under the model's kernels: what steps under the forward
+(Note [Steps under the forward] in docs/design.md) are for.
+
+`python -m statepager.tools.bench.iteration LANES.json OUT.png` draws lanes written
+elsewhere (e.g. on a machine without matplotlib).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Callable
+
+import torch
+
+from statepager import _C
+from statepager.core.step_stats import interval_overlap, interval_union
+from statepager.tools.bench.device_time import kernel_name
+
+# The training step's record_function ranges (examples/megatron_gpt.py train_step).
+PHASES = ("forward", "backward", "optimizer.step")
+# (key, label, colour): the host's phases, then the device's lanes.
+LANES = (("forward", "host: forward", "#5D6D7E"),
+         ("backward", "host: backward", "#85929E"),
+         ("optimizer.step", "host: optimizer.step", "#AEB6BF"),
+         ("compute", "model kernels", "#8E44AD"),
+         ("statepager", "statepager kernels", "#27AE60"),
+         ("h2d", "copies host to device", "#2E86DE"),
+         ("d2h", "copies device to host", "#E67E22"))
+
+
+def profile(step: Callable[[], object]) -> dict:
+    """Runs step() under torch.profiler (CPU and, where there is one, CUDA activity) and
+    returns lanes_of() its events."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as work:
+        path = os.path.join(work, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return lanes_of(json.load(f)["traceEvents"])
+
+
+def _lane(e: dict) -> str | None:
+    """The lane of one Chrome trace event, or None."""
+    cat = e.get("cat")
+    if cat == "user_annotation" and e["name"] in PHASES:
+        return e["name"]
+    if cat == "kernel":
+        return "statepager" if kernel_name(e["name"]) else "compute"
+    if cat == "gpu_memcpy":
+        for way, lane in (("HtoD", "h2d"), ("DtoH", "d2h")):
+            if way in e["name"]:
+                return lane
+    return None
+
+
+def lanes_of(events: list) -> dict:
+    """{"lanes": {key: [[start, end], ...]}, "span_ms": ...}: each lane's events merged,
+    in milliseconds from the first one (host phases and device work alike: the profiler
+    puts both on one clock)."""
+    spans = {key: [] for key, _, _ in LANES}
+    for e in events:
+        lane = _lane(e) if e.get("ph") == "X" else None
+        if lane is not None:
+            spans[lane].append((e["ts"], e["ts"] + e["dur"]))
+    starts = [s for lane in spans.values() for s, _ in lane]
+    if not starts:
+        raise _C.UsageError("the profiler saw none of the iteration's phases: mark them with "
+                            f"torch.profiler.record_function({', '.join(PHASES)})")
+    origin = min(starts)
+    lanes = {key: [[(s - origin) / 1e3, (e - origin) / 1e3] for s, e in interval_union(v)]
+             for key, v in spans.items()}
+    return {"lanes": lanes, "span_ms": max(e for v in lanes.values() for _, e in v)}
+
+
+def summary(timeline: dict) -> dict:
+    """Milliseconds: each lane busy, the copies (either way) busy, and how much of that
+    ran while the model's kernels ran."""
+    lanes = {k: [tuple(i) for i in v] for k, v in timeline["lanes"].items()}
+    busy = {k: sum(e - s for s, e in v) for k, v in lanes.items()}
+    copies = interval_union(lanes["h2d"] + lanes["d2h"])
+    return {"span_ms": timeline["span_ms"], "busy_ms": busy,
+            "copies_ms": sum(e - s for s, e in copies),
+            "copies_under_compute_ms": interval_overlap(copies, lanes["compute"])}
+
+
+def write(path: str, timeline: dict, title: str) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(timeline, title=title), f)
+
+
+def plot(path: str, timeline: dict, title: str) -> None:
+    """A PNG (or any format matplotlib writes, by `path`'s suffix) of the lanes."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise _C.UsageError("plotting needs matplotlib: pip install 'statepager[plot]' "
+                            "(or pip install matplotlib), or draw the lanes elsewhere: "
+                            "python -m statepager.tools.bench.iteration LANES.json OUT.png") \
+            from e
+    fig = Figure(figsize=(12, 3.8), layout="constrained")
+    ax = fig.subplots()
+    for row, (key, _, colour) in enumerate(LANES):
+        ax.broken_barh([(s, e - s) for s, e in timeline["lanes"][key]], (row - 0.4, 0.8),
+                       facecolors=colour)
+    ax.set_yticks(range(len(LANES)), [label for _, label, _ in LANES])
+    ax.set_ylim(len(LANES) - 0.5, -0.5)
+    ax.set_xlim(0, timeline["span_ms"] * 1.01)
+    ax.set_xlabel("milliseconds from the iteration's first event")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title)
+    fig.savefig(path, dpi=150)
+
+
+def write_outputs(timeline: dict, json_path: str | None, plot_path: str | None,
+                  title: str) -> list:
+    """The lanes (JSON) and their plot, where a path is given; returns the paths."""
+    if json_path:
+        write(json_path, timeline, title)
+    if plot_path:
+        plot(plot_path, timeline, f"{title}: {timeline['span_ms']:.1f} ms")
+    return [p for p in (json_path, plot_path) if p]
+
+
+def main(argv: list) -> int:
+    """python -m statepager.tools.bench.iteration LANES.json OUT.png"""
+    if len(argv) != 2:
+        print("usage: python -m statepager.tools.bench.iteration LANES.json OUT.png",
+              file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        timeline = json.load(f)
+    plot(argv[1], timeline, f"{timeline.get('title', argv[0])}: {timeline['span_ms']:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
