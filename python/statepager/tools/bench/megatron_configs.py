@@ -185,19 +185,19 @@ def page_for(bucket: int) -> int:
 
 
 def timeline_config(args) -> str | None:
-    """The configuration whose step --trace / --plot draw (None when neither is asked
-    for); UsageError when it is not a paged one of --configs."""
+    """The configuration whose step --trace / --plot draw and whose iteration
+    --iteration-trace / --iteration-plot profile (None when none is asked for);
+    UsageError when it is not a paged one of --configs."""
     if not (args.trace or args.plot or args.iteration_trace or args.iteration_plot):
         return None
     paged = [n for n in args.configs if CONFIGS[n]["pager"]]
     name = args.timeline or (paged[0] if paged else None)
     if name is None:
         raise _C.UsageError(f"--trace, --plot and --iteration-* draw a paged configuration's "
-                            f"step, and "
-                            f"--configs {','.join(args.configs)} has none: add one (e.g. fp32)")
+                            f"step, and --configs {','.join(args.configs)} has none: add one "
+                            "(e.g. fp32)")
     if name not in paged:
         raise _C.UsageError(f"--trace, --plot and --iteration-* draw a paged configuration's "
-                            f"step: --timeline "
-                            f"{name!r} is not in --configs {','.join(args.configs)}: add it "
-                            "there or choose another")
+                            f"step: --timeline {name!r} is not in --configs "
+                            f"{','.join(args.configs)}: add it there or choose another")
     return name
