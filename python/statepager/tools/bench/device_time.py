@@ -21,19 +21,28 @@ _OURS = "statepager::kernels::"
 
 
 def profile(step: Callable[[], object]) -> dict:
-    """Runs step() under torch.profiler (CPU and CUDA activity) and summarizes the device's
-    side of it (summarize())."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
+    """Runs step() under torch.profiler and summarizes the device's side of it
+    (summarize())."""
+    return summarize(trace_events(step))
+
+
+def trace_events(step: Callable[[], object]) -> list:
+    """Runs step() under torch.profiler (CPU activity, and CUDA's where there is a
+    device, waited for) and returns the Chrome trace's events."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as work:
         path = os.path.join(work, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            trace = json.load(f)
-    return summarize(trace["traceEvents"])
+            return json.load(f)["traceEvents"]
 
 
 def summarize(events: list) -> dict:

@@ -13,16 +13,12 @@ elsewhere (e.g. on a machine without matplotlib).
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from typing import Callable
-
-import torch
 
 from statepager import _C
 from statepager.core.step_stats import interval_overlap, interval_union
-from statepager.tools.bench.device_time import kernel_name
+from statepager.tools.bench.device_time import kernel_name, trace_events
 
 # The training step's record_function ranges (examples/megatron_gpt.py train_step).
 PHASES = ("forward", "backward", "optimizer.step")
@@ -37,21 +33,8 @@ LANES = (("forward", "host: forward", "#5D6D7E"),
 
 
 def profile(step: Callable[[], object]) -> dict:
-    """Runs step() under torch.profiler (CPU and, where there is one, CUDA activity) and
-    returns lanes_of() its events."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as work:
-        path = os.path.join(work, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return lanes_of(json.load(f)["traceEvents"])
+    """Runs step() under torch.profiler and returns lanes_of() its events."""
+    return lanes_of(trace_events(step))
 
 
 def _lane(e: dict) -> str | None:

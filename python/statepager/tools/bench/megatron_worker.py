@@ -201,6 +201,7 @@ def run_config(spec: dict) -> dict:
         }
         if pager is not None:
             stats = pager.stats()
+            under_forward = bool(config.get("overlap"))  # the loop runs in the forward's hooks
             result["pager"] = dict(
                 {k: [m[k] for m in moved] for k in counters},
                 skipped_steps=skipped,
@@ -209,8 +210,8 @@ def run_config(spec: dict) -> dict:
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
                 io_block=stats["io_block_bytes"],
                 compute_s=spread(compute), stream_s=spread(streams),
-                parts_s=opt_step_parts(opt_times, parts, bool(config.get("overlap"))),
-                under_forward=bool(config.get("overlap")),
+                parts_s=opt_step_parts(opt_times, parts, under_forward),
+                under_forward=under_forward,
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
