@@ -348,3 +348,62 @@ def test_undo_copies_of_the_next_step_are_taken_once_the_forward_stepped_the_las
             out.append((losses, [bits(p) for p in model.parameters()]))
     assert out[0][0] == out[1][0]
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies(tmp_path):
+    """Residual masters under the forward: the second bucket's after_bucket has written its
+    model params, then raises. The copies the previous forward's hook took put them back,
+    the step is pending, and training finishes it bit-identical to one that never failed."""
+    from statepager.core.optim import PagedAdamW
+
+    def setup(pager):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(torch.bfloat16)
+        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
+                         depth=3, mains="residual", moments="q8")
+        return model, opt, opt.binding
+
+    def iteration(model, opt, i):
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        loss = model(x.to(torch.bfloat16)).float().square().mean()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    results = []
+    for fail in (False, True):
+        with Pager(str(tmp_path / f"s{fail}"), "cpu", page_size=16 * KiB) as pager:
+            model, opt, binding = setup(pager)
+            binding.overlap_forward(model)
+            losses = [iteration(model, opt, i) for i in range(3)]
+            if fail:
+                before = [bits(p) for p in model.parameters()]
+                written, calls = binding.after_bucket, []
+
+                def failing(params):
+                    written(params)  # the model params are written
+                    calls.append([bits(p) for p in model.parameters()])
+                    if len(calls) == 2:
+                        raise RuntimeError("injected after the second bucket's write")
+                binding.after_bucket = failing
+                x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(3))
+                opt.zero_grad()
+                with pytest.raises(RuntimeError, match="injected after the second bucket"):
+                    model(x.to(torch.bfloat16))
+                binding.after_bucket = written
+                assert binding.pending
+                # As the first bucket left them: the second's put back.
+                first, second = calls
+                assert not all(map(torch.equal, first, second))  # the second bucket wrote
+                assert not all(map(torch.equal, first, before))  # ... and so did the first
+                now = [bits(p) for p in model.parameters()]
+                assert all(map(torch.equal, now, first)), "the failed bucket was put back"
+                opt.zero_grad()  # finishes the pending step
+                assert not binding.pending
+            losses += [iteration(model, opt, i) for i in range(3, 5)]
+            binding.complete_step_in_flight()
+            results.append((losses, [bits(p) for p in model.parameters()]))
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
