@@ -62,8 +62,7 @@ find "$DEST" \( -type f -o -type l \) | grep -vxFf "$keep" | xargs -r rm -f
 find "$DEST" -depth -type d -empty -delete
 
 # Run it as the bench will: with its own library folders first.
-lib_path=$(find "$DEST/usr/lib" "$DEST/lib" -name '*.so*' -printf '%h\n' 2>/dev/null | sort -u |
-  paste -sd:)
+lib_path=$(find "$DEST" -name '*.so*' -printf '%h\n' | sort -u | paste -sd:)
 LD_LIBRARY_PATH="$lib_path" "$fio" --version
 echo "fetch_fio: $DEST ($(du -sh "$DEST" | cut -f1)), packages: fio$packages"
 echo "fetch_fio: libraries taken from the system (BASE):"

@@ -11,6 +11,13 @@ import statepager
 
 HAVE_GPU = torch.cuda.is_available() and statepager.cuda_available()
 
+# Under pytest-xdist (`-n N`), each worker's single-rank Megatron jobs (its own and its
+# subprocesses') rendezvous on a port of its own: they would otherwise share
+# examples/megatron_gpt.py's default.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("MASTER_PORT",
+                          str(29600 + int(os.environ["PYTEST_XDIST_WORKER"].lstrip("gw"))))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")

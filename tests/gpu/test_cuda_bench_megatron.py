@@ -100,7 +100,7 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
     bench_megatron.print_megatron(r)
     text = capsys.readouterr().out
     assert "per step read = stored: True, written = stored: True" in text
-    assert "atomic steps' undo copies: " in text and "x the floor" in text
+    assert "undo copies: " in text and "x the floor" in text
     # The summary: each against the offload, each paged one against its floor (or why
     # not), the kernels' device time; q8 and host-fp32 did not run, so no q8 / fp32.
     summary = text[text.index("summary (medians of the timed steps):"):]
