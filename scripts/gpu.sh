@@ -5,9 +5,15 @@
 #   scripts/gpu.sh build            build/gpu with CMake and Ninja; the extension is copied
 #                                   into python/statepager/, which every command then runs
 #                                   (without a build: the installed package, scripts/setup.sh)
-#   scripts/gpu.sh test [PATH...]   ctest (build/gpu) and pytest of tests/, GPU tests
-#                                   included; with PATHs (relative to the repository, e.g.
-#                                   tests/gpu/test_split_gpt.py), pytest of those alone
+#   scripts/gpu.sh test [PART|PATH...]
+#                                   the GPU suite: ctest (build/gpu), then pytest -m gpu of
+#                                   tests/ in two parts: `shared`, the tests that may share
+#                                   the device, side by side (pytest-xdist, WORKERS at once,
+#                                   default 6, where it imports), and `alone`, those marked
+#                                   alone (tests/conftest.py), one at a time; a PART runs
+#                                   that part alone (no ctest); with PATHs (relative to the
+#                                   repository, e.g. tests/gpu/test_split_gpt.py), pytest
+#                                   of those, CPU tests included
 #   scripts/gpu.sh suite            build, then test
 #   scripts/gpu.sh bench [NAME...]  the benchmarks, default all of: map store sleep formats
 #                                   ckpt step tier megatron megatron-lm (tier: the host
@@ -172,18 +178,31 @@ cmd_build() {
 
 cmd_test() {
   show_env
-  if [ $# -eq 0 ]; then
-    if [ -d build/gpu ]; then
-      echo "\$ ctest --test-dir build/gpu (log: $OUT/ctest.log)"
-      ctest --test-dir build/gpu --output-on-failure --no-tests=error --timeout 120 \
-        >"$OUT/ctest.log" 2>&1 || status=1
-      tail -5 "$OUT/ctest.log"
-      bash scripts/ctest_skips.sh build/gpu
-    fi
-    set -- tests
-  fi
-  tests 0 "$@"
+  case "${1:-}" in
+    "") run_ctest; test_part shared; test_part alone ;;
+    shared|alone) test_part "$1" ;;
+    *) tests 0 "$@" ;;
+  esac
   return "$status"
+}
+
+run_ctest() {
+  [ -d build/gpu ] || return 0
+  echo "\$ ctest --test-dir build/gpu (log: $OUT/ctest.log)"
+  ctest --test-dir build/gpu --output-on-failure --no-tests=error --timeout 120 \
+    >"$OUT/ctest.log" 2>&1 || status=1
+  tail -5 "$OUT/ctest.log"
+  bash scripts/ctest_skips.sh build/gpu
+}
+
+test_part() {  # shared: side by side where pytest-xdist imports; alone: one at a time
+  if [ "$1" = alone ]; then
+    tests 0 -m "gpu and alone" tests
+  elif python3 -c "import xdist" 2>/dev/null; then
+    tests 0 -m "gpu and not alone" -n "${WORKERS:-6}" tests
+  else
+    tests 0 -m "gpu and not alone" tests
+  fi
 }
 
 cmd_suite() {

@@ -1,5 +1,8 @@
-"""Shared pytest fixtures, and the `gpu` marker: GPU tests skip (with the reason) on
-machines without a CUDA device. `pytest -m gpu tests` runs just the GPU suite."""
+"""Shared pytest fixtures, and the markers: `gpu` tests skip (with the reason) on
+machines without a CUDA device, and `pytest -m gpu tests` runs just the GPU suite;
+`alone` tests need the device to themselves (they read the driver's free memory, or
+start processes of their own by the handful), so scripts/gpu.sh runs them one at a time
+after the others, which it runs side by side under pytest-xdist."""
 import os
 import subprocess
 import uuid
@@ -21,6 +24,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "alone: needs the device to itself (see the module doc)")
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -30,6 +34,9 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "cuda_free" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.alone)
     if HAVE_GPU:
         return
     skip = pytest.mark.skip(reason="no CUDA device here: the GPU suite runs on the GPU machine "

@@ -20,6 +20,7 @@ from statepager.tools.bench.floor import find_fio
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.alone,  # the driver's memory, and timings side by side
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                        reason="megatron-core is not installed (the GPU suite carries it)"),
 ]

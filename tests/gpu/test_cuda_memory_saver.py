@@ -13,7 +13,7 @@ import torch
 
 from statepager.memory_saver import TorchMemorySaver
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]  # reads the driver's free memory
 
 GiB = 1 << 30
 

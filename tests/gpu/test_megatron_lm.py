@@ -46,6 +46,7 @@ PRETRAIN_GPT = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.alone,  # several torchruns at once of its own
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                        reason="megatron-core is not installed (the GPU suite carries it)"),

@@ -22,7 +22,7 @@ import torch
 
 import statepager
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]  # its examples run in workers of their own
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = ROOT / ".deps" / "torch_memory_saver"
