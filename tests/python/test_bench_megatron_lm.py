@@ -47,6 +47,16 @@ def parse(tmp_path, *argv):
          str(tmp_path / "mlm"), *argv])
 
 
+def test_megatron_args_come_last_in_every_configuration(tmp_path):
+    args = parse(tmp_path, "--configs", "unpaged,host-q8-overlap",
+                 "--megatron-args", "--no-check-for-nan-in-loss-and-grad --seed 7")
+    for name in args.configs:
+        cmd = megatron_lm.command(name, args, "/w")
+        assert cmd[-3:] == ["--no-check-for-nan-in-loss-and-grad", "--seed", "7"]
+    plain = megatron_lm.command("unpaged", parse(tmp_path), "/w")
+    assert "--no-check-for-nan-in-loss-and-grad" not in plain
+
+
 def test_each_configuration_runs_pretrain_gpt_with_its_flags(tmp_path):
     args = parse(tmp_path, "--configs", "unpaged,offload,host-q8-overlap,fp32")
     assert args.configs == ["unpaged", "offload", "host-q8-overlap", "fp32"]

@@ -26,6 +26,7 @@ import contextlib
 import datetime
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a save is in flight under against the others")
     p.add_argument("--timeout", type=at_least(1, "seconds"), default=900,
                    help="seconds each configuration may take")
+    p.add_argument("--megatron-args", type=shlex.split, default=[],
+                   help="more pretrain_gpt.py arguments for every configuration, one string "
+                        "(e.g. \"--no-check-for-nan-in-loss-and-grad\"), after the bench's")
     p.add_argument("--json", action="store_true")
 
 
@@ -156,6 +160,7 @@ def command(name: str, args, work: str) -> list[str]:
             flags += ["--statepager-host-budget", str(budget)]
         if paged.get("overlap"):
             flags += ["--statepager-overlap-forward", "on"]
+    flags += args.megatron_args
     script = os.path.join(args.megatron_lm, "pretrain_gpt.py")
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node", "1"] + module + [script] + flags)
