@@ -33,6 +33,7 @@ class Setup:
     experts: int = 0            # > 0: MoE layers, a ChainedOptimizer (dense + expert)
     grad_fp32: bool = False     # DDP grad_reduce_in_fp32
     overlap: bool = False       # overlap_grad_reduce and overlap_param_gather
+    overlap_grad_reduce: bool = False  # overlap_grad_reduce alone (grad syncs in backward)
     lr: float = 3e-3
     optimizer: str = "adam"     # OptimizerConfig.optimizer: "adam", "sgd" or "muon"
     sgd_momentum: float = 0.9
@@ -97,7 +98,8 @@ def build_model(setup: Setup):
     if setup.fp32_param:  # Megatron steps it in place, unpaged
         gpt.loss_log_scale = torch.nn.Parameter(torch.zeros(1, device="cuda"))
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=setup.grad_fp32, overlap_grad_reduce=setup.overlap,
+        grad_reduce_in_fp32=setup.grad_fp32,
+        overlap_grad_reduce=setup.overlap or setup.overlap_grad_reduce,
         overlap_param_gather=setup.overlap,
         use_distributed_optimizer=setup.distributed or setup.layer_wise,
         bucket_size=setup.ddp_bucket)

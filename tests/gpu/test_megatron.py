@@ -97,6 +97,9 @@ CASES = {
     "bf16-grads-overlap": dict(overlap=True),
     "fp32-grads": dict(grad_fp32=True),
     "fp32-grads-overlap": dict(grad_fp32=True, overlap=True),
+    # Grad syncs in the backward (overlap_grad_reduce alone), activations past the window.
+    "fp32-grads-reduce-in-backward": dict(grad_fp32=True, overlap_grad_reduce=True, batch=32,
+                                          seq=256),
     "bf16-grads-residual-mains": dict(attach=dict(mains="residual")),
     "bf16-grads-q8-moments": dict(attach=dict(moments="q8")),
     "moe": dict(experts=4),
@@ -308,14 +311,16 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
 
 
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
-                                  "bf16-grads-q8-moments",
+                                  "bf16-grads-q8-moments", "fp32-grads-reduce-in-backward",
                                   pytest.param("muon-layer-wise", marks=needs_emerging)])
 def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
     """binding.overlap_forward(model): Megatron's step() returns with the buckets left to
     the next forward, each stepped (and its mains in the param buffer, its grads zeroed)
     before the first module using it runs; bit-identical to unpaged Megatron. In a chain
     (Muon's layer-wise one) only the last member's steps are left to the forward: each
-    earlier one completes when the next begins."""
+    earlier one completes when the next begins. With grad syncs in the backward
+    (overlap_grad_reduce) and activations larger than the window, each step's page-ins
+    begin in the backward before it (Note [Page-ins during backward])."""
     options = dict(CASES[case])
     attach = options.pop("attach", {})
     setup = gpt.Setup(steps=6, **options)
@@ -336,6 +341,8 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
         gpt.finish(model)
         paged = (losses, [p.detach().cpu() for p in model.parameters()],
                  snapshot(optimizer, binding), None)
+        if setup.overlap_grad_reduce:  # the first step's at least: none in flight before it
+            assert binding.early.begun >= 1, "a step's page-ins began in the backward"
     if attach.get("moments") == "q8":  # lossy by design: the same as q8 without overlap
         with Pager(store_dir + "-q8", "cuda", page_size=2 * MiB) as pager:
             base = run(gpt, setup, pager, bucket_size=1 * MiB, **attach)

@@ -5,6 +5,7 @@ to training without it, whatever reads the state in between (state_dict(), reads
 checkpoints) completes the step first, and a bucket that fails under the forward raises
 from the forward, the step pending as a failed step() leaves it."""
 import os
+import time
 
 import pytest
 import torch
@@ -86,6 +87,47 @@ def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic, lr_decay):
     assert all(left), "step() returned with its buckets left to the forward"
     assert base[0] == paged[0]
     assert same(base[1], paged[1])
+
+
+def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
+    """The next step's first page-ins begun in the backward, once the step in flight has
+    nothing left to wait for (as the Megatron integration begins them: Note [Page-ins
+    during backward]): step() takes the begun step up, and training is bit-identical."""
+    base = run(tmp_path, "base", False)
+    with Pager(str(tmp_path / "early"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True)
+        seen = []
+
+        def begin(param):  # the first layer's grad: the backward's last
+            deadline = time.monotonic() + 30  # a backward long enough for the page-outs
+            while not binding.in_flight_settled() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            settled = binding.in_flight_settled()
+            if settled:
+                binding.begin_step()
+            seen.append((settled, binding.begun))
+        model[0].weight.register_post_accumulate_grad_hook(begin)
+        taken = []
+        losses = train(model, opt, 5, watch=lambda i: taken.append(
+            not binding.begun and binding.step_in_flight is not None))
+        early = losses, result(model, opt)
+    assert seen == [(True, True)] * 5 and all(taken)
+    assert base[0] == early[0]
+    assert same(base[1], early[1])
+
+
+def test_a_step_in_flight_is_settled_once_the_forward_has_stepped_it(tmp_path):
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True)
+        assert binding.in_flight_settled(), "no step in flight"
+        train(model, opt, 1)
+        assert not binding.in_flight_settled(), "its buckets left to the forward"
+        model(torch.zeros(2, WIDTH))
+        deadline = time.monotonic() + 30  # its page-outs are the I/O thread's
+        while not binding.in_flight_settled() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert binding.in_flight_settled(), "stepped, its page-outs done"
+        assert binding.step_in_flight is not None
 
 
 @pytest.mark.parametrize("split_groups", [False, True])

@@ -25,6 +25,10 @@ class LateRead:
             values = host
         self._values = values
 
+    def ready(self) -> bool:
+        """Whether get() would not wait."""
+        return self._ready is None or self._ready.query()
+
     def get(self) -> torch.Tensor:
         """The values (a host tensor), once copied."""
         if self._ready is not None:
@@ -73,6 +77,10 @@ class ExceptionCounts:
                 at += len(forms)
             self._queue.popleft()
             self.handles.append(self.pager.discard_async(held))
+
+    def ready(self) -> bool:
+        """Whether read() would wait for no copy."""
+        return all(counts.ready() for _, counts, _ in self._queue)
 
     def wait_let_go(self) -> None:
         """Waits for the scratch let go so far to be unmapped (before a page-in that the

@@ -146,6 +146,14 @@ class Pipeline:
             self._fail(error)
             raise
 
+    def settled(self) -> bool:
+        """Whether every bucket has stepped and its page-outs, late reads and read-aheads
+        are done: complete() would not wait (Note [Page-ins during backward])."""
+        handles = ([h for hs in self._outs for h in hs] + self._counting.handles
+                   + list(self._aheads.values()))
+        return (self._next == len(self.buckets) and self._counting.ready()
+                and all(h.done() for h in handles))
+
     def complete(self) -> StepStats:
         """Steps the buckets left and finishes; returns the stats. Where it fails,
         nothing is left in flight."""

@@ -159,6 +159,10 @@ class Steps:
             run.interrupts = None
             held.release()
 
+    def in_flight_settled(self) -> bool:
+        """Whether completing the step in flight would not wait (or none is)."""
+        return self.in_flight is None or self.in_flight.settled()
+
     def complete_in_flight(self) -> None:
         """Steps what is left of the step in flight and finishes it (its page-outs waited
         for, its stats the last); nothing when none is."""

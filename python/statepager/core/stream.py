@@ -444,6 +444,12 @@ class StreamedOptimizer:
         return self._steps.in_flight
 
     @serialized
+    def in_flight_settled(self) -> bool:
+        """Whether begin_step() would wait for no step in flight (Note [Page-ins during
+        backward])."""
+        return self._steps.in_flight_settled()
+
+    @serialized
     def complete_step_in_flight(self) -> None:
         self._steps.complete_in_flight()  # Steps.complete_in_flight
 

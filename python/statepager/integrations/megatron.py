@@ -48,6 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from statepager import _C
 from statepager.core import adapters
 from statepager.core.serial import lock_of
@@ -112,6 +114,7 @@ class MegatronBinding:
     optimizer: object
     members: list = field(default_factory=list)
     megatron_step: object = None  # the optimizer's step() before attach set binding.step
+    early: "PageInsDuringBackward | None" = None  # overlap_forward's
 
     @property
     def streams(self) -> list:
@@ -123,6 +126,8 @@ class MegatronBinding:
         step Megatron then skips (inf/NaN grads) or that fails before the inner step is
         ended here, its pages dropped unwritten. Holds the Pager's lock throughout
         (statepager.core.serial): Megatron's step calls the members' hooks."""
+        if self.early is not None:
+            self.early.next_backward()
         with lock_of(self.members[0].pager):
             try:
                 return self.megatron_step(*args, **kwargs)
@@ -131,14 +136,15 @@ class MegatronBinding:
                     if m.stream.begun:
                         m.stream.end_begun_step()
 
-    def overlap_forward(self, *model_chunks) -> list:
+    def overlap_forward(self, *model_chunks, page_in_during_backward: bool = True) -> list:
         """Each member's steps end under the next forward of `model_chunks` (the DDP
         model chunks; StreamedOptimizer.overlap_forward): Megatron's step() returns once
         the first page-ins are issued, and each bucket's mains reach the param buffer
         before the first module that uses them runs. One data-parallel rank only (the
         param all-gather that follows the step would read mains not stepped yet); in a
         ChainedOptimizer a member's step in flight completes when the next one starts.
-        Returns the members' ForwardOverlaps."""
+        page_in_during_backward: the next step's first page-ins begin in the backward
+        before it (PageInsDuringBackward). Returns the members' ForwardOverlaps."""
         held = [[id(b) for b in m.megatron.buffers()] for m in self.members]
         flat = [b for ids in held for b in ids]
         if not all(held) or len(set(flat)) < len(flat):
@@ -156,8 +162,11 @@ class MegatronBinding:
                     f"overlap_forward() runs with one data-parallel rank (not {size}) and "
                     "without overlap_param_gather: Megatron's param all-gather would read "
                     "the param buffer before the forward has stepped its mains")
-        return [m.stream.overlap_forward(*model_chunks, forward_param=m.model_param_of)
-                for m in self.members]
+        overlaps = [m.stream.overlap_forward(*model_chunks, forward_param=m.model_param_of)
+                    for m in self.members]
+        if page_in_during_backward and self.early is None:
+            self.early = PageInsDuringBackward(self.members[0].stream, model_chunks)
+        return overlaps
 
     def complete_step_in_flight(self) -> None:
         """Steps what each member's step in flight has left (overlap_forward): the
@@ -169,3 +178,39 @@ class MegatronBinding:
     def last(self) -> list:
         """StepStats of the last step, one per member."""
         return [m.stream.last for m in self.members]
+
+
+class PageInsDuringBackward:
+    """Begins the first member's next step (begin_step: its first page-ins) in the
+    backward before it, where Megatron's copy_grads would begin it after the backward:
+    at the first grad-sync start of the DDP bucket groups (the last micro-batch's) by
+    which the backward has freed the step's window of device memory since the first one,
+    so the driver's peak stays, and by which the step in flight has nothing left to wait
+    for, so the autograd thread never blocks (Note [Page-ins during backward])."""
+
+    def __init__(self, stream, model_chunks):
+        self.stream = stream
+        self.begun = 0  # steps begun so, in all
+        self._first: int | None = None  # torch's allocated bytes at the first grad sync
+        self._begun = False
+        internals.on_grad_sync_start(model_chunks, self._grad_sync_started)
+
+    def next_backward(self) -> None:
+        """Megatron's step() has begun: the next backward measures anew."""
+        self._first, self._begun = None, False
+
+    def _grad_sync_started(self) -> None:
+        stream = self.stream
+        if self._begun or stream.overlap is None:
+            return
+        device = stream.pager.device
+        if device.type == "cuda":  # the host backend's memory is the host's
+            now = torch.cuda.memory_allocated(device)
+            self._first = now if self._first is None else self._first
+            if self._first - now < stream.window_bytes:
+                return
+        if not stream.in_flight_settled():
+            return
+        self._begun = True
+        stream.begin_step()
+        self.begun += stream.begun

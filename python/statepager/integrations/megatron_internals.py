@@ -58,6 +58,8 @@ CONTRACT = (
     ("megatron.core.optimizer", "DistributedOptimizer", "restore_from_cpu", None),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", "reset",
      ["self"]),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
+     "start_grad_sync", ["self", "force_all_reduce"]),
     # Megatron-LM's training calls it; statepager.megatron_lm takes model_chunks from it.
     ("megatron.core.optimizer", None, "get_megatron_optimizer", ["config", "model_chunks"]),
 )
@@ -72,7 +74,8 @@ MIXED_PRECISION_ATTRIBUTES = (
     "optimizer", "config", "float16_groups", "fp32_from_float16_groups",
     "fp32_from_fp32_groups", "is_stub_optimizer",
 )
-MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config")
+MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config", "bucket_groups",
+                          "expert_parallel_bucket_groups")
 # ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
 # main_grad views into grad_data.
 BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
@@ -95,9 +98,8 @@ _OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the st
 
 
 def is_megatron(optimizer) -> bool:
-    """Megatron's optimizers, the adapter's (its wrappers, and HybridDeviceOptimizer to be
-    refused); the torch optimizers of Megatron's emerging_optimizers (TensorParallelMuon)
-    are members' inner ones, attached as torch optimizers."""
+    """Megatron's optimizers, the adapter's (not the emerging_optimizers' torch ones,
+    members' inner optimizers, attached as torch optimizers)."""
     module = type(optimizer).__module__
     return (module.startswith("megatron.")
             and not module.startswith("megatron.core.optimizer.emerging_optimizers"))
@@ -107,9 +109,7 @@ def version() -> tuple:
     try:
         text = importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:  # a source checkout on sys.path
-        from megatron.core import package_info
-
-        text = package_info.__version__
+        text = importlib.import_module("megatron.core.package_info").__version__
     return tuple(int("".join(c for c in part if c.isdigit()) or 0)
                  for part in text.split(".")[:3])
 
@@ -139,8 +139,7 @@ def members(optimizer) -> list:
 
 
 def _has_params(member) -> bool:
-    """False for a member left without parameters on this rank (a layer-wise chain's,
-    where its whole params are all other ranks')."""
+    """False for a member without parameters on this rank (a layer-wise chain's)."""
     inner = getattr(member, "optimizer", None)
     return inner is None or any(g["params"] for g in inner.param_groups)
 
@@ -154,15 +153,25 @@ def _leaves(optimizer) -> list:
 
 
 def model_chunks(optimizer) -> list:
-    """The DDP model chunks the optimizer's chain knows (the model_chunks of its
-    DistributedOptimizers and LayerWiseDistributedOptimizers; a non-distributed chain
-    knows none)."""
+    """The DDP model chunks the optimizer's chain knows (its distributed and layer-wise
+    optimizers'; a non-distributed chain knows none)."""
     from megatron.core.optimizer import ChainedOptimizer
 
     found = list(getattr(optimizer, "model_chunks", None) or [])
     if isinstance(optimizer, ChainedOptimizer):
         found += [c for m in optimizer.chained_optimizers for c in model_chunks(m)]
     return list({id(c): c for c in found}.values())
+
+
+def on_grad_sync_start(chunks, handler) -> None:
+    """handler() after each grad-sync start of the DDP model chunks' bucket groups: in the
+    last micro-batch's backward as each group's grads are ready (overlap_grad_reduce),
+    else all at finish_grad_sync. Set on the group instances."""
+    def then(call):
+        return lambda *args, **kwargs: (call(*args, **kwargs), handler())[0]
+    for chunk in chunks:
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            group.start_grad_sync = then(group.start_grad_sync)
 
 
 def view(d, chunks=()) -> "Internals":
@@ -226,9 +235,8 @@ def _muon_problem(muon, name: str) -> str | None:
 
 
 def override_step(optimizer, step):
-    """Sets `optimizer`'s step() (the training loop's; ChainedOptimizer.step steps its
-    members through their other methods, never their step()) on the instance, and
-    returns the step() it had (Megatron's, or one set on the instance before)."""
+    """Sets `optimizer`'s step() (the training loop's; a chain steps its members through
+    other methods) on the instance; returns the step() it had."""
     previous = optimizer.step
     optimizer.step = step
     return previous
@@ -302,9 +310,7 @@ class Internals:
         """The DDP grad buffers holding d's model params' main grads."""
         return list(self.d.buffers)
 
-    # Whether d.state_dict() holds the mains and the inner optimizer's state (refused: it
-    # would read them behind the pager's back).
-    state_dict_holds_state = False
+    state_dict_holds_state = False  # d.state_dict() holds no mains or inner state
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -386,10 +392,8 @@ class Internals:
         type(self.d).zero_grad(self.d, *args, **kwargs)
 
     def on_grads_zeroed(self, handler) -> None:
-        """Each of d's grad buffers zeroed by handler(buffer, reset) in place of reset():
-        the training loop's model.zero_grad_buffer() resets them (before it calls the
-        optimizer's zero_grad). Set on the buffer instances, which d shares with the DDP
-        model."""
+        """Each of d's grad buffers (shared with the DDP model) zeroed by handler(buffer,
+        reset) in place of reset(), which the loop's model.zero_grad_buffer() calls."""
         for buffer in self.buffers():
             buffer.reset = functools.partial(handler, buffer, buffer.reset)
 
@@ -399,10 +403,9 @@ class Internals:
         into its grad data, or extra main grads of its own) keep their values."""
         data = buffer.grad_data.view(-1)
         base, size = data.data_ptr(), data.element_size()
-        spans = sorted(((g.data_ptr() - base) // size, (g.data_ptr() - base) // size + g.numel())
-                       for g in (p.main_grad for p in kept)
-                       if base <= g.data_ptr() < base + data.numel() * size)
-        at = 0
+        at, spans = 0, sorted(((g.data_ptr() - base) // size, (g.data_ptr() - base) // size
+                               + g.numel()) for g in (p.main_grad for p in kept)
+                              if base <= g.data_ptr() < base + data.numel() * size)
         for start, stop in spans:
             data[at:start].zero_()
             at = max(at, stop)
@@ -421,10 +424,9 @@ class Internals:
 
     def override(self, *, copy_grads, copy_mains_to_params, copy_params_to_mains,
                  state_dict, zero_grad, get_parameters=None, refused: dict) -> None:
-        """Sets d's methods, on the instance (never its class): the hooks that
-        step_with_ready_grads and reload_model_params call, state_dict (unless None),
-        zero_grad (what ChainedOptimizer's and the training loop's zero_grad() call),
-        get_parameters, and callables that refuse each method named in `refused` ({name: refusal})."""
+        """Sets d's methods on the instance (never its class): the hooks step_with_ready_grads
+        and reload_model_params call, state_dict (unless None), zero_grad, get_parameters,
+        and refusals of the methods in `refused` ({name: refusal})."""
         d = self.d
         d.zero_grad = zero_grad
         d._copy_model_grads_to_main_grads = copy_grads
@@ -440,11 +442,9 @@ class Internals:
 
 
 class MixedPrecisionInternals(Internals):
-    """Megatron's view of one Float16OptimizerWithFloat16Params `d`, the member of a
-    non-distributed chain (SGD, Muon and the Adam beside it without
-    use_distributed_optimizer) and of a LayerWiseDistributedOptimizer: every bf16 model
-    param this rank steps is whole, with a whole fp32 main shaped like it (a "shard" here
-    is the whole param), and the mains are copied into the model params themselves."""
+    """Megatron's view of one Float16OptimizerWithFloat16Params `d` (of a non-distributed
+    or layer-wise chain): each bf16 model param this rank steps is whole, its fp32 main
+    shaped like it (a "shard" is the whole param), the mains copied into the params."""
 
     state_dict_holds_state = True
 
@@ -487,9 +487,8 @@ class MixedPrecisionInternals(Internals):
                 if any(id(p) in mine for p in b.params)]
 
     def data_parallel_size(self) -> int:
-        """The data-parallel ranks (expert ones for an expert member): a non-distributed
-        chain all-reduces its grads over them, and the layer-wise one all-gathers the
-        params after the step."""
+        """The data-parallel ranks (expert ones for an expert member) its grads are
+        all-reduced over (the layer-wise chain all-gathers its params over them)."""
         from megatron.core import parallel_state
 
         if self.is_expert():

@@ -55,6 +55,11 @@ CONFIGS = {
     "host-q8-overlap": dict(pager=True, host=True, overlap=True, moments="q8",
                             mains="residual", what="statepager, q8 moments, residual mains, "
                                                    "host tier, steps under the forward"),
+    # The same, its page-ins begun after the backward (as without page_in_during_backward).
+    "host-q8-overlap-late": dict(pager=True, host=True, overlap=True, early=False, moments="q8",
+                                 mains="residual", what="statepager, q8 moments, residual "
+                                 "mains, host tier, steps under the forward, page-ins after "
+                                 "the backward"),
     "muon-unpaged": dict(pager=False, setup=MUON,
                          what="unpaged, Muon (layer-wise, Adam for the rest)"),
     "muon-host-fp32": dict(pager=True, host=True, setup=MUON, moments="fp32", mains="fp32",

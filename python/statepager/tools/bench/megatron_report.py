@@ -139,6 +139,9 @@ def config_lines(c: dict) -> list[str]:
                          f"{ms['commit']:.1f} ms; the rest, Megatron's own (grad copies, norm, "
                          f"clip, the params' sync) and the pager's bookkeeping after the loop, "
                          f"{ms['rest']:.1f} ms")
+        if p.get("under_forward"):
+            notes.append(f"steps whose first page-ins began in the backward before them: "
+                         f"{p.get('begun_in_backward', 0)} (warm-up and timed)")
     if c.get("cpu_cores"):
         notes.append("CPU over the timed steps, in cores busy: " + ", ".join(
             f"{kind} {cores:.1f}" for kind, cores in c["cpu_cores"].items())

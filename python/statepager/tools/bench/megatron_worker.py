@@ -120,7 +120,8 @@ def run_config(spec: dict) -> dict:
     setup = gpt.Setup(layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
                       vocab=spec["vocab"], seq=spec["seq"], batch=spec["micro_batch"],
                       grad_fp32=spec["grads"] == "fp32", steps=spec["warmup"] + spec["steps"],
-                      ddp_bucket=40_000_000, fp32_param=False, **config.get("setup", {}))
+                      ddp_bucket=40_000_000, fp32_param=False, overlap_grad_reduce=True,
+                      **config.get("setup", {}))
     model = gpt.build_model(setup)
     host_budget = 0
     if config.get("host"):
@@ -139,7 +140,7 @@ def run_config(spec: dict) -> dict:
             optimizer_options=config.get("optimizer_options"),
             attach_options={k: config[k] for k in ("atomic",) if k in config})
         if config.get("overlap"):
-            binding.overlap_forward(model)
+            binding.overlap_forward(model, page_in_during_backward=config.get("early", True))
         opt_times = []
         _timed(optimizer, opt_times)
         torch.cuda.synchronize()
@@ -212,6 +213,7 @@ def run_config(spec: dict) -> dict:
                 compute_s=spread(compute), stream_s=spread(streams),
                 parts_s=opt_step_parts(opt_times, parts, under_forward),
                 under_forward=under_forward,
+                begun_in_backward=binding.early.begun if binding.early else 0,
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
