@@ -234,9 +234,9 @@ class MegatronMember:
 
     @torch.no_grad()
     def _mains_out(self, params) -> None:
-        for p in params:  # native fp32 params, stepped in place: done with their grads
-            if id(p) in self.fp32_model_of:
-                self._zeroed_after_step(self.fp32_model_of[id(p)])
+        # Native fp32 params, stepped in place, are done with their grads.
+        self._zeroed_after_step(*(self.fp32_model_of[id(p)] for p in params
+                                  if id(p) in self.fp32_model_of))
         mains = [main for main in params if id(main) in self.model_of]
         if not mains:
             return
@@ -244,10 +244,10 @@ class MegatronMember:
         # time in the 1.34 B GPT's bucket of ~200 small parameters (H200).
         copy_each([self.megatron.param_buffer_slice(self.model_of[id(main)]) for main in mains],
                   mains)
-        for main in mains:
-            if self.bf16_grads:
+        if self.bf16_grads:
+            for main in mains:
                 main.grad = None
-            self._zeroed_after_step(self.model_of[id(main)])
+        self._zeroed_after_step(*(self.model_of[id(main)] for main in mains))
 
     # -- Megatron's hooks, set on the DistributedOptimizer ------------------------------
     # Each holds the Pager's lock (statepager.core.serial): they page the state, and
@@ -309,12 +309,15 @@ class MegatronMember:
         model_param = self.model_of.get(id(p))
         return model_param if model_param is not None else self.fp32_model_of.get(id(p))
 
-    def _zeroed_after_step(self, model_param) -> None:
-        """Zeroes model_param's main grad where zero_grads left it to its step (on the
-        step's stream: before the forward's next use waits for it, and backward's)."""
-        if id(model_param) in self._zero_after_step:
-            self._zero_after_step.discard(id(model_param))
-            model_param.main_grad.zero_()
+    def _zeroed_after_step(self, *model_params) -> None:
+        """Zeroes the main grads of those of model_params that zero_grads left to their
+        step, in one multi-tensor op (on the step's stream: before the forward's next use
+        waits for it, and backward's)."""
+        left = [p for p in model_params if id(p) in self._zero_after_step]
+        for p in left:
+            self._zero_after_step.discard(id(p))
+        if left:
+            torch._foreach_zero_([p.main_grad for p in left])
 
     def parameters_with_carriers(self) -> list:
         """get_parameters() as Megatron's norm and clip code sees it: each paged main
