@@ -96,6 +96,7 @@ FOREIGN = {
     },
     "statepager.util.flat": {
         "_foreach_copy_": "torch._foreach_copy_, many copies as one (copy_each)",
+        "_foreach_zero_": "torch._foreach_zero_, many zero fills as one (zero_each)",
     },
     "statepager.tools.bench.tms": {
         "_exit": "os._exit: the child skips teardown, which torch-memory-saver aborts",

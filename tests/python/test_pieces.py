@@ -6,7 +6,7 @@ import torch
 
 import statepager
 from statepager import Pager
-from statepager.util.flat import flat_view
+from statepager.util.flat import copy_each, flat_view, zero_each
 from statepager.core.slices import CHUNK_ALIGN, chunk_bounds
 from statepager.formats import codecs
 from statepager.formats.stored import StoredForm
@@ -194,3 +194,18 @@ def test_chunks_of_two_plans_keep_one_exception_list(store_dir):
         form.exceptions = some(0, n)  # a whole encode or load: the chunks' go
         for start, stop in plan_a:
             assert listed(form.chunk(start, stop).exceptions) == expected(start, stop)
+
+
+def test_copy_each_and_zero_each_over_mixed_dtypes_and_views():
+    """Each pair copied (dtypes converted as copy_ converts them), each tensor zeroed,
+    views into one buffer included, whatever the mix of dtypes."""
+    buffer = torch.arange(12, dtype=torch.float32) + 1
+    targets = [buffer[0:4], buffer[6:9], torch.ones(3, dtype=torch.bfloat16)]
+    sources = [torch.full((4,), 7.0, dtype=torch.bfloat16), torch.full((3,), 8.0),
+               torch.full((3,), 9.0)]
+    copy_each(targets, sources)
+    assert buffer.tolist() == [7.0] * 4 + [5.0, 6.0] + [8.0] * 3 + [10.0, 11.0, 12.0]
+    assert targets[2].tolist() == [9.0] * 3
+    zero_each([buffer[0:2], buffer[8:10], targets[2]])
+    assert buffer.tolist() == [0.0, 0.0, 7.0, 7.0, 5.0, 6.0, 8.0, 8.0, 0.0, 0.0, 11.0, 12.0]
+    assert targets[2].tolist() == [0.0] * 3

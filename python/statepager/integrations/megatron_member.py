@@ -9,7 +9,7 @@ from statepager import _C
 from statepager.core import defaults, slices
 from statepager.core.hooks import Hooks
 from statepager.core.serial import serialized
-from statepager.util.flat import copy_each, flat_view
+from statepager.util.flat import copy_each, flat_view, zero_each
 from statepager.util.units import MiB
 from statepager.integrations import megatron_internals as internals
 
@@ -317,7 +317,7 @@ class MegatronMember:
         for p in left:
             self._zero_after_step.discard(id(p))
         if left:
-            torch._foreach_zero_([p.main_grad for p in left])
+            zero_each([p.main_grad for p in left])
 
     def parameters_with_carriers(self) -> list:
         """get_parameters() as Megatron's norm and clip code sees it: each paged main

@@ -1,5 +1,6 @@
 """flat_view: a dense tensor's elements as one 1-D view, in memory order (what the
-stored forms move byte for byte); copy_each: many element-for-element copies at once."""
+stored forms move byte for byte); copy_each and zero_each: many element-for-element copies,
+or zero fills, at once."""
 from __future__ import annotations
 
 import torch
@@ -30,3 +31,13 @@ def copy_each(targets: list, sources: list) -> None:
         lists[1].append(s)
     for group_targets, group_sources in groups.values():
         torch._foreach_copy_(group_targets, group_sources)
+
+
+def zero_each(tensors: list) -> None:
+    """t.zero_() for every t, as torch's multi-tensor zero: on CUDA a few kernels for all,
+    grouped by (device, dtype) as copy_each groups its pairs."""
+    groups = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for group in groups.values():
+        torch._foreach_zero_(group)
