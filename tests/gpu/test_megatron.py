@@ -342,7 +342,7 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
         paged = (losses, [p.detach().cpu() for p in model.parameters()],
                  snapshot(optimizer, binding), None)
         if setup.overlap_grad_reduce:  # the first step's at least: none in flight before it
-            assert binding.early.begun >= 1, "a step's page-ins began in the backward"
+            assert binding.early.steps_begun >= 1, "a step's page-ins began in the backward"
     if attach.get("moments") == "q8":  # lossy by design: the same as q8 without overlap
         with Pager(store_dir + "-q8", "cuda", page_size=2 * MiB) as pager:
             base = run(gpt, setup, pager, bucket_size=1 * MiB, **attach)

@@ -116,6 +116,46 @@ def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
     assert same(base[1], early[1])
 
 
+def test_megatron_page_ins_during_backward_begin_at_a_grad_sync_start(tmp_path):
+    """PageInsDuringBackward (the Megatron integration's) over stand-ins of DDP's bucket
+    groups, whose grad syncs start in the backward as each layer's grads are ready: each
+    step's first page-ins begin at one of them once the step in flight has nothing left
+    to wait for (on the host backend no device memory is counted), and training is
+    bit-identical."""
+    from statepager.integrations.megatron import PageInsDuringBackward
+
+    class BucketGroup:  # megatron.core's _ParamAndGradBucketGroup, as far as it is used
+        def start_grad_sync(self, force_all_reduce=False):
+            return "started"
+
+    class Chunk:
+        bucket_groups = [BucketGroup() for _ in range(LAYERS)]
+        expert_parallel_bucket_groups = []
+
+    base = run(tmp_path, "base", False)
+    with Pager(str(tmp_path / "early"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True)
+        early = PageInsDuringBackward(binding, [Chunk])
+        for layer, group in zip(model, Chunk.bucket_groups):
+            def synced(param, group=group):
+                deadline = time.monotonic() + 30  # a backward long enough for the page-outs
+                while not binding.in_flight_settled() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert group.start_grad_sync() == "started"
+            layer.weight.register_post_accumulate_grad_hook(synced)
+        step = opt.step
+
+        def megatron_step():  # MegatronBinding.step re-arms it
+            early.next_backward()
+            step()
+        opt.step = megatron_step
+        losses = train(model, opt, 5)
+        done = losses, result(model, opt)
+    assert early.steps_begun == 5
+    assert base[0] == done[0]
+    assert same(base[1], done[1])
+
+
 def test_a_step_in_flight_is_settled_once_the_forward_has_stepped_it(tmp_path):
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True)

@@ -190,7 +190,7 @@ class PageInsDuringBackward:
 
     def __init__(self, stream, model_chunks):
         self.stream = stream
-        self.begun = 0  # steps begun so, in all
+        self.steps_begun = 0  # steps begun in a backward, in all
         self._first: int | None = None  # torch's allocated bytes at the first grad sync
         self._begun = False
         internals.on_grad_sync_start(model_chunks, self._grad_sync_started)
@@ -213,4 +213,4 @@ class PageInsDuringBackward:
             return
         self._begun = True
         stream.begin_step()
-        self.begun += stream.begun
+        self.steps_begun += stream.begun
