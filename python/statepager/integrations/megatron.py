@@ -184,9 +184,10 @@ class PageInsDuringBackward:
     """Begins the first member's next step (begin_step: its first page-ins) in the
     backward before it, where Megatron's copy_grads would begin it after the backward:
     at the first grad-sync start of the DDP bucket groups (the last micro-batch's) by
-    which the backward has freed the step's window of device memory since the first one,
-    so the driver's peak stays, and by which the step in flight has nothing left to wait
-    for, so the autograd thread never blocks (Note [Page-ins during backward])."""
+    which the backward has freed the step's window of device memory since the first one
+    (so that the driver's peak need not rise), and by which the step in flight has nothing
+    left to wait for (so that the autograd thread never blocks: Note [Page-ins during
+    backward])."""
 
     def __init__(self, stream, model_chunks):
         self.stream = stream
