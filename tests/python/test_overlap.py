@@ -89,6 +89,15 @@ def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic, lr_decay):
     assert same(base[1], paged[1])
 
 
+def long_enough(binding, seconds: float = 30) -> bool:
+    """binding.in_flight_settled(), once true or after `seconds` (a backward that lasts
+    until the step in flight's page-outs, the I/O thread's, are done)."""
+    deadline = time.monotonic() + seconds
+    while not binding.in_flight_settled() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return binding.in_flight_settled()
+
+
 def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
     """The next step's first page-ins begun in the backward, once the step in flight has
     nothing left to wait for (as the Megatron integration begins them: Note [Page-ins
@@ -99,10 +108,7 @@ def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
         seen = []
 
         def begin(param):  # the first layer's grad: the backward's last
-            deadline = time.monotonic() + 30  # a backward long enough for the page-outs
-            while not binding.in_flight_settled() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            settled = binding.in_flight_settled()
+            settled = long_enough(binding)
             if settled:
                 binding.begin_step()
             seen.append((settled, binding.begun))
@@ -138,9 +144,7 @@ def test_megatron_page_ins_during_backward_begin_at_a_grad_sync_start(tmp_path):
         early = PageInsDuringBackward(binding, [Chunk])
         for layer, group in zip(model, Chunk.bucket_groups):
             def synced(param, group=group):
-                deadline = time.monotonic() + 30  # a backward long enough for the page-outs
-                while not binding.in_flight_settled() and time.monotonic() < deadline:
-                    time.sleep(0.001)
+                long_enough(binding)
                 assert group.start_grad_sync() == "started"
             layer.weight.register_post_accumulate_grad_hook(synced)
         step = opt.step
@@ -163,10 +167,7 @@ def test_a_step_in_flight_is_settled_once_the_forward_has_stepped_it(tmp_path):
         train(model, opt, 1)
         assert not binding.in_flight_settled(), "its buckets left to the forward"
         model(torch.zeros(2, WIDTH))
-        deadline = time.monotonic() + 30  # its page-outs are the I/O thread's
-        while not binding.in_flight_settled() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert binding.in_flight_settled(), "stepped, its page-outs done"
+        assert long_enough(binding), "stepped, its page-outs done"
         assert binding.step_in_flight is not None
 
 

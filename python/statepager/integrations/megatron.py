@@ -193,6 +193,7 @@ class PageInsDuringBackward:
         self.stream = stream
         self.steps_begun = 0  # steps begun in a backward, in all
         self._first: int | None = None  # torch's allocated bytes at the first grad sync
+        self._room = 0  # the step's window, as planned at the first grad sync
         self._begun = False
         internals.on_grad_sync_start(model_chunks, self._grad_sync_started)
 
@@ -207,8 +208,9 @@ class PageInsDuringBackward:
         device = stream.pager.device
         if device.type == "cuda":  # the host backend's memory is the host's
             now = torch.cuda.memory_allocated(device)
-            self._first = now if self._first is None else self._first
-            if self._first - now < stream.window_bytes:
+            if self._first is None:  # the window is counted once a backward
+                self._first, self._room = now, stream.window_bytes
+            if self._first - now < self._room:
                 return
         if not stream.in_flight_settled():
             return
