@@ -10,7 +10,6 @@ fetched there, never copied into the project). Its testing
 helpers (torch_memory_saver/utils.py, testing_utils.py) are loaded from there as
 submodules of the stand-in. Each example that cannot pass is listed in EXPECTED_FAILURES
 with the reason; one of them passing fails this test too, so the list stays true."""
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -22,14 +21,11 @@ import torch
 
 import statepager
 
-pytestmark = [pytest.mark.gpu, pytest.mark.alone]  # its examples run in workers of their own
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]  # its examples read the device's used memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = ROOT / ".deps" / "torch_memory_saver"
 
-# Four pytest-xdist workers where xdist is installed: each example runs in a process of its
-# own, and one at a time they take minutes.
-WORKERS = ["-n", "4"] if importlib.util.find_spec("xdist") else []
 _INTERNALS = "reads torch_memory_saver's internals (_impl._binary_wrapper.cdll, its C library)"
 _WHOLE_PROCESS = ("TMS_INIT_ENABLE makes the whole process one region through the LD_PRELOAD "
                   "cudaMalloc hook; statepager routes only allocations inside region()")
@@ -80,13 +76,15 @@ def _outcomes(junit: pathlib.Path) -> dict[str, str]:
 
 
 def _run_examples(tmp_path: pathlib.Path, name: str, path: list[str]) -> tuple[dict, str]:
-    """TMS's test_examples.py with `path` first on PYTHONPATH: (outcomes by test, output)."""
+    """TMS's test_examples.py with `path` first on PYTHONPATH: (outcomes by test, output).
+    One example at a time: several read the whole device's used memory (NVML), which
+    another example running beside them would move."""
     junit = tmp_path / f"{name}.xml"
     env = dict(os.environ, TMS_PEER_SOURCES=str(SOURCES),
                PYTHONPATH=os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-         *WORKERS, f"--junitxml={junit}", "--rootdir", str(tmp_path),
+         f"--junitxml={junit}", "--rootdir", str(tmp_path),
          str(SOURCES / "test" / "test_examples.py")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     output = run.stdout[-6000:] + run.stderr[-4000:]

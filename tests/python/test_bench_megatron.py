@@ -164,6 +164,7 @@ def test_a_child_sampler_without_nvml_says_so():
 
 
 @pytest.mark.gpu
+@pytest.mark.alone  # the driver's used memory counts every process on the device
 def test_the_child_sampler_sees_what_this_process_allocates():
     """With NVML, a child process samples: it sees memory this process's CUDA context
     takes and gives back within the block, the peak above what was in use before."""
