@@ -238,6 +238,30 @@ def test_dealt_small_masters_keep_the_step_within_its_window(tmp_path):
         assert opt.binding.last.peak_mapped_bytes <= budget
 
 
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_a_begun_step_maps_what_first_page_ins_bytes_counts(store_dir, depth):
+    """begin_step() maps the pages of the step's first page-ins (the buckets the pipeline
+    keeps in flight beyond the one stepping, and that one) and no more: what page-ins
+    begun during a backward must find room for (Note [Page-ins during backward])."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64 * KiB)) for _ in range(8)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        binding = pager.attach(opt, bucket_size=768 * KiB, depth=depth)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert len(binding.buckets) == 8  # a param each: its two moments, 8 pages
+        before = pager.stats()["mapped_bytes"]
+        binding.begin_step()
+        assert binding.begun
+        first = max(1, depth - 2) + 1
+        assert binding.first_page_ins_bytes == first * 2 * 256 * KiB
+        assert pager.stats()["mapped_bytes"] - before == binding.first_page_ins_bytes
+        binding.end_begun_step()
+        assert pager.stats()["mapped_bytes"] == before
+
+
 def test_state_dict_round_trip_and_resume(store_dir, tmp_path):
     ref_model, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(groups(ref_model), lr=1e-3)

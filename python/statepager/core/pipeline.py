@@ -25,7 +25,7 @@ from statepager.core.atomic import AtomicStep
 from statepager.core.bucket_step import BucketStepper
 from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.layout import StateLayout
-from statepager.core.planner import Planner
+from statepager.core.planner import Planner, page_ins_ahead
 from statepager.core.resumable import ResumableStep
 from statepager.core.step_stats import StepStats
 
@@ -96,9 +96,8 @@ class Pipeline:
 
     @property
     def ahead(self) -> int:
-        """Page-ins in flight beyond the bucket stepping (the rest of the window: the
-        bucket stepping and the page-outs)."""
-        return max(1, self._depth - 2)
+        """Page-ins in flight beyond the bucket stepping (planner.page_ins_ahead)."""
+        return page_ins_ahead(self._depth)
 
     def start(self) -> None:
         """Issues the first page-ins (the rest as buckets step); none left in flight

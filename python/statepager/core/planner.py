@@ -3,6 +3,7 @@ statepager.core.plan over what statepager.core.layout says each parameter maps, 
 parameters step in chunks, and the window of physical bytes the step's pipeline maps."""
 from __future__ import annotations
 
+from statepager import _C
 from statepager.core import slices
 from statepager.core import plan as planning
 from statepager.core.hooks import Hooks
@@ -10,6 +11,14 @@ from statepager.core.late_reads import ExceptionCounts
 from statepager.core.layout import StateLayout, held
 from statepager.core.plan import Bucket
 from statepager.core.residency import nbytes
+from statepager.util.units import MiB
+
+
+def page_ins_ahead(depth: int) -> int:
+    """Page-ins a step keeps in flight beyond the bucket stepping, at `depth` buckets
+    resident or in flight: the rest of the window is the bucket stepping and the one
+    paging out (statepager.core.pipeline)."""
+    return max(1, depth - 2)
 
 
 class Planner:
@@ -130,6 +139,32 @@ class Planner:
         """Physical bytes the step's pipeline maps at most (window_parts)."""
         bucket, held_bytes = self.window_parts()
         return bucket + held_bytes
+
+    def first_page_ins_bytes(self) -> int:
+        """Physical bytes a step's first page-ins map (Pipeline.start: the first
+        page_ins_ahead + 1 buckets), counted as the window counts them."""
+        first = self.buckets[:page_ins_ahead(self.depth) + 1]
+        return sum(self._pages(b) for b in first) * self.layout.pager.page_size
+
+    def refuse_a_window_over(self, budget: int | None) -> None:
+        """UsageError when the pipeline's window is more than hbm_budget (None: none)."""
+        (buckets, held), window = self.window_parts(), self.window()
+        if budget is None or window <= budget:
+            return
+        residual = (f" + the residual masters' scratch of {ExceptionCounts.LAG} buckets, "
+                    f"held until their exceptions are counted ({held / MiB:.0f} MiB)"
+                    if held else "")
+        raise _C.UsageError(
+            f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: the pages "
+            f"of {self.depth} consecutive buckets of {self.bucket_size / MiB:g} MiB, each "
+            f"tensor's rounded to pages of {self.layout.pager.page_size / MiB:g} MiB "
+            f"({buckets / MiB:.0f} MiB){residual} = {window / MiB:.0f} MiB. Give hbm_budget "
+            f"{-(-window // MiB)} MiB at least, or lower depth, bucket_size or the Pager's "
+            "page_size (a parameter whose state is larger than bucket_size "
+            "steps in chunks of at most bucket_size, of 262144 elements at least; it is a "
+            "bucket of its own when its optimizer is not Adam's, when bucket hooks come "
+            "without chunk hooks, or when its pager tensor was made without "
+            "Pager.empty(pieces=...)).")
 
     def window_parts(self) -> tuple[int, int]:
         """The pages `depth` consecutive buckets map at most, counted per tensor (see

@@ -31,7 +31,6 @@ from statepager.core.atomic import UndoCopies
 from statepager.core.bucket_step import BucketStepper
 from statepager.core.fused_adamw import FusedStep, applies_to
 from statepager.core.hooks import Hooks
-from statepager.core.late_reads import ExceptionCounts
 from statepager.core.layout import StateLayout
 from statepager.core.plan import Bucket
 from statepager.core.planner import Planner
@@ -41,7 +40,7 @@ from statepager.core.step_stats import StepStats
 from statepager.core.steps import Steps
 from statepager.formats.stored import StoredForm
 from statepager.util.flat import flat_view
-from statepager.util.units import GiB, MiB
+from statepager.util.units import GiB
 from statepager.util.warn import warn_user
 
 
@@ -93,7 +92,7 @@ class StreamedOptimizer:
         # A refused attach opens no store.
         self._planner.fit(pager.hbm_budget, bucket_given=bucket_size is not None,
                           depth_given=depth is not None)
-        self._refuse_a_window_over(pager.hbm_budget)
+        self._planner.refuse_a_window_over(pager.hbm_budget)
         if bind:
             self.bind()
 
@@ -165,26 +164,6 @@ class StreamedOptimizer:
         return self._steps.last
 
     # -- setup ---------------------------------------------------------------------
-
-    def _refuse_a_window_over(self, budget: int | None) -> None:
-        """UsageError when the pipeline's window is more than hbm_budget (None: none)."""
-        (buckets, held), window = self._planner.window_parts(), self._planner.window()
-        if budget is None or window <= budget:
-            return
-        residual = (f" + the residual masters' scratch of {ExceptionCounts.LAG} buckets, "
-                    f"held until their exceptions are counted ({held / MiB:.0f} MiB)"
-                    if held else "")
-        raise _C.UsageError(
-            f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: the pages "
-            f"of {self.depth} consecutive buckets of {self.bucket_size / MiB:g} MiB, each "
-            f"tensor's rounded to pages of {self.pager.page_size / MiB:g} MiB "
-            f"({buckets / MiB:.0f} MiB){residual} = {window / MiB:.0f} MiB. Give hbm_budget "
-            f"{-(-window // MiB)} MiB at least, or lower depth, bucket_size or the Pager's "
-            "page_size (a parameter whose state is larger than bucket_size "
-            "steps in chunks of at most bucket_size, of 262144 elements at least; it is a "
-            "bucket of its own when its optimizer is not Adam's, when bucket hooks come "
-            "without chunk hooks, or when its pager tensor was made without "
-            "Pager.empty(pieces=...)).")
 
     def _adopt_existing_state(self) -> None:
         """State that already exists in ordinary memory moves into the pager as a load of
@@ -274,6 +253,11 @@ class StreamedOptimizer:
     def window_bytes(self) -> int:
         """Physical bytes the step maps at most; the pool keeps them between steps."""
         return self._planner.window()
+
+    @property
+    def first_page_ins_bytes(self) -> int:
+        """Physical bytes a step's first page-ins map (those begin_step() issues)."""
+        return self._planner.first_page_ins_bytes()
 
     def _whole_buckets(self):
         """The buckets, each parameter that steps in chunks as a bucket of its own, whole

@@ -184,35 +184,38 @@ class PageInsDuringBackward:
     """Begins the first member's next step (begin_step: its first page-ins) in the
     backward before it, where Megatron's copy_grads would begin it after the backward:
     at the first grad-sync start of the DDP bucket groups (the last micro-batch's) by
-    which the backward has freed the step's window of device memory since the first one
-    (so that the driver's peak need not rise), and by which the step in flight has nothing
-    left to wait for (so that the autograd thread never blocks: Note [Page-ins during
-    backward])."""
+    which the step in flight has nothing left to wait for (so that the autograd thread
+    never blocks) and the page-ins find their pages in the pool, or in device memory the
+    backward has freed since its first grad sync (so that the driver's peak need not
+    rise: Note [Page-ins during backward])."""
 
     def __init__(self, stream, model_chunks):
         self.stream = stream
         self.steps_begun = 0  # steps begun in a backward, in all
         self._first: int | None = None  # torch's allocated bytes at the first grad sync
-        self._room = 0  # the step's window, as planned at the first grad sync
+        self._room: int | None = None  # what the page-ins need beyond the pool's pages
         self._begun = False
         internals.on_grad_sync_start(model_chunks, self._grad_sync_started)
 
     def next_backward(self) -> None:
         """Megatron's step() has begun: the next backward measures anew."""
-        self._first, self._begun = None, False
+        self._first, self._room, self._begun = None, None, False
 
     def _grad_sync_started(self) -> None:
         stream = self.stream
         if self._begun or stream.overlap is None:
             return
         device = stream.pager.device
-        if device.type == "cuda":  # the host backend's memory is the host's
-            now = torch.cuda.memory_allocated(device)
-            if self._first is None:  # the window is counted once a backward
-                self._first, self._room = now, stream.window_bytes
-            if self._first - now < self._room:
-                return
+        on_cuda = device.type == "cuda"  # the host backend's memory is the host's
+        now = torch.cuda.memory_allocated(device) if on_cuda else 0
+        if self._first is None:
+            self._first = now
         if not stream.in_flight_settled():
+            return
+        if self._room is None:  # counted once a backward, the step in flight's pages back
+            cached = stream.pager.stats()["cached_bytes"]
+            self._room = max(0, stream.first_page_ins_bytes - cached) if on_cuda else 0
+        if self._first - now < self._room:
             return
         self._begun = True
         stream.begin_step()
