@@ -101,6 +101,8 @@ CASES = {
     "fp32-grads-reduce-in-backward": dict(grad_fp32=True, overlap_grad_reduce=True, batch=32,
                                           seq=256),
     "bf16-grads-residual-mains": dict(attach=dict(mains="residual")),
+    "q8-residual-reduce-in-backward": dict(overlap_grad_reduce=True, batch=32, seq=256,
+                                           attach=dict(moments="q8", mains="residual")),
     "bf16-grads-q8-moments": dict(attach=dict(moments="q8")),
     "moe": dict(experts=4),
     "moe-fp32-grads-overlap": dict(experts=4, grad_fp32=True, overlap=True),
@@ -312,6 +314,7 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
 
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
                                   "bf16-grads-q8-moments", "fp32-grads-reduce-in-backward",
+                                  "q8-residual-reduce-in-backward",
                                   pytest.param("muon-layer-wise", marks=needs_emerging)])
 def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
     """binding.overlap_forward(model): Megatron's step() returns with the buckets left to

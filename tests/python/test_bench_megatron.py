@@ -33,15 +33,16 @@ def test_the_defaults_are_the_1_34_b_gpt_in_six_configurations(tmp_path):
     a = parse(tmp_path)
     assert (a.layers, a.hidden, a.heads, a.vocab, a.seq, a.micro_batch) == \
         (24, 2048, 16, 32000, 512, 4)
-    assert not a.bf16_grads and (a.warmup, a.steps) == (3, 5)
+    assert not a.bf16_grads and not a.no_overlap_grad_reduce and (a.warmup, a.steps) == (3, 5)
     assert a.configs == ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
     assert a.host_budget is None and a.fio_jobs == (4, 8, 16)
     assert a.timeline is a.trace is a.plot is None and not a.device_time
     a = parse(tmp_path, "--configs", "q8, unpaged,bf16", "--steps", "2", "--layers", "2",
               "--bucket-size", "64M", "--hbm-budget", "4G", "--host-budget", "40G", "--fio-jobs",
               "8,2", "--timeline", "host-q8", "--trace", str(tmp_path / "t.json"), "--json",
-              "--device-time")
+              "--device-time", "--no-overlap-grad-reduce")
     assert a.configs == ["q8", "unpaged", "bf16"] and a.steps == 2 and a.layers == 2
+    assert a.no_overlap_grad_reduce
     assert a.bucket_size == 64 << 20 and a.hbm_budget == 4 * GiB and a.json
     assert a.host_budget == 40 * GiB and a.fio_jobs == (8, 2)
     assert a.timeline == "host-q8" and a.trace == str(tmp_path / "t.json") and a.device_time
@@ -236,7 +237,7 @@ def floor(read, written, *, host_in=0, host_out=0, pcie_s, fio_s=None):
 MODEL = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 512,
          "micro_batch": 4, "warmup": 3, "steps": 5, "bucket": 256 << 20, "depth": 3,
          "page_size": 32 << 20, "hbm_budget": None, "host_budget": None, "fio_jobs": (4, 8, 16),
-         "grads": "fp32"}
+         "grads": "fp32", "overlap_grad_reduce": True}
 
 
 def canned_run():
@@ -345,6 +346,7 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     bench_megatron.print_megatron(r)
     out = capsys.readouterr().out
     assert out.startswith("megatron bench: GPT, 24 layers, hidden 2048")
+    assert "micro-batch 4, fp32 grads, overlap_grad_reduce; 3 warm-up" in out.splitlines()[0]
     assert ("one more iteration under torch.profiler: 160.0 ms; on the host forward 50.0, "
             "backward 70.0, optimizer.step 40.0 ms; on the device the model's kernels 13.0 "
             "ms, statepager's 1.0 ms, copies 15.0 ms (host to device 10.0, device to host "

@@ -93,6 +93,7 @@ def bench_megatron(args) -> dict:
                                            "device_time")}
     model["bucket"] = model.pop("bucket_size")  # the results' key, read by the reports
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
+    model["overlap_grad_reduce"] = not args.no_overlap_grad_reduce
     model["page_size"] = args.page_size or page_for(args.bucket_size)
     r = {"model": model, "dir": args.dir, "configs": []}
     live = not args.json

@@ -167,6 +167,9 @@ def add_gpt_arguments(p: argparse.ArgumentParser, table: dict, default: list) ->
     p.add_argument("--micro-batch", type=at_least(1, "sequences per step"), default=4)
     p.add_argument("--bf16-grads", action="store_true",
                    help="reduce grads in bf16 (default: fp32 grads, grad_reduce_in_fp32)")
+    p.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="grad syncs after the backward (default: Megatron's "
+                        "overlap_grad_reduce, as each bucket's grads are ready in it)")
 
 
 def host_budget(numels: list[int], moments: str, mains: str, copies: int = 2) -> int:

@@ -74,7 +74,9 @@ def header_lines(r: dict) -> list[str]:
     m = r["model"]
     return [f"megatron bench: GPT, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} "
             f"heads, vocab {m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}, "
-            f"{m['grads']} grads; {m['warmup']} warm-up + {m['steps']} timed steps; stores in "
+            f"{m['grads']} grads"
+            + (", overlap_grad_reduce" if m["overlap_grad_reduce"] else "")
+            + f"; {m['warmup']} warm-up + {m['steps']} timed steps; stores in "
             f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB x depth {m['depth']}, pages of "
             f"{m['page_size'] // MiB} MiB"
             + ("; map_ram off (a store in RAM goes through io_uring)"

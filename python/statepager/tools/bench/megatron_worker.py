@@ -120,7 +120,8 @@ def run_config(spec: dict) -> dict:
     setup = gpt.Setup(layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
                       vocab=spec["vocab"], seq=spec["seq"], batch=spec["micro_batch"],
                       grad_fp32=spec["grads"] == "fp32", steps=spec["warmup"] + spec["steps"],
-                      ddp_bucket=40_000_000, fp32_param=False, overlap_grad_reduce=True,
+                      ddp_bucket=40_000_000, fp32_param=False,
+                      overlap_grad_reduce=spec["overlap_grad_reduce"],
                       **config.get("setup", {}))
     model = gpt.build_model(setup)
     host_budget = 0
