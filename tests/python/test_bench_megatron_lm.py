@@ -71,6 +71,8 @@ def test_each_configuration_runs_pretrain_gpt_with_its_flags(tmp_path):
         i = flags.index(pair[0])
         assert flags[i + 1] == pair[1]
     assert "--accumulate-allreduce-grads-in-fp32" in flags and "--overlap-grad-reduce" in flags
+    plain = megatron_lm.command("unpaged", parse(tmp_path, "--no-overlap-grad-reduce"), "/w")
+    assert "--overlap-grad-reduce" not in plain and len(plain) == len(unpaged) - 1
     assert not any(f.startswith("--statepager") for f in flags)
     offload = megatron_lm.command("offload", args, "/w")
     assert offload[7:] == flags + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
@@ -101,6 +103,13 @@ def test_the_parameter_count_is_the_1_34_b_gpt_of_bench_megatron():
     args = parse_defaults()
     assert megatron_lm.host_budget(args, "fp32", "fp32") == \
         int(2 * 1_340_723_200 * 12 * 1.03) + (256 << 20)
+
+
+def test_the_header_says_when_grad_syncs_wait_for_the_backward():
+    m = dict(params=1.341e9, layers=24, hidden=2048, heads=16, vocab=32000, seq=512,
+             micro_batch=4, iters=14, skip=3, overlap_grad_reduce=False)
+    assert "micro-batch 4, without --overlap-grad-reduce); elapsed" in megatron_lm.header(m)
+    assert "without" not in megatron_lm.header(dict(m, overlap_grad_reduce=True))
 
 
 def parse_defaults():

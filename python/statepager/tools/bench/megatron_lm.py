@@ -126,13 +126,15 @@ def gpt_flags(args) -> list[str]:
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", a.vocab, "--untie-embeddings-and-output-weights",
-        "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--bf16", "--use-distributed-optimizer",
         "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
     if not a.bf16_grads:
         flags.append("--accumulate-allreduce-grads-in-fp32")
+    if not a.no_overlap_grad_reduce:
+        flags.append("--overlap-grad-reduce")
     if a.save_interval:
         flags += ["--save-interval", a.save_interval, "--async-save", "--async-strategy",
                   "mcore", "--use-persistent-ckpt-worker"]
@@ -204,6 +206,7 @@ def bench_megatron_lm(args) -> dict:
                                                   "micro_batch", "iters", "skip")},
          "configs": []}
     r["model"]["params"] = gpt_params(args.layers, args.hidden, args.vocab, args.seq)
+    r["model"]["overlap_grad_reduce"] = not args.no_overlap_grad_reduce
     if not args.json:
         print(header(r["model"]), flush=True)
     with bench_directory(args.dir) as work, \
@@ -282,8 +285,9 @@ def config_line(c: dict) -> str:
 def header(m: dict) -> str:
     return (f"megatron-lm bench: pretrain_gpt.py, {m['params'] / 1e9:.3f} B params "
             f"({m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, vocab "
-            f"{m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}); elapsed time per "
-            f"iteration, median of iterations {m['skip'] + 1}-{m['iters']}")
+            f"{m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}"
+            + ("" if m["overlap_grad_reduce"] else ", without --overlap-grad-reduce")
+            + f"); elapsed time per iteration, median of iterations {m['skip'] + 1}-{m['iters']}")
 
 
 def print_megatron_lm(r: dict) -> None:
