@@ -238,16 +238,18 @@ def test_dealt_small_masters_keep_the_step_within_its_window(tmp_path):
         assert opt.binding.last.peak_mapped_bytes <= budget
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("depth", [2, 3, 4])
-def test_a_begun_step_maps_what_first_page_ins_bytes_counts(store_dir, depth):
+def test_a_begun_step_maps_what_first_page_ins_bytes_counts(store_dir, depth, device):
     """begin_step() maps the pages of the step's first page-ins (the buckets the pipeline
     keeps in flight beyond the one stepping, and that one) and no more: what page-ins
     begun during a backward must find room for (Note [Page-ins during backward])."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64 * KiB)) for _ in range(8)]
+    page = 2 * MiB if device == "cuda" else 64 * KiB
+    params = [torch.nn.Parameter(torch.randn(page, device=device)) for _ in range(8)]
     opt = torch.optim.AdamW(params, lr=1e-3)
-    with Pager(store_dir, page_size=64 * KiB) as pager:
-        binding = pager.attach(opt, bucket_size=768 * KiB, depth=depth)
+    with Pager(store_dir, device, page_size=page) as pager:
+        binding = pager.attach(opt, bucket_size=12 * page, depth=depth)
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
@@ -256,7 +258,7 @@ def test_a_begun_step_maps_what_first_page_ins_bytes_counts(store_dir, depth):
         binding.begin_step()
         assert binding.begun
         first = max(1, depth - 2) + 1
-        assert binding.first_page_ins_bytes == first * 2 * 256 * KiB
+        assert binding.first_page_ins_bytes == first * 8 * page
         assert pager.stats()["mapped_bytes"] - before == binding.first_page_ins_bytes
         binding.end_begun_step()
         assert pager.stats()["mapped_bytes"] == before
