@@ -213,8 +213,8 @@ class PageInsDuringBackward:
         if not stream.in_flight_settled():
             return
         if self._room is None:  # counted once a backward, the step in flight's pages back
-            cached = stream.pager.stats()["cached_bytes"]
-            self._room = max(0, stream.first_page_ins_bytes - cached) if on_cuda else 0
+            self._room = max(0, stream.first_page_ins_bytes
+                             - stream.pager.stats()["cached_bytes"]) if on_cuda else 0
         if self._first - now < self._room:
             return
         self._begun = True
