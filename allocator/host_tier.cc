@@ -1,5 +1,6 @@
 #include "allocator/host_tier.h"
 
+#include "backing/align.h"
 #include "backing/errors.h"
 
 namespace statepager {
@@ -19,9 +20,7 @@ HostTier::~HostTier() {
 
 std::optional<uint64_t> HostTier::allocate(size_t bytes) {
   try {
-    return ranges_.allocate((bytes + UringFile::kAlignment - 1) / UringFile::kAlignment *
-                                UringFile::kAlignment,
-                            UringFile::kAlignment);
+    return ranges_.allocate(align_up(bytes, UringFile::kAlignment), UringFile::kAlignment);
   } catch (const OutOfMemoryError&) {
     return std::nullopt;
   }

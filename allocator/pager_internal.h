@@ -10,13 +10,12 @@
 #include <vector>
 
 #include "allocator/pager.h"
+#include "backing/align.h"
 
 namespace statepager {
 
 constexpr size_t kFileAlign = UringFile::kAlignment;
 constexpr size_t kAddressAlign = 4096;
-
-inline size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // An extent's own range in its store: whole file blocks, one at least.
 inline size_t file_range_bytes(size_t bytes) {
@@ -26,10 +25,6 @@ inline size_t file_range_bytes(size_t bytes) {
 // Bytes nowhere, in a store file or in the host tier: no bucket is moving it.
 inline bool at_rest(Residency s) {
   return s == Residency::kZero || s == Residency::kFile || s == Residency::kHost;
-}
-
-inline unsigned store_index(uint64_t store_offset) {
-  return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
 }
 
 // A bucket's extents in id order, each once (a bucket may name an extent twice).

@@ -3,13 +3,12 @@
 #include <exception>
 #include <string>
 
+#include "backing/align.h"
 #include "backing/errors.h"
 
 namespace statepager {
 
 namespace {
-
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // The options, once checked against the ranges in pool.h (before anything is reserved).
 const PoolOptions& checked(const PoolOptions& o, const Device& device) {
@@ -40,8 +39,8 @@ const PoolOptions& checked(const PoolOptions& o, const Device& device) {
 Pool::Pool(Device& device, PoolOptions options)
     : device_(device),
       page_bytes_(checked(options, device).page_bytes),
-      arena_(device.reserve(round_up(options.arena_bytes, options.page_bytes)),
-             round_up(options.arena_bytes, options.page_bytes)),
+      arena_(device.reserve(align_up(options.arena_bytes, options.page_bytes)),
+             align_up(options.arena_bytes, options.page_bytes)),
       pages_(device, options.page_bytes, options.budget_bytes, options.keep_bytes) {}
 
 // Never throws: a destructor may run while the device is failing (a CUDA context with a

@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "backing/align.h"
 #include "backing/crc32c.h"
 #include "backing/errors.h"
 #include "backing/parallel.h"
@@ -16,12 +17,6 @@ namespace {
 
 constexpr size_t kFileAlign = UringFile::kAlignment;
 constexpr size_t kCrcParts = 4096;  // a mapped batch's pieces, at most: its checksums' room
-
-size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-unsigned store_index(uint64_t store_offset) {
-  return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
-}
 
 // The crc32c of each of the chunk's parts (Job::crc_ranges) as its bytes lie in memory:
 // `staging` (the slot's buffer) or the chunk's host-tier memory.

@@ -39,6 +39,11 @@
 
 namespace statepager {
 
+// The store (the file of UringFile) a logical store offset lies in.
+inline unsigned store_index(uint64_t store_offset) {
+  return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
+}
+
 class StoreTier {
  public:
   StoreTier(Device& device, UringFile& file, unsigned depth, size_t block_bytes,

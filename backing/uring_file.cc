@@ -17,6 +17,7 @@
 #include <deque>
 #include <utility>
 
+#include "backing/align.h"
 #include "backing/errors.h"
 
 namespace statepager {
@@ -32,8 +33,6 @@ constexpr unsigned kStripes = 8;
 std::string stripe_path(const std::string& path, unsigned k) {
   return k == 0 ? path : path + "." + std::to_string(k);
 }
-
-uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 bool aligned(uint64_t v) { return v % UringFile::kAlignment == 0; }
 
@@ -113,7 +112,7 @@ int probe_direct(int fd, const std::string& path) {
   struct stat st;
   if (::fstat(fd, &st) != 0) throw_io_error(errno, "fstat", path, 0);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
-  const uint64_t at = round_up(size, UringFile::kAlignment);
+  const uint64_t at = align_up(size, UringFile::kAlignment);
   void* block = std::aligned_alloc(UringFile::kAlignment, UringFile::kAlignment);
   if (block == nullptr) throw std::bad_alloc();
   std::memset(block, 0, UringFile::kAlignment);

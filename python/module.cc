@@ -3,7 +3,6 @@
 // holds the Pager alive.
 #include <torch/extension.h>
 
-#include <chrono>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -13,6 +12,8 @@
 #include <vector>
 
 #include "allocator/device.h"
+#include "allocator/map_cost.h"
+#include "allocator/page_all.h"
 #include "allocator/pager.h"
 #include "allocator/pluggable.h"
 #include "allocator/store_restore.h"
@@ -234,38 +235,6 @@ size_t tensor_bytes(const std::vector<int64_t>& shape,
 // Extents released since `ids` was taken are skipped. Waits for every bucket, also after
 // one failed, and then rethrows the first error: none is left in flight, and each bucket
 // either moved or (failed) kept its state.
-void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
-  if (bucket_bytes == 0) throw UsageError("bucket_size must be at least 1 byte");
-  std::vector<Ticket> tickets;
-  std::exception_ptr error;
-  try {
-    std::vector<ExtentId> bucket;
-    size_t bytes = 0;
-    auto submit = [&] {
-      if (!bucket.empty()) tickets.push_back(out ? pager.page_out(bucket) : pager.page_in(bucket));
-      bucket.clear();
-      bytes = 0;
-    };
-    for (ExtentId id : ids) {
-      if (!pager.exists(id)) continue;
-      bucket.push_back(id);
-      bytes += pager.size(id);
-      if (bytes >= bucket_bytes) submit();
-    }
-    submit();
-  } catch (...) {
-    error = std::current_exception();
-  }
-  for (const Ticket& t : tickets) {
-    try {
-      pager.wait(t);
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
-
 // Bytes of a tensor of `shape` and `scalar`, refused (UsageError) when a size is negative
 // or the bytes do not fit in an int64 (torch's limit), so no size can wrap around.
 size_t tensor_bytes(const std::vector<int64_t>& shape, at::ScalarType scalar) {
@@ -408,39 +377,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "measure_mapping",
       [](const std::string& device, size_t page_bytes, size_t total_bytes, int rounds) {
-        // Map + set access, then unmap, `total_bytes` in pages of `page_bytes` (pages
-        // created once, as the pool recycles them): the pager's per-page cost.
-        if (rounds < 1 || page_bytes == 0 || total_bytes < page_bytes) {
-          throw UsageError("measure_mapping: need rounds >= 1 and 0 < page_bytes <= total_bytes");
-        }
-        double map_s = 0, unmap_s = 0;
+        MapCost c;
         {
           py::gil_scoped_release release;
-          auto dev = make_device(device);
-          if (page_bytes % dev->granularity() != 0) {
-            throw UsageError("page size " + std::to_string(page_bytes) + " is not a multiple of " +
-                             dev->name() + "'s granularity (" +
-                             std::to_string(dev->granularity()) + " bytes)");
-          }
-          const size_t n = total_bytes / page_bytes;
-          const uintptr_t base = dev->reserve(n * page_bytes);
-          std::vector<PhysicalPage> pages;
-          for (size_t i = 0; i < n; i++) pages.push_back(dev->create_page(page_bytes));
-          for (int r = 0; r < rounds; r++) {
-            auto t0 = std::chrono::steady_clock::now();
-            for (size_t i = 0; i < n; i++) dev->map(base + i * page_bytes, page_bytes, pages[i]);
-            auto t1 = std::chrono::steady_clock::now();
-            for (size_t i = 0; i < n; i++) dev->unmap(base + i * page_bytes, page_bytes);
-            auto t2 = std::chrono::steady_clock::now();
-            map_s += std::chrono::duration<double>(t1 - t0).count();
-            unmap_s += std::chrono::duration<double>(t2 - t1).count();
-          }
-          for (PhysicalPage p : pages) dev->release_page(p, page_bytes);
-          dev->unreserve(base, n * page_bytes);
+          c = measure_mapping(*make_device(device), page_bytes, total_bytes, rounds);
         }
-        const double gib = double(total_bytes) / double(1 << 30) * rounds;
-        return py::dict(py::arg("map_s_per_gib") = map_s / gib,
-                        py::arg("unmap_s_per_gib") = unmap_s / gib);
+        return py::dict(py::arg("map_s_per_gib") = c.map_s_per_gib,
+                        py::arg("unmap_s_per_gib") = c.unmap_s_per_gib);
       },
       py::arg("device"), py::arg("page_bytes"), py::arg("total_bytes"), py::arg("rounds") = 3);
 

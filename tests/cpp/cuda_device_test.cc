@@ -9,12 +9,12 @@
 #include <vector>
 
 #include "allocator/device.h"
+#include "backing/align.h"
 #include "backing/errors.h"
 
 namespace statepager {
 namespace {
 
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 void fill_random(void* dst, size_t bytes, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -207,7 +207,7 @@ TEST_F(CudaDevice, RemapKeepsAddressAndPageContents) {
 }
 
 TEST_F(CudaDevice, AbsurdPageThrows) {
-  const size_t bytes = round_up(size_t{1} << 40, dev->granularity());  // 1 TiB
+  const size_t bytes = align_up(size_t{1} << 40, dev->granularity());  // 1 TiB
   try {
     PhysicalPage page = dev->create_page(bytes);
     dev->release_page(page, bytes);
@@ -220,7 +220,7 @@ TEST_F(CudaDevice, AbsurdPageThrows) {
 }
 
 TEST_F(CudaDevice, FreeMemoryTracksPages) {
-  const size_t page_bytes = round_up(size_t{64} << 20, dev->granularity());
+  const size_t page_bytes = align_up(size_t{64} << 20, dev->granularity());
   const size_t count = (size_t{1} << 30) / page_bytes;
   const size_t total = count * page_bytes;
   const size_t slack = total / 4;  // other processes may allocate or free meanwhile

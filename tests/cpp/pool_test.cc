@@ -5,8 +5,6 @@
 
 #include <gtest/gtest.h>
 
-#include <set>
-
 #include "backing/errors.h"
 #include "wrapped_device.h"
 
@@ -14,31 +12,6 @@ namespace statepager {
 namespace {
 
 constexpr size_t kPage = 64 << 10;
-
-// The host device, recording what is mapped: unmapping an address that is not mapped,
-// or mapping one twice, is a test failure; map() throws for the `fail_at`-th map.
-class MapCheckingDevice final : public WrappedDevice {
- public:
-  PhysicalPage create_page(size_t b) override {
-    if (fail_create) throw OutOfMemoryError("injected: the device is out of memory");
-    return WrappedDevice::create_page(b);
-  }
-  void map(uintptr_t a, size_t b, PhysicalPage p) override {
-    if (++maps_ == fail_at) throw DeviceError("injected: map failed");
-    EXPECT_TRUE(mapped.insert(a).second) << "mapped twice";
-    WrappedDevice::map(a, b, p);
-  }
-  void unmap(uintptr_t a, size_t b) override {
-    EXPECT_EQ(mapped.erase(a), 1u) << "unmapped an address that was not mapped";
-    WrappedDevice::unmap(a, b);
-  }
-  std::set<uintptr_t> mapped;
-  int fail_at = 0;
-  bool fail_create = false;
-
- private:
-  int maps_ = 0;
-};
 
 PoolOptions options(size_t budget_pages) {
   PoolOptions o;

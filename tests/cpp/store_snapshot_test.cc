@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "backing/align.h"
 #include "backing/crc32c.h"
 #include "backing/errors.h"
 #include "tests/cpp/pager_options.h"
@@ -24,7 +25,6 @@ namespace {
 
 constexpr size_t kPage = 4096;
 
-size_t align_up(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 
 class StoreSnapshotTest : public ::testing::TestWithParam<StoreMedium> {
  protected:
@@ -91,7 +91,7 @@ TEST_P(StoreSnapshotTest, CopyIsTheStateOfItsMomentWhilePagingGoesOn) {
   for (size_t i = 0; i < saved.size(); i++) {
     const Placement& p = snapshot.placements()[i];
     EXPECT_EQ(p.bytes, pager.size(saved[i]));
-    EXPECT_EQ(p.store_bytes, align_up(p.bytes));
+    EXPECT_EQ(p.store_bytes, align_up(p.bytes, kPage));
     EXPECT_EQ(p.state, saved[i] == never_written ? Residency::kZero : Residency::kFile);
     targets.push_back({0, at});
     at += p.store_bytes;
@@ -124,11 +124,11 @@ TEST_P(StoreSnapshotTest, CopyIsTheStateOfItsMomentWhilePagingGoesOn) {
     }
     EXPECT_EQ(copied.crcs[i], crcs) << "extent " << ids[i];
     const std::vector<uint8_t> want = expected(pager, ids[i], 1);
-    ASSERT_GE(file.size(), targets[i].offset + align_up(want.size()));
+    ASSERT_GE(file.size(), targets[i].offset + align_up(want.size(), kPage));
     EXPECT_TRUE(std::equal(want.begin(), want.end(), file.begin() + long(targets[i].offset)))
         << "extent " << ids[i];
     const auto pad = file.begin() + long(targets[i].offset + want.size());
-    EXPECT_TRUE(std::all_of(pad, pad + long(align_up(want.size()) - want.size()),
+    EXPECT_TRUE(std::all_of(pad, pad + long(align_up(want.size(), kPage) - want.size()),
                             [](uint8_t b) { return b == 0; }));
   }
   pager.wait(pager.page_in(ids));
@@ -170,7 +170,7 @@ TEST_P(StoreSnapshotTest, RestoreReplacesExtentsAtRest) {
     uint64_t at = 0;
     for (ExtentId id : ids) {
       std::vector<uint8_t> bytes = expected(pager, id, 4);
-      bytes.resize(align_up(bytes.size()));
+      bytes.resize(align_up(bytes.size(), kPage));
       f.write(reinterpret_cast<const char*>(bytes.data()), long(bytes.size()));
       offsets.push_back(at);
       zero.push_back(id == ids[1]);  // restored as never written
@@ -220,7 +220,7 @@ TEST_P(StoreSnapshotTest, RestoreIntoAMovingExtent) {
   const std::string src = out_path();
   {
     std::vector<uint8_t> bytes = expected(pager, a, 4);
-    bytes.resize(align_up(bytes.size()));
+    bytes.resize(align_up(bytes.size(), kPage));
     std::ofstream(src, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
                                                long(bytes.size()));
   }

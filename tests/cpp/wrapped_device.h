@@ -1,11 +1,16 @@
 // WrappedDevice: the host device with every call passed on, for tests that make some
-// calls fail, block or count by overriding them (and calling WrappedDevice's to go on).
+// calls fail, block or count by overriding them (and calling WrappedDevice's to go on);
+// two such: CopyCountingDevice and MapCheckingDevice.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <memory>
+#include <set>
 #include <string>
 
 #include "allocator/device.h"
+#include "backing/errors.h"
 
 namespace statepager {
 
@@ -60,6 +65,42 @@ class CopyCountingDevice : public WrappedDevice {
     WrappedDevice::fill_zero(d, b);
   }
   int to_host = 0, to_device = 0, fills = 0;
+};
+
+// Keeps the books of address space, pages and mappings: unmapping an address that is not
+// mapped, or mapping one twice, is a test failure. map() throws for the `fail_at`-th map,
+// create_page() while `fail_create`.
+class MapCheckingDevice final : public WrappedDevice {
+ public:
+  uintptr_t reserve(size_t b) override {
+    reservations++;
+    return WrappedDevice::reserve(b);
+  }
+  void unreserve(uintptr_t a, size_t b) override {
+    reservations--;
+    WrappedDevice::unreserve(a, b);
+  }
+  PhysicalPage create_page(size_t b) override {
+    if (fail_create) throw OutOfMemoryError("injected: the device is out of memory");
+    pages++;
+    return WrappedDevice::create_page(b);
+  }
+  void release_page(PhysicalPage p, size_t b) override {
+    pages--;
+    WrappedDevice::release_page(p, b);
+  }
+  void map(uintptr_t a, size_t b, PhysicalPage p) override {
+    if (++maps == fail_at) throw DeviceError("injected: map failed");
+    EXPECT_TRUE(mapped.insert(a).second) << "mapped twice";
+    WrappedDevice::map(a, b, p);
+  }
+  void unmap(uintptr_t a, size_t b) override {
+    EXPECT_EQ(mapped.erase(a), 1u) << "unmapped an address that was not mapped";
+    WrappedDevice::unmap(a, b);
+  }
+  std::set<uintptr_t> mapped;
+  int reservations = 0, pages = 0, maps = 0, fail_at = 0;
+  bool fail_create = false;
 };
 
 }  // namespace statepager
