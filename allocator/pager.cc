@@ -408,18 +408,18 @@ unsigned Pager::store_of(ExtentId id) const {
 // A range a save holds is freed once it is copied (unhold()): until then nothing may be
 // written into it. punch_bytes > 0: its blocks go back to the filesystem (its extent is
 // gone; ranges freed by steps are not punched, the next step writes them again).
-void Pager::free_range_locked(uint64_t store_offset, size_t punch_bytes) {
-  if (held_.count(store_offset) != 0) {
-    freed_held_[store_offset] = punch_bytes;
+void Pager::free_range_locked(uint64_t range, size_t punch_bytes) {
+  if (held_.count(range) != 0) {
+    freed_held_[range] = punch_bytes;
     return;
   }
-  if (HostTier::is_host(store_offset)) {
-    if (host_tier_) host_tier_->free(store_offset);  // none once closed
+  if (HostTier::is_host(range)) {
+    if (host_tier_) host_tier_->free(range);  // none once closed
     return;
   }
-  if (punch_bytes > 0 && store_tier_) store_tier_->punch(store_offset, punch_bytes);
-  stores_[store_index(store_offset)]->crcs.erase(store_offset);
-  stores_[store_index(store_offset)]->space.free(store_offset);
+  if (punch_bytes > 0 && store_tier_) store_tier_->punch(range, punch_bytes);
+  stores_[store_index(range)]->crcs.erase(range);
+  stores_[store_index(range)]->space.free(range);
 }
 
 // The extent's bytes are no longer needed in its old store: it now lives in the new one.

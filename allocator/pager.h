@@ -167,13 +167,15 @@ struct PagerStats {
 };
 
 // Where an extent at rest keeps its bytes (see Pager::hold()).
+// `range` names where the bytes are in one offset space: below HostTier::kHostBase the
+// logical store files' (kFile: `spans`), above it the host tier's (kHost: `host`).
 struct Placement {
   Residency state = Residency::kZero;  // kZero (no bytes anywhere), kFile or kHost
   size_t bytes = 0;                    // the extent's size
-  uint64_t store_offset = 0;           // its range of the logical store files: 4 KiB-aligned,
-  size_t store_bytes = 0;              // and past `bytes` it holds zeros
-  std::vector<UringFile::Span> spans;  // that range in the physical files; empty unless FILE
-  const char* host = nullptr;          // kHost: its bytes (store_offset names the host range)
+  uint64_t range = 0;                  // the start of its range (not kZero): 4 KiB-aligned,
+  size_t store_bytes = 0;              // this long, past `bytes` zeros
+  std::vector<UringFile::Span> spans;  // kFile: that range in the physical files
+  const char* host = nullptr;          // kHost: its bytes
 };
 
 class Pager {
@@ -299,7 +301,7 @@ class Pager {
   // time: UsageError while any range is held, or when an extent is not at rest (page it
   // out first).
   std::vector<Placement> hold(const std::vector<ExtentId>& ids);
-  void unhold(uint64_t store_offset);  // the held range starting there; no-op if none
+  void unhold(uint64_t range);  // the held range starting there (Placement::range); no-op if none
   // Keeps the memory of HOST placements valid for its holder's life, also after close()
   // (null without a host tier).
   std::shared_ptr<const HostTier> host_memory() const;
@@ -385,7 +387,7 @@ class Pager {
   void unref_pages_locked(const std::vector<ExtentId>& ids, size_t count);
   unsigned add_store_locked(const std::string& name);
   void check_store_locked(unsigned store) const;
-  void free_range_locked(uint64_t store_offset, size_t punch_bytes = 0);
+  void free_range_locked(uint64_t range, size_t punch_bytes = 0);
   void finish_move_locked(Extent& e);
   void redirect_writes_locked(const std::vector<ExtentId>& ids);
   std::vector<Extent*> settled_epoch_locked(std::unique_lock<std::mutex>& lock, uint64_t epoch);

@@ -43,11 +43,11 @@ Placement Pager::placement_locked(const Extent& e, std::optional<uint64_t> range
   p.bytes = e.bytes;
   p.store_bytes = align_up(e.bytes, kFileAlign);
   if (!range) return p;
-  p.store_offset = *range;
+  p.range = *range;
   if (HostTier::is_host(*range)) {
     p.host = host_tier_->host(*range);
   } else {
-    p.spans = file_->spans(p.store_offset, p.store_bytes);
+    p.spans = file_->spans(p.range, p.store_bytes);
   }
   return p;
 }
@@ -74,7 +74,7 @@ std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
   }
   for (const Placement& p : out) {
     if (p.state != Residency::kZero && p.store_bytes > 0) {
-      held_[p.store_offset] = p.store_offset + p.store_bytes;
+      held_[p.range] = p.range + p.store_bytes;
     }
   }
   return out;
@@ -85,15 +85,15 @@ std::shared_ptr<const HostTier> Pager::host_memory() const {
   return host_tier_;
 }
 
-void Pager::unhold(uint64_t store_offset) {
+void Pager::unhold(uint64_t range) {
   check_owner();
   std::unique_lock lock(mu_);
-  if (held_.erase(store_offset) == 0) return;
-  auto freed = freed_held_.find(store_offset);
+  if (held_.erase(range) == 0) return;
+  auto freed = freed_held_.find(range);
   if (freed != freed_held_.end()) {
     const size_t punch_bytes = freed->second;
     freed_held_.erase(freed);
-    free_range_locked(store_offset, punch_bytes);
+    free_range_locked(range, punch_bytes);
   }
   work_cv_.notify_one();  // a page-out may be waiting for this range
 }
@@ -173,7 +173,7 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
     Extent& e = extents_.at(ids[i]);
     const bool zero = places[i].state == Residency::kZero;
     if (!ok) {
-      if (!zero) free_range_locked(places[i].store_offset);
+      if (!zero) free_range_locked(places[i].range);
       e.state = e.restore_from;
     } else if (zero) {
       drop_host_locked(e);
@@ -182,7 +182,7 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
     } else {
       drop_host_locked(e);
       for (uint64_t range : e.referenced()) free_range_locked(range);
-      e.ranges.store = places[i].store_offset;
+      e.ranges.store = places[i].range;
       e.ranges.next_store.reset();
       e.state = Residency::kFile;
     }

@@ -25,7 +25,7 @@ void StoreSnapshot::release() {
 void StoreSnapshot::unhold(size_t i) {
   if (!held_[i]) return;
   held_[i] = 0;
-  if (placements_[i].state != Residency::kZero) pager_.unhold(placements_[i].store_offset);
+  if (placements_[i].state != Residency::kZero) pager_.unhold(placements_[i].range);
 }
 
 StoreSnapshot::Copied StoreSnapshot::copy_to(const std::vector<std::string>& files,

@@ -64,7 +64,7 @@ struct Where {
 };
 Where locate(Pager& pager, ExtentId id, uint64_t at) {
   const Placement p = pager.hold({id}).front();
-  pager.unhold(p.store_offset);
+  pager.unhold(p.range);
   for (const UringFile::Span& s : p.spans) {
     if (at < s.length) return Where{pager.store_files()[s.file], s.offset + at};
     at -= s.length;

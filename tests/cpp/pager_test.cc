@@ -293,7 +293,7 @@ TEST(Pager, ReleaseWhilePagingNeverWaits) {
   pager.release(a);
   EXPECT_EQ(pager.stats().extents, 1u);  // address and range reserved until it completes
   EXPECT_FALSE(pager.is_done(out));
-  pager.unhold(held.at(0).store_offset);
+  pager.unhold(held.at(0).range);
   pager.wait(out);
   EXPECT_EQ(pager.stats().extents, 0u);
   EXPECT_FALSE(pager.exists(a));
@@ -374,9 +374,9 @@ TEST(Pager, NamedStoresHoldTheirExtents) {
   EXPECT_GE(file_size(dense_file), 500000u);
   const std::vector<std::string> files = pager.store_files();
   for (const Placement& p : pager.hold({a, b})) {
-    EXPECT_EQ(p.store_offset / UringFile::kRegionBytes, dense);
+    EXPECT_EQ(p.range / UringFile::kRegionBytes, dense);
     for (const UringFile::Span& s : p.spans) EXPECT_EQ(files.at(s.file), dense_file);
-    pager.unhold(p.store_offset);
+    pager.unhold(p.range);
   }
 
   pager.move_to_store({a}, 0);      // pending: a's bytes stay in the dense store

@@ -95,7 +95,7 @@ TEST(PagerThreads, PagingWhileOthersPollHoldAndCreate) {
         const std::vector<Placement> held = pager.hold(bucket);
         holds_taken++;
         std::this_thread::sleep_for(std::chrono::microseconds(200));  // page-outs wait
-        for (const Placement& p : held) pager.unhold(p.store_offset);
+        for (const Placement& p : held) pager.unhold(p.range);
       } catch (const UsageError&) {
         // Some extent of the bucket was resident or being paged: try the next one.
       }
