@@ -14,7 +14,6 @@
 
 namespace statepager {
 
-constexpr size_t kFileAlign = UringFile::kAlignment;
 constexpr size_t kAddressAlign = 4096;
 
 // An extent's own range in its store: whole file blocks, one at least.

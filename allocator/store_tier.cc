@@ -15,7 +15,6 @@ namespace statepager {
 
 namespace {
 
-constexpr size_t kFileAlign = UringFile::kAlignment;
 constexpr size_t kCrcParts = 4096;  // a mapped batch's pieces, at most: its checksums' room
 
 // The crc32c of each of the chunk's parts (Job::crc_ranges) as its bytes lie in memory:

@@ -39,6 +39,9 @@
 
 namespace statepager {
 
+// Store ranges are whole file blocks: offsets and lengths multiples of this.
+constexpr size_t kFileAlign = UringFile::kAlignment;
+
 // The store (the file of UringFile) a logical store offset lies in.
 inline unsigned store_index(uint64_t store_offset) {
   return static_cast<unsigned>(store_offset / UringFile::kRegionBytes);
