@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from statepager.integrations import megatron_internals as internals
+from statepager.integrations import megatron_version
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (the GPU suite "
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 
 
 def test_installed_release_is_supported():
-    internals.check_version()  # raises UsageError naming the release otherwise
+    megatron_version.check_version()  # raises UsageError naming the release otherwise
 
 
 @pytest.mark.parametrize("module,owner,name,params", internals.CONTRACT,

@@ -12,7 +12,7 @@ import torch
 import statepager
 from statepager import Pager
 from statepager.core import adapters
-from statepager.integrations import megatron_internals
+from statepager.integrations import megatron_internals, megatron_version
 
 KiB = 1 << 10
 
@@ -54,7 +54,7 @@ def test_attach_without_a_supported_megatron_core_is_refused(store_dir):
 
 
 def test_supported_range_is_one_minor_release():
-    low, high = megatron_internals.SUPPORTED
+    low, high = megatron_version.SUPPORTED
     assert low < high and low[0] == high[0] and high[1] == low[1] + 1
 
 

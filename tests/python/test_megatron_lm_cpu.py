@@ -21,7 +21,7 @@ from statepager.integrations import megatron_lm
 from statepager.integrations.megatron_lm import IntervalStats, RanksFailedError, Run, agree
 from statepager.integrations.megatron_lm_config import (Options, RefusedConfiguration, add_arguments,
                                            check, options_from, refusals)
-from statepager.integrations.megatron_lm_hooks import check_version
+from statepager.integrations.megatron_version import check_version
 
 MiB = 1 << 20
 

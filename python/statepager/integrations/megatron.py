@@ -42,7 +42,7 @@ Each member of a chain is its own binding, named "<index>-dense" or "<index>-exp
 (index: its place among the chain's leaves, stable across runs of the same model), with
 its own store, <the rank's pager directory>/<name>/; all share the rank's Pager (one page
 pool, one HBM budget, one I/O ring). Attaching checks the megatron-core version
-(megatron_internals.SUPPORTED) and refuses the Pager.attach options it sets itself.
+(megatron_version.SUPPORTED) and refuses the Pager.attach options it sets itself.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ from statepager import _C
 from statepager.core import adapters
 from statepager.core.serial import lock_of
 from statepager.integrations import megatron_internals as internals
+from statepager.integrations import megatron_version
 from statepager.integrations.megatron_member import MegatronMember
 
 
@@ -63,7 +64,7 @@ def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | Non
     """Streams every member of `optimizer` through `pager`. Returns the MegatronBinding;
     refuses (UsageError) a megatron-core outside the supported range and configurations
     it cannot page exactly, before changing anything."""
-    internals.check_version()
+    megatron_version.check_version()
     chunks = internals.model_chunks(optimizer)
     views = [(i, internals.view(m, chunks)) for i, m in internals.members(optimizer)]
     for _, view in views:

@@ -2,21 +2,18 @@
 
 Nothing else in statepager names a Megatron attribute: when Megatron changes, this file
 (and its contract test, tests/gpu/test_megatron_contract.py, which checks CONTRACT)
-is where statepager changes. check_version() refuses, at attach, a megatron-core outside
-the range these were written and tested against. Imports megatron lazily (statepager
+is where statepager changes. megatron_version.check_version() refuses, at attach, a
+megatron-core outside the range these were written and tested against. Imports megatron lazily (statepager
 imports without it).
 """
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 
 import torch
 
 from statepager import _C
 
-# megatron-core releases these accesses are written and tested against: [low, high).
-SUPPORTED = ((0, 19), (0, 20))
 
 # What the methods below use, for the contract test: (module, class or None, name,
 # parameter names or None). Instance attributes made in __init__ are checked on a
@@ -103,30 +100,6 @@ def is_megatron(optimizer) -> bool:
     module = type(optimizer).__module__
     return (module.startswith("megatron.")
             and not module.startswith("megatron.core.optimizer.emerging_optimizers"))
-
-
-def version() -> tuple:
-    try:
-        text = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:  # a source checkout on sys.path
-        text = importlib.import_module("megatron.core.package_info").__version__
-    return tuple(int("".join(c for c in part if c.isdigit()) or 0)
-                 for part in text.split(".")[:3])
-
-
-def check_version() -> None:
-    """UsageError unless the installed megatron-core is in SUPPORTED."""
-    low, high = SUPPORTED
-    try:
-        found = version()
-    except (ImportError, AttributeError, ValueError):
-        found = None
-    if found is None or not low <= found[:2] < high:
-        have = "an unknown version" if found is None else ".".join(map(str, found))
-        raise _C.UsageError(
-            f"statepager supports megatron-core {low[0]}.{low[1]}.x (>= {low[0]}.{low[1]}, "
-            f"< {high[0]}.{high[1]}), not {have}: install megatron-core=="
-            f"{low[0]}.{low[1]}.* (statepager[megatron]), or update statepager")
 
 
 def members(optimizer) -> list:

@@ -6,9 +6,10 @@ Megatron-LM is not changed on disk: install() replaces a few functions in the na
 of megatron.training's modules (the names its own code looks up when it calls them), each
 by a wrapper that calls the one it replaced. Nothing else of Megatron's is touched.
 
-Supported: megatron-core SUPPORTED[0] <= version < SUPPORTED[1] and Megatron-LM's
-training code of the same release (branch core_r0.19.0; the megatron-core wheel ships it
-as well). Another release is refused by MegatronLM() with a UsageError naming both.
+Supported: the megatron-core releases of statepager.integrations.megatron_version and
+Megatron-LM's training code of the same release (branch core_r0.19.0; the megatron-core
+wheel ships it as well). Another release is refused by MegatronLM() with a UsageError
+naming both.
 
 Thread-safety: none; everything here runs on the training thread, except what the
 wrappers the caller passes do.
@@ -19,8 +20,7 @@ import importlib
 import inspect
 
 from statepager._C import UsageError
-
-SUPPORTED = ((0, 19), (0, 20))  # megatron-core versions: [from, to)
+from statepager.integrations.megatron_version import check_version, supported_range
 
 # What MegatronLM wraps, by module: each must exist in the supported release.
 _NAMES = {
@@ -34,26 +34,6 @@ _NAMES = {
 }
 
 
-def supported_range() -> str:
-    (a, b), (c, d) = SUPPORTED
-    return f">= {a}.{b}, < {c}.{d}"
-
-
-def check_version(version: str) -> None:
-    """UsageError unless `version` (megatron-core's __version__) is supported."""
-    try:
-        major, minor = (int(x) for x in version.split(".")[:2])
-    except ValueError:
-        raise UsageError(f"megatron-core reports the version {version!r}, which statepager "
-                         "cannot read; it supports megatron-core "
-                         f"{supported_range()}") from None
-    if not SUPPORTED[0] <= (major, minor) < SUPPORTED[1]:
-        raise UsageError(f"megatron-core {version} is installed; statepager.megatron_lm "
-                         f"supports megatron-core {supported_range()} with Megatron-LM's "
-                         "training code of the same release (core_r0.19.0). Install "
-                         "megatron-core 0.19.x, or use statepager.Pager.attach() directly")
-
-
 class MegatronLM:
     """megatron.training, as statepager.megatron_lm uses it."""
 
@@ -62,7 +42,8 @@ class MegatronLM:
             from megatron.core import package_info
         except ImportError as e:
             raise UsageError(f"megatron-core is not importable ({e}): install megatron-core "
-                             f"{supported_range()} (pip install 'statepager[megatron]')") from e
+                             f"{supported_range()} with pip install 'statepager[megatron]'"
+                             ) from e
         check_version(package_info.__version__)
         self.version = package_info.__version__
         self._modules = {}
@@ -76,8 +57,8 @@ class MegatronLM:
             missing = [a for a in attributes if not hasattr(module, a)]
             if missing:
                 raise UsageError(f"megatron.training.{name} has no {', '.join(missing)}: this "
-                                 "Megatron-LM is not the release statepager supports "
-                                 f"(megatron-core {supported_range()})")
+                                 "Megatron-LM is not the release statepager supports, "
+                                 f"megatron-core {supported_range()}")
             self._modules[name] = module
         self._replaced = []  # (module, name, original), in installation order
 
