@@ -94,7 +94,7 @@ def test_an_unsupported_megatron_fails_the_import_with_the_reason(fake_megatron,
         f.write("__version__ = '0.12.0'\n")
     code, out = hooked({"STATEPAGER_DIR": str(tmp_path)}, fake_megatron)
     assert code != 0
-    assert "megatron-core 0.12.0 is installed; statepager.megatron_lm supports" in out
+    assert "megatron-core 0.12.0 is installed; statepager supports megatron-core 0.19.x" in out
 
 
 def test_entry_point_and_hook_install_once(fake_megatron, tmp_path):
