@@ -231,10 +231,6 @@ size_t tensor_bytes(const std::vector<int64_t>& shape,
   return bytes;
 }
 
-// Pages `ids` in or out in buckets of about `bucket_bytes`, all buckets in flight at once.
-// Extents released since `ids` was taken are skipped. Waits for every bucket, also after
-// one failed, and then rethrows the first error: none is left in flight, and each bucket
-// either moved or (failed) kept its state.
 // Bytes of a tensor of `shape` and `scalar`, refused (UsageError) when a size is negative
 // or the bytes do not fit in an int64 (torch's limit), so no size can wrap around.
 size_t tensor_bytes(const std::vector<int64_t>& shape, at::ScalarType scalar) {
