@@ -3,8 +3,8 @@
 Nothing else in statepager names a Megatron attribute: when Megatron changes, this file
 (and its contract test, tests/gpu/test_megatron_contract.py, which checks CONTRACT)
 is where statepager changes. megatron_version.check_version() refuses, at attach, a
-megatron-core outside the range these were written and tested against. Imports megatron lazily (statepager
-imports without it).
+megatron-core outside the range these were written and tested against. Imports megatron
+lazily (statepager imports without it).
 """
 from __future__ import annotations
 
