@@ -27,6 +27,7 @@ from statepager.core.step_stats import StepStats  # noqa: E402, F401
 from statepager.core.stream import StreamedOptimizer  # noqa: E402, F401
 from statepager.core.optim import PagedAdamW  # noqa: E402, F401
 from statepager import checkpoint  # noqa: E402, F401
+from statepager.core import state_values  # noqa: E402, F401
 from statepager.checkpoint import CheckpointMismatchError  # noqa: E402, F401
 # Integrations register their adapters with Pager.attach (statepager.core.adapters).
 from statepager.integrations import megatron as _megatron  # noqa: E402, F401
@@ -38,6 +39,7 @@ __all__ = [
     "StepStats",
     "StreamedOptimizer",
     "checkpoint",
+    "state_values",
     "cuda_available",
     "Error",
     "UsageError",

@@ -13,15 +13,12 @@ in docs/design.md). Both are linear in the number of parameters.
 from __future__ import annotations
 
 import collections
-import contextlib
 from itertools import chain
 
 import torch
 
 from statepager import _C
-from statepager.core import support, whole_state
-from statepager.core.atomic import begin_epoch_at_rest
-from statepager.util.flat import flat_view
+from statepager.core import state_values, support, whole_state
 
 
 def paged_state_dict(binding) -> dict:
@@ -31,20 +28,10 @@ def paged_state_dict(binding) -> dict:
     optimizer = binding.optimizer
     if not binding.copies_state_dict:
         return type(optimizer).state_dict(optimizer)
-    copies = {}
-    with torch.no_grad():
-        for p, start, stop, entries in binding.state_in_pieces():
-            held = optimizer.state.get(p, {})
-            for name, values in entries.items():
-                v = held.get(name)
-                if v is None:  # "param": an fp32 master, which is no state entry
-                    continue
-                out = copies.get(id(v))
-                if out is None:
-                    out = copies[id(v)] = torch.empty_strided(v.size(), v.stride(),
-                                                              dtype=v.dtype, device="cpu")
-                flat_view(out)[start:stop].copy_(values)
     live = optimizer.state
+    copies = {id(live[p][name]): copy
+              for p, named in state_values.read(binding, masters=False).items()
+              for name, copy in named.items()}
     shown = collections.defaultdict(dict)
     for p, st in live.items():
         # Only state of parameters no longer in any group (which torch's own state_dict
@@ -126,7 +113,7 @@ def _load_paged(binding, sd: dict, what: str) -> None:
         rest[k] = {name: v for name, v in st.items() if name not in paged[id(p)]}
     _check_whole(binding, sd, params, paged, what)
     targets = _targets(binding, params, paged)
-    undo = _Undo(binding)
+    undo = state_values.Undo(binding)
     try:
         _load(binding, {**sd, "state": rest}, params, order, paged, targets)
     except BaseException:
@@ -171,29 +158,6 @@ def _targets(binding, params: dict, paged: dict) -> dict:
     return out
 
 
-class _Undo:
-    """A load's way back: torch's load replaces the optimizer's state and param_groups by
-    new objects and leaves the old ones as they were; the copies change paged bytes,
-    inside a pager epoch opened here, and the binding's stored forms
-    (StreamedOptimizer.forms_kept)."""
-
-    def __init__(self, binding):
-        optimizer = binding.optimizer
-        self.binding, self.state, self.groups = binding, optimizer.state, optimizer.param_groups
-        binding.end_begun_step()
-        self.forms = binding.forms_kept()
-        self.epoch = begin_epoch_at_rest(binding.pager, binding.buckets)
-
-    def commit(self) -> None:
-        self.epoch.commit()
-
-    def roll_back(self) -> None:
-        self.epoch.abort()
-        optimizer = self.binding.optimizer
-        optimizer.state, optimizer.param_groups = self.state, self.groups
-        self.forms()
-
-
 def _load(binding, sd: dict, params: dict, order: dict, paged: dict, targets: dict) -> None:
     """torch's load of `sd` (the state dict without the paged entries: casts,
     param_groups, __setstate__); then each parameter's state as loaded, the targets
@@ -215,42 +179,7 @@ def _load(binding, sd: dict, params: dict, order: dict, paged: dict, targets: di
             loaded, into = optimizer.state[p], targets[id(p)]
             optimizer.state[p] = {name: into.get(name, loaded.get(name))
                                   for name in order[id(p)]}
-    values = _InTargetOrder(paged, targets)
-    # closing: a bucket that fails is paged out now, inside the epoch, not whenever the
-    # generator is collected (after the roll-back). Only the copies run without grad:
-    # the forms the generator makes hold views of model params, which views made under
-    # no_grad would keep from later in-place updates with grad mode on.
-    with contextlib.closing(binding.state_in_pieces(write=True)) as pieces:
-        for p, start, stop, entries in pieces:
-            with torch.no_grad():
-                for name, view in entries.items():
-                    source = values.get(p, name)
-                    if source is not None:
-                        view.copy_(source[start:stop])
-
-
-class _InTargetOrder:
-    """A loaded paged value as a flat tensor in its target's memory order (the order the
-    target's pieces take), converted once per entry where its layout differs."""
-
-    def __init__(self, paged: dict, targets: dict):
-        self.paged, self.targets, self.done = paged, targets, {}
-
-    def get(self, p, name: str):
-        value = self.paged.get(id(p), {}).get(name)
-        if value is None:
-            return None
-        key = (id(p), name)
-        if key not in self.done:
-            target = self.targets[id(p)][name]
-            if value.stride() != target.stride() or not value.is_contiguous() and \
-                    not torch.ops.aten.is_non_overlapping_and_dense.default(value):
-                laid = torch.empty_strided(target.size(), target.stride(), dtype=value.dtype,
-                                           device=value.device)
-                laid.copy_(value)
-                value = laid
-            self.done[key] = flat_view(value)
-        return self.done[key]
+    state_values.copy_in(binding, state_values.InTargetOrder(paged, targets))
 
 
 def _id_map(groups: list, saved_groups: list) -> dict:
