@@ -37,18 +37,18 @@ def read(binding, masters: bool = True) -> dict:
     out = {}
     with serial.lock_of(binding.pager), torch.no_grad():
         binding.finish_step()
-        for p, start, stop, entries in binding.state_in_pieces():
-            held = state.get(p, {})
-            copies = out.setdefault(p, {})
-            for name, values in entries.items():
-                entry = _entry(p, held, name)
-                if entry is None or name == "param" and not masters:
-                    continue
-                copy = copies.get(name)
-                if copy is None:
-                    copy = copies[name] = torch.empty_strided(
-                        entry.size(), entry.stride(), dtype=entry.dtype, device="cpu")
-                flat_view(copy)[start:stop].copy_(values)
+        # closing: an interrupted read hands its bucket back now, under the lock.
+        with contextlib.closing(binding.state_in_pieces()) as pieces:
+            for p, start, stop, entries in pieces:
+                copies = out.setdefault(p, {})
+                for name, values in entries.items():
+                    entry = _entry(p, state.get(p, {}), name)
+                    if entry is None or name == "param" and not masters:
+                        continue
+                    if name not in copies:
+                        copies[name] = torch.empty_strided(
+                            entry.size(), entry.stride(), dtype=entry.dtype, device="cpu")
+                    flat_view(copies[name])[start:stop].copy_(values)
     return {p: copies for p, copies in out.items() if copies}
 
 
