@@ -35,9 +35,10 @@ def read(binding, masters: bool = True) -> dict:
     step's buckets page them, each one's entries in the order of binding.forms."""
     state = binding.optimizer.state
     out = {}
-    with serial.lock_of(binding.pager), torch.no_grad():
+    with serial.lock_of(binding.pager):
         binding.finish_step()
-        # closing: an interrupted read hands its bucket back now, under the lock.
+        # closing: an interrupted read hands its bucket back now, under the lock. Only
+        # the copies run without grad (see copy_in).
         with contextlib.closing(binding.state_in_pieces()) as pieces:
             for p, start, stop, entries in pieces:
                 copies = out.setdefault(p, {})
@@ -48,7 +49,8 @@ def read(binding, masters: bool = True) -> dict:
                     if name not in copies:
                         copies[name] = torch.empty_strided(
                             entry.size(), entry.stride(), dtype=entry.dtype, device="cpu")
-                    flat_view(copies[name])[start:stop].copy_(values)
+                    with torch.no_grad():
+                        flat_view(copies[name])[start:stop].copy_(values)
     return {p: copies for p, copies in out.items() if copies}
 
 
