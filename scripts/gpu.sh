@@ -7,7 +7,8 @@
 #                                   (without a build: the installed package, scripts/setup.sh)
 #   scripts/gpu.sh test [PART|PATH...]
 #                                   the GPU suite: ctest (build/gpu), then pytest -m gpu of
-#                                   tests/ in two parts: `shared`, the tests that may share
+#                                   tests/ (and -m megatron: tests/conftest.py) in two
+#                                   parts: `shared`, the tests that may share
 #                                   the device, side by side (pytest-xdist, WORKERS at once,
 #                                   default 6, where it imports), and `alone`, those marked
 #                                   alone (tests/conftest.py), one at a time; a PART runs
@@ -199,9 +200,9 @@ test_part() {  # shared: side by side where pytest-xdist imports; alone: one at 
   if [ "$1" = alone ]; then
     tests 0 -m "gpu and alone" tests
   elif python3 -c "import xdist" 2>/dev/null; then
-    tests 0 -m "gpu and not alone" -n "${WORKERS:-6}" tests
+    tests 0 -m "(gpu or megatron) and not alone" -n "${WORKERS:-6}" tests
   else
-    tests 0 -m "gpu and not alone" tests
+    tests 0 -m "(gpu or megatron) and not alone" tests
   fi
 }
 

@@ -2,7 +2,9 @@
 machines without a CUDA device, and `pytest -m gpu tests` runs just the GPU suite;
 `alone` tests need the device to themselves (they read the driver's free memory, or
 start processes of their own by the handful), so scripts/gpu.sh runs them one at a time
-after the others, which it runs side by side under pytest-xdist."""
+after the others, which it runs side by side under pytest-xdist. `megatron` tests need
+megatron-core (Python >= 3.12 wheels, which the GPU machine's suite carries) but no GPU:
+the GPU suite runs them with its shared part."""
 import os
 import subprocess
 import uuid
@@ -25,6 +27,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "alone: needs the device to itself (see the module doc)")
+    config.addinivalue_line("markers", "megatron: needs megatron-core, not a GPU (skipped "
+                                       "without it); the GPU suite, which carries it, runs it")
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -5,14 +5,15 @@ _build_model_gbuf_param_range_map, at DP = 2 and DP = 1); its masters and moment
 read out (statepager.core.state_values.read) into Megatron's dp_reshardable layout (per
 grad bucket, one tensor per entry, each param at its place in the bucket), and loaded
 at the other DP size (state_values.load). The resumed run continues exactly as the
-uninterrupted one. Needs megatron-core (the GPU machine has it; elsewhere put its wheel's
-contents on PYTHONPATH)."""
+uninterrupted one. Needs megatron-core (marked `megatron`: the GPU suite runs it; elsewhere
+put its wheel's contents on PYTHONPATH)."""
 import pytest
 import torch
 
 from statepager import PagedAdamW, Pager
 from statepager.core import state_values
 
+pytestmark = pytest.mark.megatron
 distrib = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer",
     reason="megatron-core is not installed: its layout code computes the shard ranges")
