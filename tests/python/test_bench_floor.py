@@ -89,13 +89,20 @@ def test_the_fio_floor_is_the_fastest_of_the_job_counts_tried(tmp_path, monkeypa
 
     def timed(*a, jobs, **k):
         calls.append(jobs)
-        return dict(real(*a, jobs=jobs, **k), seconds={1: 3.0, 2: 1.0, 4: 2.0}[jobs])
+        r = real(*a, jobs=jobs, **k)
+        return dict(r, seconds={1: 3.0, 2: 1.0, 4: 2.0}[jobs],
+                    read=dict(r["read"], gbps={1: 5.0, 2: 1.0, 4: 2.0}[jobs]),
+                    write=dict(r["write"], gbps={1: 1.0, 2: 2.0, 4: 6.0}[jobs]))
     monkeypatch.setattr(bench_floor, "fio_floor", timed)
     r = bench_floor.measure(str(tmp_path), torch.device("cpu"), 4 * mib, 4 * mib,
                             block=mib, depth=4, direct=False, jobs=(1, 2, 4))
     assert calls == [1, 2, 4]
     assert r["fio"]["jobs"] == 2 and r["seconds"] == 1.0
     assert r["fio"]["tried"] == [(1, 3.0), (2, 1.0), (4, 2.0)]
+    # Each way's fastest, of any count (what a transfer one way is held to).
+    fastest = r["fio"]["fastest"]
+    assert (fastest["read"]["jobs"], fastest["read"]["gbps"]) == (1, 5.0)
+    assert (fastest["write"]["jobs"], fastest["write"]["gbps"]) == (4, 6.0)
     text = "\n".join(bench_floor.describe(r))
     assert "fio, the fastest of 1 jobs 3.000 s, 2 jobs 1.000 s, 4 jobs 2.000 s:" in text
     assert "fio (fio" in text and "2 jobs each way x 2 x 1024 KiB" in text

@@ -63,7 +63,7 @@ def test_bench_sleep_saver_runs_each_backup_on_the_host_backend(tmp_path, capsys
     assert "zeros after resume: True" in discard
     assert out.count("torch-memory-saver") == 3 and "needs a CUDA device" in out
     floor = next(line for line in out.splitlines() if line.startswith("  disk floor"))
-    assert ("2 jobs" in floor and "x the write" in floor) or "fio not found" in floor, floor
+    assert ("(2 jobs)" in floor and "x the write" in floor) or "fio not found" in floor, floor
     assert os.listdir(tmp_path) == []  # the bench's directory is gone, stores with it
 
 
@@ -78,7 +78,10 @@ def test_the_saver_report_gives_torch_memory_saver_per_backup(capsys):
          "tms": {"cpu": rounds(True, version="0.0.10"), "disk": {"failed": "no room"},
                  "none": rounds(None, version="0.0.10")},
          "disk_floor": {"version": "fio-3.33", "jobs": 8, "iodepth": 8, "block": 4 << 20,
-                        "direct": True, "write": {"gbps": 17.18}, "read": {"gbps": 8.59}}}
+                        "direct": True, "write": {"gbps": 17.18}, "read": {"gbps": 8.59},
+                        "tried": [(4, 2.0), (8, 1.5)],
+                        "fastest": {"write": {"gbps": 17.18, "jobs": 8},
+                                    "read": {"gbps": 8.59, "jobs": 4}}}}
     bench_pager.print_sleep(r)
     out = capsys.readouterr().out
     assert "8.00 GiB in 40 tensors allocated inside region('bench')" in out
@@ -88,6 +91,6 @@ def test_the_saver_report_gives_torch_memory_saver_per_backup(capsys):
     assert "torch-memory-saver disk backup (store in --dir) FAILED: no room" in out
     assert out.count("(0.0.10, hook_mode torch)") == 2
     # The rounds after the first: 8 GiB paused in 1 s (8.59 GB/s), resumed in 2 s.
-    assert ("disk floor (fio fio-3.33, 8 jobs, 4 MiB x 8 each, O_DIRECT): write 17.18 GB/s, "
-            "read 8.59 GB/s; pause again 0.50 x the write, resume 0.50 x the read"
-            ) in out
+    assert ("disk floor (fio fio-3.33, 4 MiB requests, O_DIRECT, the fastest of 4, 8 jobs "
+            "each way): write 17.18 GB/s (8 jobs), read 8.59 GB/s (4 jobs); pause again 0.50 x "
+            "the write, resume 0.50 x the read") in out

@@ -218,7 +218,10 @@ def fio_best(fio: Fio, directory: str, read_bytes: int, write_bytes: int, *, blo
     """fio_floor at each job count of `jobs` up to `depth` (more jobs would keep more
     requests in flight than the pager may; `depth` jobs when none is that small): the
     fastest one's result, with "tried": [(jobs, seconds)] for every count that ran, in
-    the order run. A count fio fails at is left out; OSError when every one fails."""
+    the order run, and "fastest": {"read": ..., "write": ...}, the fastest read alone and
+    write alone of any count, each with its "jobs" (the floor of a transfer one way, as
+    a pause or a resume is). A count fio fails at is left out; OSError when every one
+    fails."""
     counts = [n for n in jobs if n <= depth] or [depth]
     runs, failures = [], []
     for n in counts:
@@ -230,7 +233,9 @@ def fio_best(fio: Fio, directory: str, read_bytes: int, write_bytes: int, *, blo
     if not runs:
         raise failures[0]
     best = min(runs, key=lambda r: r["seconds"])
-    return dict(best, tried=[(r["jobs"], r["seconds"]) for r in runs])
+    fastest = {way: max(runs, key=lambda r: r[way]["gbps"]) for way in ("read", "write")}
+    return dict(best, tried=[(r["jobs"], r["seconds"]) for r in runs],
+                fastest={way: dict(r[way], jobs=r["jobs"]) for way, r in fastest.items()})
 
 
 def measure(directory: str, device: torch.device, read_bytes: int, write_bytes: int, *,

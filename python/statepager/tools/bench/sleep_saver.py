@@ -152,12 +152,13 @@ def print_saver(r: dict) -> None:
         disk = r["disk"]
         pause, resume = (statistics.median(disk["bytes"] / s / 1e9 for s in disk[way][1:])
                          for way in ("pause_s", "resume_s"))
-        print(f"  disk floor (fio {floor['version']}, {floor['jobs']} jobs, "
-              f"{floor['block'] // MiB} MiB x {floor['iodepth']} each, "
-              f"{'O_DIRECT' if floor['direct'] else 'buffered'}): write "
-              f"{floor['write']['gbps']:.2f} GB/s, read {floor['read']['gbps']:.2f} GB/s; "
-              f"pause again {pause / floor['write']['gbps']:.2f} x the write, resume "
-              f"{resume / floor['read']['gbps']:.2f} x the read")
+        write, read = floor["fastest"]["write"], floor["fastest"]["read"]
+        print(f"  disk floor (fio {floor['version']}, {floor['block'] // MiB} MiB "
+              f"requests, {'O_DIRECT' if floor['direct'] else 'buffered'}, the fastest of "
+              f"{', '.join(str(j) for j, _ in floor['tried'])} jobs each way): write "
+              f"{write['gbps']:.2f} GB/s ({write['jobs']} jobs), read {read['gbps']:.2f} "
+              f"GB/s ({read['jobs']} jobs); pause again {pause / write['gbps']:.2f} x the "
+              f"write, resume {resume / read['gbps']:.2f} x the read")
     for backup, t in r.get("tms", {}).items():
         label = f"torch-memory-saver {names[backup]:21s}"
         if "skipped" in t or "failed" in t:
