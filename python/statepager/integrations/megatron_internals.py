@@ -309,6 +309,12 @@ class Internals:
                                                       self.d.shard_fp32_groups)
                 for m, shard in zip(models, shards)]
 
+    def main_of(self, model_param) -> torch.Tensor:
+        """What d's inner optimizer steps for `model_param` (its main, or a native fp32
+        param's shard), as Megatron's param-state methods find it."""
+        group, order = self.d.model_param_group_index_map[model_param]
+        return self.d.optimizer.param_groups[group]["params"][order]
+
     def replace_mains(self, replace) -> dict:
         """Each main for which replace(main) returns a tensor is replaced by it in
         Megatron's groups and model_param.main_param. Returns {id(old): new}; the inner
@@ -396,11 +402,19 @@ class Internals:
         return bool(self.d.ddp_config.overlap_param_gather)
 
     def override(self, *, copy_grads, copy_mains_to_params, copy_params_to_mains,
-                 state_dict, zero_grad, get_parameters=None, refused: dict) -> None:
+                 state_dict, zero_grad, get_parameters=None, param_states=None,
+                 refused: dict) -> None:
         """Sets d's methods on the instance (never its class): the hooks step_with_ready_grads
         and reload_model_params call, state_dict (unless None), zero_grad, get_parameters,
-        and refusals of the methods in `refused` ({name: refusal})."""
+        the param-state accessors every checkpoint format goes through (a ParamStates:
+        its get and set, and the loads that set wrapped by its loading), and refusals of
+        the methods in `refused` ({name: refusal})."""
         d = self.d
+        if param_states is not None:
+            d._get_main_param_and_optimizer_states = param_states.get
+            d._set_main_param_and_optimizer_states = param_states.set
+            for name in ("load_state_dict", "load_parameter_state"):
+                setattr(d, name, param_states.loading(getattr(d, name)))
         d.zero_grad = zero_grad
         d._copy_model_grads_to_main_grads = copy_grads
         d._copy_main_params_to_model_params = copy_mains_to_params

@@ -12,6 +12,7 @@ from statepager.core.serial import serialized
 from statepager.util.flat import copy_each, flat_view, zero_each
 from statepager.util.units import MiB
 from statepager.integrations import megatron_internals as internals
+from statepager.integrations.megatron_states import ParamStates
 
 
 class MegatronMember:
@@ -51,6 +52,7 @@ class MegatronMember:
         # id() of model params whose main grads a step in flight still reads: zeroed
         # once their main has stepped (zero_grads).
         self._zero_after_step: set[int] = set()
+        self.param_states: ParamStates | None = None  # a distributed member's, from bind()
         if self.bf16_grads:
             self._make_carriers()
         try:
@@ -67,8 +69,11 @@ class MegatronMember:
         """Attaches the planned binding and sets the member's methods on Megatron's
         instance and its grad buffers."""
         self.stream.bind()
-        checkpoints = internals.CHECKPOINT_METHODS + (
-            ("state_dict",) if self.megatron.state_dict_holds_state else ())
+        # A DistributedOptimizer's checkpoint formats all go through its param-state
+        # accessors, which the pager answers; a Float16 optimizer's read the mains.
+        distributed = not self.megatron.state_dict_holds_state
+        self.param_states = ParamStates(self) if distributed else None
+        checkpoints = () if distributed else internals.CHECKPOINT_METHODS + ("state_dict",)
         refused = {m: _refusal(m, "statepager holds this optimizer's state: save it with "
                                "statepager.checkpoint.save(pager, rank_directory(base)) and "
                                "load it with "
@@ -85,7 +90,7 @@ class MegatronMember:
             state_dict=None if self.megatron.state_dict_holds_state else self.state_dict,
             zero_grad=self.zero_grad,
             get_parameters=self.parameters_with_carriers if self.bf16_grads else None,
-            refused=refused)
+            param_states=self.param_states, refused=refused)
         self.megatron.on_grads_zeroed(self.zero_grads)
 
     # -- setup -------------------------------------------------------------------------
@@ -181,6 +186,8 @@ class MegatronMember:
     # -- the streamed step's hooks -------------------------------------------------------
 
     def _before_step(self) -> None:
+        if self.param_states is not None:
+            self.param_states.forget()
         self.mains_copied = False
         self._read_clip()
 

@@ -1,0 +1,109 @@
+"""Megatron's own optimizer checkpoints on a streamed DistributedOptimizer.
+
+Every parameter-state format of Megatron's DistributedOptimizer (sharded_state_dict's
+dp_reshardable, fully_reshardable, fully_sharded_model_space and dp_zero_gather_scatter;
+save_parameter_state / load_parameter_state) reads each model param's main and moments
+through _get_main_param_and_optimizer_states and sets them through
+_set_main_param_and_optimizer_states. ParamStates answers both from the pager
+(statepager.core.state_values), so the formats work unchanged: Note [Megatron's
+checkpoint formats] in docs/design.md.
+
+- get: the first call reads the whole state to host memory bucket by bucket (one window on
+  the device) and answers each model param from that read, which it then forgets; a step
+  or a load forgets the rest. The tensors are fp32 host copies of the values a step reads
+  (narrow formats decoded); a resident main (a native fp32 param's shard) is given as it
+  is, as Megatron gives it.
+- set: within a load (load_state_dict, load_parameter_state), the values are gathered and
+  loaded at its end, all or nothing (state_values.load); a set outside a load is loaded at
+  once.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from statepager import _C
+from statepager.core import serial, state_values
+
+
+class ParamStates:
+    """_get/_set_main_param_and_optimizer_states of one member (MegatronMember)."""
+
+    def __init__(self, member):
+        self.member = member
+        self._read = None     # id(main) -> {name: host copy}, what is left of one read
+        self._pending = None  # within a load: [(main, {name: value})]
+
+    def forget(self) -> None:
+        """The state changes (a step, a load): what was read is no longer its values."""
+        self._read = None
+
+    def get(self, model_param) -> dict:
+        main = self.member.megatron.main_of(model_param)
+        with serial.lock_of(self.member.pager):
+            if self._read is None or id(main) not in self._read:
+                self._read = {id(p): v for p, v in state_values.read(self.member.stream).items()}
+            copies = self._read.pop(id(main), {})
+            tensors = {"param": copies.get("param", main)}
+            for name, value in self._held(main).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[name] = copies.get(name, value)
+        return tensors
+
+    def set(self, model_param, tensors: dict) -> None:
+        main = self.member.megatron.main_of(model_param)
+        if self._pending is not None:
+            self._pending.append((main, tensors))
+        else:
+            self._load([(main, tensors)])
+
+    def loading(self, load):
+        """`load` (a bound Megatron method that sets param states) loading what it sets
+        at its end, all or nothing."""
+        @functools.wraps(load)
+        def load_then_set(*args, **kwargs):
+            self._pending = []
+            try:
+                result = load(*args, **kwargs)
+                pending = self._pending
+            finally:
+                self._pending = None
+            self._load(pending)
+            return result
+        return load_then_set
+
+    def _held(self, main) -> dict:
+        """main's state entries as the inner optimizer holds them (under the lock)."""
+        return self.member.stream.optimizer.state.get(main, {})
+
+    def _load(self, pending: list) -> None:
+        """Each (main, values): the paged entries through the pager, all or nothing; then
+        the entries Megatron keeps resident (a native fp32 param's shard, the step
+        counter), copied as Megatron copies them."""
+        stream = self.member.stream
+        with serial.lock_of(self.member.pager):
+            self.forget()
+            paged, resident = {}, []
+            for main, values in pending:
+                names = set() if stream.resident(main) else {n for n, _ in stream.forms(main)}
+                for name, target in {"param": main, **self._held(main)}.items():
+                    value = values.get(name)
+                    if not isinstance(target, torch.Tensor) or \
+                            not isinstance(value, torch.Tensor):
+                        continue
+                    if name in names:
+                        paged.setdefault(main, {})[name] = value
+                    else:
+                        resident.append((target, value))
+            for target, value in resident:
+                if value.shape != target.shape:
+                    raise _C.UsageError(
+                        f"loading Megatron's optimizer state: a value of shape "
+                        f"{tuple(value.shape)} for a tensor of shape {tuple(target.shape)}; "
+                        "the checkpoint does not fit this model; nothing was loaded")
+            if paged:
+                state_values.load(stream, paged)
+            with torch.no_grad():
+                for target, value in resident:
+                    target.copy_(value)
