@@ -398,10 +398,6 @@ def test_refusals_name_what_to_use_instead(gpt, store_dir):
     with Pager(store_dir, "cuda") as pager:
         model, optimizer, scheduler, _ = gpt.build(setup, pager)
         gpt.train_step(setup, model, optimizer, scheduler, 0)
-        with pytest.raises(_C.UsageError, match=r"statepager\.checkpoint\.save\(pager"):
-            optimizer.sharded_state_dict({})
-        with pytest.raises(_C.UsageError, match=r"statepager\.checkpoint\.load\(pager"):
-            optimizer.load_state_dict({})
         with pytest.raises(_C.UsageError, match="pause"):
             optimizer.offload_to_cpu()
         assert "optimizer" in members(optimizer)[0].state_dict()  # served, no state read

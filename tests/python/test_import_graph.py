@@ -112,6 +112,8 @@ FOREIGN = {
         "_copy_model_grads_to_main_grads": "Megatron's DistributedOptimizer hook",
         "_copy_main_params_to_model_params": "Megatron's DistributedOptimizer hook",
         "_copy_model_params_to_main_params": "Megatron's DistributedOptimizer hook",
+        "_get_main_param_and_optimizer_states": "Megatron: every checkpoint format's read",
+        "_set_main_param_and_optimizer_states": "Megatron: every checkpoint format's write",
     },
 }
 
