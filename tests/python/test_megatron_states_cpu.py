@@ -1,0 +1,138 @@
+"""integrations.megatron_states on the CPU host backend, under Megatron's own parameter-
+state format code: a DistributedOptimizer whose ranges Megatron's layout code computes
+(its buffers and process groups need CUDA, so the instance is assembled from those
+ranges, a paged torch AdamW over fp32 mains and the fields its format methods read)
+saves with get_parameter_state_dp_reshardable and loads with
+load_parameter_state_from_dp_reshardable through ParamStates; the loaded optimizer
+continues exactly. The GPU suite runs the real one (tests/gpu/test_megatron_formats.py)."""
+import types
+
+import pytest
+import torch
+
+from statepager import Pager, _C
+from statepager.core import state_values
+from statepager.integrations.megatron_states import ParamStates
+
+distrib = pytest.importorskip(
+    "megatron.core.optimizer.distrib_optimizer",
+    reason="megatron-core is not installed: its format code is what is tested")
+from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
+
+KiB = 1 << 10
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.GELU(),
+                               torch.nn.Linear(96, 6)).bfloat16()
+
+
+class Member:
+    """A DistributedOptimizer at DP = 1 over `m`'s params, its mains and moments paged,
+    with ParamStates set as MegatronMember.bind sets it."""
+
+    def __init__(self, m, directory: str):
+        D = distrib.DistributedOptimizer
+        params = list(m.parameters())
+        lay = D._compute_per_buffer_param_layout(
+            params, 500, 1, DistributedDataParallelConfig(use_distributed_optimizer=True))
+        buckets = [D._build_model_gbuf_param_range_map(
+            {p: i for p, i in lay.param_index_map.items() if i[2] == b},
+            distrib.Range(start, end), start) for b, (start, end) in enumerate(lay.bucket_indices)]
+        self.m, self.pager = m, Pager(directory, page_size=64 * KiB)
+        with self.pager.scope(min_bytes=1):
+            self.mains = [p.detach().view(-1).float() for p in params]
+        self.inner = torch.optim.AdamW(self.mains, lr=3e-3, weight_decay=0.1)
+        self.stream = self.pager.attach(self.inner, bucket_size=16 * KiB)
+        d = self.d = object.__new__(D)
+        d.gbuf_ranges = [{(torch.bfloat16, torch.float32): [{"param_map": b} for b in buckets]}]
+        d.per_bucket_numel = [lay.bucket_indices[-1][1]]
+        d.per_bucket_numel_unpadded = lay.per_bucket_numel_unpadded
+        d.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
+        d.optimizer = self.inner
+        d.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+        main_of = {p: main for p, main in zip(params, self.mains)}
+        self.states = ParamStates(types.SimpleNamespace(
+            megatron=types.SimpleNamespace(main_of=main_of.__getitem__), pager=self.pager,
+            stream=self.stream))
+        d._get_main_param_and_optimizer_states = self.states.get
+        d._set_main_param_and_optimizer_states = self.states.set
+        d.load_parameter_state_from_dp_reshardable = self.states.loading(
+            d.load_parameter_state_from_dp_reshardable)
+
+    def step(self, i: int) -> float:
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 40, generator=g).bfloat16(), torch.randn(16, 6, generator=g)
+        self.m.zero_grad()
+        loss = torch.nn.functional.mse_loss(self.m(x).float(), y)
+        loss.backward()
+        for p, main in zip(self.m.parameters(), self.mains):
+            main.grad = p.grad.view(-1).float()
+        self.states.forget()  # as MegatronMember's before-step hook does
+        self.inner.step()
+        with torch.no_grad():
+            for p, values in zip(self.m.parameters(), self.state(("param",))):
+                p.view(-1).copy_(values[0])
+        return loss.item()
+
+    def state(self, names=("param", "exp_avg", "exp_avg_sq")) -> list:
+        values = state_values.read(self.stream)
+        return [[values[main][n] for n in names] for main in self.mains]
+
+
+def copied(saved):
+    """The saved state's tensors copied (a checkpoint's, not the live reads), each param's
+    entry marked as no padding (as sharded_param_state_dp_reshardable marks it)."""
+    if isinstance(saved, torch.Tensor):
+        return saved.clone()
+    if isinstance(saved, dict):
+        entry = {"padding": False} if "gbuf_local_start" in saved else {}
+        return {**{k: copied(v) for k, v in saved.items()}, **entry}
+    if isinstance(saved, list):
+        return [copied(v) for v in saved]
+    return saved
+
+
+def test_megatron_s_dp_reshardable_save_and_load_continue_exactly(store_dir):
+    a, b = model(), model()
+    first, second = Member(a, store_dir + "-a"), Member(b, store_dir + "-b")
+    try:
+        losses = [first.step(i) for i in range(3)]
+        saved = copied(first.d.get_parameter_state_dp_reshardable())
+        # Megatron's layout: one entry per param of each bucket, the values read.
+        flat = [e for bucket in saved[0][(torch.bfloat16, torch.float32)] for e in bucket]
+        assert sorted(flat[0]) == ["exp_avg", "exp_avg_sq", "gbuf_local_end",
+                                   "gbuf_local_start", "padding", "param", "step"]
+        assert all(e["param"].device.type == "cpu" for e in flat)
+        second.step(0)  # its state exists, as Megatron's load makes it
+        second.d.load_parameter_state_from_dp_reshardable(saved)
+        with torch.no_grad():  # the model's own checkpoint
+            for x, y in zip(a.parameters(), b.parameters()):
+                y.copy_(x)
+        assert all(torch.equal(x, y) for px, py in zip(first.state(), second.state())
+                   for x, y in zip(px, py))
+        assert [first.step(i) for i in range(3, 6)] == [second.step(i) for i in range(3, 6)]
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+        assert len(losses) == 3
+    finally:
+        first.pager.close()
+        second.pager.close()
+
+
+def test_a_load_that_does_not_fit_changes_nothing(store_dir):
+    first = Member(model(), store_dir)
+    try:
+        first.step(0)
+        before = first.state()
+        saved = copied(first.d.get_parameter_state_dp_reshardable())
+        bucket = saved[0][(torch.bfloat16, torch.float32)][-1]
+        bucket[-1]["step"] = torch.zeros(3)  # a resident entry of another shape
+        for entry in saved[0][(torch.bfloat16, torch.float32)][0]:
+            entry["exp_avg"] = torch.full_like(entry["exp_avg"], 7.0)
+        with pytest.raises(_C.UsageError, match="does not fit this model; nothing was loaded"):
+            first.d.load_parameter_state_from_dp_reshardable(saved)
+        assert all(torch.equal(x, y) for px, py in zip(before, first.state())
+                   for x, y in zip(px, py))
+    finally:
+        first.pager.close()
