@@ -33,8 +33,10 @@ bucket_size is a bucket of its own, and attach checks that window against hbm_bu
   the restored mains (`_shard16`, the same memory as the buffer's slice; with residual
   mains from undo copies). Each member on its own: in a ChainedOptimizer, members that
   Megatron stepped before the failing one stay stepped;
-- reload_model_params refreshes the mains through the pager; checkpoint methods that
-  would read the state behind the pager's back are refused with what to use instead
+- reload_model_params refreshes the mains through the pager; a DistributedOptimizer's
+  checkpoint formats read and set the state through the pager
+  (statepager.integrations.megatron_states); a Float16 member's checkpoint methods, which
+  would read the mains behind the pager's back, are refused with what to use instead
   (statepager.checkpoint.save / load into rank_directory(base)), and offload_to_cpu /
   restore_from_cpu point to Pager.pause / resume.
 

@@ -80,7 +80,8 @@ BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
 MUON_ATTRIBUTES, MUON_GROUPS = ("tp_mode", "pg_collection"), ("tp", "expt_tp", "gtp_remat",
                                                               "expt_gtp_remat")
 
-# Megatron's checkpoint methods that read the state behind the pager's back (refused).
+# Megatron's checkpoint methods that would read a Float16 member's mains behind the pager's
+# back (refused there).
 CHECKPOINT_METHODS = (
     "sharded_state_dict", "load_state_dict", "save_parameter_state",
     "load_parameter_state", "get_parameter_state_dp_zero",
