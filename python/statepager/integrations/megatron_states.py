@@ -69,9 +69,23 @@ class ParamStates:
                 pending = self._pending
             finally:
                 self._pending = None
+            self._own_step_counters()
             self._load(pending)
             return result
         return load_then_set
+
+    def _own_step_counters(self) -> None:
+        """Megatron's load_state_dict gives every param's state one shared "step" tensor
+        (megatron-core 0.19.2, torch's optimizers), which torch's AdamW then advances
+        once per param a step: each gets a copy of its own."""
+        with serial.lock_of(self.member.pager):
+            seen = set()
+            for held in self.member.stream.optimizer.state.values():
+                step = held.get("step")
+                if isinstance(step, torch.Tensor):
+                    if id(step) in seen:
+                        held["step"] = step.clone()
+                    seen.add(id(step))
 
     def _held(self, main) -> dict:
         """main's state entries as the inner optimizer holds them (under the lock)."""
