@@ -14,6 +14,7 @@ from statepager import Pager, _C
 from statepager.core import state_values
 from statepager.integrations.megatron_states import ParamStates
 
+pytestmark = pytest.mark.megatron
 distrib = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer",
     reason="megatron-core is not installed: its format code is what is tested")
