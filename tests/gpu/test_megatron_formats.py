@@ -38,10 +38,11 @@ def built(gpt, setup, paged: bool, directory: str):
         yield gpt.build(setup, pager, bucket_size=1 * MiB)
 
 
-# Loaded into paged runs only: with torch's AdamW, megatron-core 0.19.2's load_state_dict
-# gives all params one shared "step" tensor, which AdamW then advances once per param (an
-# unpaged run resumed so diverges; statepager's load gives each its own); and its
-# sharded_state_dict needs the state made (a step) first, reading the step count from it.
+# Loaded into paged runs, fresh ones: with torch's AdamW, megatron-core 0.19.2 cannot
+# load into an unpaged optimizer that has not stepped (its sharded_state_dict reads the
+# step count from the state), and its load_state_dict gives all params one shared "step"
+# tensor, which AdamW then advances once per param; statepager makes the state first and
+# gives each param its own counter (integrations/megatron_states.py).
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("saver", ["paged", "unpaged"])
 def test_a_megatron_checkpoint_resumes_exactly(gpt, store_dir, tmp_path, fmt, saver):
@@ -57,7 +58,6 @@ def test_a_megatron_checkpoint_resumes_exactly(gpt, store_dir, tmp_path, fmt, sa
         dist_checkpointing.save(sharded(model, opt, fmt, is_loading=False), str(ckpt))
         sched_state = sched.state_dict()
     with built(gpt, setup, True, store_dir + "-load") as (model, opt, sched, binding):
-        gpt.train_step(setup, model, opt, sched, 0)  # the state to load into
         loaded = dist_checkpointing.load(sharded(model, opt, fmt, is_loading=True), str(ckpt))
         model.module.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])

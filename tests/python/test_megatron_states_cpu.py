@@ -52,11 +52,13 @@ class Member:
         d.per_bucket_numel_unpadded = lay.per_bucket_numel_unpadded
         d.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
         d.optimizer = self.inner
-        d.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+        d.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False,
+                                         optimizer="adam")
         main_of = {p: main for p, main in zip(params, self.mains)}
         self.states = ParamStates(types.SimpleNamespace(
-            megatron=types.SimpleNamespace(main_of=main_of.__getitem__), pager=self.pager,
-            stream=self.stream))
+            megatron=types.SimpleNamespace(main_of=main_of.__getitem__,
+                                           state_keys=lambda: tuple(d.optimizer_state_keys)),
+            pager=self.pager, stream=self.stream))
         d._get_main_param_and_optimizer_states = self.states.get
         d._set_main_param_and_optimizer_states = self.states.set
         d.load_parameter_state_from_dp_reshardable = self.states.loading(
@@ -106,8 +108,7 @@ def test_megatron_s_dp_reshardable_save_and_load_continue_exactly(store_dir):
         assert sorted(flat[0]) == ["exp_avg", "exp_avg_sq", "gbuf_local_end",
                                    "gbuf_local_start", "padding", "param", "step"]
         assert all(e["param"].device.type == "cpu" for e in flat)
-        second.step(0)  # its state exists, as Megatron's load makes it
-        second.d.load_parameter_state_from_dp_reshardable(saved)
+        second.d.load_parameter_state_from_dp_reshardable(saved)  # into no state yet
         with torch.no_grad():  # the model's own checkpoint
             for x, y in zip(a.parameters(), b.parameters()):
                 y.copy_(x)
@@ -137,3 +138,22 @@ def test_a_load_that_does_not_fit_changes_nothing(store_dir):
                    for x, y in zip(px, py))
     finally:
         first.pager.close()
+
+
+def test_a_state_made_before_the_first_step_steps_as_a_fresh_one(store_dir):
+    """make_state (what a load into an optimizer that has not stepped makes first): step
+    0 and zero moments, paged without memory; the steps after it are a fresh run's."""
+    a, b = model(), model()
+    made, fresh = Member(a, store_dir + "-a"), Member(b, store_dir + "-b")
+    try:
+        mapped = made.pager.stats()["mapped_bytes"]
+        made.states.make_state()
+        assert made.pager.stats()["mapped_bytes"] == mapped
+        held = made.inner.state.as_held()
+        assert all(made.pager.residency(held[m]["exp_avg"]) == "zero" for m in made.mains)
+        assert [made.step(i) for i in range(3)] == [fresh.step(i) for i in range(3)]
+        assert all(torch.equal(x, y) for px, py in zip(made.state(), fresh.state())
+                   for x, y in zip(px, py))
+    finally:
+        made.pager.close()
+        fresh.pager.close()

@@ -316,6 +316,11 @@ class Internals:
         group, order = self.d.model_param_group_index_map[model_param]
         return self.d.optimizer.param_groups[group]["params"][order]
 
+    def state_keys(self) -> tuple:
+        """The tensor state entries d's inner optimizer keeps per main (Adam's two
+        moments, Lion's one)."""
+        return tuple(self.d.optimizer_state_keys)
+
     def replace_mains(self, replace) -> dict:
         """Each main for which replace(main) returns a tensor is replaced by it in
         Megatron's groups and model_param.main_param. Returns {id(old): new}; the inner
@@ -416,6 +421,7 @@ class Internals:
             d._set_main_param_and_optimizer_states = param_states.set
             for name in ("load_state_dict", "load_parameter_state"):
                 setattr(d, name, param_states.loading(getattr(d, name)))
+            d.sharded_state_dict = param_states.sharding(d.sharded_state_dict)
         d.zero_grad = zero_grad
         d._copy_model_grads_to_main_grads = copy_grads
         d._copy_main_params_to_model_params = copy_mains_to_params

@@ -58,11 +58,31 @@ class ParamStates:
         else:
             self._load([(main, tensors)])
 
+    def make_state(self) -> None:
+        """An inner optimizer that has not stepped gets the state its first step would
+        make (step 0, zero moments; paged ones pager tensors without memory): Megatron's
+        checkpoint methods need one (megatron-core 0.19.2 with torch's optimizers reads
+        the step count from it, and a load into none allocates the whole state on the
+        device)."""
+        stream = self.member.stream
+        with serial.lock_of(self.member.pager):
+            state = stream.optimizer.state
+            mains = [p for g in stream.optimizer.param_groups for p in g["params"]]
+            if not mains or any(state.get(p) for p in mains):
+                return
+            for p in mains:
+                zeros = torch.zeros_like if stream.resident(p) else \
+                    functools.partial(stream.empty_state_like, p)
+                state[p] = {"step": torch.tensor(0.0),
+                            **{k: zeros(p) for k in self.member.megatron.state_keys()}}
+            stream.state_changed()
+
     def loading(self, load):
         """`load` (a bound Megatron method that sets param states) loading what it sets
-        at its end, all or nothing."""
+        at its end, all or nothing, into a state made first (make_state)."""
         @functools.wraps(load)
         def load_then_set(*args, **kwargs):
+            self.make_state()
             self._pending = []
             try:
                 result = load(*args, **kwargs)
@@ -73,6 +93,17 @@ class ParamStates:
             self._load(pending)
             return result
         return load_then_set
+
+    def sharding(self, sharded_state_dict):
+        """Megatron's sharded_state_dict, for a load (is_loading) into a state made
+        first (make_state)."""
+        @functools.wraps(sharded_state_dict)
+        def with_state(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+            if is_loading:
+                self.make_state()
+            return sharded_state_dict(model_sharded_state_dict or {}, is_loading, *args,
+                                      **kwargs)
+        return with_state
 
     def _own_step_counters(self) -> None:
         """Megatron's load_state_dict gives every param's state one shared "step" tensor
