@@ -72,6 +72,7 @@ TINY_GPT = [
 ]
 MUON = ["--optimizer", "muon"]
 HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
+MEGATRON_FORMAT = ["--statepager-optimizer-checkpoint", "megatron"]
 PAGED = ["--statepager-dir", "{store}", "--statepager-bucket-size", "4M",
          "--statepager-page-size", "2M", "--statepager-hbm-budget", "256M"]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: "
@@ -237,6 +238,8 @@ def runs(tmp_path_factory):
         "env": ("env", ["--save", r.path("ckpt-env")], env_only_options(r)),
         "overlap": ("overlap", ["--save", r.path("ckpt-overlap"),
                                 "--statepager-overlap-forward", "on"], {}),
+        "megatron-format": ("megatron-format", ["--save", r.path("ckpt-megatron-format")]
+                            + MEGATRON_FORMAT, {}),
     }
     if HAVE_EMERGING:  # --optimizer muon with --use-distributed-optimizer: layer-wise
         first.update({
@@ -272,6 +275,12 @@ def runs(tmp_path_factory):
         "crash-resumed": ("crash-resumed", ["--load", crash, "--save", crash,
                                             "--save-interval", "5"], {}),
     }
+    # Megatron's own optimizer checkpoints, loaded paged: the unpaged run's, and the paged
+    # run's that Megatron wrote through the pager.
+    second.update({
+        name: (name, ["--load", ckpt, "--ckpt-step", str(SAVE_AT)] + MEGATRON_FORMAT, {})
+        for name, ckpt in (("unpaged-to-paged", a),
+                           ("megatron-format-resumed", r.path("ckpt-megatron-format")))})
     if HAVE_EMERGING:
         second["muon-restarted"] = ("muon-restarted", MUON + [
             "--load", r.path("ckpt-muon-killed"), "--save", r.path("ckpt-muon-killed")], {})
@@ -329,6 +338,18 @@ def test_muon_paged_equals_unpaged_and_resumes_exactly(runs):
     assert code != 0 and max(logged(text)) == KILL_AT
     resumed_as(logged(ok(runs.result["muon-restarted"])), paged, SAVE_AT + 1)
     same_state(runs.path("ckpt-muon-paged"), runs.path("ckpt-muon-killed"))
+
+
+def test_megatron_s_own_optimizer_checkpoints_resume_paged_runs_exactly(runs):
+    """--statepager-optimizer-checkpoint megatron: Megatron saves and loads the optimizer
+    (torch_dist, through the pager). The paged run logs the unpaged one's iterations; its
+    checkpoint at 10, and the unpaged run's, each resume a fresh paged run that logs
+    iterations 11-20 as the uninterrupted run."""
+    assert logged(ok(runs.result["megatron-format"])) == runs.unpaged
+    assert not os.path.exists(runs.path("ckpt-megatron-format", f"iter_{SAVE_AT:07d}",
+                                        "statepager"))
+    for name in ("unpaged-to-paged", "megatron-format-resumed"):
+        resumed_as(logged(ok(runs.result[name])), runs.unpaged, SAVE_AT + 1)
 
 
 def test_log_line_carries_step_stats(runs):

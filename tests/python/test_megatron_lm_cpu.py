@@ -6,6 +6,7 @@ by FakeMegatron. Where megatron-core and Megatron-LM's training code import (Pyt
 or 3.11 with typing.override supplied), the hooks are also checked against the real
 megatron.training: its parser, its argument validation and its function signatures."""
 import argparse
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -515,6 +516,32 @@ def test_other_optimizers_pass_through(tmp_path):
     assert run.save(1, other, False, lambda optimizer: optimizer) is other
     assert run.load(other, "load", lambda optimizer: optimizer) is other
     run.close()
+
+
+def test_megatron_s_optimizer_checkpoint_is_left_to_megatron(tmp_path):
+    """--statepager-optimizer-checkpoint megatron: Megatron saves and loads the optimizer
+    itself (its state read and set through the pager); statepager writes nothing."""
+    base = str(tmp_path / "ckpt")
+    run, fake, params = make_run(tmp_path, "a", save=base, load=base)
+    run.options = dataclasses.replace(run.options, optimizer_checkpoint="megatron")
+    train(run, params, 2)
+    seen, loaded = [], []
+    run.save(2, run.optimizer, False, megatron_save(fake, base, 2, seen))
+    assert seen == [(run.optimizer, False)] and tracker(base) == "2"
+    assert not os.path.exists(os.path.join(base, "iter_0000002", "statepager"))
+    fake.loaded = 2
+    run.load(run.optimizer, "load", loaded.append)
+    assert loaded == [run.optimizer]
+    run.close()
+
+
+def test_the_optimizer_checkpoint_flag_and_its_variable():
+    assert options_from(parse(["--statepager-dir", "/d", "--statepager-optimizer-checkpoint",
+                               "megatron"])).optimizer_checkpoint == "megatron"
+    assert options_from(parse(["--statepager-dir", "/d"], {
+        "STATEPAGER_OPTIMIZER_CHECKPOINT": "megatron"})).optimizer_checkpoint == "megatron"
+    with pytest.raises(SystemExit):
+        parse(["--statepager-dir", "/d", "--statepager-optimizer-checkpoint", "torch"])
 
 
 def test_step_stats_join_the_log_line_scalars_and_timers(tmp_path):

@@ -213,8 +213,11 @@ class Run:
         args = self.megatron.args()
         if self.binding is not None:
             self.binding.complete_step_in_flight()  # the model params Megatron saves
-        if optimizer is None or optimizer is not self.optimizer or args.no_save_optim:
-            return megatron_save(optimizer)  # --no-save-optim: Megatron saves no optimizer
+        if optimizer is None or optimizer is not self.optimizer or args.no_save_optim \
+                or self.options.optimizer_checkpoint == "megatron":
+            # --no-save-optim: Megatron saves no optimizer; "megatron": Megatron saves it,
+            # through the pager (statepager.integrations.megatron_states).
+            return megatron_save(optimizer)
         directory = self.megatron.iteration_directory(args.save, iteration, release)
         handle, ok, reason = _attempt(lambda: self._save_to(directory, args.async_save))
         agree(ok, reason, f"saving the optimizer state of iteration {iteration} "
@@ -252,7 +255,8 @@ class Run:
         request.finalize_fns.insert(0, finish)
 
     def load(self, optimizer, load_arg: str, megatron_load):
-        if optimizer is None or optimizer is not self.optimizer:
+        if optimizer is None or optimizer is not self.optimizer \
+                or self.options.optimizer_checkpoint == "megatron":
             return megatron_load(optimizer)
         result = megatron_load(None)  # the model, RNG and, where due, the LR scheduler
         args, m = self.megatron.args(), self.megatron

@@ -19,6 +19,7 @@ MOMENTS = ("fp32", "bf16", "q8")
 MAINS = ("fp32", "residual")
 ATOMIC = ("bucket", "step", "off")  # attach(atomic=): "bucket", "step", False
 ON_OFF = ("off", "on")
+OPTIMIZER_CHECKPOINT = ("statepager", "megatron")  # who saves the optimizer's state
 
 
 class RefusedConfiguration(UsageError):
@@ -40,6 +41,7 @@ class Options:
     mains: str = "fp32"
     atomic: str = "bucket"          # ATOMIC; attach_atomic() gives attach()'s value
     overlap_forward: str = "off"    # ON_OFF: steps under the next forward
+    optimizer_checkpoint: str = "statepager"  # OPTIMIZER_CHECKPOINT
 
     def attach_atomic(self) -> str | bool:
         return False if self.atomic == "off" else self.atomic
@@ -77,6 +79,12 @@ _FLAGS = (
      "on: each step ends under the next forward, each bucket stepped before the first "
      "layer that uses it (one data-parallel rank, without --overlap-param-gather; "
      "default off)"),
+    ("optimizer-checkpoint", "STATEPAGER_OPTIMIZER_CHECKPOINT", "optimizer_checkpoint",
+     OPTIMIZER_CHECKPOINT,
+     "who saves and loads the optimizer state: statepager (default: the store's ranges "
+     "copied beside Megatron's checkpoint, stored formats kept; loads at the same layout) "
+     "or megatron (Megatron's own optimizer checkpoint, read and set through the pager in "
+     "fp32: loads at another data-parallel size and from runs without statepager)"),
 )
 
 
