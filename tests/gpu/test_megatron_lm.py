@@ -378,11 +378,14 @@ def test_killed_at_15_and_restarted_continues_exactly(runs):
 
 
 def test_inspect_shows_whose_optimizer_state_each_save_holds(runs):
-    """statepager inspect on the --save directories: unpaged Megatron's checkpoints hold
-    the optimizer state in its dp_reshardable layout, the paged run's Megatron part none
-    (statepager's part beside it)."""
+    """statepager inspect on the --save directories: unpaged Megatron's checkpoints, and
+    a paged run's with --statepager-optimizer-checkpoint megatron, hold the optimizer state
+    in Megatron's dp_reshardable layout; the paged run's Megatron part none (statepager's
+    part beside it)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     for name, held in (("ckpt-unpaged", "optimizer state in Megatron's format, dp_reshardable"),
+                       ("ckpt-megatron-format",
+                        "optimizer state in Megatron's format, dp_reshardable"),
                        ("ckpt-paged", "optimizer state in Megatron's format: none")):
         out = subprocess.run([sys.executable, "-m", "statepager", "inspect", runs.path(name)],
                              capture_output=True, text=True, timeout=300, env=env)

@@ -132,8 +132,8 @@ def test_a_megatron_save_directory_shows_whose_optimizer_state_each_iteration_ho
     assert f"Megatron-LM --save directory {save}: its tracker names iteration 20" in out
     assert (f"Megatron checkpoint {save / 'iter_0000010'} (torch_dist): 4 tensors, 896 B\n"
             "  optimizer state in Megatron's format, dp_reshardable: 3 tensors, 768 B "
-            "(param, exp_avg, exp_avg_sq); a paged run resumes from it only with "
-            "--no-load-optim") in out
+            "(param, exp_avg, exp_avg_sq); a paged run resumes from it with "
+            "--statepager-optimizer-checkpoint megatron") in out
     assert (f"Megatron checkpoint {save / 'iter_0000020'} (torch_dist): 1 tensors, 128 B\n"
             "  optimizer state in Megatron's format: none") in out
     assert f"checkpoint {save / 'iter_0000020' / 'statepager' / 'rank00000'}:" in out

@@ -87,6 +87,5 @@ def lines(r: dict, size) -> list[str]:
     for layout, o in r["optimizer"].items():
         out.append(f"  optimizer state in Megatron's format, {layout}: {o['tensors']} "
                    f"tensors, {size(o['bytes'])} ({', '.join(o['states'])}); a paged run "
-                   "resumes from it only with --no-load-optim (its optimizer state starts "
-                   "fresh)")
+                   "resumes from it with --statepager-optimizer-checkpoint megatron")
     return out
