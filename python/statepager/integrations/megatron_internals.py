@@ -51,6 +51,16 @@ CONTRACT = (
     ("megatron.core.optimizer", "DistributedOptimizer", "step", ["self"]),
     ("megatron.core.optimizer", "ChainedOptimizer", "step", ["self"]),
     ("megatron.core.optimizer", "DistributedOptimizer", "get_parameters", ["self"]),
+    # Every checkpoint format reads and sets the state through these two (megatron_states).
+    ("megatron.core.optimizer", "DistributedOptimizer", "_get_main_param_and_optimizer_states",
+     ["self", "model_param"]),
+    ("megatron.core.optimizer", "DistributedOptimizer", "_set_main_param_and_optimizer_states",
+     ["self", "model_param", "tensors"]),
+    ("megatron.core.optimizer", "DistributedOptimizer", "load_state_dict", None),
+    ("megatron.core.optimizer", "DistributedOptimizer", "load_parameter_state", None),
+    ("megatron.core.optimizer", "DistributedOptimizer", "sharded_state_dict",
+     ["self", "model_sharded_state_dict", "is_loading"]),
+    ("megatron.core.optimizer", "DistributedOptimizer", "optimizer_state_keys", None),
     ("megatron.core.optimizer", "DistributedOptimizer", "offload_to_cpu", None),
     ("megatron.core.optimizer", "DistributedOptimizer", "restore_from_cpu", None),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", "reset",
@@ -63,7 +73,7 @@ CONTRACT = (
 INSTANCE_ATTRIBUTES = (
     "optimizer", "config", "ddp_config", "model_float16_groups", "model_fp32_groups",
     "shard_fp32_from_float16_groups", "shard_fp32_groups", "model_param_gbuf_map",
-    "buffers", "is_stub_optimizer", "data_parallel_group",
+    "buffers", "is_stub_optimizer", "data_parallel_group", "model_param_group_index_map",
 )
 # ... on a Float16OptimizerWithFloat16Params, and on the DDP model chunks whose grad buffers
 # statepager finds a Float16OptimizerWithFloat16Params' grads in.
@@ -80,8 +90,7 @@ BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
 MUON_ATTRIBUTES, MUON_GROUPS = ("tp_mode", "pg_collection"), ("tp", "expt_tp", "gtp_remat",
                                                               "expt_gtp_remat")
 
-# Megatron's checkpoint methods that would read a Float16 member's mains behind the pager's
-# back (refused there).
+# Megatron's checkpoint methods that read a Float16 member's mains behind the pager (refused).
 CHECKPOINT_METHODS = (
     "sharded_state_dict", "load_state_dict", "save_parameter_state",
     "load_parameter_state", "get_parameter_state_dp_zero",
@@ -311,14 +320,12 @@ class Internals:
                 for m, shard in zip(models, shards)]
 
     def main_of(self, model_param) -> torch.Tensor:
-        """What d's inner optimizer steps for `model_param` (its main, or a native fp32
-        param's shard), as Megatron's param-state methods find it."""
+        """What d's inner optimizer steps for model_param (its main, or an fp32 shard)."""
         group, order = self.d.model_param_group_index_map[model_param]
         return self.d.optimizer.param_groups[group]["params"][order]
 
     def state_keys(self) -> tuple:
-        """The tensor state entries d's inner optimizer keeps per main (Adam's two
-        moments, Lion's one)."""
+        """The tensor state entries d's inner optimizer keeps per main (Adam: 2 moments)."""
         return tuple(self.d.optimizer_state_keys)
 
     def replace_mains(self, replace) -> dict:
