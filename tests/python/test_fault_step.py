@@ -380,14 +380,12 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("atomic", [True, "bucket"])
-def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, device, atomic):
-    """optimizer.zero_grad() takes the next step's undo copies of residual masters' model
-    params (while forward and backward run): the step takes none of its own, and a step
-    that fails puts every parameter back from them; its retry takes its own (a resumable
-    step's, for the buckets it finishes)."""
-    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8",
-                                       atomic=atomic)
+def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, device):
+    """All or nothing: optimizer.zero_grad() takes the next step's undo copies of residual
+    masters' model params (while forward and backward run): the step takes none of its
+    own, and a step that fails puts every parameter back from them; its retry takes its
+    own."""
+    model, pager, opt, binding = paged(store_dir, device, mains="residual", moments="q8")
     with pager:
         set_grads(model, 0)
         opt.step()
@@ -409,17 +407,12 @@ def test_undo_copies_taken_at_zero_grad_serve_the_step(store_dir, monkeypatch, d
         with pytest.raises(RuntimeError):
             opt.step()
         fault.disarm()
-        if atomic is True:
-            after = capture(model, pager, opt, binding)
-            for key in before:
-                assert same(before[key], after[key]), f"the failed step changed {key}"
-            left = len(binding.buckets)
-        else:  # the failing bucket put back; the others stepped or not, never torn
-            assert binding.pending
-            left = len(binding._steps.pending.remaining())
+        after = capture(model, pager, opt, binding)
+        for key in before:
+            assert same(before[key], after[key]), f"the failed step changed {key}"
         del takes[:]
         opt.step()
-        assert len(takes) == left > 0
+        assert len(takes) == len(binding.buckets)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -387,12 +387,24 @@ def test_checkpoints_load_across_the_forwards_order_and_the_groups(tmp_path,
     assert orders[0] != orders[1]  # the two orders differ
 
 
-def test_undo_copies_of_the_next_step_are_taken_once_the_forward_stepped_the_last_bucket(
+def test_a_resumable_step_under_the_forward_copies_each_bucket_on_the_device_as_it_steps(
         tmp_path, monkeypatch):
-    """Residual masters under the forward: the hook that steps a step's last bucket takes
-    the next step's undo copies of their model params (they run under the backward);
-    that step takes none while its buckets step. Bit-identical to steps without it."""
+    """Residual masters under the forward, resumable: no host undo copies exist and none
+    is taken (between steps or within one); each bucket's model params are copied as it
+    steps, once per step, on the pager's device. Bit-identical to steps without it."""
+    from statepager.core import resumable
+    from statepager.core.atomic import UndoCopies
     from statepager.core.optim import PagedAdamW
+    monkeypatch.setattr(UndoCopies, "take", lambda *a: pytest.fail("a host undo copy"))
+    undo_copies, copies = resumable.undo_copies, []
+
+    def logged(targets):
+        run = binding.step_in_flight
+        pairs = undo_copies(targets)
+        copies.append((None if run is None else run.stepped,
+                       [(t.data_ptr(), c.device) for t, c in pairs]))
+        return pairs
+    monkeypatch.setattr(resumable, "undo_copies", logged)
     out = []
     for overlap in (False, True):
         with Pager(str(tmp_path / f"s{overlap}"), "cpu", page_size=16 * KiB) as pager:
@@ -404,17 +416,8 @@ def test_undo_copies_of_the_next_step_are_taken_once_the_forward_stepped_the_las
             binding = opt.binding
             if overlap:
                 binding.overlap_forward(model)
-            takes, take = [], binding._steps.undo.take
-
-            def logged(copies, targets):
-                run = binding.step_in_flight
-                takes.append(None if run is None else (run.stepped, len(run.buckets)))
-                return take(copies, targets)
-            monkeypatch.setattr(binding._steps.undo, "take", logged)
             losses = []
             for i in range(4):
-                if i == 2:
-                    del takes[:]
                 x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
                 opt.zero_grad()
                 loss = model(x.to(torch.bfloat16)).float().square().mean()
@@ -423,11 +426,14 @@ def test_undo_copies_of_the_next_step_are_taken_once_the_forward_stepped_the_las
                 losses.append(loss.item())
             binding.complete_step_in_flight()
             n = len(binding.buckets)
-            assert n >= 3
-            if overlap:  # steps 2 and 3: each taken once its step's last bucket stepped
-                assert takes == [(n, n)] * 2 * n, takes
-            else:  # at zero_grad()
-                assert takes == [None] * 2 * n, takes
+            assert n >= 3 and all(not b.undo for b in binding.buckets)
+            last = copies[-n:]  # the last step's: one per bucket, as it stepped
+            if overlap:
+                assert [k for k, _ in last] == list(range(1, n + 1))
+            params = {p.data_ptr() for p in model.parameters()}
+            copied = [ptr for _, pairs in last for ptr, _ in pairs]
+            assert sorted(copied) == sorted(params)
+            assert all(d == pager.device for _, pairs in last for _, d in pairs)
             out.append((losses, [bits(p) for p in model.parameters()]))
     assert out[0][0] == out[1][0]
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
@@ -435,7 +441,7 @@ def test_undo_copies_of_the_next_step_are_taken_once_the_forward_stepped_the_las
 
 def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies(tmp_path):
     """Residual masters under the forward: the second bucket's after_bucket has written its
-    model params, then raises. The copies the previous forward's hook took put them back,
+    model params, then raises. Its undo copies put them back,
     the step is pending, and training finishes it bit-identical to one that never failed."""
     from statepager.core.optim import PagedAdamW
 

@@ -45,8 +45,8 @@ def snapshot(model, pager, opt, binding) -> dict:
 def run(config, device, store, warm, fault=None, tmp=None, begun=False, retry="step",
         prepared=False):
     """Steps `warm` times, then once with `fault` armed (it raises), then finishes the step
-    (retry: "step", "zero_grad" or "state_dict"). prepared: zero_grad() before that step
-    (it takes the step's undo copies). Returns the snapshots before the failing step,
+    (retry: "step", "zero_grad" or "state_dict"). prepared: zero_grad() before that
+    step. Returns the snapshots before the failing step,
     after it failed, and after the finish."""
     setup, _ = CONFIGS[config]
     model, pager, opt, binding = setup(store, device, atomic="bucket")
@@ -115,7 +115,7 @@ def test_a_failed_step_is_never_torn_and_its_retry_steps_once(tmp_path, request,
 @pytest.mark.parametrize("begun", [False, True], ids=["called", "begun"])
 def test_a_failed_step_on_the_gpu_is_never_torn(tmp_path, request, config, fault, begun):
     """The same on CUDA memory: buckets handed back after their kernels were queued, undo
-    copies read back from their own stream."""
+    copies copied back on the stream that took them."""
     skip_what_cannot_fail(config, fault)
     warm = 0 if fault == "no-space" else CONFIGS[config][1]
     root = (request.getfixturevalue("sized_tmpfs")(4, "the out-of-space case")
@@ -129,11 +129,14 @@ def test_a_failed_step_on_the_gpu_is_never_torn(tmp_path, request, config, fault
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fault", ["after-hook", "optimizer", "counts-unread"])
-def test_a_failed_step_puts_back_params_from_the_copies_zero_grad_took(tmp_path, device,
-                                                                      fault):
-    """Residual masters: zero_grad() took the step's undo copies of their model params,
-    and the bucket that fails is put back from them (the after-hook's has written its
-    params); the finished step is bit-identical to a clean one."""
+def test_a_failed_step_puts_back_params_from_the_copies_on_the_device(tmp_path, monkeypatch,
+                                                                     device, fault):
+    """Residual masters, zero_grad() before the step: no host undo copy is made or taken;
+    the bucket that fails is put back from its undo copies on the device (the
+    after-hook's has written its params); the finished step is bit-identical to a clean
+    one."""
+    from statepager.core.atomic import UndoCopies
+    monkeypatch.setattr(UndoCopies, "take", lambda *a: pytest.fail("a host undo copy"))
     config = "paged-residual-q8"
     skip_what_cannot_fail(config, fault)
     warm = CONFIGS[config][1]

@@ -392,6 +392,8 @@ def random_sigints(store, device):
             interrupts += 1
         finally:
             stepping[0] = False
+        with open(store + "-progress", "w") as f:  # for the parent
+            f.write(f"{interrupts} {attempts - interrupts}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # late ones from the parent
     counts = {int(v["step"]) for v in opt.state_dict()["state"].values()}
     assert len(counts) == 1, f"step counters differ: {counts}"
@@ -415,12 +417,27 @@ def test_random_sigints_never_tear_a_step(tmp_path, setup):
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "random_sigints",
                               "cpu", store, setup], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
+    def progress() -> tuple[int, int]:  # the child's steps interrupted, and whole
+        try:
+            with open(store + "-progress") as f:
+                interrupted, whole = f.read().split()
+            return int(interrupted), int(whole)
+        except (FileNotFoundError, ValueError):  # not written yet, or being written
+            return 0, 0
+
     try:
         assert child.stdout.readline().strip() == "ready"
         rng = random.Random(0)
-        for i in range(150):  # now and then a pause long enough for whole steps
-            time.sleep(0.3 if i % 10 == 9 else rng.uniform(0.0005, 0.02))
+        deadline = time.monotonic() + 120
+        i = 0  # until 20 steps were interrupted and some went whole, however slow the machine
+        while (progress()[0] < 20 or progress()[1] < 3) and time.monotonic() < deadline:
+            if i % 10 == 9:  # now and then a pause until a whole step
+                whole = progress()[1]
+                while progress()[1] == whole and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            time.sleep(rng.uniform(0.0005, 0.02))
             child.send_signal(signal.SIGINT)
+            i += 1
         open(store + "-stop", "w").close()
         out, err = child.communicate(timeout=300)
     finally:

@@ -56,7 +56,9 @@ KEPT_BYTES = 4096
 
 
 class UndoCopies:
-    """Per binding: one host tensor for each tensor a step overwrites outside the pager,
+    """Per binding: one host tensor for each tensor an all-or-nothing step overwrites
+    outside the pager (a resumable step copies one bucket's on the device instead:
+    statepager.core.resumable.undo_copies),
     created on first use and kept between steps (Pager.host_like: pinned for a CUDA pager,
     so that the copy before a bucket steps is queued on the device, not waited for).
 
@@ -146,15 +148,13 @@ class UndoCopies:
                      for b in buckets}
         self._before = (taken, [(f, f.fingerprint) for f in forms])
 
-    def taken_before_step(self, buckets: list,
-                          check: bool = True) -> tuple[dict, LateRead | None]:
+    def taken_before_step(self, buckets: list) -> tuple[dict, LateRead | None]:
         """The copies take_before_step() took for this step, as ({id(bucket): event},
         changed), where they were taken of these buckets' targets and the forms'
         fingerprints have not changed since; `changed` (a LateRead of a bool, queued on
-        the device now; None without `check`, for a step that checks every parameter
-        against its fingerprint itself before writing any) tells whether a target no
-        longer matches its fingerprint: then they do not hold what the step overwrites.
-        ({}, None) otherwise. Either way they are the step's from now on."""
+        the device now) tells whether a target no longer matches its fingerprint: then
+        they do not hold what the step overwrites. ({}, None) otherwise. Either way they
+        are the step's from now on."""
         before, self._before = self._before, None
         if before is None:
             return {}, None
@@ -166,8 +166,6 @@ class UndoCopies:
                                       for f, (g, fp) in zip(forms, fingerprinted)):
             return {}, None
         events = {key: event for key, (_, event) in taken.items()}
-        if not check:
-            return events, None
         changed = params_changed_since_encoded(forms)  # each fingerprint is as taken
         return events, LateRead(changed)
 

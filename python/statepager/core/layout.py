@@ -134,7 +134,8 @@ class StateLayout:
         if to_store:
             self.to_store(b)
         b.working = [f.working for f in b.forms if f.scratch]
-        b.undo = self.undo.copies(b.params, b.chunks) if self.atomic else []
+        # Host undo copies for all-or-nothing steps; resumable ones copy on the device.
+        b.undo = self.undo.copies(b.params, b.chunks) if self.atomic == "step" else []
         b.fused = self.fused_forms(b)
         b.incoming = residency.incoming(b, b.fused)
         b.nbytes, b.stored_bytes = residency.nbytes(b.incoming), residency.nbytes(b.stored)

@@ -180,10 +180,11 @@ class Pipeline:
         self._done_in.append(h)
         t1 = time.monotonic()
         counting.read()  # bucket i - LAG's, before bucket i's work is queued
-        if atomic and i == 0:  # undo copies a bucket ahead, the first's own first
-            atomic.take_ahead(b)
-        if atomic and i + 1 < n:
-            atomic.take_ahead(buckets[i + 1])
+        if atomic and not self._for_read:  # all or nothing: undo copies a bucket ahead
+            if i == 0:  # the first's own first
+                atomic.take_ahead(b)
+            if i + 1 < n:
+                atomic.take_ahead(buckets[i + 1])
         self._trace.start(f"step bucket {i}", "step")
         pending = self._stepper.step(b, atomic, self._checks, self.fused[i], self.checked)
         self._trace.end()

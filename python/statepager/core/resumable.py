@@ -10,19 +10,26 @@ dropped, no write; the pipeline does that, statepager.core.pipeline) and
 ResumableStep.put_back() restores what its step changed in ordinary memory: its
 parameters' unpaged state (step counters, resident state), grads, residual exception
 lists and the param groups' options, the parameters the pager does not own and residual
-masters' model parameters (from undo copies, UndoCopies, taken a bucket ahead as an
-atomic step takes them), and fp32 masters' model parameters (written anew from the
-masters). Once its page-out is issued a bucket counts as stepped: a page-out that fails
-leaves its new bytes resident and whole, written by the next step's start
-(residency.to_rest).
+masters' model parameters (from the bucket's undo copies, taken on the device just before
+it steps: Note [A resumable step's undo copies stay on the device] in docs/design.md), and
+fp32 masters' model parameters (written anew from the masters). Once its page-out is
+issued a bucket counts as stepped: a page-out that fails leaves its new bytes resident and
+whole, written by the next step's start (residency.to_rest).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from statepager.core.atomic import (UndoCopies, copy_groups, rebuild_mirrors, restore_groups,
                                     restore_state)
+from statepager.util.flat import copy_each, flat_view
+
+# Each undo copy starts on a multiple of this many bytes of its bucket's buffer (the
+# copies' vector loads and stores stay aligned).
+_ALIGN = 64
 
 
 @dataclass
@@ -35,25 +42,21 @@ class _Open:
     grads: list             # [(param, its grad)]
     groups: list            # copy_groups: the param groups' options (their step counters)
     forms: list             # [(form, its exceptions, its fingerprint)]
+    undo: list              # [(what its step overwrites outside the pager, its copy)]
     written: bool = False   # after_bucket may have written model parameters
 
 
 class ResumableStep:
     """One step's progress over `buckets` (the plan it started with), kept from its
-    first attempt until every bucket has stepped. The pipeline calls take_ahead(),
-    save() and writing() per bucket as it does an AtomicStep's, stepped() once the
-    bucket's page-out is issued, and put_back() after a failure."""
+    first attempt until every bucket has stepped. The pipeline calls save() and
+    writing() per bucket as it does an AtomicStep's, stepped() once the bucket's
+    page-out is issued, and put_back() after a failure."""
 
     def __init__(self, pager, optimizer, buckets: list, undo: UndoCopies,
                  rebuild_mirror: Callable | None = None):
         self.pager, self.optimizer, self.buckets = pager, optimizer, buckets
         self.undo, self.rebuild_mirror = undo, rebuild_mirror
         self._stepped: set[int] = set()  # id() of the buckets stepped
-        # id(bucket) -> the event of its undo copies: those taken before the step
-        # (UndoCopies.take_before_step) where they are of these buckets. Unchecked here:
-        # the step checks every residual master's parameter against its fingerprint
-        # before writing any (Steps._params_checked_up_front), and refuses a changed one.
-        self._taken, _ = undo.taken_before_step(buckets, check=False)
         self._open: _Open | None = None
 
     def remaining(self) -> list:
@@ -64,45 +67,36 @@ class ResumableStep:
     def stepped_count(self) -> int:
         return len(self._stepped)
 
-    def take_ahead(self, bucket) -> None:
-        """Takes the bucket's undo copies now (AtomicStep.take_ahead)."""
-        if id(bucket) not in self._taken:
-            self._taken[id(bucket)] = self.undo.take_bucket(bucket)
-
     def save(self, bucket) -> None:
-        """Before the bucket steps: what its step changes outside the pager, kept."""
-        self.take_ahead(bucket)
-        if self.undo.written_by_the_step(bucket.params, bucket.chunks):
-            self.undo.join(self._taken[id(bucket)])
+        """Before the bucket steps: what its step changes outside the pager, kept; its
+        undo copies queued on the current stream, ahead of its step's kernels."""
         params = [*bucket.params, *(c.param for c in bucket.chunks)]
         state = self.optimizer.state
         kept = self.undo.copy_state({p: state[p] for p in params if p in state}, part=True)
         self._open = _Open(bucket, params, kept, [(p, p.grad) for p in params],
                            copy_groups(self.optimizer.param_groups),
-                           [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms])
+                           [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms],
+                           undo_copies(self.undo.targets(bucket.params, bucket.chunks)))
 
     def writing(self, bucket) -> None:
-        """Before after_bucket: it may write model parameters, once their copies are taken."""
-        self.undo.join(self._taken[id(bucket)])
+        """Before after_bucket: it may write model parameters."""
         self._open.written = True
 
     def stepped(self, bucket) -> None:
-        """The bucket stepped (its page-out is issued next)."""
+        """The bucket stepped (its page-out is issued next): its undo copies let go."""
         self._stepped.add(id(bucket))
-        self._taken.pop(id(bucket), None)
         self._open = None
 
     def put_back(self) -> None:
         """After a failure, the buckets not stepped handed back (at rest as before the
         step): what the bucket that was stepping changed in ordinary memory as before
-        it. Undo copies of the others are taken again by the next attempt."""
+        it (its undo copies copied back on the current stream)."""
         opened, self._open = self._open, None
-        self._taken = {}
         if opened is None:
             return
         b = opened.bucket
-        self.undo.settle()
-        self.undo.put_back([b])
+        with torch.no_grad():
+            copy_each([t for t, _ in opened.undo], [c for _, c in opened.undo])
         if opened.written and self.rebuild_mirror is not None:
             rebuild_mirrors(self.pager, b, self.rebuild_mirror)
         restore_state(self.optimizer.state, opened.state, opened.params)
@@ -111,3 +105,27 @@ class ResumableStep:
             p.grad = grad
         for f, exceptions, fingerprint in opened.forms:
             f.exceptions, f.fingerprint = exceptions, fingerprint
+
+
+@torch.no_grad()
+def undo_copies(targets: list) -> list:
+    """[(target, its copy)] for each target, copied now on the current stream into one
+    buffer on the targets' device (a dense target's elements in memory order; one with
+    gaps gets a tensor of its own): Note [A resumable step's undo copies stay on the
+    device]."""
+    dense = [t.numel() == 0 or torch.ops.aten.is_non_overlapping_and_dense.default(t)
+             for t in targets]
+    sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN if d else 0
+             for t, d in zip(targets, dense)]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8,
+                         device=targets[0].device) if any(sizes) else None
+    pairs, at = [], 0
+    for t, d, size in zip(targets, dense, sizes):
+        if d:
+            flat = flat_view(t)
+            pairs.append((flat, buffer[at:at + flat.numel() * t.element_size()].view(t.dtype)))
+        else:
+            pairs.append((t, torch.empty_like(t)))
+        at += size
+    copy_each([c for _, c in pairs], [t for t, _ in pairs])
+    return pairs

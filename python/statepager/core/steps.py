@@ -83,9 +83,10 @@ class Steps:
         self._take_undo_before_step(self.planned())
 
     def _take_undo_before_step(self, buckets: list) -> None:
-        """The next step's undo copies of residual masters' model parameters, taken now
-        (Note [Undo copies of residual masters' params are taken before the step])."""
-        if self.atomic and self.layout.mains == "residual":
+        """The next all-or-nothing step's undo copies of residual masters' model
+        parameters, taken now (Note [Undo copies of residual masters' params are taken
+        before the step]); a resumable step takes its own on the device."""
+        if self.atomic == "step" and self.layout.mains == "residual":
             self.undo.take_before_step(buckets)
 
     def step(self) -> None:
@@ -134,11 +135,10 @@ class Steps:
         finally:
             held.release()
 
-    def advance_in_flight(self, n: int, hook: bool = True) -> None:
+    def advance_in_flight(self, n: int) -> None:
         """Steps the step in flight's buckets until n have stepped. Where one fails, the
         step ends as a failed step() does (a resumable one pending) and the error
-        raises here. hook: called by the forward's hooks, which take the next step's
-        undo copies once the last bucket has stepped."""
+        raises here."""
         run = self.in_flight
         if run is None or run.stepped >= n:
             return
@@ -151,10 +151,6 @@ class Steps:
                 except BaseException as error:
                     self._in_flight_failed(error)
                     raise
-                if hook and run.stepped == len(run.buckets) and not self.planner.changed():
-                    # On the step's stream, after its last write of a parameter: the
-                    # copies run under the backward that follows, not the forward.
-                    self._take_undo_before_step(self.planner.buckets)
         finally:
             run.interrupts = None
             held.release()
@@ -169,7 +165,7 @@ class Steps:
         run = self.in_flight
         if run is None:
             return
-        self.advance_in_flight(len(run.buckets), hook=False)
+        self.advance_in_flight(len(run.buckets))
         held = interrupts.Deferral()
         try:
             try:

@@ -352,7 +352,7 @@ class StreamedOptimizer:
     @serialized
     def prepare_step(self) -> None:
         """Called where the next step's grads are being made (the optimizer's zero_grad(),
-        and Megatron's): a step's undo copies of residual masters' model
+        and Megatron's): an all-or-nothing step's undo copies of residual masters' model
         parameters are taken now, while the device runs forward and backward, instead of
         within the step (statepager.core.atomic). A step begun and not taken up (a
         skipped step) ends first."""

@@ -285,8 +285,9 @@ class MegatronMember:
     def zero_grad(self, *args, **kwargs) -> None:
         """Megatron's zero_grad() (the training loop's, at each iteration's start), then
         the next step's preparation while forward and backward run (StreamedOptimizer.
-        prepare_step: its undo copies, with residual mains). A step in flight under the
-        forward keeps the grads it reads, unless they are zeroed in place."""
+        prepare_step: an all-or-nothing step's undo copies, with residual mains). A step
+        in flight under the forward keeps the grads it reads, unless they are zeroed in
+        place."""
         to_none = args[0] if args else kwargs.get("set_to_none", True)
         if self.stream.step_in_flight is None or not to_none:
             self.stream.finish_step()  # a pending step, with the grads it needs
