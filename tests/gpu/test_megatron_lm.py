@@ -8,8 +8,9 @@ for byte the uninterrupted run's. Losses and grad norms are compared as Megatron
 them (every iteration). Also: --no-load-optim against Megatron's own, a rank's state
 missing, a refused flag, --async-save, a crash between statepager's save and Megatron's,
 statepager turned on by environment variables alone (no -m statepager.megatron_lm:
-the package's start-up hook, its .pth in a site directory), and --optimizer muon paged,
-unpaged, killed and restarted.
+the package's start-up hook, its .pth in a site directory), --optimizer muon paged,
+unpaged, killed and restarted, and Megatron's own optimizer checkpoints (through the
+pager) loaded at the same and, with two GPUs, at the other data-parallel size.
 
 Megatron's own logging: the first iteration a run logs does not reset its loss sum
 (training_log's is_first_iteration), so the second iteration after a resume prints the
@@ -255,6 +256,8 @@ def runs(tmp_path_factory):
             "dp2-paged": ("dp2-paged", ["--save", r.path("dp2-paged")], dict(gpus=2)),
             "dp2-killed": ("dp2-killed", ["--save", r.path("dp2-killed")],
                            dict(gpus=2, kill_after=KILL_AT)),
+            "dp2-megatron-format": ("dp2-megatron-format", ["--save", r.path(
+                "ckpt-dp2-megatron-format")] + MEGATRON_FORMAT, dict(gpus=2)),
         })
     r.result = wave(r, first)
     # What the crash left, before its restart changes it.
@@ -294,6 +297,18 @@ def runs(tmp_path_factory):
                                                 r.path("dp2-killed")], dict(gpus=2)),
             "dp2-broken": ("dp2-broken", ["--load", dp2_broken, "--ckpt-step", str(SAVE_AT)],
                            dict(gpus=2)),
+        })
+    if two_gpus:  # Megatron's optimizer checkpoints loaded at the other data-parallel size
+        at_10 = ["--ckpt-step", str(SAVE_AT)] + MEGATRON_FORMAT
+        dp2_ckpt = r.path("ckpt-dp2-megatron-format")
+        second.update({
+            "dp2-to-dp1": ("dp2-to-dp1", ["--load", dp2_ckpt] + at_10, {}),
+            "dp2-to-dp1-fresh": ("dp2-to-dp1-fresh", ["--load", dp2_ckpt, "--no-load-optim"]
+                                 + at_10, {}),
+            "dp1-to-dp2": ("dp1-to-dp2", ["--load", r.path("ckpt-megatron-format")] + at_10,
+                           dict(gpus=2)),
+            "dp1-to-dp2-fresh": ("dp1-to-dp2-fresh", ["--load", r.path(
+                "ckpt-megatron-format"), "--no-load-optim"] + at_10, dict(gpus=2)),
         })
     r.result.update(wave(r, second))
     r.unpaged = logged(ok(r.result["unpaged"]))
@@ -350,6 +365,30 @@ def test_megatron_s_own_optimizer_checkpoints_resume_paged_runs_exactly(runs):
                                         "statepager"))
     for name in ("unpaged-to-paged", "megatron-format-resumed"):
         resumed_as(logged(ok(runs.result[name])), runs.unpaged, SAVE_AT + 1)
+
+
+@pytest.mark.skipif(not two_gpus, reason="needs two GPUs (DP = 2)")
+@pytest.mark.parametrize("saved,resumed", [("dp2-megatron-format", "dp2-to-dp1"),
+                                           ("megatron-format", "dp1-to-dp2")])
+def test_megatron_s_optimizer_checkpoints_load_at_another_data_parallel_size(runs, saved,
+                                                                            resumed):
+    """--statepager-optimizer-checkpoint megatron, saved at one data-parallel size (its
+    dp_reshardable layout) and loaded paged at the other. Iteration 11 logs the saving
+    run's loss (the same params and batch). From then on the other size sums the same
+    grads in another order, so the runs part in the last bits only: iteration 12 (the
+    first after a step from the loaded state) within 2e-6 of the saving run, where a
+    resume with fresh optimizer state (--no-load-optim) lands farther; all within 1e-3."""
+    source = logged(ok(runs.result[saved]))
+    got, fresh = logged(ok(runs.result[resumed])), logged(ok(runs.result[resumed + "-fresh"]))
+    assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))
+
+    def off(run, i):
+        return abs(float(run[i][0]) - float(source[i][0])) / float(source[i][0])
+    assert got[SAVE_AT + 1][0] == source[SAVE_AT + 1][0]
+    # Iteration 12's print is the mean of 11's and 12's losses (see resumed_as): the
+    # same in all three runs but for 12's.
+    assert off(got, SAVE_AT + 2) <= 2e-6 < off(fresh, SAVE_AT + 2), (got, fresh, source)
+    assert all(off(got, i) <= 1e-3 for i in got), (got, source)
 
 
 def test_log_line_carries_step_stats(runs):
