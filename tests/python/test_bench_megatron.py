@@ -294,6 +294,18 @@ def test_the_summary_gives_each_iteration_against_unpaged():
     assert "against unpaged's" not in summary(r)
 
 
+def test_steps_under_the_forward_say_what_held_their_page_ins_back(capsys):
+    """Under the forward: how many steps began in the backward, and why the grad-sync
+    starts that began none did not (the step in flight still paging, or no room)."""
+    r = canned_run()
+    r["configs"][4]["pager"].update(under_forward=True, begun_in_backward=3,
+                                    held_back={"the step in flight": 40, "room": 2})
+    bench_megatron.print_megatron(r)
+    assert ("steps whose first page-ins began in the backward before them: 3 (warm-up and "
+            "timed); grad-sync starts that began none: 40 with the step in flight still "
+            "paging, 2 without room for its page-ins") in capsys.readouterr().out
+
+
 def test_the_kernels_device_time_is_shown_when_the_profiler_saw_them():
     r = canned_run()
     assert "statepager's kernels on the device" not in summary(r)  # no --device-time
@@ -367,7 +379,8 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert out.count("timed steps skipped by Megatron") == 1
     assert ("1 timed steps skipped by Megatron (inf or nan in the grads): left out, the "
             "figures are of the others") in out
-    # q8 keeps the undo copies of its residual mains' bf16 params in host memory.
+    # q8 (all or nothing) keeps the undo copies of its residual mains' bf16 params in host
+    # memory.
     assert ("stored state 5.00 GB; per step read = stored: True, written = stored: True\n"
             in out)
     assert "undo copies: 2.00 GB of pinned host memory" in out

@@ -195,6 +195,8 @@ class PageInsDuringBackward:
     def __init__(self, stream, model_chunks):
         self.stream = stream
         self.steps_begun = 0  # steps begun in a backward, in all
+        # Grad-sync starts that began nothing, by what held them back (bench megatron).
+        self.held_back = {"the step in flight": 0, "room": 0}
         self._first: int | None = None  # torch's allocated bytes at the first grad sync
         self._room: int | None = None  # what the page-ins need beyond the pool's pages
         self._begun = False
@@ -214,11 +216,13 @@ class PageInsDuringBackward:
         if self._first is None:
             self._first = now
         if not stream.in_flight_settled():
+            self.held_back["the step in flight"] += 1
             return
         if self._room is None:  # counted once a backward, the step in flight's pages back
             self._room = max(0, stream.first_page_ins_bytes
                              - stream.pager.stats()["cached_bytes"]) if on_cuda else 0
         if self._first - now < self._room:
+            self.held_back["room"] += 1
             return
         self._begun = True
         stream.begin_step()

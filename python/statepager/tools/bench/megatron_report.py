@@ -116,9 +116,9 @@ def config_lines(c: dict) -> list[str]:
                          "written per step")
         if p["undo_bytes"]:  # statepager.core.atomic
             notes.append(f"undo copies: {p['undo_bytes'] / 1e9:.2f} GB of pinned "
-                         "host memory (the bf16 params residual mains are stored against, "
-                         "copied from the device before each step, while forward and backward "
-                         "run; only a failed step reads them)")
+                         "host memory (all-or-nothing steps: the bf16 params residual mains "
+                         "are stored against, copied from the device before each step, while "
+                         "forward and backward run; only a failed step reads them)")
         if p["host_budget"]:
             notes.append(f"host tier {p['host_budget'] / 1e9:.2f} GB pinned, "
                          f"{p['host_used'] / 1e9:.2f} GB in use after the steps; spilled to "
@@ -142,8 +142,12 @@ def config_lines(c: dict) -> list[str]:
                          f"clip, the params' sync) and the pager's bookkeeping after the loop, "
                          f"{ms['rest']:.1f} ms")
         if p.get("under_forward"):
+            held = p.get("held_back") or {}
+            why = (f"; grad-sync starts that began none: {held['the step in flight']} with "
+                   f"the step in flight still paging, {held['room']} without room for its "
+                   "page-ins" if held else "")
             notes.append(f"steps whose first page-ins began in the backward before them: "
-                         f"{p.get('begun_in_backward', 0)} (warm-up and timed)")
+                         f"{p.get('begun_in_backward', 0)} (warm-up and timed){why}")
     if c.get("cpu_cores"):
         notes.append("CPU over the timed steps, in cores busy: " + ", ".join(
             f"{kind} {cores:.1f}" for kind, cores in c["cpu_cores"].items())

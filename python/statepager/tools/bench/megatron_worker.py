@@ -215,6 +215,7 @@ def run_config(spec: dict) -> dict:
                 parts_s=opt_step_parts(opt_times, parts, under_forward),
                 under_forward=under_forward,
                 begun_in_backward=binding.early.steps_begun if binding.early else 0,
+                held_back=dict(binding.early.held_back) if binding.early else {},
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
