@@ -631,6 +631,25 @@ def test_begin_step_does_nothing_for_steps_in_place(store_dir):
         assert pager.stats()["bytes_read"] == stats["bytes_read"]
 
 
+@pytest.mark.parametrize("to", ["bucket", False])
+def test_a_binding_no_longer_all_or_nothing_lets_its_host_undo_copies_go(store_dir, to):
+    """Residual masters: all-or-nothing steps keep host undo copies of the model params
+    between steps (taken at zero_grad()); set to resumable or in place, the binding lets
+    them go and steps on."""
+    model, pager, opt, binding = paged(store_dir, mains="residual", moments="q8")
+    with pager:
+        set_grads(model, 0)
+        opt.step()
+        opt.zero_grad()
+        undo = binding._steps.undo
+        assert undo._copies and undo._before is not None
+        binding.atomic = to
+        assert not undo._copies and undo._before is None
+        assert all(not b.undo for b in binding.buckets)
+        set_grads(model, 1)
+        opt.step()
+
+
 def test_a_step_begun_atomic_and_taken_in_place_begins_again(tmp_path):
     """atomic set to False between begin_step() and step(): the begun step (in an epoch)
     ends unwritten and the step runs in place, as a plain one."""

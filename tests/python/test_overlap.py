@@ -439,16 +439,19 @@ def test_a_resumable_step_under_the_forward_copies_each_bucket_on_the_device_as_
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
-def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies(tmp_path,
+                                                                                 device):
     """Residual masters under the forward: the second bucket's after_bucket has written its
-    model params, then raises. Its undo copies put them back,
-    the step is pending, and training finishes it bit-identical to one that never failed."""
+    model params, then raises. Its undo copies put them back (on CUDA, before what the
+    forward's stream reads next), the step is pending, and training finishes it
+    bit-identical to one that never failed."""
     from statepager.core.optim import PagedAdamW
 
     def setup(pager):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
-            *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(torch.bfloat16)
+            *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(device, torch.bfloat16)
         opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
                          depth=3, mains="residual", moments="q8")
         return model, opt, opt.binding
@@ -456,14 +459,15 @@ def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies
     def iteration(model, opt, i):
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
         opt.zero_grad()
-        loss = model(x.to(torch.bfloat16)).float().square().mean()
+        loss = model(x.to(device, torch.bfloat16)).float().square().mean()
         loss.backward()
         opt.step()
         return loss.item()
 
     results = []
+    page = 2 << 20 if device == "cuda" else 16 * KiB
     for fail in (False, True):
-        with Pager(str(tmp_path / f"s{fail}"), "cpu", page_size=16 * KiB) as pager:
+        with Pager(str(tmp_path / f"s{fail}"), device, page_size=page) as pager:
             model, opt, binding = setup(pager)
             binding.overlap_forward(model)
             losses = [iteration(model, opt, i) for i in range(3)]
@@ -480,7 +484,7 @@ def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies
                 x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(3))
                 opt.zero_grad()
                 with pytest.raises(RuntimeError, match="injected after the second bucket"):
-                    model(x.to(torch.bfloat16))
+                    model(x.to(device, torch.bfloat16))
                 binding.after_bucket = written
                 assert binding.pending
                 # As the first bucket left them: the second's put back.

@@ -160,6 +160,90 @@ def test_zero_grad_and_state_dict_finish_a_pending_step(tmp_path, retry):
     assert same(clean_after, after)
 
 
+class WithPlaceholder(torch.nn.Module):
+    """A linear layer beside an empty parameter (a common placeholder)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.placeholder = torch.nn.Parameter(torch.empty(0))
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.linear(x) + self.placeholder.sum()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "under-the-forward"])
+def test_a_parameter_without_elements_steps_as_unpaged(tmp_path, overlap):
+    """A parameter without elements has nothing to copy back: resumable steps (under the
+    forward too) step the model as torch's AdamW does unpaged, and a bucket that fails
+    after its hook wrote the params is put back."""
+    results = []
+    for paged in (False, True):
+        pager = Pager(str(tmp_path / f"store{paged}"), page_size=64 * KiB) if paged else None
+        model = WithPlaceholder()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if paged:
+            binding = pager.attach(opt, bucket_size=64 * KiB)
+            if overlap:
+                binding.overlap_forward(model)
+        for i in range(4):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            if paged and i == 2:
+                before = [bits(p) for p in model.parameters()]
+                binding.after_bucket = fail_after_writing
+                with pytest.raises(RuntimeError, match="injected"):
+                    opt.step()
+                    model(x)  # under the forward: the bucket steps here
+                binding.after_bucket = None  # its one bucket put back: nothing stepped
+                assert binding.pending == overlap  # owed since step() returned
+                assert same(before, [bits(p) for p in model.parameters()])
+            opt.step()
+        if paged:
+            binding.complete_step_in_flight()
+        results.append([bits(p) for p in model.parameters()])
+        if paged:
+            pager.close()
+    assert same(results[0], results[1])
+
+
+def fail_after_writing(params):
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    raise RuntimeError("injected after writing the bucket's params")
+
+
+def test_undo_copies_hold_each_target_and_put_it_back():
+    """undo_copies: dense targets (contiguous, transposed, channels_last, of any dtype)
+    share one buffer, each at a 64-byte boundary; one with gaps gets its own copy; one
+    without elements none (nor does a list of only such: no buffer). Copied back, each
+    target has its bits again."""
+    from statepager.core.resumable import undo_copies
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, generator=g)
+    targets = [torch.randn(5, 7, generator=g), base.t(),
+               torch.randn(2, 3, 4, 5, generator=g).contiguous(
+                   memory_format=torch.channels_last),
+               torch.randn(9, generator=g).to(torch.bfloat16), torch.arange(3) > 1,
+               base[:, ::2],  # gaps
+               torch.empty(0), torch.empty(4, 0)]
+    before = [t.clone() for t in targets]
+    pairs = undo_copies(targets)
+    assert len(pairs) == 6
+    buffer = pairs[0][1].untyped_storage().data_ptr()
+    shared = [c for t, c in pairs if c.untyped_storage().data_ptr() == buffer]
+    assert len(shared) == 5 and all((c.data_ptr() - buffer) % 64 == 0 for c in shared)
+    for t in targets:
+        t.zero_() if t.dtype != torch.bool else t.logical_not_()
+    for t, c in pairs:
+        t.copy_(c)
+    assert all(torch.equal(a, b) for a, b in zip(targets, before))
+    assert undo_copies([torch.empty(0), torch.empty(3, 0)]) == []
+
+
 def chunked(store, atomic="bucket"):
     """AdamW over one parameter of 3 x 2^18 elements stepping in chunks of 2^18 (three
     buckets), with chunk hooks."""

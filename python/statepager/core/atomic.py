@@ -77,6 +77,11 @@ class UndoCopies:
         # nothing for them (a clone each cost the 1.34 B GPT's step 2-4 ms).
         self._state_copies: dict[tuple, torch.Tensor] = {}
 
+    def let_go(self) -> None:
+        """Lets the host copies go, those taken before a step too: the binding's steps are
+        no longer all or nothing."""
+        self._copies, self._before = {}, None
+
     def copy_state(self, state, part: bool = False) -> dict:
         """param -> {name: (value, copy of it or None)} of an optimizer's state: unpaged
         tensors (step counters, the state of resident parameters, sparse state) are

@@ -21,12 +21,12 @@ class StateLayout:
     where a state entry changed (forms())."""
 
     def __init__(self, pager, optimizer: torch.optim.Optimizer, *, store: str, moments: str,
-                 mains: str, hooks: Hooks, atomic: bool, undo: UndoCopies, fused):
+                 mains: str, hooks: Hooks, atomic: str | bool, undo: UndoCopies, fused):
         self.pager, self.optimizer = pager, optimizer
         self.store = store      # the binding's own store (directory/<name>/)
         self.moments, self.mains = moments, mains
         self.hooks = hooks      # model_param and keep_resident
-        self.atomic = atomic    # buckets carry undo copies (UndoCopies.copies)
+        self.atomic = atomic    # "step": buckets carry host undo copies (UndoCopies.copies)
         self.undo = undo
         self.fused = fused      # statepager.core.fused_adamw.FusedStep, or None
         self.deferred = support.DeferredState.for_optimizer(optimizer)

@@ -109,12 +109,12 @@ class ResumableStep:
 
 @torch.no_grad()
 def undo_copies(targets: list) -> list:
-    """[(target, its copy)] for each target, copied now on the current stream into one
-    buffer on the targets' device (a dense target's elements in memory order; one with
-    gaps gets a tensor of its own): Note [A resumable step's undo copies stay on the
-    device]."""
-    dense = [t.numel() == 0 or torch.ops.aten.is_non_overlapping_and_dense.default(t)
-             for t in targets]
+    """[(target, its copy)] for each target with elements, copied now on the current
+    stream into one buffer on the targets' device (a dense target's elements in memory
+    order; one with gaps gets a tensor of its own): Note [A resumable step's undo copies
+    stay on the device]."""
+    targets = [t for t in targets if t.numel()]
+    dense = [torch.ops.aten.is_non_overlapping_and_dense.default(t) for t in targets]
     sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN if d else 0
              for t, d in zip(targets, dense)]
     buffer = torch.empty(sum(sizes), dtype=torch.uint8,

@@ -75,8 +75,9 @@ class Steps:
         return self.planner.buckets
 
     def prepare(self) -> None:
-        """StreamedOptimizer.prepare_step (nothing while a step is in flight: the
-        forward's hooks prepare the next once its last bucket has stepped)."""
+        """StreamedOptimizer.prepare_step (nothing while a step is in flight: only
+        all-or-nothing steps take undo copies before the step, and those never step
+        under the forward)."""
         if self.in_flight is not None:
             return
         self.end_begun()
@@ -145,12 +146,14 @@ class Steps:
         held = interrupts.Deferral()
         run.interrupts = held
         try:
-            with self.owner.overlap.stepping(run, n):
-                try:
+            try:
+                with self.owner.overlap.stepping(run, n):
                     run.advance_to(n)
-                except BaseException as error:
-                    self._in_flight_failed(error)
-                    raise
+            except BaseException as error:
+                # Off the binding's stream: the current one then waits for all it queued,
+                # a failed bucket's params put back among it.
+                self._in_flight_failed(error)
+                raise
         finally:
             run.interrupts = None
             held.release()

@@ -153,6 +153,8 @@ class StreamedOptimizer:
         self._layout.atomic = self._steps.atomic = value
         for b in self._planner.buckets:  # their undo copies, with or without
             self._layout.fill(b, to_store=False)
+        if value != "step":
+            self._steps.undo.let_go()
 
     @property
     def log_steps(self) -> bool:
