@@ -401,6 +401,8 @@ def test_refusals_name_what_to_use_instead(gpt, store_dir):
         with pytest.raises(_C.UsageError, match="pause"):
             optimizer.offload_to_cpu()
         assert "optimizer" in members(optimizer)[0].state_dict()  # served, no state read
+        with pytest.raises(_C.UsageError, match="sets the mains directly, behind the pager"):
+            members(optimizer)[0].load_parameter_state_from_dp_zero_legacy({})
 
 
 @needs_emerging

@@ -2,9 +2,10 @@
 state format code: a DistributedOptimizer whose ranges Megatron's layout code computes
 (its buffers and process groups need CUDA, so the instance is assembled from those
 ranges, a paged torch AdamW over fp32 mains and the fields its format methods read)
-saves with get_parameter_state_dp_reshardable and loads with
-load_parameter_state_from_dp_reshardable through ParamStates; the loaded optimizer
-continues exactly. The GPU suite runs the real one (tests/gpu/test_megatron_formats.py)."""
+saves with get_parameter_state_dp_reshardable and loads with load_state_dict, as
+Megatron's dist-checkpoint load runs them, through ParamStates (wired as
+MegatronMember.bind wires it); the loaded optimizer continues exactly. The GPU suite runs
+the real one (tests/gpu/test_megatron_formats.py)."""
 import types
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from statepager import Pager, _C
 from statepager.core import state_values
+from statepager.integrations import megatron_internals as internals
 from statepager.integrations.megatron_states import ParamStates
 
 pytestmark = pytest.mark.megatron
@@ -53,7 +55,9 @@ class Member:
         d.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
         d.optimizer = self.inner
         d.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False,
-                                         optimizer="adam")
+                                         optimizer="adam", fp16=False)
+        d.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+        d.grad_scaler = None
         main_of = {p: main for p, main in zip(params, self.mains)}
         self.states = ParamStates(types.SimpleNamespace(
             megatron=types.SimpleNamespace(main_of=main_of.__getitem__,
@@ -61,8 +65,31 @@ class Member:
             pager=self.pager, stream=self.stream))
         d._get_main_param_and_optimizer_states = self.states.get
         d._set_main_param_and_optimizer_states = self.states.set
-        d.load_parameter_state_from_dp_reshardable = self.states.loading(
-            d.load_parameter_state_from_dp_reshardable)
+        for name in internals.PARAM_STATE_LOADS:
+            setattr(d, name, self.states.loading(getattr(d, name)))
+        for name in internals.PARAM_STATE_READS:
+            setattr(d, name, self.states.reading(getattr(d, name)))
+
+    def common_state(self) -> dict:
+        """Megatron's state_dict (the param groups, their step counter), as the member's
+        own state_dict gives it."""
+        with self.stream.state_dict_by_reference():
+            return distrib.DistributedOptimizer.state_dict(self.d)
+
+    def load(self, common: dict, saved) -> None:
+        """What Megatron's dist-checkpoint load does with a dp_reshardable checkpoint
+        (`saved`, holding no step counters: the format keeps them non-persistent):
+        sharded_state_dict(is_loading) builds the state's tensors from the loader's own
+        read (make_state first), dist_checkpointing fills them in place, and
+        load_state_dict loads the common state and then them."""
+        self.states.make_state()
+        buffers = self.d.get_parameter_state_dp_reshardable()
+        for mine, theirs in zip(entries(buffers), entries(saved)):
+            for name in ("param", "exp_avg", "exp_avg_sq"):
+                mine[name].copy_(theirs[name])
+            mine["padding"] = False
+        self.d.load_state_dict({**common, "param_state": buffers,
+                                "param_state_sharding_type": "dp_reshardable"})
 
     def step(self, i: int) -> float:
         g = torch.Generator().manual_seed(i)
@@ -84,6 +111,11 @@ class Member:
         return [[values[main][n] for n in names] for main in self.mains]
 
 
+def entries(state) -> list:
+    """The per-param entries of a dp_reshardable param state, bucket after bucket."""
+    return [e for bucket in state[0][(torch.bfloat16, torch.float32)] for e in bucket]
+
+
 def copied(saved):
     """The saved state's tensors copied (a checkpoint's, not the live reads), each param's
     entry marked as no padding (as sharded_param_state_dp_reshardable marks it)."""
@@ -97,23 +129,33 @@ def copied(saved):
     return saved
 
 
-def test_megatron_s_dp_reshardable_save_and_load_continue_exactly(store_dir):
+def test_megatron_s_dp_reshardable_save_and_load_continue_exactly(store_dir, monkeypatch):
+    """The step counter comes from the common state (the format's own is the loader's,
+    from before the load); the load's sets are loaded once, at the end of the outermost
+    load (load_state_dict calls load_parameter_state_from_dp_reshardable); what a save
+    read is forgotten once it returns."""
+    loads, load = [], state_values.load
+    monkeypatch.setattr(state_values, "load", lambda *a: (loads.append(1), load(*a))[1])
     a, b = model(), model()
     first, second = Member(a, store_dir + "-a"), Member(b, store_dir + "-b")
     try:
         losses = [first.step(i) for i in range(3)]
-        saved = copied(first.d.get_parameter_state_dp_reshardable())
+        common, saved = first.common_state(), copied(first.d.get_parameter_state_dp_reshardable())
+        assert first.states._read is None
         # Megatron's layout: one entry per param of each bucket, the values read.
-        flat = [e for bucket in saved[0][(torch.bfloat16, torch.float32)] for e in bucket]
+        flat = entries(saved)
         assert sorted(flat[0]) == ["exp_avg", "exp_avg_sq", "gbuf_local_end",
                                    "gbuf_local_start", "padding", "param", "step"]
         assert all(e["param"].device.type == "cpu" for e in flat)
-        second.d.load_parameter_state_from_dp_reshardable(saved)  # into no state yet
-        with torch.no_grad():  # the model's own checkpoint
+        with torch.no_grad():  # the model's own checkpoint, loaded first
             for x, y in zip(a.parameters(), b.parameters()):
                 y.copy_(x)
+        second.load(common, saved)  # into no state yet
+        assert len(loads) == 1
         assert all(torch.equal(x, y) for px, py in zip(first.state(), second.state())
                    for x, y in zip(px, py))
+        steps = [{float(s["step"]) for s in m.inner.state.values()} for m in (first, second)]
+        assert steps == [{3.0}, {3.0}]
         assert [first.step(i) for i in range(3, 6)] == [second.step(i) for i in range(3, 6)]
         assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
         assert len(losses) == 3
@@ -122,17 +164,22 @@ def test_megatron_s_dp_reshardable_save_and_load_continue_exactly(store_dir):
         second.pager.close()
 
 
-def test_a_load_that_does_not_fit_changes_nothing(store_dir):
+@pytest.mark.parametrize("broken,message", [
+    ("a-shape", "must be a tensor of that shape, not \\(3,\\); nothing was loaded"),
+    ("an-entry", "holds no 'exp_avg_sq' for a parameter")])
+def test_a_load_that_does_not_fit_changes_nothing(store_dir, broken, message):
     first = Member(model(), store_dir)
     try:
         first.step(0)
         before = first.state()
         saved = copied(first.d.get_parameter_state_dp_reshardable())
-        bucket = saved[0][(torch.bfloat16, torch.float32)][-1]
-        bucket[-1]["step"] = torch.zeros(3)  # a resident entry of another shape
         for entry in saved[0][(torch.bfloat16, torch.float32)][0]:
             entry["exp_avg"] = torch.full_like(entry["exp_avg"], 7.0)
-        with pytest.raises(_C.UsageError, match="does not fit this model; nothing was loaded"):
+        if broken == "a-shape":
+            entries(saved)[-1]["exp_avg_sq"] = torch.zeros(3)
+        else:
+            del entries(saved)[-1]["exp_avg_sq"]
+        with pytest.raises(_C.UsageError, match=message):
             first.d.load_parameter_state_from_dp_reshardable(saved)
         assert all(torch.equal(x, y) for px, py in zip(before, first.state())
                    for x, y in zip(px, py))
@@ -157,3 +204,21 @@ def test_a_state_made_before_the_first_step_steps_as_a_fresh_one(store_dir):
     finally:
         made.pager.close()
         fresh.pager.close()
+
+
+def test_a_load_into_residual_mains_is_refused_before_anything_changes(store_dir):
+    """Residual mains are stored against the model params, which Megatron's load replaces
+    before the optimizer's state."""
+    first = Member(model(), store_dir)
+    try:
+        first.step(0)
+        before = first.state()
+        saved = copied(first.d.get_parameter_state_dp_reshardable())
+        first.stream.mains = "residual"  # as a binding with mains="residual" has it
+        with pytest.raises(_C.UsageError, match="cannot load into residual mains"):
+            first.d.load_parameter_state_from_dp_reshardable(saved)
+        first.stream.mains = "fp32"
+        assert all(torch.equal(x, y) for px, py in zip(before, first.state())
+                   for x, y in zip(px, py))
+    finally:
+        first.pager.close()

@@ -56,13 +56,8 @@ CONTRACT = (
      ["self", "model_param"]),
     ("megatron.core.optimizer", "DistributedOptimizer", "_set_main_param_and_optimizer_states",
      ["self", "model_param", "tensors"]),
-    ("megatron.core.optimizer", "DistributedOptimizer", "load_state_dict", None),
-    ("megatron.core.optimizer", "DistributedOptimizer", "load_parameter_state", None),
     ("megatron.core.optimizer", "DistributedOptimizer", "sharded_state_dict",
      ["self", "model_sharded_state_dict", "is_loading"]),
-    ("megatron.core.optimizer", "DistributedOptimizer", "optimizer_state_keys", None),
-    ("megatron.core.optimizer", "DistributedOptimizer", "offload_to_cpu", None),
-    ("megatron.core.optimizer", "DistributedOptimizer", "restore_from_cpu", None),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", "reset",
      ["self"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
@@ -70,17 +65,26 @@ CONTRACT = (
     # Megatron-LM's training calls it; statepager.megatron_lm takes model_chunks from it.
     ("megatron.core.optimizer", None, "get_megatron_optimizer", ["config", "model_chunks"]),
 )
+# A DistributedOptimizer's methods that get, and that set, param states (megatron_states
+# wraps them); one loads behind the accessors' back (refused).
+PARAM_STATE_READS = ("save_parameter_state", "get_parameter_state_dp_zero",
+                     "get_parameter_state_dp_reshardable")
+PARAM_STATE_LOADS = ("load_state_dict", "load_parameter_state") + tuple(
+    f"load_parameter_state_from_{f}"
+    for f in ("dp_zero", "dp_reshardable", "fs_model_space", "fully_reshardable"))
+LEGACY_LOAD = "load_parameter_state_from_dp_zero_legacy"
+CONTRACT += tuple(("megatron.core.optimizer", "DistributedOptimizer", name, None) for name in
+                  PARAM_STATE_READS + PARAM_STATE_LOADS + (LEGACY_LOAD, "optimizer_state_keys",
+                                                           "offload_to_cpu", "restore_from_cpu"))
 INSTANCE_ATTRIBUTES = (
     "optimizer", "config", "ddp_config", "model_float16_groups", "model_fp32_groups",
     "shard_fp32_from_float16_groups", "shard_fp32_groups", "model_param_gbuf_map",
-    "buffers", "is_stub_optimizer", "data_parallel_group", "model_param_group_index_map",
-)
+    "buffers", "is_stub_optimizer", "data_parallel_group", "model_param_group_index_map")
 # ... on a Float16OptimizerWithFloat16Params, and on the DDP model chunks whose grad buffers
 # statepager finds a Float16OptimizerWithFloat16Params' grads in.
 MIXED_PRECISION_ATTRIBUTES = (
     "optimizer", "config", "float16_groups", "fp32_from_float16_groups",
-    "fp32_from_fp32_groups", "is_stub_optimizer",
-)
+    "fp32_from_fp32_groups", "is_stub_optimizer")
 MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config", "bucket_groups",
                           "expert_parallel_bucket_groups")
 # ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
@@ -91,13 +95,7 @@ MUON_ATTRIBUTES, MUON_GROUPS = ("tp_mode", "pg_collection"), ("tp", "expt_tp", "
                                                               "expt_gtp_remat")
 
 # Megatron's checkpoint methods that read a Float16 member's mains behind the pager (refused).
-CHECKPOINT_METHODS = (
-    "sharded_state_dict", "load_state_dict", "save_parameter_state",
-    "load_parameter_state", "get_parameter_state_dp_zero",
-    "get_parameter_state_dp_reshardable", "load_parameter_state_from_dp_zero",
-    "load_parameter_state_from_dp_reshardable", "load_parameter_state_from_fs_model_space",
-    "load_parameter_state_from_fully_reshardable",
-)
+CHECKPOINT_METHODS = ("sharded_state_dict",) + PARAM_STATE_READS + PARAM_STATE_LOADS
 
 _OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the state in "
             "their own kernels. Turn use_precision_aware_optimizer and optimizer_cpu_offload "
@@ -426,8 +424,10 @@ class Internals:
         if param_states is not None:
             d._get_main_param_and_optimizer_states = param_states.get
             d._set_main_param_and_optimizer_states = param_states.set
-            for name in ("load_state_dict", "load_parameter_state"):
+            for name in PARAM_STATE_LOADS:
                 setattr(d, name, param_states.loading(getattr(d, name)))
+            for name in PARAM_STATE_READS:
+                setattr(d, name, param_states.reading(getattr(d, name)))
             d.sharded_state_dict = param_states.sharding(d.sharded_state_dict)
         d.zero_grad = zero_grad
         d._copy_model_grads_to_main_grads = copy_grads

@@ -80,6 +80,11 @@ class MegatronMember:
                                "statepager.checkpoint.load(pager, rank_directory(base)) "
                                "(run Megatron with --no-save-optim --no-load-optim for its "
                                "own checkpoints)") for m in checkpoints}
+        if distributed:
+            refused[internals.LEGACY_LOAD] = _refusal(
+                internals.LEGACY_LOAD, "it sets the mains directly, behind the pager: load "
+                "that checkpoint once without statepager and save it again in a current "
+                "format")
         for m in ("offload_to_cpu", "restore_from_cpu"):
             refused[m] = _refusal(m, "the state is already off the GPU between steps; to "
                                   "return the pool's memory use pager.pause() and "

@@ -8,14 +8,18 @@ _set_main_param_and_optimizer_states. ParamStates answers both from the pager
 (statepager.core.state_values), so the formats work unchanged: Note [Megatron's
 checkpoint formats] in docs/design.md.
 
-- get: the first call reads the whole state to host memory bucket by bucket (one window on
-  the device) and answers each model param from that read, which it then forgets; a step
-  or a load forgets the rest. The tensors are fp32 host copies of the values a step reads
-  (narrow formats decoded); a resident main (a native fp32 param's shard) is given as it
-  is, as Megatron gives it.
-- set: within a load (load_state_dict, load_parameter_state), the values are gathered and
-  loaded at its end, all or nothing (state_values.load); a set outside a load is loaded at
-  once.
+- get: the first call for a paged main reads the whole state to host memory bucket by
+  bucket (one window on the device) and answers each model param from that read, which
+  it then forgets; what is left of it goes when the outermost method that reads param
+  states returns (reading()), or at a step or a load. The tensors are fp32 host copies
+  of the values a step reads (narrow formats decoded); a resident main (a native fp32
+  param's shard) and the step counter are given as they are, as Megatron gives them.
+- set: within a load (every method that sets param states, wrapped by loading()), the
+  values are gathered and loaded at the outermost load's end, all or nothing
+  (state_values.load); a set outside a load is loaded at once. The step counter is not
+  set: Megatron's load_state_dict restores it from the param groups, and the one a
+  dp_reshardable checkpoint hands back is the loader's own from before the load (the
+  format keeps it non-persistent).
 """
 from __future__ import annotations
 
@@ -28,23 +32,28 @@ from statepager.core import serial, state_values
 
 
 class ParamStates:
-    """_get/_set_main_param_and_optimizer_states of one member (MegatronMember)."""
+    """_get/_set_main_param_and_optimizer_states of one member (MegatronMember), and the
+    wrappers of Megatron's methods that call them (loading, reading, sharding)."""
 
     def __init__(self, member):
         self.member = member
         self._read = None     # id(main) -> {name: host copy}, what is left of one read
         self._pending = None  # within a load: [(main, {name: value})]
+        self._reading = 0     # reading() calls under way (one of Megatron's calls another)
 
     def forget(self) -> None:
-        """The state changes (a step, a load): what was read is no longer its values."""
+        """The state changes (a step, a load), or its reader returned: what was read goes."""
         self._read = None
 
     def get(self, model_param) -> dict:
         main = self.member.megatron.main_of(model_param)
+        stream = self.member.stream
         with serial.lock_of(self.member.pager):
-            if self._read is None or id(main) not in self._read:
-                self._read = {id(p): v for p, v in state_values.read(self.member.stream).items()}
-            copies = self._read.pop(id(main), {})
+            copies = {}
+            if not stream.resident(main):  # a resident main is in no read
+                if self._read is None or id(main) not in self._read:
+                    self._read = {id(p): v for p, v in state_values.read(stream).items()}
+                copies = self._read.pop(id(main), {})
             tensors = {"param": copies.get("param", main)}
             for name, value in self._held(main).items():
                 if isinstance(value, torch.Tensor):
@@ -53,6 +62,7 @@ class ParamStates:
 
     def set(self, model_param, tensors: dict) -> None:
         main = self.member.megatron.main_of(model_param)
+        tensors = {k: v for k, v in tensors.items() if k != "step"}  # see the module doc
         if self._pending is not None:
             self._pending.append((main, tensors))
         else:
@@ -78,10 +88,15 @@ class ParamStates:
             stream.state_changed()
 
     def loading(self, load):
-        """`load` (a bound Megatron method that sets param states) loading what it sets
-        at its end, all or nothing, into a state made first (make_state)."""
+        """`load` (a bound Megatron method that sets param states) loading what it sets at
+        its end, all or nothing, into a state made first (make_state); within another
+        such load (load_state_dict calls a load_parameter_state_from_*), that one's end
+        loads it."""
         @functools.wraps(load)
         def load_then_set(*args, **kwargs):
+            if self._pending is not None:
+                return load(*args, **kwargs)
+            self._refuse_residual_mains()
             self.make_state()
             self._pending = []
             try:
@@ -89,21 +104,47 @@ class ParamStates:
                 pending = self._pending
             finally:
                 self._pending = None
-            self._own_step_counters()
+                self._own_step_counters()
             self._load(pending)
             return result
         return load_then_set
 
+    def reading(self, read):
+        """`read` (a bound Megatron method that gets param states) forgetting what is left
+        of the state read once the outermost such call returns."""
+        @functools.wraps(read)
+        def read_then_forget(*args, **kwargs):
+            self._reading += 1
+            try:
+                return read(*args, **kwargs)
+            finally:
+                self._reading -= 1
+                if not self._reading:
+                    self.forget()
+        return read_then_forget
+
     def sharding(self, sharded_state_dict):
-        """Megatron's sharded_state_dict, for a load (is_loading) into a state made
-        first (make_state)."""
+        """Megatron's sharded_state_dict, reading() its state; for a load (is_loading)
+        into a state made first (make_state)."""
+        read = self.reading(sharded_state_dict)
+
         @functools.wraps(sharded_state_dict)
         def with_state(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
             if is_loading:
+                self._refuse_residual_mains()
                 self.make_state()
-            return sharded_state_dict(model_sharded_state_dict or {}, is_loading, *args,
-                                      **kwargs)
+            return read(model_sharded_state_dict or {}, is_loading, *args, **kwargs)
         return with_state
+
+    def _refuse_residual_mains(self) -> None:
+        """Residual mains are stored against the model params, which a Megatron load
+        replaces before the optimizer's state: refused before anything changes."""
+        if self.member.stream.mains == "residual":
+            raise _C.UsageError(
+                "Megatron's optimizer checkpoint formats cannot load into residual mains "
+                "(stored against the model params, which the load replaces first): save and "
+                "load with statepager.checkpoint (Megatron-LM: "
+                "--statepager-optimizer-checkpoint statepager), or attach with mains='fp32'")
 
     def _own_step_counters(self) -> None:
         """Megatron's load_state_dict gives every param's state one shared "step" tensor
@@ -124,8 +165,9 @@ class ParamStates:
 
     def _load(self, pending: list) -> None:
         """Each (main, values): the paged entries through the pager, all or nothing; then
-        the entries Megatron keeps resident (a native fp32 param's shard, the step
-        counter), copied as Megatron copies them."""
+        the entries Megatron keeps resident (a native fp32 param's shard), copied as
+        Megatron copies them. Every entry must be given (as Megatron's own set asks),
+        and of its shape: refused before anything changes."""
         stream = self.member.stream
         with serial.lock_of(self.member.pager):
             self.forget()
@@ -133,10 +175,14 @@ class ParamStates:
             for main, values in pending:
                 names = set() if stream.resident(main) else {n for n, _ in stream.forms(main)}
                 for name, target in {"param": main, **self._held(main)}.items():
-                    value = values.get(name)
-                    if not isinstance(target, torch.Tensor) or \
-                            not isinstance(value, torch.Tensor):
+                    if not isinstance(target, torch.Tensor) or name == "step":
                         continue
+                    value = values.get(name)
+                    if not isinstance(value, torch.Tensor):
+                        raise _C.UsageError(
+                            f"loading Megatron's optimizer state: it holds no {name!r} for a "
+                            f"parameter of shape {tuple(target.shape)} (a checkpoint of "
+                            "another optimizer?); nothing was loaded")
                     if name in names:
                         paged.setdefault(main, {})[name] = value
                     else:
