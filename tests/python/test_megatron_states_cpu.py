@@ -76,20 +76,24 @@ class Member:
         with self.stream.state_dict_by_reference():
             return distrib.DistributedOptimizer.state_dict(self.d)
 
-    def load(self, common: dict, saved) -> None:
+    def load(self, common: dict, saved) -> dict:
         """What Megatron's dist-checkpoint load does with a dp_reshardable checkpoint
         (`saved`, holding no step counters: the format keeps them non-persistent):
         sharded_state_dict(is_loading) builds the state's tensors from the loader's own
         read (make_state first), dist_checkpointing fills them in place, and
-        load_state_dict loads the common state and then them."""
+        load_state_dict loads the common state and then them. Returns the bytes the
+        pager read and wrote in load_state_dict."""
         self.states.make_state()
         buffers = self.d.get_parameter_state_dp_reshardable()
         for mine, theirs in zip(entries(buffers), entries(saved)):
             for name in ("param", "exp_avg", "exp_avg_sq"):
                 mine[name].copy_(theirs[name])
             mine["padding"] = False
+        before = self.pager.stats()
         self.d.load_state_dict({**common, "param_state": buffers,
                                 "param_state_sharding_type": "dp_reshardable"})
+        after = self.pager.stats()
+        return {k: after[k] - before[k] for k in ("bytes_read", "bytes_written")}
 
     def step(self, i: int) -> float:
         g = torch.Generator().manual_seed(i)
@@ -150,8 +154,13 @@ def test_megatron_s_dp_reshardable_save_and_load_continue_exactly(store_dir, mon
         with torch.no_grad():  # the model's own checkpoint, loaded first
             for x, y in zip(a.parameters(), b.parameters()):
                 y.copy_(x)
-        second.load(common, saved)  # into no state yet
+        moved = second.load(common, saved)  # into no state yet
         assert len(loads) == 1
+        # The state written once, read at most once: Megatron's round trip of the inner
+        # optimizer's state dict goes by reference.
+        stored = sum(t.numel() * t.element_size() for b in second.stream.buckets
+                     for t in b.stored)
+        assert moved["bytes_written"] == stored and moved["bytes_read"] <= stored, moved
         assert all(torch.equal(x, y) for px, py in zip(first.state(), second.state())
                    for x, y in zip(px, py))
         steps = [{float(s["step"]) for s in m.inner.state.values()} for m in (first, second)]

@@ -176,3 +176,28 @@ def test_a_paused_pager_refuses_a_load(store_dir):
         with pytest.raises(_C.UsageError, match="paused"):
             state_values.load(opt.binding, {p: {"exp_avg": torch.zeros(p.shape)}})
         pager.resume()
+
+
+@pytest.mark.parametrize("moments,mains", FORMATS)
+def test_a_state_dict_taken_by_reference_loads_back_without_moving_a_byte(store_dir, moments,
+                                                                          mains):
+    """A state dict holding the live paged tensors (state_dict_by_reference(), as
+    Megatron's load_state_dict reads and loads back its inner optimizer's) loads without
+    a read or a write; the run goes on as if it had not been loaded."""
+    runs = []
+    for reload in (False, True):
+        m = model()
+        with Pager(f"{store_dir}-{reload}", page_size=64 * KiB) as pager:
+            opt = paged(m, pager, moments, mains)
+            losses = train(m, opt, 2)
+            if reload:
+                with opt.binding.state_dict_by_reference():
+                    sd = opt.state_dict()
+                before = pager.stats()
+                opt.load_state_dict(sd)
+                after = pager.stats()
+                assert after["bytes_read"] == before["bytes_read"]
+                assert after["bytes_written"] == before["bytes_written"]
+            runs.append((losses + train(m, opt, 2, first=2),
+                         as_lists(state_values.read(opt.binding), opt)))
+    assert runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1])

@@ -4,7 +4,8 @@ Both are torch's own, entry for entry (keys, order, values, param_groups, hooks)
 never replace or move the tensors in `optimizer.state`. state_dict() returns copies of
 the paged tensors, taken to host memory; load_state_dict() copies a torch state dict
 (from an attached optimizer or not) into the paged tensors in place, all or nothing (a
-load that fails leaves the optimizer as it was). Both go bucket by bucket as the step
+load that fails leaves the optimizer as it was); an entry that is its paged tensor
+already (a state dict taken within state_dict_by_reference()) is not copied. Both go bucket by bucket as the step
 pages them, a parameter that steps in chunks chunk by chunk
 (StreamedOptimizer.state_in_pieces), so the state is never all on the device at once and
 both run within any budget attach accepted (Note [Reads and loads in the step's pieces]
@@ -179,7 +180,12 @@ def _load(binding, sd: dict, params: dict, order: dict, paged: dict, targets: di
             loaded, into = optimizer.state[p], targets[id(p)]
             optimizer.state[p] = {name: into.get(name, loaded.get(name))
                                   for name in order[id(p)]}
-    state_values.copy_in(binding, state_values.InTargetOrder(paged, targets))
+    # A value that is its target already (a state dict taken by reference and given back,
+    # as Megatron's load_state_dict does) needs no copy.
+    values = {k: moved for k, named in paged.items()
+              if (moved := {n: v for n, v in named.items() if v is not targets[k][n]})}
+    if values:
+        state_values.copy_in(binding, state_values.InTargetOrder(values, targets))
 
 
 def _id_map(groups: list, saved_groups: list) -> dict:

@@ -98,14 +98,25 @@ class ParamStates:
                 return load(*args, **kwargs)
             self._refuse_residual_mains()
             self.make_state()
+            stream, state = self.member.stream, self.member.stream.optimizer.state
+            steps = {p: held["step"] for p, held in state.items() if "step" in held}
             self._pending = []
             try:
-                result = load(*args, **kwargs)
+                # The inner optimizer's state dict that load_state_dict reads and loads
+                # back holds the live paged tensors: no read, no copy (Megatron replaces
+                # their values by the sets after).
+                with stream.state_dict_by_reference():
+                    result = load(*args, **kwargs)
                 pending = self._pending
-            finally:
                 self._pending = None
                 self._own_step_counters()
-            self._load(pending)
+                self._load(pending)
+            except BaseException:
+                self._pending = None
+                for p, step in steps.items():  # load_state_dict writes Megatron's in place
+                    if p in state:
+                        state[p]["step"] = step
+                raise
             return result
         return load_then_set
 
