@@ -231,3 +231,32 @@ def test_a_load_into_residual_mains_is_refused_before_anything_changes(store_dir
                    for x, y in zip(px, py))
     finally:
         first.pager.close()
+
+
+def test_a_load_that_fails_in_its_sets_keeps_the_step_counters(store_dir, monkeypatch):
+    """Megatron's load_state_dict writes the checkpoint's step counter into the state it
+    reads (by reference) before the sets; a load that fails in them puts every param's
+    own counter back, and the paged state is as it was."""
+    first, second = Member(model(), store_dir + "-a"), Member(model(), store_dir + "-b")
+    try:
+        for i in range(3):
+            first.step(i)
+        second.step(0)
+        common, saved = first.common_state(), copied(first.d.get_parameter_state_dp_reshardable())
+        before, counters = second.state(), list(second.inner.state.values())
+        ids = {id(s["step"]) for s in counters}
+
+        def failing(*_):
+            raise RuntimeError("injected in the load's sets")
+        monkeypatch.setattr(state_values, "load", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            second.load(common, saved)
+        monkeypatch.undo()
+        steps = [s["step"] for s in second.inner.state.values()]
+        assert [float(s) for s in steps] == [1.0] * len(steps)
+        assert {id(s) for s in steps} == ids
+        assert all(torch.equal(x, y) for px, py in zip(before, second.state())
+                   for x, y in zip(px, py))
+    finally:
+        first.pager.close()
+        second.pager.close()

@@ -98,8 +98,10 @@ class ParamStates:
                 return load(*args, **kwargs)
             self._refuse_residual_mains()
             self.make_state()
-            stream, state = self.member.stream, self.member.stream.optimizer.state
-            steps = {p: held["step"] for p, held in state.items() if "step" in held}
+            stream = self.member.stream
+            with serial.lock_of(self.member.pager):  # the state as it is (no page-ins)
+                steps = {p: held["step"] for p, held in stream.optimizer.state.items()
+                         if "step" in held}
             self._pending = []
             try:
                 # The inner optimizer's state dict that load_state_dict reads and loads
@@ -113,9 +115,13 @@ class ParamStates:
                 self._load(pending)
             except BaseException:
                 self._pending = None
-                for p, step in steps.items():  # load_state_dict writes Megatron's in place
-                    if p in state:
-                        state[p]["step"] = step
+                # Megatron's load_state_dict wrote its shared counter into the state it
+                # read (by reference), which torch's load may have replaced since.
+                with serial.lock_of(self.member.pager):
+                    state = stream.optimizer.state
+                    for p, step in steps.items():
+                        if p in state:
+                            state[p]["step"] = step
                 raise
             return result
         return load_then_set
