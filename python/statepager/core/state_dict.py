@@ -5,8 +5,8 @@ never replace or move the tensors in `optimizer.state`. state_dict() returns cop
 the paged tensors, taken to host memory; load_state_dict() copies a torch state dict
 (from an attached optimizer or not) into the paged tensors in place, all or nothing (a
 load that fails leaves the optimizer as it was); an entry that is its paged tensor
-already (a state dict taken within state_dict_by_reference()) is not copied. Both go bucket by bucket as the step
-pages them, a parameter that steps in chunks chunk by chunk
+already (a state dict taken within state_dict_by_reference()) is not copied. Both go
+bucket by bucket as the step pages them, a parameter that steps in chunks chunk by chunk
 (StreamedOptimizer.state_in_pieces), so the state is never all on the device at once and
 both run within any budget attach accepted (Note [Reads and loads in the step's pieces]
 in docs/design.md). Both are linear in the number of parameters.
