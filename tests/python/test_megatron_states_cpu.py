@@ -63,12 +63,7 @@ class Member:
             megatron=types.SimpleNamespace(main_of=main_of.__getitem__,
                                            state_keys=lambda: tuple(d.optimizer_state_keys)),
             pager=self.pager, stream=self.stream))
-        d._get_main_param_and_optimizer_states = self.states.get
-        d._set_main_param_and_optimizer_states = self.states.set
-        for name in internals.PARAM_STATE_LOADS:
-            setattr(d, name, self.states.loading(getattr(d, name)))
-        for name in internals.PARAM_STATE_READS:
-            setattr(d, name, self.states.reading(getattr(d, name)))
+        internals.answer_param_states(d, self.states)  # as MegatronMember.bind does
 
     def common_state(self) -> dict:
         """Megatron's state_dict (the param groups, their step counter), as the member's

@@ -73,6 +73,8 @@ PARAM_STATE_LOADS = ("load_state_dict", "load_parameter_state") + tuple(
     f"load_parameter_state_from_{f}"
     for f in ("dp_zero", "dp_reshardable", "fs_model_space", "fully_reshardable"))
 LEGACY_LOAD = "load_parameter_state_from_dp_zero_legacy"
+# ... and those that read a Float16 member's mains behind the pager (refused).
+CHECKPOINT_METHODS = ("sharded_state_dict",) + PARAM_STATE_READS + PARAM_STATE_LOADS
 CONTRACT += tuple(("megatron.core.optimizer", "DistributedOptimizer", name, None) for name in
                   PARAM_STATE_READS + PARAM_STATE_LOADS + (LEGACY_LOAD, "optimizer_state_keys",
                                                            "offload_to_cpu", "restore_from_cpu"))
@@ -82,9 +84,8 @@ INSTANCE_ATTRIBUTES = (
     "buffers", "is_stub_optimizer", "data_parallel_group", "model_param_group_index_map")
 # ... on a Float16OptimizerWithFloat16Params, and on the DDP model chunks whose grad buffers
 # statepager finds a Float16OptimizerWithFloat16Params' grads in.
-MIXED_PRECISION_ATTRIBUTES = (
-    "optimizer", "config", "float16_groups", "fp32_from_float16_groups",
-    "fp32_from_fp32_groups", "is_stub_optimizer")
+MIXED_PRECISION_ATTRIBUTES = ("optimizer", "config", "float16_groups", "fp32_from_float16_groups",
+                              "fp32_from_fp32_groups", "is_stub_optimizer")
 MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config", "bucket_groups",
                           "expert_parallel_bucket_groups")
 # ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
@@ -93,9 +94,6 @@ BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
 # ... on a built TensorParallelMuon; its pg_collection's groups (dataclass fields).
 MUON_ATTRIBUTES, MUON_GROUPS = ("tp_mode", "pg_collection"), ("tp", "expt_tp", "gtp_remat",
                                                               "expt_gtp_remat")
-
-# Megatron's checkpoint methods that read a Float16 member's mains behind the pager (refused).
-CHECKPOINT_METHODS = ("sharded_state_dict",) + PARAM_STATE_READS + PARAM_STATE_LOADS
 
 _OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the state in "
             "their own kernels. Turn use_precision_aware_optimizer and optimizer_cpu_offload "
@@ -417,18 +415,10 @@ class Internals:
                  refused: dict) -> None:
         """Sets d's methods on the instance (never its class): the hooks step_with_ready_grads
         and reload_model_params call, state_dict (unless None), zero_grad, get_parameters,
-        the param-state accessors every checkpoint format goes through (a ParamStates:
-        its get and set, and the loads that set wrapped by its loading), and refusals of
-        the methods in `refused` ({name: refusal})."""
+        the param-state accessors (answer_param_states), refusals ({name: refusal})."""
         d = self.d
         if param_states is not None:
-            d._get_main_param_and_optimizer_states = param_states.get
-            d._set_main_param_and_optimizer_states = param_states.set
-            for name in PARAM_STATE_LOADS:
-                setattr(d, name, param_states.loading(getattr(d, name)))
-            for name in PARAM_STATE_READS:
-                setattr(d, name, param_states.reading(getattr(d, name)))
-            d.sharded_state_dict = param_states.sharding(d.sharded_state_dict)
+            answer_param_states(d, param_states)
         d.zero_grad = zero_grad
         d._copy_model_grads_to_main_grads = copy_grads
         d._copy_main_params_to_model_params = copy_mains_to_params
@@ -440,6 +430,16 @@ class Internals:
         for name, refusal in refused.items():
             if hasattr(d, name):
                 setattr(d, name, refusal)
+
+
+def answer_param_states(d, states) -> None:
+    """d's param-state accessors (every checkpoint format's) answered by `states`."""
+    d._get_main_param_and_optimizer_states = states.get
+    d._set_main_param_and_optimizer_states = states.set
+    for name in PARAM_STATE_LOADS + PARAM_STATE_READS:  # the methods that call them
+        wrap = states.loading if name in PARAM_STATE_LOADS else states.reading
+        setattr(d, name, wrap(getattr(d, name)))
+    d.sharded_state_dict = states.sharding(d.sharded_state_dict)
 
 
 class MixedPrecisionInternals(Internals):
