@@ -21,7 +21,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_megatron import assert_same, gpt, run, snapshot  # noqa: E402, F401
 
 MiB = 1 << 20
-FORMATS = ["dp_reshardable", "fully_reshardable", "fully_sharded_model_space"]
+# Not fully_sharded_model_space: megatron-core 0.19.2 builds its tensors with a
+# flattened_range, which its own ShardedTensor then refuses, paged or not.
+FORMATS = ["dp_reshardable", "fully_reshardable"]
 
 
 def sharded(model, optimizer, fmt: str, is_loading: bool) -> dict:
@@ -73,13 +75,13 @@ def test_a_save_reads_the_state_through_one_window(gpt, store_dir, tmp_path):
     """A paged save's device peak: the pager's window, not the state."""
     from megatron.core import dist_checkpointing
 
-    setup = gpt.Setup(steps=2)
+    setup = gpt.Setup(steps=2, layers=4, hidden=512, heads=8)  # state: 10 x the window
     with built(gpt, setup, True, store_dir) as (model, opt, sched, binding):
         for i in range(2):
             gpt.train_step(setup, model, opt, sched, i)
         pager = binding.streams[0].pager
         state = sum(s.stored_bytes() for s in binding.streams)
-        window = max(s.window_bytes() for s in binding.streams)
+        window = max(s.window_bytes for s in binding.streams)
         mapped = pager.stats()["mapped_bytes"]
         pager.reset_peak()
         dist_checkpointing.save(sharded(model, opt, "dp_reshardable", is_loading=False),

@@ -1,7 +1,7 @@
 """Megatron's own optimizer checkpoints on a streamed DistributedOptimizer.
 
 Every parameter-state format of Megatron's DistributedOptimizer (sharded_state_dict's
-dp_reshardable, fully_reshardable, fully_sharded_model_space and dp_zero_gather_scatter;
+dp_reshardable, fully_reshardable and dp_zero_gather_scatter;
 save_parameter_state / load_parameter_state) reads each model param's main and moments
 through _get_main_param_and_optimizer_states and sets them through
 _set_main_param_and_optimizer_states. ParamStates answers both from the pager
