@@ -4,8 +4,9 @@ moments + residual mains in the host tier), each in its own process: all train t
 GPT to the same first loss, Megatron's offload runs as users configure it, the paged
 ones move their stored state once per step each way (through the files, or the host
 tier alone), each has its floor measured in the same run, the first paged one's step is
-written as a Chrome trace, and the driver's peak covers torch's peak allocation. Skips
-without megatron-core."""
+written as a Chrome trace, the driver's peak covers torch's peak allocation, and
+Megatron's own checkpoint of each saves and loads back, a paged one through one window.
+Skips without megatron-core."""
 import importlib.util
 import json
 import os
@@ -34,7 +35,7 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
     trace = tmp_path / "fp32.json"
     out = subprocess.run([sys.executable, "-m", "statepager", "bench", "megatron", "--dir",
                           str(tmp_path / "work"), "--configs", ",".join(CONFIGS), *TINY,
-                          "--trace", str(trace), "--device-time", "--json"],
+                          "--trace", str(trace), "--device-time", "--checkpoint", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -71,10 +72,10 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
     assert (f["fio"] is not None) == (find_fio()[0] is not None), f["fio_note"]
 
     # q8 moments + residual mains, all in the host tier: the files see nothing; the
-    # step writes its stored state (the undo copies of the mains' bf16 params are host
-    # memory of their own).
+    # step writes its stored state (a resumable step's undo copies of the mains' bf16
+    # params stay on the device).
     q = host["pager"]
-    assert q["host_budget"] > 0 and q["undo_bytes"] > 0 and q["spilled_bytes"] == [0] * 3
+    assert q["host_budget"] > 0 and q["undo_bytes"] == 0 and q["spilled_bytes"] == [0] * 3
     assert q["bytes_read"] == q["bytes_written"] == [0] * 3
     assert q["bytes_from_host"] == [q["stored_bytes"]] * 3
     assert q["bytes_to_host"] == [q["stored_bytes"]] * 3
@@ -98,10 +99,27 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
         assert t["h2d_busy_s"] > 0 and t["d2h_busy_s"] > 0
     assert unpaged["device_time"]["statepager_kernels_s"] == 0
 
+    # --checkpoint: Megatron's own format saved and loaded back (the steps of
+    # --device-time ran after it); a paged optimizer's through one window of the pool.
+    for c in (unpaged, fp32, host):
+        k = c["checkpoint"]
+        assert "error" not in k, k
+        assert k["format"] == "dp_reshardable" and k["files_bytes"] > 0
+        for part in (k["save"], k["load"]):
+            assert part["seconds"] > 0 and part["driver"] >= 0 and part["host"] >= 0
+            if c["pager"] is not None:
+                assert 0 < part["pool"] <= c["pager"]["window"]
+    assert unpaged["checkpoint"]["save"]["pool"] is None
+    assert "checkpoint" in offload  # its figures, or the error Megatron's offload gave
+
     bench_megatron.print_megatron(r)
     text = capsys.readouterr().out
     assert "per step read = stored: True, written = stored: True" in text
-    assert "undo copies: " in text and "x the floor" in text
+    assert "undo copies: " not in text and "x the floor" in text
+    assert re.search(r"Megatron's checkpoint \(dp_reshardable, [0-9.]+ GiB in its files of "
+                     r"[0-9.]+ GiB stored\): save [0-9.]+ s, peaks above before: device "
+                     r"[0-9.]+ GiB \(torch [0-9.]+, pool [0-9.]+\); host [0-9.]+ GiB; load ",
+                     text), text
     # The summary: each against the offload, each paged one against its floor (or why
     # not), the kernels' device time; q8 and host-fp32 did not run, so no q8 / fp32.
     summary = text[text.index("summary (medians of the timed steps):"):]

@@ -497,3 +497,41 @@ def test_the_header_says_when_map_ram_is_off():
                                        "dir": "/dev/shm/sp"})[0]
     assert "map_ram" not in plain
     assert "; map_ram off (a store in RAM goes through io_uring);" in off
+
+
+def test_megatron_s_checkpoint_is_reported_against_the_state(tmp_path):
+    """--checkpoint: the save's and the load's seconds and peaks above what was in use,
+    beside the paged state's size; a failure names the error and the figures stand."""
+    assert parse(tmp_path, "--checkpoint").checkpoint and not parse(tmp_path).checkpoint
+    r = canned_run()
+    part = {"seconds": 2.5, "driver": GiB // 2, "torch": GiB // 4, "pool": GiB // 8,
+            "host": 3 * GiB}
+    r["configs"][2]["checkpoint"] = {"format": "dp_reshardable", "files_bytes": 18 * GiB,
+                                     "save": part, "load": dict(part, seconds=4.0)}
+    r["configs"][0]["checkpoint"] = {"format": "dp_reshardable", "files_bytes": 18 * GiB,
+                                     "save": dict(part, pool=None), "load": dict(part, pool=None)}
+    r["configs"][3]["checkpoint"] = {"error": "CheckpointingException: no room"}
+    text = "\n".join(megatron_report.config_lines(r["configs"][2]))
+    assert ("Megatron's checkpoint (dp_reshardable, 18.00 GiB in its files of 14.90 GiB "
+            "stored): save 2.50 s, peaks above before: device 0.50 GiB (torch 0.25, pool "
+            "0.12); host 3.00 GiB; load 4.00 s, peaks above before: device 0.50 GiB (torch "
+            "0.25, pool 0.12); host 3.00 GiB") in text
+    text = "\n".join(megatron_report.config_lines(r["configs"][0]))
+    assert ("Megatron's checkpoint (dp_reshardable, 18.00 GiB in its files): save 2.50 s, "
+            "peaks above before: device 0.50 GiB (torch 0.25); host 3.00 GiB;") in text
+    text = "\n".join(megatron_report.config_lines(r["configs"][3]))
+    assert ("Megatron's checkpoint (--checkpoint) failed: CheckpointingException: no room"
+            in text)
+    assert "stored state 5.00 GB" in text  # the step's figures stand
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_the_host_peak_is_reset_to_what_is_in_use():
+    from statepager.tools.bench import megatron_checkpoint
+
+    before = megatron_checkpoint._reset_host_peak()
+    block = bytearray(256 << 20)  # touched: resident
+    block[::4096] = b"x" * len(block[::4096])
+    assert megatron_checkpoint._host_peak() - before >= 200 << 20
+    del block
+    assert megatron_checkpoint._reset_host_peak() - before < 100 << 20

@@ -90,7 +90,7 @@ def bench_megatron(args) -> dict:
                                            "micro_batch", "warmup", "steps",
                                            "bucket_size", "depth", "page_size", "hbm_budget",
                                            "host_budget", "no_map_ram", "fio_jobs",
-                                           "device_time")}
+                                           "device_time", "checkpoint")}
     model["bucket"] = model.pop("bucket_size")  # the results' key, read by the reports
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
     model["overlap_grad_reduce"] = not args.no_overlap_grad_reduce

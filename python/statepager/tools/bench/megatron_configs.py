@@ -135,6 +135,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.profiler: the device's time in statepager's kernels (the "
                         "codecs' and the optimizer's compute of a step) and the copy engines' "
                         "busy time")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="after the timed steps, the model and optimizer saved in "
+                        "Megatron's own format (dist_checkpointing, dp_reshardable) into "
+                        "--dir and loaded back: seconds, and the device and host memory "
+                        "peaks of each against the state's size")
     p.add_argument("--timeline", type=paged_config, default=None,
                    help="the paged configuration whose last timed step --trace and --plot "
                         "draw, and whose iteration --iteration-trace and --iteration-plot "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from statepager.tools.bench import floor as bench_floor
+from statepager.tools.bench import megatron_checkpoint
 from statepager.tools.bench.megatron_configs import CONFIGS, MUON
 from statepager.tools.bench.report import faster, multiple, show
 from statepager.util.units import GiB, MiB
@@ -175,6 +176,8 @@ def config_lines(c: dict) -> list[str]:
         notes.append(_iteration_line(c["iteration"]))
     if c.get("device_time"):
         notes.append(_device_time_line(c["device_time"]))
+    if c.get("checkpoint"):
+        notes.append(megatron_checkpoint.line(c, p["stored_bytes"] if p else None))
     if c["timeline_files"]:
         notes.append(f"timelines written: {', '.join(c['timeline_files'])}")
     return lines + [f"  {'':9s} {note}" for note in notes]

@@ -4,7 +4,9 @@
 
 (run by statepager.tools.bench.megatron.run_worker). It trains the example GPT of SPEC
 for the warm-up and timed steps, measures them (step and optimizer.step() times, the
-pager's bytes, device memory as the driver and torch see it, CPU use), then the floor of
+pager's bytes, device memory as the driver and torch see it, CPU use), with --checkpoint
+Megatron's own checkpoint of the optimizer (statepager.tools.bench.megatron_checkpoint),
+then the floor of
 a paged configuration's bytes, and writes the result, or the error it stopped at, to
 OUT as JSON."""
 from __future__ import annotations
@@ -22,6 +24,7 @@ from statepager import _C
 from statepager.tools.bench import device_time
 from statepager.tools.bench import floor as bench_floor
 from statepager.tools.bench import iteration
+from statepager.tools.bench import megatron_checkpoint
 from statepager.tools.bench.cpu_use import CpuUse
 from statepager.tools.bench.driver_memory import DriverMemory
 from statepager.tools.bench.megatron_configs import CONFIGS, host_budget
@@ -233,6 +236,12 @@ def run_config(spec: dict) -> dict:
                     last, spec.get("trace"), spec.get("plot"),
                     f"bench megatron {spec['config']}: GPT {result['params'] / 1e9:.2f} B, "
                     f"buckets of {binding.streams[0].bucket_size // MiB} MiB, step {last.step}")
+        if spec.get("checkpoint"):
+            try:
+                result["checkpoint"] = megatron_checkpoint.measure(
+                    model, optimizer, pager, driver, spec["store"] + "-checkpoint")
+            except Exception as error:  # the timed steps' figures stand without it
+                result["checkpoint"] = {"error": f"{type(error).__name__}: {error}"}
         n = spec["warmup"] + spec["steps"]  # past the schedule's steps: at its last rate
         if spec.get("iteration_trace") or spec.get("iteration_plot"):
             try:
