@@ -196,6 +196,119 @@ def test_each_module_runs_after_its_bucket_stepped(tmp_path, split_groups):
         assert binding.step_in_flight is None
 
 
+class _Landing:
+    """A page-out handle that says it has not landed while the gate is held, and counts
+    a wait() for it made meanwhile."""
+
+    def __init__(self, handle, gate):
+        self._handle, self._gate = handle, gate
+
+    def done(self):
+        return not self._gate["held"] and self._handle.done()
+
+    def wait(self):
+        self._gate["waited"] += self._gate["held"]
+        return self._handle.wait()
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def hold_page_outs(monkeypatch) -> dict:
+    """The gate of every page-out a step issues from now on (_Landing)."""
+    from statepager.core import pipeline
+
+    gate = {"held": False, "waited": 0, "made": []}
+    release = pipeline.residency.release
+
+    def held_release(*args, **kwargs):
+        handles = [_Landing(h, gate) for h in release(*args, **kwargs)]
+        gate["made"] += handles
+        return handles
+    monkeypatch.setattr(pipeline.residency, "release", held_release)
+    return gate
+
+
+def let_land(gate, seconds: float = 30) -> bool:
+    """Opens the gate; whether every page-out made so far landed within `seconds` (the
+    I/O thread's)."""
+    gate["held"] = False
+    deadline = time.monotonic() + seconds
+    while not all(h.done() for h in gate["made"]) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return all(h.done() for h in gate["made"])
+
+
+def test_a_forward_hook_returns_without_waiting_for_room_and_a_later_one_pages_in(
+        tmp_path, monkeypatch):
+    """A pre-hook that steps buckets waits for room for the next page-in only while more
+    buckets of its own remain: after its last it returns to the forward, and a later hook
+    issues the page-in once the page-out that makes room has landed. Training on is still
+    bit-identical."""
+    base = run(tmp_path, "base", False, steps=3)
+    gate = hold_page_outs(monkeypatch)
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True)  # depth 3: one page-in ahead
+        losses = train(model, opt, 2)
+        run_ = binding.step_in_flight
+        assert len(run_.buckets) >= 5
+        page_ins = []
+        page_in = pager.page_in_async
+        monkeypatch.setattr(pager, "page_in_async", lambda ts, **k: (
+            page_ins.append(1), page_in(ts, **k))[1])
+        gate["held"] = True
+        # Bucket 0 steps and, more to come, waits for room: the page-in of bucket 2 goes
+        # without (2 of 3 buckets of room in use). Bucket 1, the hook's last, finds the
+        # window full, bucket 0's page-out held: it leaves bucket 3's page-in.
+        binding.step_in_flight_to(2, lazy=True)
+        assert (run_.stepped, len(page_ins), gate["waited"]) == (2, 1, 0)
+        binding.step_in_flight_to(2, lazy=True)  # a later hook: still no room
+        assert (len(page_ins), gate["waited"]) == (1, 0)
+        assert let_land(gate)
+        binding.step_in_flight_to(2, lazy=True)  # landed: bucket 3's page-in goes
+        assert len(page_ins) == 2 and run_.stepped == 2
+        gate["held"] = True
+        binding.step_in_flight_to(4, lazy=True)  # bucket 2 (not its last) waited for room
+        assert run_.stepped == 4 and gate["waited"] > 0
+        gate["held"] = False
+        losses += train(model, opt, 1, first=2)
+        assert losses == base[0]
+        assert same(base[1], result(model, opt))
+
+
+def test_a_page_in_failing_in_a_later_hook_raises_from_the_forward_and_the_step_resumes(
+        tmp_path, monkeypatch):
+    """A page-in left for room and issued by a later hook (Pipeline.pump) that fails:
+    the forward raises, the step is pending, what did not step has its grads back."""
+    base = run(tmp_path, "base", False, steps=4)
+    gate = hold_page_outs(monkeypatch)
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True)
+        losses = train(model, opt, 2)
+        run_ = binding.step_in_flight
+        opt.zero_grad()  # the next iteration's: the step in flight keeps its grads
+        gate["held"] = True
+        binding.step_in_flight_to(2, lazy=True)  # bucket 3's page-in left for room
+        assert let_land(gate)
+        page_in = pager.page_in_async
+
+        def failing(ts, **k):
+            raise _C.NoSpaceError("injected: no room for a page-in")
+        monkeypatch.setattr(pager, "page_in_async", failing)
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(2))
+        with pytest.raises(_C.NoSpaceError, match="injected"):
+            model(x)  # its first module's buckets stepped: its hook issues the page-in
+        assert run_.stepped == 2, "it failed in the hook's page-in, not in a bucket"
+        monkeypatch.setattr(pager, "page_in_async", page_in)
+        assert binding.step_in_flight is None and binding.pending
+        assert all(p.grad is not None for b in run_.buckets[2:] for p in b.params)
+        opt.zero_grad()  # finishes the pending step with them
+        assert not binding.pending
+        losses += train(model, opt, 2, first=2)
+        assert losses == base[0]
+        assert same(base[1], result(model, opt))
+
+
 @pytest.mark.parametrize("reader", ["state_dict", "read", "save", "zero_grad_in_place",
                                     "remove", "begin_step", "pause"])
 def test_what_needs_the_state_completes_the_step_first(tmp_path, reader):

@@ -12,7 +12,8 @@ module of `modules` that holds parameters, and a forward hook on each of `module
   parameters or its children's (it may read them without calling them, as
   torch.nn.MultiheadAttention does its out_proj's), on the binding's own CUDA stream,
   and makes the forward's stream wait for them on the device (a CUDA event, no host
-  sync);
+  sync); after its last bucket it does not wait for room for the next page-in, which
+  a later pre-hook issues once page-outs have made it (Pipeline.pump);
 - the forward hook steps whatever is left, so that backward never meets a bucket not
   stepped; the last page-outs are waited for by whatever the pager does next.
 The modules' parameters are found as the optimizer's, or as forward_param(p) of one
@@ -134,12 +135,7 @@ class ForwardOverlap:
                   else contextlib.nullcontext()):
                 yield
         except BaseException:
-            # The step failed: what it did not step keeps its grads, for the step that
-            # finishes it (a resumable step pending) whatever zero_grad() did meanwhile.
-            for b in run.buckets[first:]:
-                for p in _params(b):
-                    for h in self._holders[id(p)]:
-                        h.grad = self._grads.get(id(h))
+            self.failed(run, first)
             raise
         else:
             for b in run.buckets[first:n]:
@@ -160,6 +156,15 @@ class ForwardOverlap:
                 for i in range(first, run.stepped):
                     self._events[i] = event
 
+    def failed(self, run, first: int) -> None:
+        """The step failed with buckets from `first` on not stepped: they keep their grads,
+        for the step that finishes it (a resumable step pending), whatever zero_grad()
+        did meanwhile."""
+        for b in run.buckets[first:]:
+            for p in _params(b):
+                for h in self._holders[id(p)]:
+                    h.grad = self._grads.get(id(h))
+
     def joined(self) -> None:
         """The current stream after everything queued on the binding's: a step completed
         outside the forward's hooks (the forward that follows waits for none)."""
@@ -177,8 +182,10 @@ class ForwardOverlap:
             if need is None:  # its children's too: it may read them without calling them
                 need = self._needs[id(module)] = 1 + max(
                     (self._index.get(id(p), -1) for p in module.parameters()), default=-1)
+            # Back to the forward's launches once its buckets have stepped: page-ins that
+            # wait for room are issued by a later hook (Pipeline.pump).
+            self.binding.step_in_flight_to(need, lazy=True)
             if need:
-                self.binding.step_in_flight_to(need)
                 self._wait(need - 1)
 
     def _after_forward(self, module, inputs, output) -> None:

@@ -5,7 +5,8 @@ i - 1 is written.
 
 A Pipeline is made when the step starts (its set-up: what each bucket's page-in
 brings); start() issues the first page-ins; advance() steps the next bucket and issues
-the page-in that its room frees; finish() waits for the rest and returns the step's
+the page-in that its room frees (under the forward, as far as page-outs have landed:
+pump() issues the rest later); finish() waits for the rest and returns the step's
 stats. stream() runs advance() to the last bucket and finish(), and leaves nothing in
 flight where either fails; end() ends a pipeline started and never streamed.
 
@@ -79,6 +80,7 @@ class Pipeline:
         mapped = self.before["store_mapped_bytes"] > 0
         self._read_ahead = self._depth if host_budget and not mapped else 0
         self._ins: dict = {}     # bucket index -> its page-in's handle
+        self._due = 0            # the bucket whose page-in is to be issued next
         self._aheads: dict = {}  # bucket index -> its read-ahead's handle
         self.setup_seconds = 0.0  # StepStats.setup_seconds, so far
         self.checked = False      # residual masters' params checked up front
@@ -114,6 +116,7 @@ class Pipeline:
         """Issues bucket j's page-in, and the read-aheads past it."""
         pager, buckets, aheads = self.pager, self.buckets, self._aheads
         self._ins[j] = pager.page_in_async(self.incoming[j], for_read=self._for_read)
+        self._due = j + 1
         for k in range(max(j + 1, max(aheads, default=0) + 1),
                        min(j + self._read_ahead + 1, len(buckets))):
             aheads[k] = pager.read_ahead_async(buckets[k].stored)
@@ -135,15 +138,47 @@ class Pipeline:
         """How many buckets have stepped (or failed to)."""
         return self._next
 
-    def advance_to(self, n: int) -> None:
-        """Steps buckets (advance()) until n have stepped. Where one fails, nothing is
-        left in flight."""
+    def advance_to(self, n: int, room_after: bool = True) -> None:
+        """Steps buckets (advance()) until n have stepped. room_after=False: the last one
+        does not wait for room for the next page-in (Note [Steps under the forward]).
+        Where one fails, nothing is left in flight."""
         try:
-            while self._next < min(n, len(self.buckets)):
-                self.advance()
+            last = min(n, len(self.buckets))
+            while self._next < last:
+                self.advance(room_after or self._next + 1 < last)
         except BaseException as error:
             self._fail(error)
             raise
+
+    def pump(self) -> None:
+        """Issues the page-ins due whose room page-outs have already made, waiting for
+        nothing. Where one fails, nothing is left in flight."""
+        try:
+            self._issue(wait=False)
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def _issue(self, wait: bool, through: int | None = None) -> None:
+        """Issues the page-ins due, through bucket `through` (by default `ahead` past the
+        bucket that steps next), each once the window has room: waiting for the page-outs
+        that make it where `wait`, else only as far as they have landed. Page-ins in
+        flight are never more than `ahead` when room is asked for, so a full window
+        always has a page-out to wait for."""
+        last = min(self._next + self.ahead if through is None else through,
+                   len(self.buckets) - 1)
+        outs, counting = self._outs, self._counting
+        while self._due <= last:
+            while len(outs) + len(self._ins) >= self._depth:
+                if not wait and not all(h.done() for h in outs[0]):
+                    return
+                for h in outs.popleft():
+                    h.wait()
+            # Queued behind the work of the buckets whose page-outs were waited for.
+            if not wait and not all(h.done() for h in counting.handles):
+                return
+            counting.wait_let_go()
+            self._page_in(self._due)
 
     def settled(self) -> bool:
         """Whether every bucket has stepped and its page-outs, late reads and read-aheads
@@ -164,9 +199,10 @@ class Pipeline:
             raise
         return self._stats(t0)
 
-    def advance(self) -> None:
+    def advance(self, room: bool = True) -> None:
         """Steps the next bucket once its page-in is done, issues its page-out, and the
-        page-in of the bucket `ahead` past it once the window has room."""
+        page-in of the bucket `ahead` past it once the window has room: waiting for it,
+        or (room=False) where page-outs have made it already."""
         i = self._next
         self._next = i + 1
         buckets, atomic, stats, ins = self.buckets, self.atomic, self.stats, self._ins
@@ -174,6 +210,11 @@ class Pipeline:
         if self.interrupts is not None:
             self.interrupts.poll()  # a Ctrl-C fails the step here
         t0 = time.monotonic()
+        if self._due <= i:  # its page-in left for room by an advance that did not wait
+            self._issue(wait=True, through=i)
+            self._issue(wait=False)
+            stats.wait_out_seconds += time.monotonic() - t0
+            t0 = time.monotonic()
         h = ins.pop(i)
         self._open = i
         h.wait()
@@ -200,16 +241,9 @@ class Pipeline:
                                     reuse_after=self._sched.reuse_after(i))
         self._outs.append(handles)
         self._done_out.append(handles[0])
-        j = i + self.ahead + 1
-        if j < n:
-            t0 = time.monotonic()
-            while len(self._outs) + len(ins) >= self._depth:
-                for h in self._outs.popleft():
-                    h.wait()
-            # Queued behind bucket i - 1's work, whose page-out was just waited for.
-            counting.wait_let_go()
-            stats.wait_out_seconds += time.monotonic() - t0
-            self._page_in(j)
+        t0 = time.monotonic()
+        self._issue(wait=room)
+        stats.wait_out_seconds += time.monotonic() - t0
 
     def finish(self) -> float:
         """After the last bucket: the exceptions read and the checks verified, every

@@ -136,19 +136,30 @@ class Steps:
         finally:
             held.release()
 
-    def advance_in_flight(self, n: int) -> None:
-        """Steps the step in flight's buckets until n have stepped. Where one fails, the
-        step ends as a failed step() does (a resumable one pending) and the error
-        raises here."""
+    def advance_in_flight(self, n: int, lazy: bool = False) -> None:
+        """Steps the step in flight's buckets until n have stepped. lazy (the forward's
+        pre-hooks): the last does not wait for room for the next page-in, and where none
+        is left to step, the page-ins that page-outs have made room for are issued. Where
+        one fails, the step ends as a failed step() does (a resumable one pending) and
+        the error raises here."""
         run = self.in_flight
-        if run is None or run.stepped >= n:
+        if run is None:
+            return
+        if run.stepped >= n:
+            if lazy:
+                try:
+                    run.pump()
+                except BaseException as error:
+                    self.owner.overlap.failed(run, run.stepped)
+                    self._in_flight_failed(error)
+                    raise
             return
         held = interrupts.Deferral()
         run.interrupts = held
         try:
             try:
                 with self.owner.overlap.stepping(run, n):
-                    run.advance_to(n)
+                    run.advance_to(n, room_after=not lazy)
             except BaseException as error:
                 # Off the binding's stream: the current one then waits for all it queued,
                 # a failed bucket's params put back among it.

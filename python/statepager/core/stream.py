@@ -440,8 +440,8 @@ class StreamedOptimizer:
         self._steps.complete_in_flight()  # Steps.complete_in_flight
 
     @serialized
-    def step_in_flight_to(self, n: int) -> None:
-        self._steps.advance_in_flight(n)  # Steps.advance_in_flight: the forward's hooks
+    def step_in_flight_to(self, n: int, lazy: bool = False) -> None:
+        self._steps.advance_in_flight(n, lazy)  # Steps.advance_in_flight: the forward's hooks
 
 
 def _warn_if_the_host_tier_spills(binding: StreamedOptimizer, host: int) -> None:
