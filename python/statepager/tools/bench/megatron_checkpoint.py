@@ -4,10 +4,10 @@ optimizer, saved and loaded back after its timed steps, with what each costs in 
 The model and optimizer in Megatron's dist_checkpointing format (torch_dist, the
 optimizer's sharding type dp_reshardable, as `--ckpt-format torch_dist` saves them) are
 saved into a directory and loaded back into the same model and optimizer, as a resume
-does. For each: its seconds, and the
-peaks above what was in use just before, of device memory (the driver's, sampled; torch's
-allocated; the pager's pool mapped) and of this process's resident host memory (VmHWM,
-reset through /proc/self/clear_refs). A paged optimizer reads its state through the
+does (a load that statepager refuses, into residual mains, is reported so). For each: its
+seconds, and the peaks above what was in use just before, of device memory (the driver's,
+sampled; torch's allocated; the pager's pool mapped) and of this process's resident host
+memory (VmHWM, reset through /proc/self/clear_refs). A paged optimizer reads its state through the
 pager's window (Note [Megatron's checkpoint formats] in docs/design.md), so its device
 peaks are set by the window, not by the state.
 """
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from statepager import _C
 from statepager.util.units import GiB
 
 FORMAT = "dp_reshardable"
@@ -45,8 +46,11 @@ def measure(model, optimizer, pager, driver, directory: str) -> dict:
             loaded = dist_checkpointing.load(sharded(True), directory)
             model.module.load_state_dict(loaded["model"])
             optimizer.load_state_dict(loaded["optimizer"])
-        return {"format": FORMAT, "files_bytes": written, "save": save,
-                "load": _peaks(pager, driver, load)}
+        try:
+            load_peaks = _peaks(pager, driver, load)
+        except _C.UsageError as refused:  # before anything changed: residual mains
+            load_peaks = {"refused": str(refused)}
+        return {"format": FORMAT, "files_bytes": written, "save": save, "load": load_peaks}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -101,6 +105,8 @@ def line(c: dict, state_bytes: int | None) -> str:
 
     def part(name: str) -> str:
         p = k[name]
+        if "refused" in p:
+            return f"{name} refused: {p['refused']}"
         pool = "" if p["pool"] is None else f", pool {p['pool'] / GiB:.2f}"
         host = "" if p["host"] is None else f"; host {p['host'] / GiB:.2f} GiB"
         return (f"{name} {p['seconds']:.2f} s, peaks above before: device {p['driver'] / GiB:.2f} "
