@@ -27,7 +27,8 @@ FORMAT = "dp_reshardable"
 
 def measure(model, optimizer, pager, driver, directory: str) -> dict:
     """Saves the Megatron checkpoint of `model` (Megatron's DDP) and `optimizer` into
-    `directory` (made, then deleted) and loads it back. pager: the configuration's Pager, or None; driver: a DriverMemory."""
+    `directory` (made, then deleted) and loads it back. pager: the configuration's Pager,
+    or None; driver: a DriverMemory."""
     from megatron.core import dist_checkpointing
 
     def sharded(is_loading: bool) -> dict:
