@@ -18,7 +18,7 @@ from small_jobs import KiB, bits
 WIDTH, LAYERS = 96, 6
 
 
-def model_and_opt(pager, overlap, split_groups=False, **attach):
+def model_and_opt(pager, overlap, split_groups=False, depth=3, **attach):
     """split_groups: weights and biases in param groups of their own, as Megatron's
     decay / no-decay groups (not the forward's order)."""
     torch.manual_seed(0)
@@ -28,7 +28,7 @@ def model_and_opt(pager, overlap, split_groups=False, **attach):
                {"params": [m.bias for m in model], "weight_decay": 0.0}]
               if split_groups else model.parameters())
     opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
-    binding = pager.attach(opt, bucket_size=48 * KiB, depth=3, **attach)
+    binding = pager.attach(opt, bucket_size=48 * KiB, depth=depth, **attach)
     handle = binding.overlap_forward(model) if overlap else None
     return model, opt, binding, handle
 
@@ -271,6 +271,34 @@ def test_a_forward_hook_returns_without_waiting_for_room_and_a_later_one_pages_i
         binding.step_in_flight_to(4, lazy=True)  # bucket 2 (not its last) waited for room
         assert run_.stepped == 4 and gate["waited"] > 0
         gate["held"] = False
+        losses += train(model, opt, 1, first=2)
+        assert losses == base[0]
+        assert same(base[1], result(model, opt))
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_a_page_in_left_for_room_is_issued_by_its_bucket_within_the_window(
+        tmp_path, monkeypatch, depth):
+    """Hooks that left page-ins for room, then a bucket whose own page-in was left: it
+    issues it, waiting, and tops up without waiting only as far as the window holds
+    (depth 2: the bucket stepping and one page-in); bit-identical throughout."""
+    base = run(tmp_path, "base", False, steps=3)
+    gate = hold_page_outs(monkeypatch)
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True, depth=depth)
+        losses = train(model, opt, 2)
+        run_ = binding.step_in_flight
+        in_flight = []
+        page_in = pager.page_in_async
+        monkeypatch.setattr(pager, "page_in_async", lambda ts, **k: (
+            in_flight.append(len(run_._ins) + len(run_._outs) + 1), page_in(ts, **k))[1])
+        gate["held"] = True
+        for n in range(1, depth + 1):  # each hook's last bucket leaves the next page-in
+            binding.step_in_flight_to(n, lazy=True)
+        assert run_.stepped == depth and run_._due <= depth
+        assert let_land(gate)
+        binding.step_in_flight_to(len(run_.buckets), lazy=True)
+        assert in_flight and max(in_flight) <= depth, "never more than the window"
         losses += train(model, opt, 1, first=2)
         assert losses == base[0]
         assert same(base[1], result(model, opt))

@@ -135,7 +135,7 @@ class ForwardOverlap:
                   else contextlib.nullcontext()):
                 yield
         except BaseException:
-            self.failed(run, first)
+            self._give_back_grads(run, first)
             raise
         else:
             for b in run.buckets[first:n]:
@@ -156,7 +156,20 @@ class ForwardOverlap:
                 for i in range(first, run.stepped):
                     self._events[i] = event
 
-    def failed(self, run, first: int) -> None:
+    @contextlib.contextmanager
+    def pumping(self, run):
+        """Around issuing page-ins between buckets (Pipeline.pump): on the binding's stream,
+        where a failure's clean-up queues its work, and the grads handed back where it
+        fails, as stepping() does."""
+        try:
+            with (torch.cuda.stream(self._stream) if self._stream is not None
+                  else contextlib.nullcontext()):
+                yield
+        except BaseException:
+            self._give_back_grads(run, run.stepped)
+            raise
+
+    def _give_back_grads(self, run, first: int) -> None:
         """The step failed with buckets from `first` on not stepped: they keep their grads,
         for the step that finishes it (a resumable step pending), whatever zero_grad()
         did meanwhile."""

@@ -152,9 +152,10 @@ class Pipeline:
 
     def pump(self) -> None:
         """Issues the page-ins due whose room page-outs have already made, waiting for
-        nothing. Where one fails, nothing is left in flight."""
+        nothing. Where one fails, or a Ctrl-C came meanwhile, nothing is left in flight."""
         try:
-            self._issue(wait=False)
+            with interrupts.deferred():  # not between a page-in issued and its handle kept
+                self._issue(wait=False)
         except BaseException as error:
             self._fail(error)
             raise
@@ -164,13 +165,13 @@ class Pipeline:
         bucket that steps next), each once the window has room: waiting for the page-outs
         that make it where `wait`, else only as far as they have landed. Page-ins in
         flight are never more than `ahead` when room is asked for, so a full window
-        always has a page-out to wait for."""
+        always has a page-out to wait for (callers keep `through` so)."""
         last = min(self._next + self.ahead if through is None else through,
                    len(self.buckets) - 1)
         outs, counting = self._outs, self._counting
         while self._due <= last:
             while len(outs) + len(self._ins) >= self._depth:
-                if not wait and not all(h.done() for h in outs[0]):
+                if not wait and not (outs and all(h.done() for h in outs[0])):
                     return
                 for h in outs.popleft():
                     h.wait()
@@ -212,7 +213,7 @@ class Pipeline:
         t0 = time.monotonic()
         if self._due <= i:  # its page-in left for room by an advance that did not wait
             self._issue(wait=True, through=i)
-            self._issue(wait=False)
+            self._issue(wait=False, through=i + self.ahead)  # as many as when it steps
             stats.wait_out_seconds += time.monotonic() - t0
             t0 = time.monotonic()
         h = ins.pop(i)

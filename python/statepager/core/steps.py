@@ -148,9 +148,9 @@ class Steps:
         if run.stepped >= n:
             if lazy:
                 try:
-                    run.pump()
+                    with self.owner.overlap.pumping(run):
+                        run.pump()
                 except BaseException as error:
-                    self.owner.overlap.failed(run, run.stepped)
                     self._in_flight_failed(error)
                     raise
             return
