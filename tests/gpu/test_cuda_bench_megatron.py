@@ -109,7 +109,13 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
             assert part["seconds"] > 0 and part["driver"] >= 0 and part["host"] >= 0
             if c["pager"] is not None:
                 assert 0 < part["pool"] <= c["pager"]["window"]
-    assert unpaged["checkpoint"]["save"]["pool"] is None
+    assert unpaged["checkpoint"]["save"]["pool"] is None and "statepager" not in \
+        unpaged["checkpoint"]
+    for c in (fp32, host):  # statepager.checkpoint's: files and host memory copied
+        own = c["checkpoint"]["statepager"]
+        assert own["files_bytes"] >= c["pager"]["stored_bytes"]
+        assert own["save"]["pool"] == own["save"]["torch"] == 0, "never through the device"
+        assert own["load"]["pool"] <= c["pager"]["window"] and own["load"]["seconds"] > 0
     # Residual mains are stored against the model params, which Megatron's load replaces
     # first: refused, before anything changes.
     assert "cannot load into residual mains" in host["checkpoint"]["load"]["refused"]
@@ -124,6 +130,8 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
                      r"[0-9.]+ GiB \(torch [0-9.]+, pool [0-9.]+\); host [0-9.]+ GiB; load "
                      r"[0-9.]+ s", text), text
     assert "; load refused: Megatron's optimizer checkpoint formats cannot load" in text
+    assert re.search(r"; statepager's \([0-9.]+ GiB\): save [0-9.]+ s, peaks above before: "
+                     r"device [0-9.]+ GiB \(torch 0.00, pool 0.00\)", text), text
     # The summary: each against the offload, each paged one against its floor (or why
     # not), the kernels' device time; q8 and host-fp32 did not run, so no q8 / fp32.
     summary = text[text.index("summary (medians of the timed steps):"):]

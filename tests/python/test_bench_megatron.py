@@ -507,7 +507,10 @@ def test_megatron_s_checkpoint_is_reported_against_the_state(tmp_path):
     part = {"seconds": 2.5, "driver": GiB // 2, "torch": GiB // 4, "pool": GiB // 8,
             "host": 3 * GiB}
     r["configs"][2]["checkpoint"] = {"format": "dp_reshardable", "files_bytes": 18 * GiB,
-                                     "save": part, "load": dict(part, seconds=4.0)}
+                                     "save": part, "load": dict(part, seconds=4.0),
+                                     "statepager": {"files_bytes": 15 * GiB,
+                                                    "save": dict(part, pool=0, torch=0),
+                                                    "load": dict(part, seconds=1.5)}}
     r["configs"][0]["checkpoint"] = {"format": "dp_reshardable", "files_bytes": 18 * GiB,
                                      "save": dict(part, pool=None), "load": dict(part, pool=None)}
     r["configs"][3]["checkpoint"] = {"error": "CheckpointingException: no room"}
@@ -517,7 +520,9 @@ def test_megatron_s_checkpoint_is_reported_against_the_state(tmp_path):
     assert ("Megatron's checkpoint (dp_reshardable, 18.00 GiB in its files of 14.90 GiB "
             "stored): save 2.50 s, peaks above before: device 0.50 GiB (torch 0.25, pool "
             "0.12); host 3.00 GiB; load 4.00 s, peaks above before: device 0.50 GiB (torch "
-            "0.25, pool 0.12); host 3.00 GiB") in text
+            "0.25, pool 0.12); host 3.00 GiB; statepager's (15.00 GiB): save 2.50 s, peaks "
+            "above before: device 0.50 GiB (torch 0.00, pool 0.00); host 3.00 GiB; load 1.50 "
+            "s,") in text
     text = "\n".join(megatron_report.config_lines(r["configs"][0]))
     assert ("Megatron's checkpoint (dp_reshardable, 18.00 GiB in its files): save 2.50 s, "
             "peaks above before: device 0.50 GiB (torch 0.25); host 3.00 GiB;") in text

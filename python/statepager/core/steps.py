@@ -143,23 +143,18 @@ class Steps:
         one fails, the step ends as a failed step() does (a resumable one pending) and
         the error raises here."""
         run = self.in_flight
-        if run is None:
-            return
-        if run.stepped >= n:
-            if lazy:
-                try:
-                    with self.owner.overlap.pumping(run):
-                        run.pump()
-                except BaseException as error:
-                    self._in_flight_failed(error)
-                    raise
+        if run is None or (run.stepped >= n and not lazy):
             return
         held = interrupts.Deferral()
         run.interrupts = held
         try:
             try:
-                with self.owner.overlap.stepping(run, n):
-                    run.advance_to(n, room_after=not lazy)
+                if run.stepped >= n:  # nothing to step: the page-ins room was made for
+                    with self.owner.overlap.pumping(run):
+                        run.pump()
+                else:
+                    with self.owner.overlap.stepping(run, n):
+                        run.advance_to(n, room_after=not lazy)
             except BaseException as error:
                 # Off the binding's stream: the current one then waits for all it queued,
                 # a failed bucket's params put back among it.

@@ -9,7 +9,8 @@ seconds, and the peaks above what was in use just before, of device memory (the 
 sampled; torch's allocated; the pager's pool mapped) and of this process's resident host
 memory (VmHWM, reset through /proc/self/clear_refs). A paged optimizer reads its state through the
 pager's window (Note [Megatron's checkpoint formats] in docs/design.md), so its device
-peaks are set by the window, not by the state.
+peaks are set by the window, not by the state. A paged configuration also saves and
+loads the same state with statepager.checkpoint, which copies files and host memory.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from statepager import _C
+from statepager import _C, checkpoint
 from statepager.util.units import GiB
 
 FORMAT = "dp_reshardable"
@@ -51,9 +52,29 @@ def measure(model, optimizer, pager, driver, directory: str) -> dict:
             load_peaks = _peaks(pager, driver, load)
         except _C.UsageError as refused:  # before anything changed: residual mains
             load_peaks = {"refused": str(refused)}
-        return {"format": FORMAT, "files_bytes": written, "save": save, "load": load_peaks}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    result = {"format": FORMAT, "files_bytes": written, "save": save, "load": load_peaks}
+    if pager is not None:
+        result["statepager"] = _statepager_checkpoint(pager, driver, directory + "-statepager")
+    return result
+
+
+def _statepager_checkpoint(pager, driver, path: str) -> dict:
+    """statepager.checkpoint's save and load of the same state (the Megatron-LM flags'
+    default, --statepager-optimizer-checkpoint statepager): copies of the store's files
+    and the host tier, never through the device."""
+    try:
+        handle = None
+
+        def save():
+            nonlocal handle
+            handle = checkpoint.save(pager, path)
+        saved = _peaks(pager, driver, save)
+        return {"files_bytes": handle.bytes, "save": saved,
+                "load": _peaks(pager, driver, lambda: checkpoint.load(pager, path))}
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _peaks(pager, driver, run) -> dict:
@@ -104,7 +125,7 @@ def line(c: dict, state_bytes: int | None) -> str:
     if "error" in k:
         return f"Megatron's checkpoint (--checkpoint) failed: {k['error']}"
 
-    def part(name: str) -> str:
+    def part(name: str, k: dict = k) -> str:
         p = k[name]
         if "refused" in p:
             return f"{name} refused: {p['refused']}"
@@ -113,5 +134,10 @@ def line(c: dict, state_bytes: int | None) -> str:
         return (f"{name} {p['seconds']:.2f} s, peaks above before: device {p['driver'] / GiB:.2f} "
                 f"GiB (torch {p['torch'] / GiB:.2f}{pool}){host}")
     of = "" if state_bytes is None else f" of {state_bytes / GiB:.2f} GiB stored"
-    return (f"Megatron's checkpoint ({k['format']}, {k['files_bytes'] / GiB:.2f} GiB in its "
+    text = (f"Megatron's checkpoint ({k['format']}, {k['files_bytes'] / GiB:.2f} GiB in its "
             f"files{of}): {part('save')}; {part('load')}")
+    own = k.get("statepager")
+    if own:
+        text += (f"; statepager's ({own['files_bytes'] / GiB:.2f} GiB): {part('save', own)}; "
+                 f"{part('load', own)}")
+    return text
