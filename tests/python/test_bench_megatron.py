@@ -112,7 +112,8 @@ def test_the_host_tier_holds_the_state_twice():
 
 
 def test_without_megatron_core_it_names_the_extra_to_install(capsys, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "megatron", None)  # import megatron fails
+    for name in ["megatron"] + [m for m in sys.modules if m.startswith("megatron.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # import megatron(.core) fails
     assert cli.main(["bench", "megatron", "--dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "UsageError: bench megatron needs megatron-core" in err, err
