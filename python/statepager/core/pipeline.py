@@ -160,6 +160,15 @@ class Pipeline:
             self._fail(error)
             raise
 
+    def pumpable(self) -> bool:
+        """Whether pump() has a page-in to issue now (a check cheap enough for every
+        module's pre-hook)."""
+        if self._due > min(self._next + self.ahead, len(self.buckets) - 1):
+            return False
+        outs = self._outs
+        return (len(outs) + len(self._ins) < self._depth
+                or bool(outs) and all(h.done() for h in outs[0]))
+
     def _issue(self, wait: bool, through: int | None = None) -> None:
         """Issues the page-ins due, through bucket `through` (by default `ahead` past the
         bucket that steps next), each once the window has room: waiting for the page-outs

@@ -143,7 +143,7 @@ class Steps:
         one fails, the step ends as a failed step() does (a resumable one pending) and
         the error raises here."""
         run = self.in_flight
-        if run is None or (run.stepped >= n and not lazy):
+        if run is None or (run.stepped >= n and not (lazy and run.pumpable())):
             return
         held = interrupts.Deferral()
         run.interrupts = held
