@@ -45,6 +45,12 @@ def test_lanes_are_merged_per_kind_from_the_first_event():
     assert s["copies_ms"] == 15.0  # 4..19
     assert s["copies_under_compute_ms"] == 10.0  # 4..14
     assert s["busy_ms"]["backward"] == 70.0
+    assert s["copies_in_phase_ms"] == {"forward": {"h2d": 10.0, "d2h": 6.0},
+                                       "backward": {"h2d": 0.0, "d2h": 0.0},
+                                       "optimizer.step": {"h2d": 0.0, "d2h": 0.0}}
+    late = iteration.lanes_of(EVENTS + [  # a page-out after the forward's end
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50_000, 5_000, bytes=1)])
+    assert iteration.summary(late)["copies_in_phase_ms"]["backward"]["d2h"] == 4.0
 
 
 def test_an_iteration_without_its_phases_is_refused_by_name():

@@ -363,7 +363,9 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert ("one more iteration under torch.profiler: 160.0 ms; on the host forward 50.0, "
             "backward 70.0, optimizer.step 40.0 ms; on the device the model's kernels 13.0 "
             "ms, statepager's 1.0 ms, copies 15.0 ms (host to device 10.0, device to host "
-            "6.0), 10.0 ms of them under the model's kernels") in out
+            "6.0), 10.0 ms of them under the model's kernels; while the host ran forward "
+            "h2d 10.0, d2h 6.0; while the host ran backward h2d 0.0, d2h 0.0; while the host "
+            "ran optimizer.step h2d 0.0, d2h 0.0") in out
     lines = out.splitlines()
 
     def row(name):

@@ -71,14 +71,17 @@ def lanes_of(events: list) -> dict:
 
 
 def summary(timeline: dict) -> dict:
-    """Milliseconds: each lane busy, the copies (either way) busy, and how much of that
-    ran while the model's kernels ran."""
+    """Milliseconds: each lane busy, the copies (either way) busy, how much of that ran
+    while the model's kernels ran, and each way's copies while the host ran each phase
+    (steps under the forward: how far page-outs lag into the backward)."""
     lanes = {k: [tuple(i) for i in v] for k, v in timeline["lanes"].items()}
     busy = {k: sum(e - s for s, e in v) for k, v in lanes.items()}
     copies = interval_union(lanes["h2d"] + lanes["d2h"])
     return {"span_ms": timeline["span_ms"], "busy_ms": busy,
             "copies_ms": sum(e - s for s, e in copies),
-            "copies_under_compute_ms": interval_overlap(copies, lanes["compute"])}
+            "copies_under_compute_ms": interval_overlap(copies, lanes["compute"]),
+            "copies_in_phase_ms": {phase: {way: interval_overlap(lanes[way], lanes[phase])
+                                           for way in ("h2d", "d2h")} for phase in PHASES}}
 
 
 def write(path: str, timeline: dict, title: str) -> None:

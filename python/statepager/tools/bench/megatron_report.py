@@ -194,7 +194,9 @@ def _iteration_line(t: dict) -> str:
             f"{b['compute']:.1f} ms, statepager's {b['statepager']:.1f} ms, copies "
             f"{t['copies_ms']:.1f} ms (host to device {b['h2d']:.1f}, device to host "
             f"{b['d2h']:.1f}), {t['copies_under_compute_ms']:.1f} ms of them under the "
-            f"model's kernels")
+            f"model's kernels" + "".join(
+                f"; while the host ran {phase} h2d {ways['h2d']:.1f}, d2h {ways['d2h']:.1f}"
+                for phase, ways in t.get("copies_in_phase_ms", {}).items()))
 
 
 def _device_time_line(t: dict) -> str:
