@@ -41,8 +41,7 @@ def measure(model, optimizer, pager, driver, directory: str) -> dict:
     os.makedirs(directory)
     try:
         save = _peaks(pager, driver, lambda: dist_checkpointing.save(sharded(False), directory))
-        written = sum(os.path.getsize(os.path.join(root, n))
-                      for root, _, names in os.walk(directory) for n in names)
+        written = _size(directory)
 
         def load():
             loaded = dist_checkpointing.load(sharded(True), directory)
@@ -65,16 +64,17 @@ def _statepager_checkpoint(pager, driver, path: str) -> dict:
     default, --statepager-optimizer-checkpoint statepager): copies of the store's files
     and the host tier, never through the device."""
     try:
-        handle = None
-
-        def save():
-            nonlocal handle
-            handle = checkpoint.save(pager, path)
-        saved = _peaks(pager, driver, save)
-        return {"files_bytes": handle.bytes, "save": saved,
+        save = _peaks(pager, driver, lambda: checkpoint.save(pager, path))
+        return {"files_bytes": _size(path), "save": save,
                 "load": _peaks(pager, driver, lambda: checkpoint.load(pager, path))}
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _size(directory: str) -> int:
+    """Bytes in the files under `directory`."""
+    return sum(os.path.getsize(os.path.join(root, n))
+               for root, _, names in os.walk(directory) for n in names)
 
 
 def _peaks(pager, driver, run) -> dict:
