@@ -175,7 +175,7 @@ struct Placement {
   uint64_t range = 0;                  // the start of its range (not kZero): 4 KiB-aligned,
   size_t store_bytes = 0;              // this long, past `bytes` zeros
   std::vector<UringFile::Span> spans;  // kFile: that range in the physical files
-  const char* host = nullptr;          // kHost: its bytes
+  char* host = nullptr;                // kHost: its bytes (written by a restore alone)
 };
 
 class Pager {
@@ -307,8 +307,8 @@ class Pager {
   std::shared_ptr<const HostTier> host_memory() const;
   // Restores (allocator/store_restore.h copies a checkpoint's bytes in between): extents
   // at rest, not held and in no epoch (else UsageError) become 'paging_in', and each gets
-  // a placement for its new bytes: a fresh range of its store (state kFile), or none when
-  // zero[i] (state kZero). end_restore(ok) switches them to those bytes; end_restore(!ok)
+  // a placement for its new bytes: a fresh host range while the host tier has room (state
+  // kHost), else a fresh range of its store (kFile), or none when zero[i] (kZero). end_restore(ok) switches them to those bytes; end_restore(!ok)
   // frees the fresh ranges and returns every extent to what it was. Exactly one
   // end_restore() per begin_restore(), with the same ids and the placements returned.
   std::vector<Placement> begin_restore(const std::vector<ExtentId>& ids,

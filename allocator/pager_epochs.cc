@@ -144,6 +144,10 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
     for (size_t i = 0; i < ids.size(); i++) {
       if (zero[i]) continue;
       const Extent& e = extents_.at(ids[i]);
+      // Free host room first: the store does not grow by a second copy of the state, and
+      // the next step finds the bytes in the host tier (Note [Checkpoints of a Pager]).
+      if (host_tier_) fresh[i] = host_tier_->allocate(e.file_bytes);
+      if (fresh[i]) continue;
       // In the store it moves to, if it moves: the move is done once the bytes are there.
       const uint64_t now = e.ranges.next_store.value_or(e.ranges.store);
       fresh[i] = stores_[store_index(now)]->space.allocate(e.file_bytes, kFileAlign);
@@ -158,7 +162,9 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
   for (size_t i = 0; i < ids.size(); i++) {
     Extent& e = extents_.at(ids[i]);
     places[i] = placement_locked(e, fresh[i]);
-    places[i].state = zero[i] ? Residency::kZero : Residency::kFile;
+    places[i].state = zero[i]                         ? Residency::kZero
+                      : HostTier::is_host(places[i].range) ? Residency::kHost
+                                                           : Residency::kFile;
     e.restore_from = e.state;
     e.state = Residency::kPagingIn;
   }
@@ -179,6 +185,11 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
       drop_host_locked(e);
       e.state = Residency::kZero;
       finish_move_locked(e);
+    } else if (places[i].state == Residency::kHost) {  // its store range stays its own
+      drop_host_locked(e);
+      finish_move_locked(e);
+      e.ranges.host = places[i].range;
+      e.state = Residency::kHost;
     } else {
       drop_host_locked(e);
       for (uint64_t range : e.referenced()) free_range_locked(range);

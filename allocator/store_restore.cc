@@ -27,6 +27,10 @@ CopyMethod restore_extents(Pager& pager, const std::vector<ExtentId>& ids,
     std::vector<OpenFile> store;
     for (const std::string& path : paths) store.emplace_back(path, OpenFile::kWrite);
     parallel_for(ids.size(), kCopyThreads, [&](size_t i) {
+      if (places[i].host != nullptr) {  // into the host tier: memory, no method to choose
+        read_into(from, src_offsets[i], places[i].host, places[i].store_bytes);
+        return;
+      }
       CopyMethod used = method.first();
       uint64_t at = src_offsets[i];
       for (const UringFile::Span& s : places[i].spans) {

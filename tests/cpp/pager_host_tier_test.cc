@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <vector>
 
@@ -70,6 +71,12 @@ bool holds(Pager& pager, ExtentId id, uint32_t seed) {
       std::memcmp(reinterpret_cast<void*>(pager.address(id)), want.data(), want.size()) == 0;
   pager.wait(pager.page_out({id}));
   return same;
+}
+
+uint64_t file_bytes(const std::vector<std::string>& paths) {
+  uint64_t n = 0;
+  for (const std::string& p : paths) n += std::filesystem::file_size(p);
+  return n;
 }
 
 size_t count(Pager& pager, const std::vector<ExtentId>& ids, Residency state) {
@@ -219,12 +226,15 @@ TEST_F(HostTierTest, SnapshotCopiesHostExtentsAndRestoreFillsThem) {
   EXPECT_EQ(pager.stats().host_used_bytes, 0u);
   std::vector<uint64_t> offsets;
   for (size_t i = 0; i < ids.size(); i++) offsets.push_back(i * kRounded);
+  // Into the host tier while it has room (two of three), the rest into the store.
   restore_extents(pager, ids, std::vector<bool>(ids.size(), false), out, offsets);
-  EXPECT_EQ(count(pager, ids, Residency::kFile), ids.size());
+  EXPECT_EQ(count(pager, ids, Residency::kHost), 2u);
+  EXPECT_EQ(count(pager, ids, Residency::kFile), 1u);
+  EXPECT_EQ(pager.stats().host_used_bytes, 2 * kRounded);
   for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
 }
 
-TEST_F(HostTierTest, RestoreOfHostExtentsLetsTheirRangesGo) {
+TEST_F(HostTierTest, RestoreOfHostExtentsLetsTheirOldRangesGo) {
   Pager pager(make_host_device(), options(4 * kRounded));
   const std::vector<ExtentId> ids = make_extents(pager, 2);
   write_all(pager, ids, 1);
@@ -234,10 +244,31 @@ TEST_F(HostTierTest, RestoreOfHostExtentsLetsTheirRangesGo) {
     snapshot.copy_to({src}, {{0, 0}, {0, kRounded}});
   }
   write_all(pager, ids, 2);
+  const uint64_t store_bytes = file_bytes(pager.store_files());
   restore_extents(pager, ids, {false, true}, src, {0, kRounded});
-  EXPECT_EQ(pager.stats().host_used_bytes, 0u);
+  EXPECT_EQ(pager.stats().host_used_bytes, kRounded);  // the new range alone
+  EXPECT_EQ(file_bytes(pager.store_files()), store_bytes) << "a restore into host room grew the store";
+  EXPECT_EQ(pager.residency(ids[0]), Residency::kHost);
   EXPECT_EQ(pager.residency(ids[1]), Residency::kZero);
   EXPECT_TRUE(holds(pager, ids[0], 1));
+}
+
+// A restore that fails midway gives its fresh host ranges back and changes nothing: the
+// source ends inside the second extent's bytes.
+TEST_F(HostTierTest, FailedRestoreGivesTheHostRangesBack) {
+  Pager pager(make_host_device(), options(4 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 2);
+  write_all(pager, ids, 1);
+  const std::string src = file("src.bin");
+  {
+    StoreSnapshot snapshot(pager, {ids[0]});
+    snapshot.copy_to({src}, {{0, 0}});
+  }
+  EXPECT_THROW(restore_extents(pager, ids, {false, false}, src, {0, kRounded / 2}),
+               CorruptStoreError);
+  EXPECT_EQ(pager.stats().host_used_bytes, 2 * kRounded);
+  EXPECT_EQ(count(pager, ids, Residency::kHost), 2u);
+  for (ExtentId id : ids) EXPECT_TRUE(holds(pager, id, 1)) << "extent " << id;
 }
 
 // Above the budget the least recently used HOST extents are written back to make room.

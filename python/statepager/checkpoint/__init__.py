@@ -53,8 +53,8 @@ def load(pager, path: str, *, missing_ok: bool = False) -> bool:
     directory without the manifest) is a UsageError naming what is missing, so that a
     mistyped path never trains from scratch; missing_ok=True ("load if present")
     returns False instead where nothing exists at `path`. With a host tier, the loaded
-    state is then read into it as far as it has room, first buckets first (the next
-    step's page-ins are host copies)."""
+    state goes into its free room, and what did not fit beside the old state is read
+    into it afterwards, first buckets first (the next step's page-ins are host copies)."""
     missing_ok = args.flag("missing_ok", missing_ok)
     with pager.between_steps("load()", replaces_state=True):
         _settle(pager)
