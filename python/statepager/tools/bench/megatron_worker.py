@@ -179,8 +179,10 @@ def run_config(spec: dict) -> dict:
                         opt_times.pop()
                         continue
                     moved.append({k: after[k] - before[k] for k in counters})
-                    pool.append((after["peak_mapped_bytes"], after["mapped_bytes"],
-                                 after["cached_bytes"]))
+                    # The step's own peak: one under the forward ends in the next
+                    # train_step, after the pager's peak was last read here.
+                    pool.append((max(s.peak_mapped_bytes for s in binding.last),
+                                 after["mapped_bytes"], after["cached_bytes"]))
                     compute.append(sum(s.compute_seconds for s in binding.last))
                     streams.append(sum(s.seconds for s in binding.last))
                     parts.append([sum(getattr(s, k) for s in binding.last)
