@@ -308,9 +308,11 @@ class Pager {
   // Restores (allocator/store_restore.h copies a checkpoint's bytes in between): extents
   // at rest, not held and in no epoch (else UsageError) become 'paging_in', and each gets
   // a placement for its new bytes: a fresh host range while the host tier has room (state
-  // kHost), else a fresh range of its store (kFile), or none when zero[i] (kZero). end_restore(ok) switches them to those bytes; end_restore(!ok)
-  // frees the fresh ranges and returns every extent to what it was. Exactly one
-  // end_restore() per begin_restore(), with the same ids and the placements returned.
+  // kHost), else a fresh range of its store (kFile), or none when zero[i] (kZero).
+  // end_restore(ok) switches them to those bytes (a HOST extent keeps its store range for
+  // spills); end_restore(!ok) frees the fresh ranges and returns every extent to what it
+  // was. Exactly one end_restore() per begin_restore(), with the same ids and the
+  // placements returned.
   std::vector<Placement> begin_restore(const std::vector<ExtentId>& ids,
                                        const std::vector<bool>& zero);
   void end_restore(const std::vector<ExtentId>& ids, const std::vector<Placement>& places,

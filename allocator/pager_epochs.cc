@@ -145,7 +145,7 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
       if (zero[i]) continue;
       const Extent& e = extents_.at(ids[i]);
       // Free host room first: the store does not grow by a second copy of the state, and
-      // the next step finds the bytes in the host tier (Note [Checkpoints of a Pager]).
+      // the next step finds the bytes in the host tier (Note [Restores are all-or-nothing]).
       if (host_tier_) fresh[i] = host_tier_->allocate(e.file_bytes);
       if (fresh[i]) continue;
       // In the store it moves to, if it moves: the move is done once the bytes are there.

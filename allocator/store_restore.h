@@ -1,8 +1,8 @@
 // restore_extents: a checkpoint's bytes copied into a Pager's tiers, the inverse of
 // StoreSnapshot (allocator/store_snapshot.h).
 //
-// Extent i becomes FILE with the store_bytes found at src_offsets[i] of the file `src`, or
-// ZERO when zero[i]. Extents must be at rest, not held and in no epoch (UsageError); each
+// Extent i becomes HOST or FILE with the store_bytes found at src_offsets[i] of the file
+// `src`, or ZERO when zero[i]. Extents must be at rest, not held and in no epoch (UsageError); each
 // is 'paging_in' while its bytes are copied. All or nothing: the bytes go to fresh ranges
 // of the host tier while it has room, else of the store (Pager::begin_restore), and the
 // extents switch to them (HOST or FILE) once every copy has succeeded; on an error nothing
