@@ -130,8 +130,7 @@ def config_lines(c: dict) -> list[str]:
                          f"{p['atomic']!r}")
         notes.append(f"{p['buckets']} buckets, largest {p['largest_bucket'] / MiB:.0f} MiB; pool "
                      f"peak mapped {p['peak_mapped'] / GiB:.2f} GiB of a window of "
-                     f"{p['window'] / GiB:.2f} GiB; pager compute (codecs + optimizer math) "
-                     f"{show(p['compute_s'], 's', 3)}")
+                     f"{p['window'] / GiB:.2f} GiB")
         if p.get("parts_s"):
             ms = {k: 1e3 * v["median"] for k, v in p["parts_s"].items()}
             loop = (f"its bucket loop {ms['loop']:.1f} ms (in the next forward's hooks, "
@@ -142,6 +141,12 @@ def config_lines(c: dict) -> list[str]:
                          f"{ms['commit']:.1f} ms; the rest, Megatron's own (grad copies, norm, "
                          f"clip, the params' sync) and the pager's bookkeeping after the loop, "
                          f"{ms['rest']:.1f} ms")
+        if p.get("loop_host_s"):
+            ms = {k: 1e3 * v["median"] for k, v in p["loop_host_s"].items()}
+            notes.append(f"in the bucket loop, the host's time (medians): stepping "
+                         f"{ms['stepping']:.1f} ms (each bucket's kernels queued, its hooks), "
+                         f"waiting for page-ins {ms['page_ins']:.1f} ms, for page-outs to land "
+                         f"{ms['page_outs']:.1f} ms (room in the window, the last ones)")
         if p.get("under_forward"):
             held = p.get("held_back") or {}
             why = (f"; grad-sync starts that began none: {held['the step in flight']} with "

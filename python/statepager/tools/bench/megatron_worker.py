@@ -156,7 +156,7 @@ def run_config(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
-        steps, moved, pool, compute, streams, parts = [], [], [], [], [], []
+        steps, moved, pool, loop_host, streams, parts = [], [], [], [], [], []
         skipped = 0
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
@@ -183,7 +183,8 @@ def run_config(spec: dict) -> dict:
                     # train_step, after the pager's peak was last read here.
                     pool.append((max(s.peak_mapped_bytes for s in binding.last),
                                  after["mapped_bytes"], after["cached_bytes"]))
-                    compute.append(sum(s.compute_seconds for s in binding.last))
+                    loop_host.append([sum(getattr(s, k) for s in binding.last) for k in
+                                      ("compute_seconds", "wait_in_seconds", "wait_out_seconds")])
                     streams.append(sum(s.seconds for s in binding.last))
                     parts.append([sum(getattr(s, k) for s in binding.last)
                                   for k in ("setup_seconds", "loop_seconds", "commit_seconds")])
@@ -216,7 +217,9 @@ def run_config(spec: dict) -> dict:
                 host_budget=host_budget, host_used=stats["host_used_bytes"],
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
                 io_block=stats["io_block_bytes"],
-                compute_s=spread(compute), stream_s=spread(streams),
+                loop_host_s={k: spread([x[i] for x in loop_host])
+                             for i, k in enumerate(("stepping", "page_ins", "page_outs"))},
+                stream_s=spread(streams),
                 parts_s=opt_step_parts(opt_times, parts, under_forward),
                 under_forward=under_forward,
                 begun_in_backward=binding.early.steps_begun if binding.early else 0,
