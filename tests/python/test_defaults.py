@@ -85,6 +85,32 @@ def test_a_window_attach_accepts_holds_every_step(tmp_path, page, bucket, format
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_the_window_counts_a_page_that_neighbouring_buckets_share_once(tmp_path):
+    """Buckets of 64 KiB over pages of 64 KiB: neighbours share pages, which the pool maps
+    once. The window is the largest union of the pages `depth` consecutive buckets touch,
+    less than those pages counted per bucket (a budget of exactly it holds every step:
+    above)."""
+    ps = params()
+    with Pager(str(tmp_path / "s"), page_size=64 * KiB) as p:
+        opt = statepager.PagedAdamW(ps, pager=p, lr=1e-2, bucket_size=64 * KiB, depth=3)
+        for q in ps:
+            q.grad = torch.ones_like(q)
+        opt.step()  # the moments made: every page known by address
+
+        def touched(bucket) -> set:
+            return {page for t in bucket.incoming if t.numel()
+                    for page in range(t.data_ptr() // p.page_size,
+                                      (t.data_ptr() + t.numel() * t.element_size() - 1)
+                                      // p.page_size + 1)}
+
+        pages = [touched(b) for b in opt.binding.buckets]
+        runs = [pages[i:i + 3] for i in range(len(pages) - 2)]
+        union = max(len(set().union(*run)) for run in runs)
+        alone = max(sum(len(s) for s in run) for run in runs)
+        assert opt.binding.window_bytes == union * p.page_size
+        assert union < alone
+
+
 def test_explicit_settings_win_and_the_refusal_names_a_budget_that_fits(tmp_path):
     """bucket_size and depth given are kept, not lowered to fit: attach refuses, naming
     the budget they need, and accepts that budget."""

@@ -144,7 +144,7 @@ class Planner:
         """Physical bytes a step's first page-ins map (Pipeline.start: the first
         page_ins_ahead + 1 buckets), counted as the window counts them."""
         first = self.buckets[:page_ins_ahead(self.depth) + 1]
-        return sum(self._pages(b) for b in first) * self.layout.pager.page_size
+        return _held([self._pages(b) for b in first]) * self.layout.pager.page_size
 
     def refuse_a_window_over(self, budget: int | None) -> None:
         """UsageError when the pipeline's window is more than hbm_budget (None: none)."""
@@ -167,24 +167,25 @@ class Planner:
             "Pager.empty(pieces=...)).")
 
     def window_parts(self) -> tuple[int, int]:
-        """The pages `depth` consecutive buckets map at most, counted per tensor (see
-        Note [The window counts pages per tensor]), and the residual masters' scratch of
-        the last ExceptionCounts.LAG buckets stepped."""
+        """The pages `depth` consecutive buckets map at most, each page they share counted
+        once (see Note [The window counts the pages its buckets touch]), and the residual
+        masters' scratch of the last ExceptionCounts.LAG buckets stepped."""
         page = self.layout.pager.page_size
         pages = [self._pages(b) for b in self.buckets]
         depth = min(self.depth, len(pages))
-        window = max((sum(pages[i:i + depth]) for i in range(len(pages) - depth + 1)),
+        window = max((_held(pages[i:i + depth]) for i in range(len(pages) - depth + 1)),
                      default=0)
         scratch = max((nbytes(f.working for f in b.forms if f.fmt == "residual")
                        for b in self.buckets), default=0)
         held_bytes = ExceptionCounts.LAG * (scratch + 2 * page) if scratch else 0
         return window * page, held_bytes
 
-    def _pages(self, b: Bucket) -> int:
-        """The pages bucket b's step maps: those its incoming tensors touch, by address,
-        and for state yet to be created (planned beyond them) its bytes in whole pages and
-        two more: the arena makes a bucket's new state in one or two runs (its tensors one
-        after another, or around a hole). Kept while b's tensors are the same."""
+    def _pages(self, b: Bucket) -> tuple[list, int]:
+        """The pages bucket b's step maps: (the runs of pages its incoming tensors touch,
+        by address, as sorted disjoint (first, last) pairs; the pages of state yet to be
+        created, planned beyond them: its bytes in whole pages and two more, as the arena
+        makes a bucket's new state in one or two runs, its tensors one after another or
+        around a hole). Kept while b's tensors are the same."""
         known = self._pages_of.get(id(b))
         try:
             key = (b.planned, tuple((t.data_ptr(), t.numel() * t.element_size())
@@ -196,11 +197,27 @@ class Planner:
         if known is not None and known[0] == key:
             return known[1]
         page = self.layout.pager.page_size
-        touched = set()
-        for at, n in key[1]:
-            if n:
-                touched.update(range(at // page, (at + n - 1) // page + 1))
+        runs = _merged([(at // page, (at + n - 1) // page) for at, n in key[1] if n])
         extra = max(0, b.planned - b.nbytes)
-        count = len(touched) + (-(-extra // page) + 2 if extra else 0)
-        self._pages_of[id(b)] = (key, count)
-        return count
+        counted = (runs, -(-extra // page) + 2 if extra else 0)
+        self._pages_of[id(b)] = (key, counted)
+        return counted
+
+
+def _merged(runs: list) -> list:
+    """Runs of pages (first, last), merged into sorted disjoint runs."""
+    out = []
+    for first, last in sorted(runs):
+        if out and first <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
+def _held(pages: list) -> int:
+    """The pages the buckets counted by Planner._pages map together: a page two of them
+    touch is mapped once (the pool counts references per page), state yet to be created
+    is counted for each."""
+    runs = _merged([r for touched, _ in pages for r in touched])
+    return sum(last - first + 1 for first, last in runs) + sum(new for _, new in pages)
