@@ -214,7 +214,8 @@ def paged(stored, *, undo=0, host=False):
             "host_used": 2 * stored if host else 0, "direct_io": True, "io_depth": 32,
             "io_block": 1 << 20,
             "loop_host_s": {k: {"n": 5, "median": m, "min": m, "max": m} for k, m in
-                            (("stepping", 0.02), ("page_ins", 0.004), ("page_outs", 0.006))},
+                            (("stepping", 0.02), ("page_ins", 0.004), ("device", 0.003),
+                             ("page_outs", 0.006))},
             "stream_s": {"n": 5, "median": 0.55, "min": 0.54, "max": 0.57},
             "peak_mapped": int(1.5 * GiB), "held": int(2.25 * GiB), "buckets": 70,
             "largest_bucket": 750 << 20, "window": int(2.5 * GiB),
@@ -402,8 +403,9 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
             "Megatron's own (grad copies, norm, clip, the params' sync) and the pager's "
             "bookkeeping after the loop, 38.0 ms") in out
     assert ("in the bucket loop, the host's time (medians): stepping 20.0 ms (each bucket's "
-            "kernels queued, its hooks), waiting for page-ins 4.0 ms, for page-outs to land "
-            "6.0 ms (room in the window, the last ones)") in out
+            "kernels queued, its hooks), waiting for page-ins 4.0 ms, for the device 3.0 ms "
+            "(the residual exception counts of the bucket stepped two before), for page-outs "
+            "to land 6.0 ms (room in the window, the last ones)") in out
     # Steps under the forward: the loop runs in the next forward's hooks, not in opt.step.
     under = megatron_worker.opt_step_parts([0.05] * 5, [[0.010, 0.25, 0.0]] * 5, True)
     assert abs(under["rest"]["median"] - 0.04) < 1e-9

@@ -231,6 +231,8 @@ class Pipeline:
         self._done_in.append(h)
         t1 = time.monotonic()
         counting.read()  # bucket i - LAG's, before bucket i's work is queued
+        stats.wait_device_seconds += time.monotonic() - t1
+        t1 = time.monotonic()
         if atomic and not self._for_read:  # all or nothing: undo copies a bucket ahead
             if i == 0:  # the first's own first
                 atomic.take_ahead(b)

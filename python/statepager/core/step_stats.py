@@ -25,7 +25,10 @@ class StepStats:
     loop_seconds: float = 0.0       # the bucket loop, its last page-outs waited for
     commit_seconds: float = 0.0     # the epoch's commit (atomic steps)
     wait_in_seconds: float = 0.0    # stalled waiting for a bucket's page-in
-    compute_seconds: float = 0.0    # the optimizer's own step on the buckets
+    wait_device_seconds: float = 0.0  # stalled reading the residual exception counts of
+                                      # the bucket stepped LAG before (late_reads): the
+                                      # device's work on it
+    compute_seconds: float = 0.0    # the optimizer's own step on the buckets, queued
     wait_out_seconds: float = 0.0   # stalled waiting for page-outs (window or final flush)
     read_busy_seconds: float = 0.0  # some page-in was moving bytes
     write_busy_seconds: float = 0.0 # some page-out was moving bytes
@@ -62,7 +65,8 @@ class StepStats:
                 f"({self.gbps:.2f} GB/s; reads busy {self.read_busy_seconds:.3f} s, writes busy "
                 f"{self.write_busy_seconds:.3f} s, both {self.both_busy_seconds:.3f} s = "
                 f"{100 * self.overlap:.0f}% overlap; stalled on reads "
-                f"{self.wait_in_seconds:.3f} s, writes {self.wait_out_seconds:.3f} s; compute "
+                f"{self.wait_in_seconds:.3f} s, writes {self.wait_out_seconds:.3f} s, the device "
+                f"{self.wait_device_seconds:.3f} s; compute "
                 f"{self.compute_seconds:.3f} s; set-up {self.setup_seconds:.3f} s, loop "
                 f"{self.loop_seconds:.3f} s, commit {self.commit_seconds:.3f} s; peak mapped "
                 f"{self.peak_mapped_bytes / (1 << 20):.1f} MiB)")

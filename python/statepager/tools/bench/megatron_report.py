@@ -145,8 +145,10 @@ def config_lines(c: dict) -> list[str]:
             ms = {k: 1e3 * v["median"] for k, v in p["loop_host_s"].items()}
             notes.append(f"in the bucket loop, the host's time (medians): stepping "
                          f"{ms['stepping']:.1f} ms (each bucket's kernels queued, its hooks), "
-                         f"waiting for page-ins {ms['page_ins']:.1f} ms, for page-outs to land "
-                         f"{ms['page_outs']:.1f} ms (room in the window, the last ones)")
+                         f"waiting for page-ins {ms['page_ins']:.1f} ms, for the device "
+                         f"{ms['device']:.1f} ms (the residual exception counts of the bucket "
+                         f"stepped two before), for page-outs to land {ms['page_outs']:.1f} ms "
+                         "(room in the window, the last ones)")
         if p.get("under_forward"):
             held = p.get("held_back") or {}
             why = (f"; grad-sync starts that began none: {held['the step in flight']} with "
