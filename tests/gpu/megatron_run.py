@@ -1,5 +1,6 @@
 """Megatron GPT jobs for the GPU tests, one process per rank (plain python, or torchrun):
-    megatron_run.py parity OUT [--experts E]   train with and without the pager, compare
+    megatron_run.py parity OUT [--experts E] [--overlap] [--overlap-forward]
+                                               train with and without the pager, compare
     megatron_run.py fresh OUT                  train N, save (model + pager), train M more
     megatron_run.py resume OUT                 load what `fresh` saved, train the same M
 Each rank writes OUT/<mode>-rank<r>.pt; `parity` also asserts. Exit status 0 on success."""
@@ -82,6 +83,8 @@ def main():
     ap.add_argument("--experts", type=int, default=0)
     ap.add_argument("--expert-parallel", type=int, default=1)
     ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--overlap-forward", action="store_true",
+                    help="the paged run's steps end under the next forward")
     args = ap.parse_args()
     megatron_gpt.init(args.expert_parallel)
     rank = torch.distributed.get_rank()
@@ -96,6 +99,8 @@ def main():
         with Pager(store, "cuda", page_size=2 * MiB) as pager:
             model, optimizer, scheduler, binding = megatron_gpt.build(setup, pager,
                                                                       bucket_size=1 * MiB)
+            if args.overlap_forward:
+                binding.overlap_forward(model)
             paged = result(model, optimizer, binding,
                            train(setup, model, optimizer, scheduler, 0, setup.steps))
             names = [s.name for s in binding.streams]

@@ -104,6 +104,7 @@ CASES = {
     "q8-residual-reduce-in-backward": dict(overlap_grad_reduce=True, batch=32, seq=256,
                                            attach=dict(moments="q8", mains="residual")),
     "bf16-grads-q8-moments": dict(attach=dict(moments="q8")),
+    "q8-residual-overlap": dict(overlap=True, attach=dict(moments="q8", mains="residual")),
     "moe": dict(experts=4),
     "moe-fp32-grads-overlap": dict(experts=4, grad_fp32=True, overlap=True),
     # Megatron's DistributedOptimizer refuses SGD: a non-distributed chain, whose grad
@@ -314,14 +315,18 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
 
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
                                   "bf16-grads-q8-moments", "fp32-grads-reduce-in-backward",
-                                  "q8-residual-reduce-in-backward",
+                                  "q8-residual-reduce-in-backward", "bf16-grads-overlap",
+                                  "fp32-grads-overlap", "q8-residual-overlap",
+                                  "moe-fp32-grads-overlap",
                                   pytest.param("muon-layer-wise", marks=needs_emerging)])
 def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
     """binding.overlap_forward(model): Megatron's step() returns with the buckets left to
     the next forward, each stepped (and its mains in the param buffer, its grads zeroed)
-    before the first module using it runs; bit-identical to unpaged Megatron. In a chain
-    (Muon's layer-wise one) only the last member's steps are left to the forward: each
-    earlier one completes when the next begins. With grad syncs in the backward
+    before the first module using it runs, and before a param all-gather reads them
+    (overlap_param_gather: DDP's forward pre-hooks dispatch each bucket group's, the next
+    one's ahead); bit-identical to unpaged Megatron. In a chain (Muon's layer-wise one,
+    dense + expert) only the last member's steps are left to the forward: each earlier
+    one completes when the next begins. With grad syncs in the backward
     (overlap_grad_reduce) and activations larger than the window, each step's page-ins
     begin in the backward before it (Note [Page-ins during backward])."""
     options = dict(CASES[case])
@@ -350,14 +355,6 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
         with Pager(store_dir + "-q8", "cuda", page_size=2 * MiB) as pager:
             base = run(gpt, setup, pager, bucket_size=1 * MiB, **attach)
     assert_same(base, paged, state_entries(optimizer))
-
-
-def test_steps_under_the_forward_refuse_overlap_param_gather(gpt, store_dir):
-    setup = gpt.Setup(steps=1, **CASES["bf16-grads-overlap"])
-    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
-        model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB)
-        with pytest.raises(_C.UsageError, match="without overlap_param_gather"):
-            binding.overlap_forward(model)
 
 
 @pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads-overlap"])
@@ -599,7 +596,8 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 
 @two_gpus
-@pytest.mark.parametrize("extra", [[], ["--overlap"]], ids=["dp2", "dp2-overlap"])
+@pytest.mark.parametrize("extra", [[], ["--overlap"], ["--overlap", "--overlap-forward"]],
+                         ids=["dp2", "dp2-overlap", "dp2-overlap-forward"])
 def test_data_parallel_parity_on_two_gpus(tmp_path, extra, capsys):
     stdout = run_job("parity", str(tmp_path), 2, *extra)
     with capsys.disabled():

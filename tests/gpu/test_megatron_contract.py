@@ -86,6 +86,9 @@ def test_instance_attributes_of_a_built_mixed_precision_member(options):
     for chunk in chunks:
         for name in internals.MODEL_CHUNK_ATTRIBUTES:
             assert hasattr(chunk, name), f"the DDP model chunk has no attribute {name}"
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            for name in internals.BUCKET_GROUP_ATTRIBUTES:
+                assert hasattr(group, name), f"_ParamAndGradBucketGroup has no {name}"
     mixed = [d for _, d in internals.members(optimizer)
              if isinstance(d, Float16OptimizerWithFloat16Params)]
     assert mixed, "no Float16OptimizerWithFloat16Params member"

@@ -155,8 +155,7 @@ def test_every_refused_flag_is_listed_at_once():
 
 
 @pytest.mark.parametrize("changes, flag", [
-    (dict(overlap_param_gather=True), "--overlap-param-gather"),
-    (dict(data_parallel_size=2), "data-parallel size > 1"),
+    (dict(data_parallel_size=2), "data-parallel size > 1 without --overlap-param-gather"),
     (dict(use_distributed_optimizer=False, optimizer="sgd", statepager_atomic="step"),
      "no --use-distributed-optimizer"),
     (dict(use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True,
@@ -175,6 +174,15 @@ def test_steps_under_the_forward_refuse_what_reads_params_early(changes, flag):
     assert options_from(args).overlap_forward == "on"
     assert options_from(parse([], {"STATEPAGER_DIR": "/d", "STATEPAGER_OVERLAP_FORWARD": "on"})
                         ).overlap_forward == "on"
+
+
+@pytest.mark.parametrize("changes", [dict(overlap_param_gather=True),
+                                     dict(overlap_param_gather=True, data_parallel_size=2)])
+def test_steps_under_the_forward_run_with_the_param_gather_in_the_forward(changes):
+    """With --overlap-param-gather each bucket group's all-gather waits for its mains'
+    step (MegatronBinding.overlap_forward), at any data-parallel size."""
+    on = dict(statepager_overlap_forward="on")
+    assert check(megatron_args(**changes, **on)).overlap_forward == "on"
 
 
 def test_log_num_zeros_with_fp32_grads_and_other_formats_without_checkpoints_pass():

@@ -160,6 +160,68 @@ def test_megatron_page_ins_during_backward_begin_at_a_grad_sync_start(tmp_path):
     assert same(base[1], done[1])
 
 
+class ParamGatherGroup:
+    """megatron.core's _ParamAndGradBucketGroup as far as overlap_param_gather goes: its
+    all-gather, dispatched by the first module using its params (and the next group's
+    after it), sends this rank's params as they are at dispatch; once waited for, the
+    param buffer holds what was sent (at DP > 1, other ranks' too)."""
+
+    def __init__(self, params):
+        self.params, self._order = set(params), list(params)
+        self.next, self.dispatched, self._sent = None, False, None
+
+    def start_param_sync(self, force_sync=False):
+        self._sent = [p.detach().clone() for p in self._order]
+        self.dispatched = True
+
+    def finish_param_sync(self):
+        if not self.dispatched:
+            self.start_param_sync()
+        if self._sent is None:  # waited for by an earlier module of the group
+            return
+        with torch.no_grad():
+            for p, sent in zip(self._order, self._sent):
+                p.copy_(sent)
+        self._sent = None
+        if self.next is not None and not self.next.dispatched:
+            self.next.start_param_sync()
+
+
+def test_megatron_param_gathers_in_the_forward_read_stepped_params(tmp_path):
+    """Megatron's overlap_param_gather over stand-ins of DDP's bucket groups (two layers
+    each, in the reverse of the forward's order, as DDP builds them; not the step's
+    buckets): each group's all-gather is dispatched by a forward pre-hook, the next
+    group's ahead of the forward. Hooked as MegatronBinding.overlap_forward hooks them
+    (megatron_internals.before_param_gather), every dispatch finds its params stepped,
+    and training is bit-identical."""
+    from statepager.integrations import megatron_internals
+
+    base = run(tmp_path, "base", False)
+    with Pager(str(tmp_path / "gather"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, handle = model_and_opt(pager, True)
+        groups = [ParamGatherGroup([p for m in model[i:i + 2] for p in m.parameters()])
+                  for i in reversed(range(0, LAYERS, 2))]
+        for earlier, later in zip(groups[1:], groups):  # the forward's order
+            earlier.next = later
+
+        class Chunk:  # a DDP model chunk
+            bucket_groups, expert_parallel_bucket_groups = groups, []
+        megatron_internals.before_param_gather(
+            [Chunk], lambda params: handle.before_reading(params, key=params))
+        of = {id(p): g for g in groups for p in g.params}
+        for m in model:  # DDP's pre-hooks: after statepager's, which it prepends
+            m.register_forward_pre_hook(
+                lambda module, inputs: of[id(module.weight)].finish_param_sync())
+
+        def next_iteration(binding, i):  # finish_grad_sync resets them each backward
+            for g in groups:
+                g.dispatched = False
+        losses = train(model, opt, 5, watch=lambda i: next_iteration(binding, i))
+        gathered = losses, result(model, opt)
+    assert base[0] == gathered[0]
+    assert same(base[1], gathered[1])
+
+
 def test_a_step_in_flight_is_settled_once_the_forward_has_stepped_it(tmp_path):
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True)

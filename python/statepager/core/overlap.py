@@ -15,7 +15,9 @@ module of `modules` that holds parameters, and a forward hook on each of `module
   sync); after its last bucket it does not wait for room for the next page-in, which
   a later pre-hook issues once page-outs have made it (Pipeline.pump);
 - the forward hook steps whatever is left, so that backward never meets a bucket not
-  stepped; the last page-outs are waited for by whatever the pager does next.
+  stepped; the last page-outs are waited for by whatever the pager does next;
+- what reads parameters outside their modules' forwards (Megatron's param all-gathers)
+  calls before_reading() first, which steps theirs as a pre-hook does.
 The modules' parameters are found as the optimizer's, or as forward_param(p) of one
 (Megatron's bf16 model parameter of an fp32 main).
 On the host backend the same happens in order, without streams.
@@ -68,7 +70,7 @@ class ForwardOverlap:
         self._options: list[dict] = []  # per param group, its options at step()
         self._last: dict[int, int] = {}   # id(param) -> its last bucket (chunks: several)
         self._index: dict[int, int] = {}  # ... and id(its model param) -> that bucket
-        self._needs: dict[int, int] = {}  # id(module) -> buckets it waits for
+        self._needs: dict[int, int] = {}  # id(module or key) -> buckets it waits for
         self._handles = []
         for m in modules:
             for sub in m.modules():
@@ -186,20 +188,30 @@ class ForwardOverlap:
 
     # -- the forward's hooks -----------------------------------------------------------
 
-    def _before_module(self, module, inputs) -> None:
+    def before_reading(self, params, key=None) -> None:
+        """Steps the buckets that `params` (optimizer params, or the model params the
+        forward uses for them) come from, and makes the current stream wait for them on
+        the device: what runs next on it (a module's forward, an integration's param
+        all-gather) reads them stepped. key: an object that names `params` while they
+        stay the same (the count of buckets they need is kept per key)."""
         with lock_of(self.binding):
             run = self.binding.step_in_flight
             if run is None:
                 return
-            need = self._needs.get(id(module))
-            if need is None:  # its children's too: it may read them without calling them
-                need = self._needs[id(module)] = 1 + max(
-                    (self._index.get(id(p), -1) for p in module.parameters()), default=-1)
+            need = self._needs.get(id(key)) if key is not None else None
+            if need is None:
+                need = 1 + max((self._index.get(id(p), -1) for p in params), default=-1)
+                if key is not None:
+                    self._needs[id(key)] = need
             # Back to the forward's launches once its buckets have stepped: page-ins that
             # wait for room are issued by a later hook (Pipeline.pump).
             self.binding.step_in_flight_to(need, lazy=True)
             if need:
                 self._wait(need - 1)
+
+    def _before_module(self, module, inputs) -> None:
+        # Its children's parameters too: it may read them without calling them.
+        self.before_reading(module.parameters(), key=module)
 
     def _after_forward(self, module, inputs, output) -> None:
         with lock_of(self.binding):

@@ -118,6 +118,7 @@ class MegatronBinding:
     members: list = field(default_factory=list)
     megatron_step: object = None  # the optimizer's step() before attach set binding.step
     early: "PageInsDuringBackward | None" = None  # overlap_forward's
+    _gathers_hooked: bool = False  # overlap_forward() set _before_param_gather
 
     @property
     def streams(self) -> list:
@@ -143,11 +144,14 @@ class MegatronBinding:
         """Each member's steps end under the next forward of `model_chunks` (the DDP
         model chunks; StreamedOptimizer.overlap_forward): Megatron's step() returns once
         the first page-ins are issued, and each bucket's mains reach the param buffer
-        before the first module that uses them runs. One data-parallel rank only (the
-        param all-gather that follows the step would read mains not stepped yet); in a
-        ChainedOptimizer a member's step in flight completes when the next one starts.
-        page_in_during_backward: the next step's first page-ins begin in the backward
-        before it (PageInsDuringBackward). Returns the members' ForwardOverlaps."""
+        before the first module that uses them runs, and before any param all-gather
+        of a bucket group holding them is dispatched (with overlap_param_gather, each
+        in the forward's hooks). More than one data-parallel rank needs
+        overlap_param_gather (without it Megatron all-gathers every param at the end
+        of step()); in a ChainedOptimizer a member's step in flight completes when the
+        next one starts. page_in_during_backward: the next step's first page-ins begin
+        in the backward before it (PageInsDuringBackward). Returns the members'
+        ForwardOverlaps."""
         held = [[id(b) for b in m.megatron.buffers()] for m in self.members]
         flat = [b for ids in held for b in ids]
         if not all(held) or len(set(flat)) < len(flat):
@@ -160,16 +164,29 @@ class MegatronBinding:
                 "overlap_forward()")
         for m in self.members:
             size = m.megatron.data_parallel_size()
-            if size > 1 or m.megatron.overlaps_param_gather():
+            if size > 1 and not m.megatron.overlaps_param_gather():
                 raise _C.UsageError(
-                    f"overlap_forward() runs with one data-parallel rank (not {size}) and "
-                    "without overlap_param_gather: Megatron's param all-gather would read "
-                    "the param buffer before the forward has stepped its mains")
+                    f"overlap_forward() with {size} data-parallel ranks needs "
+                    "overlap_param_gather (Megatron-LM: --overlap-param-gather): without "
+                    "it Megatron all-gathers every param at the end of step(), before the "
+                    "forward has stepped their mains")
         overlaps = [m.stream.overlap_forward(*model_chunks, forward_param=m.model_param_of)
                     for m in self.members]
+        if not self._gathers_hooked:  # once: the hooks read the members' overlaps anew
+            internals.before_param_gather(model_chunks, self._before_param_gather)
+            self._gathers_hooked = True
         if page_in_during_backward and self.early is None:
             self.early = PageInsDuringBackward(self.members[0].stream, model_chunks)
         return overlaps
+
+    def _before_param_gather(self, params) -> None:
+        """Before a bucket group's param all-gather is dispatched: the buckets holding
+        its params' mains stepped, the current stream (which the collective follows)
+        after them."""
+        for m in self.members:
+            overlap = m.stream.overlap
+            if overlap is not None:
+                overlap.before_reading(params, key=params)
 
     def complete_step_in_flight(self) -> None:
         """Steps what each member's step in flight has left (overlap_forward): the

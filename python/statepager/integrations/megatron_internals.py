@@ -1,10 +1,9 @@
 """Every use statepager makes of megatron-core, one function or method per need.
 
-Nothing else in statepager names a Megatron attribute: when Megatron changes, this file
-(and its contract test, tests/gpu/test_megatron_contract.py, which checks CONTRACT)
-is where statepager changes. megatron_version.check_version() refuses, at attach, a
-megatron-core outside the range these were written and tested against. Imports megatron
-lazily (statepager imports without it).
+Nothing else in statepager names a Megatron attribute: when Megatron changes, this file and
+its contract test (tests/gpu/test_megatron_contract.py, which checks CONTRACT) change.
+megatron_version.check_version() refuses, at attach, a megatron-core outside the range these
+were written and tested against. Imports megatron lazily (statepager imports without it).
 """
 from __future__ import annotations
 
@@ -58,10 +57,11 @@ CONTRACT = (
      ["self", "model_param", "tensors"]),
     ("megatron.core.optimizer", "DistributedOptimizer", "sharded_state_dict",
      ["self", "model_sharded_state_dict", "is_loading"]),
-    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", "reset",
-     ["self"]),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", "reset", ["self"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
      "start_grad_sync", ["self", "force_all_reduce"]),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
+     "start_param_sync", ["self", "force_sync"]),
     # Megatron-LM's training calls it; statepager.megatron_lm takes model_chunks from it.
     ("megatron.core.optimizer", None, "get_megatron_optimizer", ["config", "model_chunks"]),
 )
@@ -88,37 +88,33 @@ MIXED_PRECISION_ATTRIBUTES = ("optimizer", "config", "float16_groups", "fp32_fro
                               "fp32_from_fp32_groups", "is_stub_optimizer")
 MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config", "bucket_groups",
                           "expert_parallel_bucket_groups")
-# ... and of each of its grad buffers (_ParamAndGradBuffer), with the model params'
-# main_grad views into grad_data.
+# ... of its grad buffers (the model params' main_grad view grad_data) and bucket groups.
 BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
+BUCKET_GROUP_ATTRIBUTES = ("params",)
 # ... on a built TensorParallelMuon; its pg_collection's groups (dataclass fields).
 MUON_ATTRIBUTES, MUON_GROUPS = ("tp_mode", "pg_collection"), ("tp", "expt_tp", "gtp_remat",
                                                               "expt_gtp_remat")
 
-_OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the state in "
-            "their own kernels. Turn use_precision_aware_optimizer and optimizer_cpu_offload "
-            "off; statepager takes their place.")
+_OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the state in their "
+            "own kernels. Turn use_precision_aware_optimizer and optimizer_cpu_offload off.")
 
 
 def is_megatron(optimizer) -> bool:
-    """Megatron's optimizers, the adapter's (not the emerging_optimizers' torch ones,
-    members' inner optimizers, attached as torch optimizers)."""
+    """Megatron's optimizers, the adapter's (not emerging_optimizers' torch ones, inner)."""
     module = type(optimizer).__module__
     return (module.startswith("megatron.")
             and not module.startswith("megatron.core.optimizer.emerging_optimizers"))
 
 
 def members(optimizer) -> list:
-    """(index, member) of each optimizer that `optimizer` steps parameters with: the
-    leaves of its chain (a ChainedOptimizer's members, a LayerWiseDistributedOptimizer's,
-    nested), in the order Megatron steps them, or the optimizer itself; stubs and members
-    without parameters on this rank left out (index: the place among all leaves)."""
+    """(index among all leaves, member) of each optimizer that `optimizer` steps params
+    with: its chain's leaves (ChainedOptimizer's, LayerWiseDistributedOptimizer's, nested)
+    in Megatron's step order, or itself; stubs and members without params here left out."""
     return [(i, m) for i, m in enumerate(_leaves(optimizer))
             if not getattr(m, "is_stub_optimizer", False) and _has_params(m)]
 
 
-def _has_params(member) -> bool:
-    """False for a member without parameters on this rank (a layer-wise chain's)."""
+def _has_params(member) -> bool:  # False: none on this rank (a layer-wise chain's member)
     inner = getattr(member, "optimizer", None)
     return inner is None or any(g["params"] for g in inner.param_groups)
 
@@ -132,8 +128,8 @@ def _leaves(optimizer) -> list:
 
 
 def model_chunks(optimizer) -> list:
-    """The DDP model chunks the optimizer's chain knows (its distributed and layer-wise
-    optimizers'; a non-distributed chain knows none)."""
+    """The DDP model chunks of the chain's distributed and layer-wise optimizers (none for
+    a non-distributed chain)."""
     from megatron.core.optimizer import ChainedOptimizer
 
     found = list(getattr(optimizer, "model_chunks", None) or [])
@@ -145,12 +141,24 @@ def model_chunks(optimizer) -> list:
 def on_grad_sync_start(chunks, handler) -> None:
     """handler() after each grad-sync start of the DDP model chunks' bucket groups: in the
     last micro-batch's backward as each group's grads are ready (overlap_grad_reduce),
-    else all at finish_grad_sync. Set on the group instances."""
-    def then(call):
-        return lambda *args, **kwargs: (call(*args, **kwargs), handler())[0]
-    for chunk in chunks:
-        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
-            group.start_grad_sync = then(group.start_grad_sync)
+    else all at finish_grad_sync."""
+    _wrap_groups(chunks, "start_grad_sync",
+                 lambda group, call: lambda *a, **k: (call(*a, **k), handler())[0])
+
+
+def before_param_gather(chunks, handler) -> None:
+    """handler(params) before each bucket group's param all-gather is dispatched, params:
+    the model params it gathers. With overlap_param_gather the forward's pre-hook of the
+    first module using a group dispatches its (and, once waited for, the next group's);
+    without it, the end of the optimizer's step; force_sync (a checkpoint, an eval) now."""
+    _wrap_groups(chunks, "start_param_sync",
+                 lambda group, call: lambda *a, **k: (handler(group.params), call(*a, **k))[1])
+
+
+def _wrap_groups(chunks, name: str, wrap) -> None:
+    """Sets wrap(group, its method `name`) as `name` on each bucket group instance."""
+    for group in (g for c in chunks for g in c.bucket_groups + c.expert_parallel_bucket_groups):
+        setattr(group, name, wrap(group, getattr(group, name)))
 
 
 def view(d, chunks=()) -> "Internals":
@@ -176,22 +184,20 @@ def inner_problem(inner) -> str | None:
         return _muon_problem(inner, name)
     known = {
         "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam":
-            "Transformer Engine's FusedAdam counts its step per param group and call, "
-            "which a step in buckets would advance once per bucket, and it has not been "
-            "tested here. Run without Transformer Engine's optimizers (megatron-core "
-            "falls back to torch.optim.AdamW when transformer_engine.pytorch.optimizers "
-            "does not import)",
+            "Transformer Engine's FusedAdam counts its step per param group and call, which "
+            "a step in buckets would advance once per bucket, and it is untested here. Run "
+            "without Transformer Engine's optimizers (megatron-core falls back to "
+            "torch.optim.AdamW when transformer_engine.pytorch.optimizers does not import)",
         "megatron.core.optimizer.emerging_optimizers.TensorParallelAdaptiveMuon":
-            "its step fails in emerging-optimizers 0.3.0 (AdaptiveMuon's scale_mode is "
-            "never set). Use --optimizer muon",
+            "its step fails in emerging-optimizers 0.3.0 (AdaptiveMuon's scale_mode is never "
+            "set). Use --optimizer muon",
         "emerging_optimizers.soap.soap.SOAP":
-            "SOAP replaces its state tensors with new ones at every step, and the pager "
-            "holds state at fixed addresses. Use --optimizer muon or adam",
+            "SOAP replaces its state tensors at every step, and the pager holds state at "
+            "fixed addresses. Use --optimizer muon or adam",
     }
     why = known.get(name) or (
-        "statepager has not been checked against it (it pages torch's Adam, AdamW and SGD "
-        "and Megatron's TensorParallelMuon). Use one of those, or leave this optimizer "
-        "unattached")
+        "statepager has not been checked against it (it pages torch's Adam, AdamW and SGD and "
+        "Megatron's TensorParallelMuon). Use one of those, or leave this optimizer unattached")
     return f"its inner optimizer is a {name}: {why}."
 
 
@@ -207,17 +213,14 @@ def _muon_problem(muon, name: str) -> str | None:
     if not wide:
         return None
     return (f"its inner optimizer is a {name} whose matrices span the ranks of its "
-            f"{', '.join(wide)} group (tp_mode {muon.tp_mode!r}): Newton-Schulz gathers "
-            "each matrix in collectives across that group, which statepager has not been "
-            "tested to keep in order. Use --muon-tp-mode blockwise (Megatron's default: "
-            "each rank orthogonalizes its own block), or tensor-parallel size 1.")
+            f"{', '.join(wide)} group (tp_mode {muon.tp_mode!r}): Newton-Schulz gathers each "
+            "matrix in collectives across that group, untested in buckets. Use --muon-tp-mode "
+            "blockwise (Megatron's default: each rank its own block), or tensor-parallel size 1.")
 
 
 def override_step(optimizer, step):
-    """Sets `optimizer`'s step() (the training loop's; a chain steps its members through
-    other methods) on the instance; returns the step() it had."""
-    previous = optimizer.step
-    optimizer.step = step
+    """Sets `optimizer`'s step() (the training loop's) on the instance; returns the old."""
+    previous, optimizer.step = optimizer.step, step
     return previous
 
 
@@ -325,9 +328,8 @@ class Internals:
         return tuple(self.d.optimizer_state_keys)
 
     def replace_mains(self, replace) -> dict:
-        """Each main for which replace(main) returns a tensor is replaced by it in
-        Megatron's groups and model_param.main_param. Returns {id(old): new}; the inner
-        optimizer's references are the caller's."""
+        """Each main for which replace(main) returns a tensor is replaced by it in Megatron's
+        groups and model_param.main_param: {id(old): new} (the inner optimizer's: the caller's)."""
         moved = {}
         model_groups, main_groups, _ = self._groups()
         for models, mains in zip(model_groups, main_groups):
@@ -369,8 +371,7 @@ class Internals:
 
     # -- d's methods -----------------------------------------------------------------------
 
-    def copy_grads_as_megatron(self) -> None:
-        """Megatron's own model-grads-to-main-grads."""
+    def copy_grads_as_megatron(self) -> None:  # Megatron's own model-grads-to-main-grads
         type(self.d)._copy_model_grads_to_main_grads(self.d)
 
     def state_dict_as_megatron(self) -> dict:
@@ -387,8 +388,8 @@ class Internals:
 
     @staticmethod
     def zero_grads_but(buffer, kept: list) -> None:
-        """What buffer.reset() does, but the main grads of the model params `kept` (views
-        into its grad data, or extra main grads of its own) keep their values."""
+        """buffer.reset() but for the main grads of the model params `kept` (views into
+        its grad data, or extra main grads of its own)."""
         data = buffer.grad_data.view(-1)
         base, size = data.data_ptr(), data.element_size()
         at, spans = 0, sorted(((g.data_ptr() - base) // size, (g.data_ptr() - base) // size
@@ -406,8 +407,7 @@ class Internals:
     def data_parallel_size(self) -> int:
         return self.d.data_parallel_group.size()
 
-    def overlaps_param_gather(self) -> bool:
-        """Whether DDP all-gathers the params in the forward's hooks."""
+    def overlaps_param_gather(self) -> bool:  # DDP all-gathers params in the forward's hooks
         return bool(self.d.ddp_config.overlap_param_gather)
 
     def override(self, *, copy_grads, copy_mains_to_params, copy_params_to_mains,
@@ -477,9 +477,9 @@ class MixedPrecisionInternals(Internals):
 
     def state_dict_params(self, state_dict) -> dict:
         raise _C.UsageError(
-            "reload_model_params(state_dict) with a Float16OptimizerWithFloat16Params: "
-            "Megatron does not initialize its main params from a state dict either. Load "
-            "the model's weights into the model, then call reload_model_params()")
+            "reload_model_params(state_dict) with a Float16OptimizerWithFloat16Params: Megatron "
+            "does not initialize its mains from a state dict either. Load the model's weights "
+            "into the model, then call reload_model_params()")
 
     def buffers(self) -> list:
         """The grad buffers of the chain's model chunks that hold d's params' grads."""

@@ -77,7 +77,7 @@ _FLAGS = (
      "or off (in place)"),
     ("overlap-forward", "STATEPAGER_OVERLAP_FORWARD", "overlap_forward", ON_OFF,
      "on: each step ends under the next forward, each bucket stepped before the first "
-     "layer that uses it (one data-parallel rank, without --overlap-param-gather; "
+     "layer that uses it (more than one data-parallel rank needs --overlap-param-gather; "
      "default off)"),
     ("optimizer-checkpoint", "STATEPAGER_OPTIMIZER_CHECKPOINT", "optimizer_checkpoint",
      OPTIMIZER_CHECKPOINT,
@@ -221,13 +221,15 @@ def _on(args, name: str) -> bool:
     return bool(getattr(args, name, None))
 
 
-# Megatron flags that steps under the forward cannot run with (Megatron's param all-gather
-# would read the param buffer before the forward stepped its mains).
+# Megatron flags that steps under the forward cannot run with.
 _NOT_UNDER_THE_FORWARD = (
-    ("--overlap-param-gather", lambda a: _on(a, "overlap_param_gather"),
-     "drop one of them"),
-    ("data-parallel size > 1", lambda a: (getattr(a, "data_parallel_size", 1) or 1) > 1,
-     "run one data-parallel rank, or drop --statepager-overlap-forward"),
+    # Without it, Megatron all-gathers every param at the end of step(), before the
+    # forward has stepped their mains.
+    ("data-parallel size > 1 without --overlap-param-gather",
+     lambda a: (getattr(a, "data_parallel_size", 1) or 1) > 1
+     and not _on(a, "overlap_param_gather"),
+     "add --overlap-param-gather (each bucket group's all-gather then waits for its "
+     "mains' step), or run one data-parallel rank, or drop --statepager-overlap-forward"),
     # The members' grads must be in grad buffers of their own that statepager reaches.
     ("no --use-distributed-optimizer",
      lambda a: not (_on(a, "use_distributed_optimizer") or _layer_wise(a)),
