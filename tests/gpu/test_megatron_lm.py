@@ -73,6 +73,9 @@ TINY_GPT = [
 ]
 MUON = ["--optimizer", "muon"]
 HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
+# Megatron's param all-gathers in the forward's pre-hooks (it needs the grad reduce
+# overlapped too).
+PARAM_GATHER_IN_THE_FORWARD = ["--overlap-grad-reduce", "--overlap-param-gather"]
 MEGATRON_FORMAT = ["--statepager-optimizer-checkpoint", "megatron"]
 PAGED = ["--statepager-dir", "{store}", "--statepager-bucket-size", "4M",
          "--statepager-page-size", "2M", "--statepager-hbm-budget", "256M"]
@@ -239,6 +242,9 @@ def runs(tmp_path_factory):
         "env": ("env", ["--save", r.path("ckpt-env")], env_only_options(r)),
         "overlap": ("overlap", ["--save", r.path("ckpt-overlap"),
                                 "--statepager-overlap-forward", "on"], {}),
+        "overlap-gather": ("overlap-gather", ["--save", r.path("ckpt-overlap-gather"),
+                                              "--statepager-overlap-forward", "on"]
+                           + PARAM_GATHER_IN_THE_FORWARD, {}),
         "megatron-format": ("megatron-format", ["--save", r.path("ckpt-megatron-format")]
                             + MEGATRON_FORMAT, {}),
     }
@@ -258,6 +264,9 @@ def runs(tmp_path_factory):
                            dict(gpus=2, kill_after=KILL_AT)),
             "dp2-megatron-format": ("dp2-megatron-format", ["--save", r.path(
                 "ckpt-dp2-megatron-format")] + MEGATRON_FORMAT, dict(gpus=2)),
+            "dp2-overlap-gather": ("dp2-overlap-gather", [
+                "--save", r.path("dp2-overlap-gather"), "--statepager-overlap-forward", "on"]
+                + PARAM_GATHER_IN_THE_FORWARD, dict(gpus=2)),
         })
     r.result = wave(r, first)
     # What the crash left, before its restart changes it.
@@ -334,9 +343,11 @@ def test_paged_losses_equal_unpaged(runs):
 def test_steps_under_the_forward_equal_unpaged(runs):
     """--statepager-overlap-forward on: each step ends under the next forward; the losses
     are unpaged Megatron's, and the checkpoints (saved after a step in flight completes)
-    are the paged run's, byte for byte."""
-    assert logged(ok(runs.result["overlap"])) == runs.unpaged
-    same_state(runs.path("ckpt-paged"), runs.path("ckpt-overlap"))
+    are the paged run's, byte for byte. With --overlap-param-gather each bucket group's
+    all-gather, dispatched in the forward's hooks, reads its mains stepped."""
+    for name in ("overlap", "overlap-gather"):
+        assert logged(ok(runs.result[name])) == runs.unpaged, name
+        same_state(runs.path("ckpt-paged"), runs.path(f"ckpt-{name}"))
 
 
 @pytest.mark.skipif(not HAVE_EMERGING, reason="emerging-optimizers is not installed (the "
@@ -486,6 +497,10 @@ def test_dp2_paged_equals_unpaged_resumes_exactly_and_a_missing_rank_fails_both(
     paged = logged(ok(runs.result["dp2-paged"]))
     assert sorted(paged) == list(range(1, ITERS + 1))
     assert paged == logged(ok(runs.result["dp2-unpaged"]))
+    # Steps under the forward at DP = 2, each bucket group's all-gather after its step.
+    assert logged(ok(runs.result["dp2-overlap-gather"])) == paged
+    for rank in (0, 1):
+        same_state(runs.path("dp2-paged"), runs.path("dp2-overlap-gather"), rank=rank)
     assert runs.result["dp2-killed"][0] != 0
     resumed_as(logged(ok(runs.result["dp2-restarted"])), paged, SAVE_AT + 1)
     for rank in (0, 1):
