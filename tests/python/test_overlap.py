@@ -222,6 +222,58 @@ def test_megatron_param_gathers_in_the_forward_read_stepped_params(tmp_path):
     assert same(base[1], gathered[1])
 
 
+def test_a_bucket_failing_in_a_param_gather_raises_from_the_forward_and_the_step_resumes(
+        tmp_path):
+    """A bucket stepped for the next group's all-gather (dispatched ahead of the forward,
+    by the first module's pre-hook) fails: the forward raises before any module ran, the
+    group's all-gather is not dispatched, the step is pending and finishes exactly."""
+    from statepager.integrations import megatron_internals
+
+    base = run(tmp_path, "base", False, steps=4)
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, handle = model_and_opt(pager, True)
+        groups = [ParamGatherGroup([p for m in model[i:i + 2] for p in m.parameters()])
+                  for i in reversed(range(0, LAYERS, 2))]
+        for earlier, later in zip(groups[1:], groups):
+            earlier.next = later
+
+        class Chunk:
+            bucket_groups, expert_parallel_bucket_groups = groups, []
+        megatron_internals.before_param_gather(
+            [Chunk], lambda params: handle.before_reading(params, key=params))
+        of = {id(p): g for g in groups for p in g.params}
+        ran = []
+        for m in model:
+            m.register_forward_pre_hook(
+                lambda module, inputs: of[id(module.weight)].finish_param_sync())
+            m.register_forward_pre_hook(lambda module, inputs: ran.append(module))
+
+        def reset(i):
+            for g in groups:
+                g.dispatched = False
+        losses = train(model, opt, 2, watch=reset)
+        second = groups[-2]  # layers 2 and 3: the first module dispatches it
+
+        def failing(params):
+            if any(p is model[2].bias for p in params):
+                raise RuntimeError("injected failure in a param gather")
+        binding.before_bucket = failing
+        opt.zero_grad()
+        ran.clear()
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(2))
+        with pytest.raises(RuntimeError, match="injected failure in a param gather"):
+            model(x)
+        binding.before_bucket = None
+        assert ran == [] and not second.dispatched
+        assert binding.step_in_flight is None and binding.pending
+        opt.zero_grad()  # finishes the pending step
+        assert not binding.pending
+        reset(None)
+        losses += train(model, opt, 2, first=2, watch=reset)
+        assert losses == base[0]
+        assert same(base[1], result(model, opt))
+
+
 def test_a_step_in_flight_is_settled_once_the_forward_has_stepped_it(tmp_path):
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True)
