@@ -88,9 +88,8 @@ MIXED_PRECISION_ATTRIBUTES = ("optimizer", "config", "float16_groups", "fp32_fro
                               "fp32_from_fp32_groups", "is_stub_optimizer")
 MODEL_CHUNK_ATTRIBUTES = ("buffers", "expert_parallel_buffers", "ddp_config", "bucket_groups",
                           "expert_parallel_bucket_groups")
-# ... of its grad buffers (the model params' main_grad view grad_data) and bucket groups.
-BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")
-BUCKET_GROUP_ATTRIBUTES = ("params",)
+BUFFER_ATTRIBUTES = ("grad_data", "extra_main_grads", "params")  # of each grad buffer
+BUCKET_GROUP_ATTRIBUTES = ("params",)  # ... and of each bucket group of a model chunk
 # ... on a built TensorParallelMuon; its pg_collection's groups (dataclass fields).
 MUON_ATTRIBUTES, MUON_GROUPS = ("tp_mode", "pg_collection"), ("tp", "expt_tp", "gtp_remat",
                                                               "expt_gtp_remat")
@@ -100,7 +99,8 @@ _OFFLOAD = ("the precision-aware optimizer and optimizer CPU offload keep the st
 
 
 def is_megatron(optimizer) -> bool:
-    """Megatron's optimizers, the adapter's (not emerging_optimizers' torch ones, inner)."""
+    """Megatron's optimizers, which the adapter attaches (not emerging_optimizers' torch
+    optimizers: members' inner ones, attached as torch optimizers)."""
     module = type(optimizer).__module__
     return (module.startswith("megatron.")
             and not module.startswith("megatron.core.optimizer.emerging_optimizers"))
