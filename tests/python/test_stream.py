@@ -142,6 +142,33 @@ def test_a_step_times_its_parts(store_dir, how, monkeypatch):
             assert s.seconds >= 0.1
 
 
+def test_a_bucket_s_waits_are_each_counted_once(store_dir, monkeypatch):
+    """StepStats: the wait for the residual exception counts of the bucket stepped LAG
+    before (the device's work on it) is wait_device_seconds, neither the page-in's wait
+    nor the stepping."""
+    from statepager.core.late_reads import ExceptionCounts
+
+    read = ExceptionCounts.read
+
+    def slow_read(self, keep=ExceptionCounts.LAG - 1):
+        time.sleep(0.05)
+        return read(self, keep)
+    model = make_model().bfloat16()
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-3, mains="residual",
+                         bucket_size=64 * KiB)
+        for _ in range(2):  # the second: every bucket's state made
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            monkeypatch.setattr(ExceptionCounts, "read", slow_read)
+            opt.step()
+            monkeypatch.undo()
+        s = opt.binding.last
+        slept = 0.05 * s.buckets  # advance() reads once a bucket
+        assert s.buckets > 1 and s.wait_device_seconds >= slept
+        assert s.wait_in_seconds < slept / 2
+
+
 def test_step_memory_bounded_by_depth_times_bucket(store_dir):
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)

@@ -229,10 +229,11 @@ class Pipeline:
         self._open = i
         h.wait()
         self._done_in.append(h)
-        t1 = time.monotonic()
+        t_in = time.monotonic()
+        stats.wait_in_seconds += t_in - t0
         counting.read()  # bucket i - LAG's, before bucket i's work is queued
-        stats.wait_device_seconds += time.monotonic() - t1
         t1 = time.monotonic()
+        stats.wait_device_seconds += t1 - t_in
         if atomic and not self._for_read:  # all or nothing: undo copies a bucket ahead
             if i == 0:  # the first's own first
                 atomic.take_ahead(b)
@@ -243,7 +244,6 @@ class Pipeline:
         self._trace.end()
         t2 = time.monotonic()
         self._stepping.append((t1, t2))
-        stats.wait_in_seconds += t1 - t0
         stats.compute_seconds += t2 - t1
         held = counting.hold(pending)  # before anything else can fail
         self._open = None  # stepped: whole, resident until its page-out lands
