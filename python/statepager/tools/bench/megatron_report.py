@@ -8,7 +8,7 @@ import statistics
 from statepager.tools.bench import floor as bench_floor
 from statepager.tools.bench import megatron_checkpoint
 from statepager.tools.bench.megatron_configs import CONFIGS, MUON
-from statepager.tools.bench.report import faster, multiple, show
+from statepager.tools.bench.report import faster, multiple
 from statepager.util.units import GiB, MiB
 
 
