@@ -297,15 +297,10 @@ class CudaDevice final : public Device {
     check(r, "cuEventRecord/cuStreamWaitEvent");
   }
 
-  Fence record(CopyQueue queue) override {
-    ScopedContext scope(d_, ctx_);
-    Fence f = take_event();
-    CUresult r = d_.cuEventRecord(event(f), stream(queue));
-    if (r != CUDA_SUCCESS) {
-      release_fence(f);
-      check(r, "cuEventRecord");
-    }
-    return f;
+  Fence record(CopyQueue queue) override { return record_on(stream(queue)); }
+
+  Fence record_stream(uintptr_t user_stream) override {
+    return record_on(reinterpret_cast<CUstream>(user_stream));
   }
 
   bool is_done(Fence fence) override {
@@ -351,6 +346,17 @@ class CudaDevice final : public Device {
   }
 
   CUstream stream(CopyQueue queue) const { return streams_[static_cast<int>(queue)]; }
+
+  Fence record_on(CUstream s) {
+    ScopedContext scope(d_, ctx_);
+    Fence f = take_event();
+    CUresult r = d_.cuEventRecord(event(f), s);
+    if (r != CUDA_SUCCESS) {
+      release_fence(f);
+      check(r, "cuEventRecord");
+    }
+    return f;
+  }
 
   // A Fence is an index into events_. Events are reused, never destroyed before the
   // device, so the pool stays as large as the most fences ever held at once.

@@ -111,6 +111,11 @@ class Device {
   // Fences: record() marks the current end of `queue`; is_done() polls; release_fence()
   // returns it once the caller no longer needs it. wait() blocks until it is done.
   virtual Fence record(CopyQueue queue) = 0;
+  // A fence that marks the current end of the caller's stream `stream` (as in
+  // wait_for_stream): done once the work queued there so far has run, whatever the copy
+  // queues still hold (a discard's unmap waits for the kernels that used its pages, not
+  // for page-outs queued before it). Host: done at once.
+  virtual Fence record_stream(uintptr_t stream) = 0;
   virtual bool is_done(Fence fence) = 0;
   virtual void wait(Fence fence) = 0;
   virtual void release_fence(Fence fence) = 0;

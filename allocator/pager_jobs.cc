@@ -193,7 +193,13 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
   if (out) {
     for (ExtentId id : job->extents) forget_rest_locked(extents_.at(id));
   }
-  if (out) device_->wait_for_stream(CopyQueue::kToHost, stream);
+  if (discard) {
+    // Unmapped once the caller's kernels are done, not behind the page-outs queued on the
+    // copy queue (see Note [The pipeline admits page-ins by pages] in docs/design.md).
+    job->fence = device_->record_stream(stream);
+  } else if (out) {
+    device_->wait_for_stream(CopyQueue::kToHost, stream);
+  }
   if (out && !discard) {
     try {
       redirect_writes_locked(place_outs_locked(*job));
@@ -238,6 +244,8 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
   for (ExtentId id : job->returned) extents_.at(id).state = Residency::kPagingOut;
   if (!discard) plan_locked(*job);
   if (job->extents.empty() && job->returned.empty()) {
+    if (job->fence) device_->release_fence(*job->fence);
+    job->fence.reset();
     job->phase = JobPhase::kDone;
     return job;
   }
@@ -377,10 +385,9 @@ void Pager::start_job(Job& job) {
     store_tier_->start(job);
     if (host_tier_) host_tier_->start(job);
     for (auto [addr, bytes] : job.zero_fills) device_->fill_zero(addr, bytes);
-    // A discard, or extents returned unchanged, unmap once the work queued before it on
-    // the caller's stream is done.
-    if (!job.zero_fills.empty() || !job.host_copies.empty() || discard ||
-        !job.returned.empty()) {
+    // Extents returned unchanged unmap once the work queued before it on the caller's
+    // stream is done (a discard's fence was recorded on that stream by submit()).
+    if (!job.zero_fills.empty() || !job.host_copies.empty() || !job.returned.empty()) {
       job.fence = device_->record(job.out() ? CopyQueue::kToHost : CopyQueue::kToDevice);
     }
   } catch (...) {

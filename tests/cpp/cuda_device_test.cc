@@ -93,6 +93,27 @@ TEST_F(CudaDevice, CopiesAreBitExact) {
   dev->unreserve(base, 2 * g);
 }
 
+// A fence on a caller's stream passes once that stream's work has run, while the copy
+// queue still holds a gigabyte of copies queued before it (a discard's unmap waits for
+// the kernels that used its pages, not for page-outs).
+TEST_F(CudaDevice, AStreamFencePassesWhileTheCopyQueueIsBusy) {
+  MappedPage mapped(*dev);
+  const size_t g = mapped.bytes;
+  void* staging = dev->alloc_staging(g);
+  for (size_t copied = 0; copied < (size_t{1} << 30); copied += g) {
+    dev->copy_to_host(staging, mapped.base, g);
+  }
+  const Fence copies = dev->record(CopyQueue::kToHost);
+  const Fence stream_fence = dev->record_stream(0);  // the legacy default stream: nothing queued
+  while (!dev->is_done(stream_fence)) {
+  }
+  EXPECT_FALSE(dev->is_done(copies)) << "1 GiB of copies done before a spin on a fence";
+  dev->wait(copies);
+  dev->release_fence(stream_fence);
+  dev->release_fence(copies);
+  dev->free_staging(staging, g);
+}
+
 // A batch of scattered pieces of odd sizes, both ways, between a page and registered
 // memory (a file's shared mapping is registered the same way): every byte lands where its
 // piece says, and bytes no piece covers are untouched.

@@ -4,9 +4,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "allocator/pager.h"
@@ -16,6 +20,7 @@
 #include "child_process.h"
 #include "pager_options.h"
 #include "temp_dir.h"
+#include "wrapped_device.h"
 
 namespace statepager {
 namespace {
@@ -104,6 +109,44 @@ TEST_F(HostTierTest, BudgetThatHoldsTheStateMovesNoFileBytes) {
   // write_all, the rounds, holds()
   EXPECT_EQ(s.bytes_to_host, (1 + 3 + 1) * ids.size() * kExtentBytes);
   EXPECT_EQ(s.mapped_bytes, 0u);
+}
+
+// The host device whose device-to-host queue is held: its fences do not pass until
+// held is cleared, as copies still running on a GPU; fences of callers' streams pass.
+class HeldCopiesDevice final : public WrappedDevice {
+ public:
+  static constexpr Fence kHeldFence = 1;
+  Fence record(CopyQueue q) override {
+    return q == CopyQueue::kToHost ? kHeldFence : WrappedDevice::record(q);
+  }
+  bool is_done(Fence f) override { return f != kHeldFence || !held; }
+  void wait(Fence f) override {
+    while (!is_done(f)) std::this_thread::yield();
+  }
+  std::atomic<bool> held{true};
+};
+
+// A discard unmaps once its stream's work is done, not behind the page-out copies queued
+// on the device-to-host queue before it.
+TEST_F(HostTierTest, ADiscardDoesNotWaitForPageOutsQueuedBeforeIt) {
+  auto owned = std::make_unique<HeldCopiesDevice>();
+  HeldCopiesDevice& device = *owned;
+  Pager pager(std::move(owned), options(4 * kRounded));
+  const std::vector<ExtentId> ids = make_extents(pager, 2);
+  pager.wait(pager.page_in(ids));
+  const Ticket out = pager.page_out({ids[0]});
+  const Ticket dropped = pager.discard({ids[1]});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!pager.is_done(dropped) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  EXPECT_TRUE(pager.is_done(dropped));
+  EXPECT_FALSE(pager.is_done(out));
+  EXPECT_EQ(pager.residency(ids[1]), Residency::kZero);
+  device.held = false;
+  pager.wait(out);
+  pager.wait(dropped);
+  EXPECT_EQ(pager.residency(ids[0]), Residency::kHost);
 }
 
 TEST_F(HostTierTest, PageInFreesTheHostRange) {

@@ -39,6 +39,7 @@ class WrappedDevice : public Device {
   }
   void wait_for_stream(CopyQueue q, uintptr_t s) override { host_->wait_for_stream(q, s); }
   Fence record(CopyQueue q) override { return host_->record(q); }
+  Fence record_stream(uintptr_t s) override { return host_->record_stream(s); }
   bool is_done(Fence f) override { return host_->is_done(f); }
   void wait(Fence f) override { host_->wait(f); }
   void release_fence(Fence f) override { host_->release_fence(f); }

@@ -70,6 +70,28 @@ def test_page_out_on_a_side_stream(store_dir):
         assert bool((t == 3.0).all())
 
 
+def test_a_discard_waits_for_its_stream_not_for_page_outs_queued_before_it(store_dir):
+    """A discard unmaps once the kernels queued before it on its stream are done, not
+    behind a page-out's copies queued on the copy queue before it (a streamed step's
+    scratch leaves while its stored forms still cross to the host)."""
+    with Pager(store_dir, device="cuda", page_size=32 * MiB, host_budget=5 * GiB) as p:
+        stored, scratch = p.empty(4 * GiB // 4), p.empty(64 * MiB // 4)
+        p.page_in([stored, scratch])
+        stored.fill_(1.0)
+        scratch.zero_()
+        for _ in range(200):  # kernels the discard must wait for
+            scratch.add_(1)
+        out = p.page_out_async(stored)  # one 4 GiB copy to the host tier: about 80 ms
+        dropped = p.discard_async(scratch)
+        dropped.wait()
+        assert not out.done(), "the discard did not wait for the page-out's copy"
+        assert p.residency(scratch) == "zero"
+        out.wait()
+        torch.cuda.synchronize()  # no kernel touched the scratch after its unmap
+        p.page_in(stored)
+        assert bool((stored == 1.0).all())
+
+
 def test_pause_resume_returns_memory_and_is_bit_exact(store_dir, cuda_free):
     with Pager(store_dir, device="cuda", page_size=32 * MiB, keep=256 * MiB) as p:
         ts = [p.empty(n) for n in (7, 100 * MiB // 4 + 3, 300 * MiB // 4)]

@@ -112,6 +112,16 @@ def test_the_header_says_when_grad_syncs_wait_for_the_backward():
     assert "without" not in megatron_lm.header(dict(m, overlap_grad_reduce=True))
 
 
+def test_the_header_says_how_many_hardware_queues_the_runs_had():
+    """CUDA_DEVICE_MAX_CONNECTIONS as the caller set it (1 puts every stream in one
+    queue: the pager's copies behind the model's kernels)."""
+    m = dict(params=1.34e9, layers=24, hidden=2048, heads=16, vocab=32000, seq=512,
+             micro_batch=4, iters=14, skip=3, overlap_grad_reduce=True)
+    assert megatron_lm.header(m).endswith("; CUDA_DEVICE_MAX_CONNECTIONS unset")
+    assert megatron_lm.header(dict(m, max_connections="1")).endswith(
+        "; CUDA_DEVICE_MAX_CONNECTIONS 1")
+
+
 def parse_defaults():
     return cli.parser("statepager").parse_args(["bench", "megatron-lm", "--dir", "/tmp"])
 

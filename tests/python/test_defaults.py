@@ -85,6 +85,40 @@ def test_a_window_attach_accepts_holds_every_step(tmp_path, page, bucket, format
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("page, formats", [(16 * KiB, ("q8", "residual")),
+                                           (64 * KiB, ("q8", "residual")),
+                                           (16 * KiB, ("fp32", "fp32"))])
+def test_page_ins_are_admitted_by_pages_with_page_outs_held_back(tmp_path, monkeypatch,
+                                                                 page, formats):
+    """Every page-out held back until the pipeline waits for it: each page-in waits for
+    room by the pages held, so the step maps at most its window (hbm_budget exactly the
+    window: a page more would fail a page-in, no page-out being in flight to make room)
+    and steps as without. With q8 moments a stepped bucket holds its stored forms' pages
+    alone (its fp32 scratch dropped), so more stepped buckets await their page-outs at a
+    page-in than a count of `depth` buckets resident or in flight would allow."""
+    from held_page_outs import hold_page_outs
+    from statepager.core.pipeline import Pipeline
+
+    moments, mains = formats
+    options = dict(page_size=page, bucket_size=64 * KiB, depth=3, moments=moments, mains=mains)
+    window, _, want = run(str(tmp_path / "free"), None, **options)
+    gate = hold_page_outs(monkeypatch)
+    gate["held"] = True
+    awaiting = []  # at each page-in the pipeline issues: buckets awaiting their page-outs
+    page_in = Pipeline._page_in
+
+    def counting(self, j):
+        awaiting.append(sum(not h.issued for h in gate["made"] if h.page_out))
+        return page_in(self, j)
+    monkeypatch.setattr(Pipeline, "_page_in", counting)
+    got_window, peak, got = run(str(tmp_path / "exact"), window, **options)
+    assert got_window == window and peak <= window
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert max(awaiting) >= 1
+    if moments == "q8":
+        assert max(awaiting) >= options["depth"]
+
+
 def test_the_window_counts_a_page_that_neighbouring_buckets_share_once(tmp_path):
     """Buckets of 64 KiB over pages of 64 KiB: neighbours share pages, which the pool maps
     once. The window is the largest union of the pages `depth` consecutive buckets touch,

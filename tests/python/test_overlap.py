@@ -13,6 +13,7 @@ import torch
 from statepager import Pager, checkpoint
 from statepager import _C
 
+from held_page_outs import hold_page_outs, let_land
 from small_jobs import KiB, bits
 
 WIDTH, LAYERS = 96, 6
@@ -310,80 +311,45 @@ def test_each_module_runs_after_its_bucket_stepped(tmp_path, split_groups):
         assert binding.step_in_flight is None
 
 
-class _Landing:
-    """A page-out handle that says it has not landed while the gate is held, and counts
-    a wait() for it made meanwhile."""
-
-    def __init__(self, handle, gate):
-        self._handle, self._gate = handle, gate
-
-    def done(self):
-        return not self._gate["held"] and self._handle.done()
-
-    def wait(self):
-        self._gate["waited"] += self._gate["held"]
-        return self._handle.wait()
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
-
-
-def hold_page_outs(monkeypatch) -> dict:
-    """The gate of every page-out a step issues from now on (_Landing)."""
-    from statepager.core import pipeline
-
-    gate = {"held": False, "waited": 0, "made": []}
-    release = pipeline.residency.release
-
-    def held_release(*args, **kwargs):
-        handles = [_Landing(h, gate) for h in release(*args, **kwargs)]
-        gate["made"] += handles
-        return handles
-    monkeypatch.setattr(pipeline.residency, "release", held_release)
-    return gate
-
-
-def let_land(gate, seconds: float = 30) -> bool:
-    """Opens the gate; whether every page-out made so far landed within `seconds` (the
-    I/O thread's)."""
-    gate["held"] = False
-    deadline = time.monotonic() + seconds
-    while not all(h.done() for h in gate["made"]) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return all(h.done() for h in gate["made"])
+def left(run_) -> bool:
+    """Whether a page-in due is not issued (left for room by a hook that did not wait)."""
+    return run_._due <= min(run_.stepped + run_.ahead, len(run_.buckets) - 1)
 
 
 def test_a_forward_hook_returns_without_waiting_for_room_and_a_later_one_pages_in(
         tmp_path, monkeypatch):
     """A pre-hook that steps buckets waits for room for the next page-in only while more
     buckets of its own remain: after its last it returns to the forward, and a later hook
-    issues the page-in once the page-out that makes room has landed. Training on is still
-    bit-identical."""
+    issues the page-in once the page-out that makes room has landed. What the step maps
+    stays within the window, page-outs held; training on is still bit-identical."""
     base = run(tmp_path, "base", False, steps=3)
     gate = hold_page_outs(monkeypatch)
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True)  # depth 3: one page-in ahead
         losses = train(model, opt, 2)
         run_ = binding.step_in_flight
-        assert len(run_.buckets) >= 5
+        n = len(run_.buckets)
+        assert n >= 5
         page_ins = []
         page_in = pager.page_in_async
         monkeypatch.setattr(pager, "page_in_async", lambda ts, **k: (
             page_ins.append(1), page_in(ts, **k))[1])
         gate["held"] = True
-        # Bucket 0 steps and, more to come, waits for room: the page-in of bucket 2 goes
-        # without (2 of 3 buckets of room in use). Bucket 1, the hook's last, finds the
-        # window full, bucket 0's page-out held: it leaves bucket 3's page-in.
-        binding.step_in_flight_to(2, lazy=True)
-        assert (run_.stepped, len(page_ins), gate["waited"]) == (2, 1, 0)
-        binding.step_in_flight_to(2, lazy=True)  # a later hook: still no room
-        assert (len(page_ins), gate["waited"]) == (1, 0)
+        # Hooks of a bucket each, page-outs held: the window fills, and the hook whose
+        # bucket finds it full leaves the next page-in without waiting.
+        while not left(run_) and run_.stepped < n - 2:
+            binding.step_in_flight_to(run_.stepped + 1, lazy=True)
+        assert left(run_) and gate["waited"] == 0
+        issued = len(page_ins)
+        binding.step_in_flight_to(run_.stepped, lazy=True)  # a later hook: still no room
+        assert (len(page_ins), gate["waited"]) == (issued, 0)
         assert let_land(gate)
-        binding.step_in_flight_to(2, lazy=True)  # landed: bucket 3's page-in goes
-        assert len(page_ins) == 2 and run_.stepped == 2
+        binding.step_in_flight_to(run_.stepped, lazy=True)  # landed: the page-in goes
+        assert len(page_ins) > issued and not left(run_)
         gate["held"] = True
-        binding.step_in_flight_to(4, lazy=True)  # bucket 2 (not its last) waited for room
-        assert run_.stepped == 4 and gate["waited"] > 0
+        binding.step_in_flight_to(n, lazy=True)  # buckets not its last waited for room
+        assert run_.stepped == n and gate["waited"] > 0
+        assert pager.stats()["peak_mapped_bytes"] <= binding.window_bytes
         gate["held"] = False
         losses += train(model, opt, 1, first=2)
         assert losses == base[0]
@@ -394,25 +360,26 @@ def test_a_forward_hook_returns_without_waiting_for_room_and_a_later_one_pages_i
 def test_a_page_in_left_for_room_is_issued_by_its_bucket_within_the_window(
         tmp_path, monkeypatch, depth):
     """Hooks that left page-ins for room, then a bucket whose own page-in was left: it
-    issues it, waiting, and tops up without waiting only as far as the window holds
-    (depth 2: the bucket stepping and one page-in); bit-identical throughout."""
+    issues it, waiting, and tops up without waiting only as far as the window holds: the
+    pages mapped, page-outs held, never more than the window's; bit-identical
+    throughout."""
     base = run(tmp_path, "base", False, steps=3)
     gate = hold_page_outs(monkeypatch)
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True, depth=depth)
         losses = train(model, opt, 2)
         run_ = binding.step_in_flight
-        in_flight = []
-        page_in = pager.page_in_async
-        monkeypatch.setattr(pager, "page_in_async", lambda ts, **k: (
-            in_flight.append(len(run_._ins) + len(run_._outs) + 1), page_in(ts, **k))[1])
+        n = len(run_.buckets)
         gate["held"] = True
-        for n in range(1, depth + 1):  # each hook's last bucket leaves the next page-in
-            binding.step_in_flight_to(n, lazy=True)
-        assert run_.stepped == depth and run_._due <= depth
+        while run_._due > run_.stepped and run_.stepped < n - 1:
+            binding.step_in_flight_to(run_.stepped + 1, lazy=True)
+        assert run_._due == run_.stepped, "the next bucket's own page-in was left"
+        assert gate["waited"] == 0
+        binding.step_in_flight_to(run_.stepped + 1, lazy=True)
+        assert gate["waited"] > 0, "it waited for room for its own page-in"
         assert let_land(gate)
-        binding.step_in_flight_to(len(run_.buckets), lazy=True)
-        assert in_flight and max(in_flight) <= depth, "never more than the window"
+        binding.step_in_flight_to(n, lazy=True)
+        assert pager.stats()["peak_mapped_bytes"] <= binding.window_bytes
         losses += train(model, opt, 1, first=2)
         assert losses == base[0]
         assert same(base[1], result(model, opt))
@@ -430,7 +397,11 @@ def test_a_page_in_failing_in_a_later_hook_raises_from_the_forward_and_the_step_
         run_ = binding.step_in_flight
         opt.zero_grad()  # the next iteration's: the step in flight keeps its grads
         gate["held"] = True
-        binding.step_in_flight_to(2, lazy=True)  # bucket 3's page-in left for room
+        binding.step_in_flight_to(2, lazy=True)  # past the first module's buckets
+        while not left(run_) and run_.stepped < len(run_.buckets) - 2:
+            binding.step_in_flight_to(run_.stepped + 1, lazy=True)
+        assert left(run_), "a page-in left for room"
+        stepped = run_.stepped
         assert let_land(gate)
         page_in = pager.page_in_async
 
@@ -440,10 +411,10 @@ def test_a_page_in_failing_in_a_later_hook_raises_from_the_forward_and_the_step_
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(2))
         with pytest.raises(_C.NoSpaceError, match="injected"):
             model(x)  # its first module's buckets stepped: its hook issues the page-in
-        assert run_.stepped == 2, "it failed in the hook's page-in, not in a bucket"
+        assert run_.stepped == stepped, "it failed in the hook's page-in, not in a bucket"
         monkeypatch.setattr(pager, "page_in_async", page_in)
         assert binding.step_in_flight is None and binding.pending
-        assert all(p.grad is not None for b in run_.buckets[2:] for p in b.params)
+        assert all(p.grad is not None for b in run_.buckets[stepped:] for p in b.params)
         opt.zero_grad()  # finishes the pending step with them
         assert not binding.pending
         losses += train(model, opt, 2, first=2)

@@ -198,8 +198,8 @@ def _shown(value) -> str:
 
 
 def bucketing(bucket_size, depth) -> tuple[int | None, int | None]:
-    """attach()'s bucket_size (bytes, at least 1) and depth (buckets resident or in
-    flight, at least 2: one stepping, one in flight); None: chosen (core.defaults)."""
+    """attach()'s bucket_size (bytes, at least 1) and depth (the window's consecutive
+    buckets, at least 2: one stepping, one in flight); None: chosen (core.defaults)."""
     return (optional_integer("bucket_size", bucket_size, minimum=1),
             optional_integer("depth", depth, minimum=2))
 

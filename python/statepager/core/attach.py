@@ -2,7 +2,7 @@
 
 The optimizer's state tensors (and its parameters, when the pager owns them) live in the
 pager, and step() pages each bucket of about `bucket_size` bytes in, steps it, and pages
-it out, with `depth` buckets resident or in flight at most. `moments` ("fp32", "bf16",
+it out, within a window of the pages `depth` consecutive buckets touch. `moments` ("fp32", "bf16",
 "q8") and `mains` ("fp32", "residual": needs `model_param(master)` -> its bf16
 parameter) choose the on-disk formats (statepager.formats). `name` identifies the
 binding in checkpoints and names its own store, directory/<name>/ (default "opt<i>", i

@@ -393,8 +393,8 @@ class Pager:
                name: str | None = None, keep_resident=None, atomic="bucket",
                before_chunk=None, after_chunk=None, hooks=None, bind: bool = True):
         """Streams `optimizer`'s state through this pager: each step pages buckets of
-        about `bucket_size` bytes in, steps them and pages them out, `depth` at most
-        resident or in flight (None: chosen to fit hbm_budget). Returns its binding. The
+        about `bucket_size` bytes in, steps them and pages them out, within the pages of
+        `depth` consecutive buckets (None: chosen to fit hbm_budget). Returns its binding. The
         keywords (bind=False: planned; its bind() attaches it): statepager.core.attach."""
         return attach.attach(
             self, optimizer, bucket_size=bucket_size, depth=depth, log_steps=log_steps,

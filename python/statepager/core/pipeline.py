@@ -1,7 +1,8 @@
 """One streamed step's pipeline (statepager.core.stream): its buckets paged in ahead,
-stepped one at a time (statepager.core.bucket_step) and paged out, with `depth` buckets
-resident or in flight at most: bucket i + k is read while bucket i steps and bucket
-i - 1 is written.
+stepped one at a time (statepager.core.bucket_step) and paged out: bucket i + k is read
+while bucket i steps and the buckets before it are written. Page-ins run `ahead`
+buckets past the next to step (planner.page_ins_ahead), each admitted once its pages
+fit in the window beside those that page-outs still hold (statepager.core.room).
 
 A Pipeline is made when the step starts (its set-up: what each bucket's page-in
 brings); start() issues the first page-ins; advance() steps the next bucket and issues
@@ -28,6 +29,7 @@ from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.layout import StateLayout
 from statepager.core.planner import Planner, page_ins_ahead
 from statepager.core.resumable import ResumableStep
+from statepager.core.room import Room
 from statepager.core.step_stats import StepStats
 
 
@@ -67,6 +69,9 @@ class Pipeline:
         named_in = [n for _, n in incoming]
         scratch = [m - b.stored_bytes for m, b in zip(named_in, buckets)]
         self._sched = _Schedule(named_in, scratch, self.ahead)
+        page = pager.page_size
+        self._room = Room(planner.window_parts()[0] // page, page)
+        self._counted: dict = {}  # bucket index -> what its page-in holds (Room.count)
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
         # the store into free host room (bounded by it: the pager never makes room for a
         # read-ahead), so that their page-in is a copy from host memory that never waits
@@ -116,6 +121,7 @@ class Pipeline:
         """Issues bucket j's page-in, and the read-aheads past it."""
         pager, buckets, aheads = self.pager, self.buckets, self._aheads
         self._ins[j] = pager.page_in_async(self.incoming[j], for_read=self._for_read)
+        self._room.hold(j, self._holds(j))
         self._due = j + 1
         for k in range(max(j + 1, max(aheads, default=0) + 1),
                        min(j + self._read_ahead + 1, len(buckets))):
@@ -166,21 +172,32 @@ class Pipeline:
         if self._due > min(self._next + self.ahead, len(self.buckets) - 1):
             return False
         outs = self._outs
-        return (len(outs) + len(self._ins) < self._depth
+        return (self._room.fits(self._holds(self._due))
                 or bool(outs) and all(h.done() for h in outs[0]))
+
+    def _holds(self, j: int) -> tuple:
+        """What bucket j's page-in holds (Room.count): its incoming tensors' pages and
+        those of its state yet to be created."""
+        counted = self._counted.get(j)
+        if counted is None:
+            counted = self._room.count(self.incoming[j],
+                                       self._planner.new_pages(self.buckets[j]))
+            self._counted[j] = counted
+        return counted
 
     def _issue(self, wait: bool, through: int | None = None) -> None:
         """Issues the page-ins due, through bucket `through` (by default `ahead` past the
-        bucket that steps next), each once the window has room: waiting for the page-outs
-        that make it where `wait`, else only as far as they have landed. Page-ins in
-        flight are never more than `ahead` when room is asked for, so a full window
+        bucket that steps next), each once its pages fit in the window (Room): waiting for
+        the page-outs that make room, oldest first, where `wait`, else only as far as they
+        have landed. Page-ins in flight and the one due are never more than `depth`
+        consecutive buckets, whose pages the window holds, so a page-in that does not fit
         always has a page-out to wait for (callers keep `through` so)."""
         last = min(self._next + self.ahead if through is None else through,
                    len(self.buckets) - 1)
-        outs, counting = self._outs, self._counting
+        outs, counting, room = self._outs, self._counting, self._room
         while self._due <= last:
-            while len(outs) + len(self._ins) >= self._depth:
-                if not wait and not (outs and all(h.done() for h in outs[0])):
+            while outs and not room.fits(self._holds(self._due)):
+                if not wait and not all(h.done() for h in outs[0]):
                     return
                 for h in outs.popleft():
                     h.wait()
@@ -252,6 +269,12 @@ class Pipeline:
         handles = residency.release(self.pager, b, wait=False, keep=held,
                                     reuse_after=self._sched.reuse_after(i))
         self._outs.append(handles)
+        window = self._room
+        window.let_go(i)
+        window.hold_until("page-outs", handles[0], window.count(b.stored))
+        if len(handles) > 1:  # its scratch, but what ExceptionCounts holds
+            window.hold_until("discards", handles[1],
+                              window.count(residency.dropped(b, held)))
         self._done_out.append(handles[0])
         t0 = time.monotonic()
         self._issue(wait=room)

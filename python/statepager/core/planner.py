@@ -15,9 +15,9 @@ from statepager.util.units import MiB
 
 
 def page_ins_ahead(depth: int) -> int:
-    """Page-ins a step keeps in flight beyond the bucket stepping, at `depth` buckets
-    resident or in flight: the rest of the window is the bucket stepping and the one
-    paging out (statepager.core.pipeline)."""
+    """Page-ins a step keeps in flight beyond the next bucket to step, at most, with a
+    window of `depth` consecutive buckets: the rest of it is the bucket stepping and
+    those paging out (statepager.core.pipeline)."""
     return max(1, depth - 2)
 
 
@@ -198,10 +198,20 @@ class Planner:
             return known[1]
         page = self.layout.pager.page_size
         runs = _merged([(at // page, (at + n - 1) // page) for at, n in key[1] if n])
-        extra = max(0, b.planned - b.nbytes)
-        counted = (runs, -(-extra // page) + 2 if extra else 0)
+        counted = (runs, self.new_pages(b))
         self._pages_of[id(b)] = (key, counted)
         return counted
+
+    def new_pages(self, b: Bucket) -> int:
+        """The pages bucket b's state yet to be created maps, at most (see _pages)."""
+        extra = max(0, b.planned - b.nbytes)
+        return -(-extra // self.layout.pager.page_size) + 2 if extra else 0
+
+
+def page_runs(tensors, page: int) -> list:
+    """The pages `tensors` touch, by address, as sorted disjoint (first, last) runs."""
+    return _merged([(t.data_ptr() // page, (t.data_ptr() + n - 1) // page)
+                    for t in tensors if (n := t.numel() * t.element_size())])
 
 
 def _merged(runs: list) -> list:

@@ -72,14 +72,19 @@ def release(pager, b: Bucket, wait: bool = True, keep=(), reuse_after: int = 0) 
     """Pages the stored form out and drops the scratch but `keep`; returns the
     handles. reuse_after: see Pager.page_out_async."""
     handles = [pager.page_out_async(b.stored, reuse_after)]
-    kept = {id(k) for k in keep}  # a set: a bucket of many small parameters holds many
-    drop = [t for t in b.working if id(t) not in kept]
+    drop = dropped(b, keep)
     if drop:
         handles.append(pager.discard_async(drop))
     if wait:
         for h in handles:
             h.wait()
     return handles
+
+
+def dropped(b: Bucket, keep=()) -> list:
+    """The scratch release() drops: all but `keep`."""
+    kept = {id(k) for k in keep}  # a set: a bucket of many small parameters holds many
+    return [t for t in b.working if id(t) not in kept]
 
 
 def to_rest(pager, buckets: list, unchanged: bool = False) -> None:

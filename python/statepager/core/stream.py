@@ -133,7 +133,7 @@ class StreamedOptimizer:
 
     @property
     def depth(self) -> int:
-        """Buckets resident or in flight at most (attach's depth, or the default chosen)."""
+        """The window's consecutive buckets (attach's depth, or the default chosen)."""
         return self._planner.depth
 
     @property

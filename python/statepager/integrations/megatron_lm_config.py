@@ -64,8 +64,8 @@ _FLAGS = (
      "optimizer state per streamed bucket, e.g. 256M (default: chosen to fit "
      "hbm_budget, up to 512M)"),
     ("depth", "STATEPAGER_DEPTH", "depth", "depth",
-     "buckets resident or in flight at once, at least 2 (default: 4, fewer to fit "
-     "hbm_budget)"),
+     "the step's window in buckets: the pages of this many consecutive buckets, at "
+     "least 2 (default: 4, fewer to fit hbm_budget)"),
     ("moments", "STATEPAGER_MOMENTS", "moments", MOMENTS,
      "on-disk format of Adam's moments: fp32 (default, exact), bf16 or q8"),
     ("mains", "STATEPAGER_MAINS", "mains", MAINS,

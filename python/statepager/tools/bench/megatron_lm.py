@@ -207,6 +207,7 @@ def bench_megatron_lm(args) -> dict:
          "configs": []}
     r["model"]["params"] = gpt_params(args.layers, args.hidden, args.vocab, args.seq)
     r["model"]["overlap_grad_reduce"] = not args.no_overlap_grad_reduce
+    r["model"]["max_connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if not args.json:
         print(header(r["model"]), flush=True)
     with bench_directory(args.dir) as work, \
@@ -223,7 +224,9 @@ def bench_megatron_lm(args) -> dict:
 
 def run_config(name: str, cmd: list[str], args, work: str) -> dict:
     """One configuration's run: its iteration times and driver peak, or its error."""
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
+    # CUDA_DEVICE_MAX_CONNECTIONS as the caller has it: one GPU needs no 1 (Megatron-LM
+    # asks for it with tensor or context parallelism), and the header says which ran.
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([args.megatron_lm] + sys.path))
     log_path = os.path.join(work, f"{name}.log")
     sampler = _driver_sampler()
@@ -287,7 +290,8 @@ def header(m: dict) -> str:
             f"({m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, vocab "
             f"{m['vocab']}, seq {m['seq']}, micro-batch {m['micro_batch']}"
             + ("" if m["overlap_grad_reduce"] else ", without --overlap-grad-reduce")
-            + f"); elapsed time per iteration, median of iterations {m['skip'] + 1}-{m['iters']}")
+            + f"); elapsed time per iteration, median of iterations {m['skip'] + 1}-{m['iters']}"
+            + f"; CUDA_DEVICE_MAX_CONNECTIONS {m.get('max_connections') or 'unset'}")
 
 
 def print_megatron_lm(r: dict) -> None:
