@@ -269,16 +269,25 @@ class Pipeline:
         handles = residency.release(self.pager, b, wait=False, keep=held,
                                     reuse_after=self._sched.reuse_after(i))
         self._outs.append(handles)
-        window = self._room
-        window.let_go(i)
-        window.hold_until("page-outs", handles[0], window.count(b.stored))
-        if len(handles) > 1:  # its scratch, but what ExceptionCounts holds
-            window.hold_until("discards", handles[1],
-                              window.count(residency.dropped(b, held)))
+        self._hold_until_landed(i, held, handles)
         self._done_out.append(handles[0])
         t0 = time.monotonic()
         self._issue(wait=room)
         stats.wait_out_seconds += time.monotonic() - t0
+
+    def _hold_until_landed(self, i: int, held: list, handles: list) -> None:
+        """Bucket i, stepped and released (`handles`), holds its stored forms' pages until
+        its page-out lands and its dropped scratch's (what its page-in mapped, or all of it
+        where the step made its state) until its discard does."""
+        window, b = self._room, self.buckets[i]
+        window.let_go(i)
+        window.hold_until("page-outs", handles[0], window.count(b.stored))
+        if len(handles) > 1:  # its scratch, but what ExceptionCounts holds
+            scratch = residency.dropped(b, held)
+            if not self._holds(i)[1]:  # the fused step's moments have none mapped
+                mapped = {id(t) for t in self.incoming[i]}
+                scratch = [t for t in scratch if id(t) in mapped]
+            window.hold_until("discards", handles[1], window.count(scratch))
 
     def finish(self) -> float:
         """After the last bucket: the exceptions read and the checks verified, every
