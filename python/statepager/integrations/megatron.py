@@ -146,7 +146,8 @@ class MegatronBinding:
         the first page-ins are issued, and each bucket's mains reach the param buffer
         before the first module that uses them runs, and before any param all-gather
         of a bucket group holding them is dispatched (with overlap_param_gather, each
-        in the forward's hooks). More than one data-parallel rank needs
+        in the forward's hooks; without it, at one rank, the all-gather at the end of
+        step() gathers each param onto itself). More than one data-parallel rank needs
         overlap_param_gather (without it Megatron all-gathers every param at the end
         of step()); in a ChainedOptimizer a member's step in flight completes when the
         next one starts. page_in_during_backward: the next step's first page-ins begin
@@ -172,9 +173,12 @@ class MegatronBinding:
                     "forward has stepped their mains")
         overlaps = [m.stream.overlap_forward(*model_chunks, forward_param=m.model_param_of)
                     for m in self.members]
-        if not self._gathers_hooked:  # once: the hooks read the members' overlaps anew
+        # Without overlap_param_gather (one rank) the all-gather at the end of step()
+        # gathers each param onto itself: left alone, or it would step every bucket.
+        if not self._gathers_hooked and any(m.megatron.overlaps_param_gather()
+                                            for m in self.members):
             internals.before_param_gather(model_chunks, self._before_param_gather)
-            self._gathers_hooked = True
+            self._gathers_hooked = True  # once: the hooks read the members' overlaps anew
         if page_in_during_backward and self.early is None:
             self.early = PageInsDuringBackward(self.members[0].stream, model_chunks)
         return overlaps
