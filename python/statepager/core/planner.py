@@ -197,8 +197,7 @@ class Planner:
         if known is not None and known[0] == key:
             return known[1]
         page = self.layout.pager.page_size
-        runs = _merged([(at // page, (at + n - 1) // page) for at, n in key[1] if n])
-        counted = (runs, self.new_pages(b))
+        counted = (page_runs(b.incoming, page), self.new_pages(b))
         self._pages_of[id(b)] = (key, counted)
         return counted
 
