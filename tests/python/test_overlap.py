@@ -223,6 +223,28 @@ def test_megatron_param_gathers_in_the_forward_read_stepped_params(tmp_path):
     assert same(base[1], gathered[1])
 
 
+@pytest.mark.parametrize("overlaps_param_gather", [False, True])
+def test_megatron_hooks_the_param_gathers_only_with_overlap_param_gather(
+        monkeypatch, overlaps_param_gather):
+    """MegatronBinding.overlap_forward wraps the bucket groups' param all-gathers only
+    where a member overlaps them: at one rank without overlap_param_gather, Megatron
+    dispatches every group's all-gather at the end of step(), each gathering a param onto
+    itself, and a hook there would step every bucket inside step()."""
+    from types import SimpleNamespace
+    from statepager.integrations import megatron, megatron_internals
+
+    hooked = []
+    monkeypatch.setattr(megatron_internals, "before_param_gather",
+                        lambda chunks, before: hooked.append(chunks))
+    view = SimpleNamespace(buffers=lambda: [object()], data_parallel_size=lambda: 1,
+                           overlaps_param_gather=lambda: overlaps_param_gather)
+    stream = SimpleNamespace(overlap_forward=lambda *chunks, forward_param: "overlap")
+    member = SimpleNamespace(megatron=view, stream=stream, model_param_of=None)
+    binding = megatron.MegatronBinding(optimizer=None, members=[member])
+    assert binding.overlap_forward("chunk", page_in_during_backward=False) == ["overlap"]
+    assert hooked == ([("chunk",)] if overlaps_param_gather else [])
+
+
 def test_a_bucket_failing_in_a_param_gather_raises_from_the_forward_and_the_step_resumes(
         tmp_path):
     """A bucket stepped for the next group's all-gather (dispatched ahead of the forward,
