@@ -117,6 +117,7 @@ def _run_examples(tmp_path: pathlib.Path, logs: pathlib.Path, name: str,
     junit = tmp_path / f"{name}.xml"
     (tmp_path / "peer_limit.py").write_text(_LIMIT_PLUGIN)
     env = dict(os.environ, TMS_PEER_SOURCES=str(SOURCES), PEER_EXAMPLE_LIMIT_S=str(EXAMPLE_LIMIT_S),
+               PYTHONUNBUFFERED="1",  # the log written as the examples run
                PYTHONPATH=os.pathsep.join(path + [str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     with open(logs / f"memory_saver_peer_{name}.log", "w") as log:
         subprocess.run(
