@@ -175,6 +175,7 @@ def test_the_child_sampler_sees_what_this_process_allocates():
         pytest.skip("no NVML (libnvidia-ml): the driver memory is sampled by a thread")
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what earlier tests left cached would hold the 2 GiB below
     before = driver.used()
     with driver.sampler() as s:
         assert isinstance(s, driver_memory.ChildPeakSampler)
