@@ -32,6 +32,11 @@
 #   scripts/gpu.sh traces           bench step's timeline (Chrome trace, and PNG where
 #                                   matplotlib imports) on DISK and on SHM; with nsys, an
 #                                   Nsight Systems capture and its NVTX ranges
+#   scripts/gpu.sh deps             on a Debian machine with internet (not the GPU machine):
+#                                   fills the git-ignored folders below for a GPU machine
+#                                   without it (MEGATRON_LM_SRC, TMS_SRC: git clones of
+#                                   Megatron-LM and torch_memory_saver to take the sources
+#                                   from, else they are cloned from GitHub)
 #
 # Environment: OUT, where the logs go (default /tmp/statepager-gpu-out: a log per command,
 # $OUT/COMMAND.log); DISK, a directory on the local disk (default /tmp/statepager-bench);
@@ -367,10 +372,61 @@ cmd_traces() {
   return "$status"
 }
 
+# -- the offline dependencies ------------------------------------------------------------
+
+MEGATRON_LM_REF=core_r0.19.0
+# Megatron-LM's training scripts that pretrain_gpt.py imports; megatron/core comes from the
+# megatron-core wheel, but for the Makefile that Megatron-LM runs in its datasets folder.
+MEGATRON_LM_PATHS="pretrain_gpt.py gpt_builders.py model_provider.py hybrid_builders.py
+mamba_builders.py megatron/training megatron/post_training megatron/rl megatron/inference
+megatron/elastification megatron/core/datasets/Makefile LICENSE"
+WHEELS="megatron-core==0.19.2 emerging-optimizers==0.3.0 expecttest pytest-xdist execnet
+torch_memory_saver==0.0.10"
+
+cmd_deps() {
+  local work
+  work=$(mktemp -d) || return 1
+  # shellcheck disable=SC2064  # the folder made now
+  trap "rm -rf '$work'" RETURN
+  mkdir -p .deps .whl
+  (cd "$work" && apt-get download liburing2 liburing-dev googletest >/dev/null) || return 1
+  rm -rf .deps/liburing .deps/googletest
+  dpkg -x "$work"/liburing2_*.deb .deps/liburing
+  dpkg -x "$work"/liburing-dev_*.deb .deps/liburing
+  dpkg -x "$work"/googletest_*.deb "$work/gtest"
+  cp -r "$work/gtest/usr/src/googletest" .deps/googletest
+  # fio as an archive alone: unpacked it would take most of what a copy to the GPU machine
+  # may carry; setup_env unpacks it there.
+  PACK=1 bash scripts/fetch_fio.sh | tail -1 && rm -rf .deps/fio || return 1
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: -d .whl \
+    $WHEELS || return 1
+  deps_source .deps/megatron-lm "${MEGATRON_LM_SRC:-}" \
+    https://github.com/NVIDIA/Megatron-LM "$MEGATRON_LM_REF" "$MEGATRON_LM_PATHS" || return 1
+  deps_source .deps/torch_memory_saver "${TMS_SRC:-}" \
+    https://github.com/fzyzcjy/torch_memory_saver HEAD "" || return 1
+  du -sh .deps .whl
+}
+
+deps_source() {  # deps_source DEST CLONE URL REF PATHS: PATHS (all when empty) of REF
+  local dest=$1 clone=$2 url=$3 ref=$4 paths=$5
+  if [ -z "$clone" ]; then
+    clone=$(mktemp -d)/src
+    git clone -q --filter=blob:none "$url" "$clone" || return 1
+  fi
+  git -C "$clone" rev-parse -q --verify "$ref^{commit}" >/dev/null \
+    || ref=origin/$ref  # a branch of the clone's remote
+  rm -rf "$dest" && mkdir -p "$dest"
+  # shellcheck disable=SC2086
+  git -C "$clone" archive "$ref" $paths | tar -x -C "$dest"
+  echo "$dest: $url at $(git -C "$clone" rev-parse --short "$ref")"
+}
+
 command=${1:-help}
 shift
 case $command in
   build | test | suite | bench | megatron-lm | kernels | profile | traces) ;;
+  deps) cmd_deps; exit ;;
   help | -h | --help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
