@@ -1,4 +1,4 @@
-"""A checkpoint's checksums: crc32c (or the crc32 of format 3) of each CHUNK bytes of
+"""A checkpoint's checksums: crc32c of each CHUNK bytes of
 each tensor's data, computed while copying (allocator/store_snapshot.h) or by reading the
 files back on several threads (sums_of), and checked against the manifest (verify,
 verify_data)."""
@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from statepager import _C
 from statepager.checkpoint import dirs as checkpoint_dirs
-from statepager.checkpoint.manifest import CHUNK, DataFile
+from statepager.checkpoint.manifest import CHECKSUM, CHUNK, DataFile
 
 _READ = 4 << 20       # bytes per read while checksumming
-_SUM = {"crc32c": _C.crc32c, "crc32": zlib.crc32}  # (bytes, value) -> value; GIL released
 
 
-def sums_of(ranges: list, checksum: str) -> list:
-    """`checksum` ("crc32c" or "crc32") of each CHUNK bytes of each (path, offset, nbytes)
-    range: one list per range. The chunks are read and summed on several threads (the
-    sums and reads release the GIL)."""
-    summed = _SUM[checksum]
+def sums_of(ranges: list) -> list:
+    """The crc32c of each CHUNK bytes of each (path, offset, nbytes) range: one list per
+    range. The chunks are read and summed on several threads (the sums and reads release
+    the GIL)."""
     chunks = [(i, path, offset + k, min(CHUNK, n - k))
               for i, (path, offset, n) in enumerate(ranges) for k in range(0, n, CHUNK)]
     fds = {}
@@ -37,7 +34,7 @@ def sums_of(ranges: list, checksum: str) -> list:
             if got == 0:
                 raise _C.CorruptStoreError(f"{path} ends at byte {offset}, before its data "
                                            "does: the checkpoint is truncated")
-            value = summed(local.buf[:got], value)
+            value = _C.crc32c(local.buf[:got], value)
             offset += got
             left -= got
         return value
@@ -62,17 +59,15 @@ def verify(path: str, manifest: dict) -> None:
     """Every tensor's bytes in checkpoint `path` against the checksums in its manifest
     (read_manifest), with the data files' places and ranges checked as a load checks them:
     CorruptStoreError naming the first that fails."""
-    verify_data([DataFile(entry, path, manifest["checksum"]) for entry in manifest["optimizers"]],
-            manifest["checksum"])
+    verify_data([DataFile(entry, path) for entry in manifest["optimizers"]])
 
 
-def verify_data(data: list, checksum: str) -> None:
-    """Every tensor's bytes against its checksums (data: manifest.DataFile per optimizer,
-    checksum: the manifest's)."""
+def verify_data(data: list) -> None:
+    """Every tensor's bytes against its checksums (data: manifest.DataFile per optimizer)."""
     ranges = [(d.path, offset, nbytes) for d in data for offset, nbytes, *_ in d.ranges]
     owners = [(d, r) for d in data for r in d.ranges]
     for (path, *_), (d, (offset, nbytes, crcs, param, name)), found in zip(
-            ranges, owners, sums_of(ranges, checksum)):
+            ranges, owners, sums_of(ranges)):
         if found == crcs:
             continue
         k = next((k for k, (a, b) in enumerate(zip(found, crcs)) if a != b),
@@ -80,6 +75,6 @@ def verify_data(data: list, checksum: str) -> None:
         at = offset + k * CHUNK
         raise _C.CorruptStoreError(
             f"{path}: optimizer {d.name!r} parameter {param} {name} fails its checksum in "
-            f"bytes {at}..{min(at + CHUNK, offset + nbytes)} (chunk {k}: {checksum} "
+            f"bytes {at}..{min(at + CHUNK, offset + nbytes)} (chunk {k}: {CHECKSUM} "
             f"{found[k:k + 1]}, the manifest records {crcs[k:k + 1]}): the checkpoint is "
             "corrupt; nothing was loaded")

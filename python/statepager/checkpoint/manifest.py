@@ -17,10 +17,7 @@ manifest.json (format version 4):
                           (parameter index, state name, dtype, shape, strides, bytes,
                           zero, offset, and under the checksum's name its value per
                           chunk; ZERO tensors take no bytes)
-Version 3 (statepager before crc32c) is still read and written (save(checksum="crc32")):
-"crc32" is zlib's crc32 of each chunk of the tensor's own bytes, under the key "crc32".
-Version 2 manifests (statepager before manifest checksums) are refused: an edited one
-cannot be told from an intact one.
+Other versions are refused (CheckpointMismatchError), naming the version found.
 
 Errors: CorruptStoreError for a manifest or data file that is damaged, edited or
 malformed; CheckpointMismatchError for one of another format or version.
@@ -39,7 +36,7 @@ from statepager.checkpoint import dirs as checkpoint_dirs
 from statepager.util.names import valid_name
 
 FORMAT, VERSION = "statepager-checkpoint", 4
-CHECKSUMS = {4: "crc32c", 3: "crc32"}  # the checksum of each version read
+CHECKSUM = "crc32c"   # the manifest's "checksum", also the key of each tensor's values
 ALIGN = 4096
 CHUNK = 32 << 20      # bytes per checksum: big tensors are verified on several threads
 DIGEST = "manifest_sha256"
@@ -72,23 +69,21 @@ def read_manifest(path: str) -> dict:
         raise CheckpointMismatchError(f"{manifest_path} is not a statepager checkpoint "
                                       f"manifest (format {FORMAT!r} expected)")
     version = manifest.get("version")
-    if version not in CHECKSUMS:
-        older = is_int(version) and version < VERSION
-        by = ("an older statepager, whose manifests carry no checksum of their own (an "
-              "edited one cannot be told from an intact one): load it with the statepager "
-              "that wrote it" if older else "another statepager")
+    if version != VERSION:
+        by = "an older" if is_int(version) and version < VERSION else "another"
         raise CheckpointMismatchError(f"{manifest_path} has checkpoint format version "
-                                      f"{version!r}, written by {by}; this statepager reads "
-                                      f"versions {sorted(CHECKSUMS)}")
+                                      f"{version!r}, written by {by} statepager; this one "
+                                      f"reads version {VERSION}: load it with the statepager "
+                                      "that wrote it")
     if manifest.get(DIGEST) != digest(manifest):
         raise _C.CorruptStoreError(
             f"{manifest_path} does not match its own checksum ({DIGEST}): it was edited or "
             "damaged after it was written. Nothing was loaded")
-    if manifest.get("checksum") != CHECKSUMS[version] or manifest.get("chunk_bytes") != CHUNK:
+    if manifest.get("checksum") != CHECKSUM or manifest.get("chunk_bytes") != CHUNK:
         raise CheckpointMismatchError(
             f"{manifest_path}: checksums {manifest.get('checksum')!r} per "
             f"{manifest.get('chunk_bytes')} bytes, this statepager reads "
-            f"{CHECKSUMS[version]} per {CHUNK} in version {version}")
+            f"{CHECKSUM} per {CHUNK}")
     entries = manifest.get("optimizers")
     names = ([e.get("name") for e in entries] if isinstance(entries, list)
              and all(isinstance(e, dict) for e in entries) else [None])
@@ -99,26 +94,20 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def checked_bytes(checksum: str, nbytes: int) -> int:
-    """How many bytes from a tensor's offset its checksums cover (see the docstring)."""
-    return align(nbytes) if checksum == "crc32c" else nbytes
-
-
 class DataFile:
     """One optimizer's data file and the tensors the manifest records in it, checked
     against the file: its place (checkpoint_dirs.data_file), its size, and each tensor's
     entry (well-formed; as many bytes as its dtype and shape make, a 4 KiB-aligned range
-    inside data_bytes; one `checksum` value per CHUNK). Fields:
+    inside data_bytes; one CHECKSUM value per CHUNK). Fields:
         name, path    the optimizer's name and its data file
-        checksum      "crc32c" or "crc32" (the manifest's), also the entries' key of it
         tensors       {(parameter index, state name): tensor entry}
         ranges        (offset, bytes checksummed, checksums, parameter index, state name)
-                      of each non-ZERO tensor, in manifest order
+                      of each non-ZERO tensor, in manifest order: a tensor's checksums
+                      cover its range up to the next 4 KiB boundary (align)
     """
 
-    def __init__(self, entry: dict, root: str, checksum: str):
+    def __init__(self, entry: dict, root: str):
         self.name = entry["name"]
-        self.checksum = checksum
         manifest_path = os.path.join(root, checkpoint_dirs.MANIFEST)
         self.where = f"{manifest_path}: optimizer {self.name!r}"  # for error messages
         self.path = checkpoint_dirs.data_file(root, entry.get("data"), self.name, manifest_path)
@@ -138,7 +127,7 @@ class DataFile:
             if key in self.tensors:
                 self._corrupt(f"parameter {key[0]} {key[1]} is recorded twice")
             self.tensors[key] = t
-        self.ranges = [(t["offset"], checked_bytes(checksum, t["bytes"]), t[checksum], *key)
+        self.ranges = [(t["offset"], align(t["bytes"]), t[CHECKSUM], *key)
                        for key, t in self.tensors.items() if not t["zero"]]
 
     def _corrupt(self, what: str):
@@ -151,7 +140,7 @@ class DataFile:
                 and is_int(t.get("bytes")) and t["bytes"] >= 0):
             self._corrupt(f"tensor entry {t!r} is malformed")
         what = f"parameter {t['param']} {t['name']}"
-        offset, nbytes, crcs = t.get("offset"), t["bytes"], t.get(self.checksum)
+        offset, nbytes, crcs = t.get("offset"), t["bytes"], t.get(CHECKSUM)
         dtype = getattr(torch, t["dtype"].removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             self._corrupt(f"{what} has the unknown dtype {t['dtype']!r}")
@@ -164,14 +153,14 @@ class DataFile:
             return t["param"], t["name"]
         if t.get("zero") is not False:
             self._corrupt(f"{what} has no zero flag")
-        checked = checked_bytes(self.checksum, nbytes)
+        checked = align(nbytes)
         if not is_int(offset) or offset < 0 or offset % ALIGN or offset + checked > data_bytes:
             self._corrupt(f"{what} at offset {offset!r} ({checked} bytes) is not a "
                           f"{ALIGN}-aligned range inside the first {data_bytes} bytes of its "
                           "data file")
         if (not isinstance(crcs, list) or len(crcs) != math.ceil(nbytes / CHUNK)
                 or not all(is_int(c) and 0 <= c < 1 << 32 for c in crcs)):
-            self._corrupt(f"{what} does not record one {self.checksum} per {CHUNK} bytes")
+            self._corrupt(f"{what} does not record one {CHECKSUM} per {CHUNK} bytes")
         return t["param"], t["name"]
 
 

@@ -14,7 +14,7 @@ then, training goes on, and a page-out into a range not yet copied waits until i
 The checksums (crc32c, the CPU's instruction) are computed in the same pass as the copy:
 bytes that move are checksummed between read and write, and the ranges a reflink shares
 are read once (backing/file_copy.h); those of a tensor made of pieces are read back from
-the written file on several threads. Checkpoints of format 3 (zlib crc32s) still load.
+the written file on several threads.
 Everything is written into a temporary directory beside `path`, fsynced and renamed: a
 crash leaves either the complete checkpoint or none, and the next save or load beside it
 removes the temporary of a killed save (statepager.checkpoint.dirs). A path inside a
@@ -52,17 +52,14 @@ from statepager.checkpoint import dirs as checkpoint_dirs
 from statepager.checkpoint.checksums import sums_of, verify_data
 from statepager.checkpoint.dirs import DATA, MANIFEST
 from statepager.checkpoint.staging import Staged, check_entries, check_layout, missing_state
-from statepager.checkpoint.manifest import (CHECKSUMS, CHUNK, DIGEST, FORMAT,
-                                            CheckpointMismatchError, DataFile, align,
-                                            checked_bytes, digest, encode, read_manifest,
-                                            stored)
+from statepager.checkpoint.manifest import (CHECKSUM, CHUNK, DIGEST, FORMAT, VERSION,
+                                            CheckpointMismatchError, DataFile, align, digest,
+                                            encode, read_manifest, stored)
 from statepager.core import args
 from statepager.util import ranks
 from statepager.util.names import check_name
 
 log = logging.getLogger("statepager")
-
-_VERSION_OF = {name: version for version, name in CHECKSUMS.items()}
 
 
 class SaveHandle:
@@ -138,7 +135,7 @@ def save(pager, path: str, *, background: bool = False) -> SaveHandle:
                        for views in pieces])
         for p in plan:
             p.place([next(states) for _ in p.tensors])
-        manifest = {"format": FORMAT, "version": _VERSION_OF["crc32c"], "checksum": "crc32c",
+        manifest = {"format": FORMAT, "version": VERSION, "checksum": CHECKSUM,
                     "chunk_bytes": CHUNK, "optimizers": [p.entry for p in plan]}
         checkpoint_dirs.make_parents(os.path.dirname(path))
         tmp = checkpoint_dirs.Temporary(path)
@@ -190,15 +187,14 @@ def _write(plan: list, pieces: list, snapshot, directory: str, manifest: dict,
     t1 = time.perf_counter()
     handle.copy_seconds = t1 - t0
     if not inline:
-        read = iter(sums_of([(f, e["offset"], checked_bytes("crc32c", e["bytes"]))
-                             for p, f in zip(plan, files)
-                             for e in p.entries if not e["zero"]], "crc32c"))
+        read = iter(sums_of([(f, e["offset"], align(e["bytes"]))
+                             for p, f in zip(plan, files) for e in p.entries if not e["zero"]]))
         sums = [[] if e["zero"] else next(read) for p in plan for e in p.entries]
         handle.checksum_seconds = time.perf_counter() - t1
     sums = iter(sums)
     for p in plan:
         for e in p.entries:
-            e["crc32c"] = next(sums)
+            e[CHECKSUM] = next(sums)
     manifest[DIGEST] = digest(manifest)
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f)
@@ -287,12 +283,12 @@ def load(pager, path: str, missing_ok: bool = False) -> bool:
             f"{sorted(attached)} attached. Load it into the same model, optimizers and "
             "sharding it was saved from.")
     entries = [saved[b.name] for b in bindings]
-    data = [DataFile(entry, path, manifest["checksum"]) for entry in entries]
+    data = [DataFile(entry, path) for entry in entries]
     for binding, entry, d in zip(bindings, entries, data):
         check_layout(binding, entry, d)
         check_entries(binding, entry, d)
     missing = [missing_state(binding, d) for binding, d in zip(bindings, data)]
-    verify_data(data, manifest["checksum"])
+    verify_data(data)
     # The live state changes from here on; until an optimizer is loaded, what changed in
     # it is undone on failure.
     created, loaded = {}, []
@@ -337,7 +333,7 @@ def _restore(pager, staged: list, loaded: list) -> None:
 def _create_state(binding, missing: dict) -> dict:
     """Creates the state entries of missing_state (ZERO pager tensors, to be restored).
     Returns {param: [names]} of what it created."""
-    opt, pager = binding.optimizer, binding.pager
+    opt = binding.optimizer
     params = binding.params_in_order()
     created = {}
     for j, specs in missing.items():
