@@ -5,15 +5,15 @@
 
 namespace statepager {
 
-HostTier::HostTier(Device& device, size_t budget_bytes)
+HostTier::HostTier(Device& device, size_t host_budget)
     : device_(device),
-      budget_bytes_(budget_bytes),
-      memory_(static_cast<char*>(device.alloc_staging(budget_bytes))),
-      ranges_(kHostBase, budget_bytes) {}
+      host_budget_(host_budget),
+      memory_(static_cast<char*>(device.alloc_staging(host_budget))),
+      ranges_(kHostBase, host_budget) {}
 
 HostTier::~HostTier() {
   try {
-    device_.free_staging(memory_, budget_bytes_);
+    device_.free_staging(memory_, host_budget_);
   } catch (...) {
   }
 }

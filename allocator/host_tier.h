@@ -1,6 +1,6 @@
 // HostTier: pinned host memory between HBM and the store files.
 //
-// One allocation of budget_bytes, made once at construction with Device::alloc_staging
+// One allocation of host_budget, made once at construction with Device::alloc_staging
 // (cuMemHostAlloc on CUDA, so the copy engines reach it at PCIe speed with no kernel copy;
 // plain memory on the host backend, same semantics), handed out as 4 KiB-aligned ranges
 // and recycled first-fit like the store's ranges: steady state allocates nothing. A range
@@ -38,7 +38,7 @@ class HostTier {
   static constexpr uint64_t kHostBase = uint64_t{UringFile::kMaxFiles} * UringFile::kRegionBytes;
   static bool is_host(uint64_t offset) { return offset >= kHostBase; }
 
-  HostTier(Device& device, size_t budget_bytes);
+  HostTier(Device& device, size_t host_budget);
   ~HostTier();
   HostTier(const HostTier&) = delete;
   HostTier& operator=(const HostTier&) = delete;
@@ -48,7 +48,7 @@ class HostTier {
   void free(uint64_t offset);
   char* host(uint64_t offset) const { return memory_ + (offset - kHostBase); }
 
-  size_t budget_bytes() const { return budget_bytes_; }
+  size_t host_budget() const { return host_budget_; }
   size_t used_bytes() const { return ranges_.allocated_bytes(); }
 
   // Queues job.host_copies not queued yet: device to host for a page-out, host to device
@@ -57,9 +57,9 @@ class HostTier {
 
  private:
   Device& device_;
-  size_t budget_bytes_;
+  size_t host_budget_;
   char* memory_ = nullptr;
-  Arena ranges_;  // logical offsets kHostBase .. kHostBase + budget_bytes
+  Arena ranges_;  // logical offsets kHostBase .. kHostBase + host_budget
 };
 
 }  // namespace statepager

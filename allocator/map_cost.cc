@@ -18,12 +18,12 @@ double seconds(Clock::time_point from, Clock::time_point to) {
 // A reservation, its pages and what is mapped of it: given back when it goes out of
 // scope, on success or on a device error alike.
 struct Mapping {
-  Mapping(Device& d, size_t page) : device(d), page_bytes(page) {}
+  Mapping(Device& d, size_t page) : device(d), page_size(page) {}
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
 
   Device& device;
-  const size_t page_bytes;
+  const size_t page_size;
   uintptr_t base = 0;
   size_t reserved = 0;
   std::vector<PhysicalPage> pages;
@@ -32,8 +32,8 @@ struct Mapping {
   // Each call on its own: one that fails (the device's error is already on its way, or
   // the range was half unmapped) does not keep the others from giving back theirs.
   ~Mapping() {
-    for (; mapped > 0; mapped--) quietly([&] { device.unmap(address(mapped - 1), page_bytes); });
-    for (PhysicalPage p : pages) quietly([&] { device.release_page(p, page_bytes); });
+    for (; mapped > 0; mapped--) quietly([&] { device.unmap(address(mapped - 1), page_size); });
+    for (PhysicalPage p : pages) quietly([&] { device.release_page(p, page_size); });
     if (reserved) quietly([&] { device.unreserve(base, reserved); });
   }
   template <typename F>
@@ -43,36 +43,36 @@ struct Mapping {
     } catch (...) {
     }
   }
-  uintptr_t address(size_t i) const { return base + i * page_bytes; }
+  uintptr_t address(size_t i) const { return base + i * page_size; }
 };
 
 }  // namespace
 
-MapCost measure_mapping(Device& device, size_t page_bytes, size_t total_bytes, int rounds) {
-  if (rounds < 1 || page_bytes == 0 || total_bytes < page_bytes) {
-    throw UsageError("measure_mapping: need rounds >= 1 and 0 < page_bytes <= total_bytes");
+MapCost measure_mapping(Device& device, size_t page_size, size_t total_bytes, int rounds) {
+  if (rounds < 1 || page_size == 0 || total_bytes < page_size) {
+    throw UsageError("measure_mapping: need rounds >= 1 and 0 < page_size <= total_bytes");
   }
-  if (page_bytes % device.granularity() != 0) {
-    throw UsageError("page size " + std::to_string(page_bytes) + " is not a multiple of " +
+  if (page_size % device.granularity() != 0) {
+    throw UsageError("page size " + std::to_string(page_size) + " is not a multiple of " +
                      device.name() + "'s granularity (" + std::to_string(device.granularity()) +
                      " bytes)");
   }
-  const size_t n = total_bytes / page_bytes;
-  Mapping m(device, page_bytes);
-  m.base = device.reserve(n * page_bytes);
-  m.reserved = n * page_bytes;
-  for (size_t i = 0; i < n; i++) m.pages.push_back(device.create_page(page_bytes));
+  const size_t n = total_bytes / page_size;
+  Mapping m(device, page_size);
+  m.base = device.reserve(n * page_size);
+  m.reserved = n * page_size;
+  for (size_t i = 0; i < n; i++) m.pages.push_back(device.create_page(page_size));
   double map_s = 0, unmap_s = 0;
   for (int r = 0; r < rounds; r++) {
     const auto t0 = Clock::now();
-    for (; m.mapped < n; m.mapped++) device.map(m.address(m.mapped), page_bytes, m.pages[m.mapped]);
+    for (; m.mapped < n; m.mapped++) device.map(m.address(m.mapped), page_size, m.pages[m.mapped]);
     const auto t1 = Clock::now();
-    for (size_t i = 0; i < n; i++) device.unmap(m.address(i), page_bytes);
+    for (size_t i = 0; i < n; i++) device.unmap(m.address(i), page_size);
     m.mapped = 0;
     map_s += seconds(t0, t1);
     unmap_s += seconds(t1, Clock::now());
   }
-  const double gib = double(n * page_bytes) / double(size_t(1) << 30) * rounds;
+  const double gib = double(n * page_size) / double(size_t(1) << 30) * rounds;
   return MapCost{map_s / gib, unmap_s / gib};
 }
 

@@ -21,8 +21,8 @@ struct MapCost {
 };
 
 // Maps then unmaps `total_bytes` (rounded down to whole pages) of a fresh reservation in
-// pages of `page_bytes`, `rounds` times; the pages are created once, untimed, as the
+// pages of `page_size`, `rounds` times; the pages are created once, untimed, as the
 // page pool recycles them.
-MapCost measure_mapping(Device& device, size_t page_bytes, size_t total_bytes, int rounds);
+MapCost measure_mapping(Device& device, size_t page_size, size_t total_bytes, int rounds);
 
 }  // namespace statepager

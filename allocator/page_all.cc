@@ -6,8 +6,8 @@
 
 namespace statepager {
 
-void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
-  if (bucket_bytes == 0) throw UsageError("bucket_size must be at least 1 byte");
+void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_size, bool out) {
+  if (bucket_size == 0) throw UsageError("bucket_size must be at least 1 byte");
   std::vector<Ticket> tickets;
   std::exception_ptr error;
   try {
@@ -22,7 +22,7 @@ void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_byte
       if (!pager.exists(id)) continue;
       bucket.push_back(id);
       bytes += pager.size(id);
-      if (bytes >= bucket_bytes) submit();
+      if (bytes >= bucket_size) submit();
     }
     submit();
   } catch (...) {

@@ -15,9 +15,9 @@
 
 namespace statepager {
 
-// Pages `ids` out (`out`) or in, in buckets of about `bucket_bytes` (a bucket closes at
-// the first extent that takes it to bucket_bytes or more), all submitted before the first
+// Pages `ids` out (`out`) or in, in buckets of about `bucket_size` (a bucket closes at
+// the first extent that takes it to bucket_size or more), all submitted before the first
 // is waited for, so that the pager overlaps them. Extents freed meanwhile are skipped.
-void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out);
+void page_all(Pager& pager, const std::vector<ExtentId>& ids, size_t bucket_size, bool out);
 
 }  // namespace statepager

@@ -31,19 +31,19 @@ Pager::Pager(std::unique_ptr<Device> device, PagerOptions options)
       map_cv_(sync_->map),
       done_cv_(sync_->done) {
   if (options_.io_depth > kMaxIoDepth) {
-    throw UsageError("io_depth (PagerOptions::io_depth) " + std::to_string(options_.io_depth) +
+    throw UsageError("io_depth " + std::to_string(options_.io_depth) +
                      " is not allowed: it must be 1 to " + std::to_string(kMaxIoDepth) +
                      " (0 or None: chosen for the medium)");
   }
-  if (options_.io_block_bytes % kFileAlign != 0 || options_.io_block_bytes > kMaxIoBlockBytes) {
-    throw UsageError("io_block (PagerOptions::io_block_bytes) " +
-                     std::to_string(options_.io_block_bytes) + " is not allowed: it must be a "
+  if (options_.io_block % kFileAlign != 0 || options_.io_block > kMaxIoBlockBytes) {
+    throw UsageError("io_block " +
+                     std::to_string(options_.io_block) + " is not allowed: it must be a "
                      "multiple of 4096 up to " + std::to_string(kMaxIoBlockBytes) +
                      " (256 MiB) (0 or None: chosen for the medium)");
   }
-  if (options_.host_budget_bytes > kMaxHostBudget) {
-    throw UsageError("host_budget (PagerOptions::host_budget_bytes) " +
-                     std::to_string(options_.host_budget_bytes) + " is not allowed: it must be "
+  if (options_.host_budget > kMaxHostBudget) {
+    throw UsageError("host_budget " +
+                     std::to_string(options_.host_budget) + " is not allowed: it must be "
                      "0 (no host tier) to " + std::to_string(kMaxHostBudget) + " (128 TiB)");
   }
   // A file-size limit must surface as EFBIG on the write, not kill the process.
@@ -83,27 +83,27 @@ void Pager::open_stores() {
   const bool stripe_ram = !options_.map_ram;
   file_ = std::make_unique<UringFile>(
       dir_->store_file(""),
-      UringFile::Options{ring_depth, options_.try_direct, true, stripe_ram});
+      UringFile::Options{ring_depth, options_.direct_io, true, stripe_ram});
   dir_->adopt(*file_);
   const IoShape shape = io_shape_for(file_->direct());
   if (options_.io_depth == 0) options_.io_depth = shape.depth;
-  if (options_.io_block_bytes == 0) options_.io_block_bytes = shape.block_bytes;
+  if (options_.io_block == 0) options_.io_block = shape.block_bytes;
   add_store_locked("");  // the default store: file 0 of file_
   store_tier_ = std::make_unique<StoreTier>(*device_, *file_, options_.io_depth,
-                                            options_.io_block_bytes, options_.map_ram);
-  if (options_.host_budget_bytes > 0) {
+                                            options_.io_block, options_.map_ram);
+  if (options_.host_budget > 0) {
     try {
-      host_tier_ = std::make_shared<HostTier>(*device_, options_.host_budget_bytes);
+      host_tier_ = std::make_shared<HostTier>(*device_, options_.host_budget);
     } catch (const OutOfMemoryError& e) {
-      throw OutOfMemoryError("host_budget " + std::to_string(options_.host_budget_bytes) +
+      throw OutOfMemoryError("host_budget " + std::to_string(options_.host_budget) +
                              " bytes of pinned host memory could not be allocated (" +
                              e.what() + "): pass a smaller host_budget");
     }
   }
-  counters_.host_budget_bytes = options_.host_budget_bytes;
+  counters_.host_budget = options_.host_budget;
   counters_.direct_io = file_->direct();
   counters_.io_depth = options_.io_depth;
-  counters_.io_block_bytes = options_.io_block_bytes;
+  counters_.io_block = options_.io_block;
 }
 
 Pager::~Pager() {
@@ -175,10 +175,10 @@ size_t Pager::check_pieces(const std::vector<size_t>& pieces) const {
     }
     total = pieces[i] > kMax - total ? kMax : total + pieces[i];
   }
-  if (total > pool_.arena_bytes()) {  // fixed at construction: no lock needed
+  if (total > pool_.arena_size()) {  // fixed at construction: no lock needed
     throw UsageError("a tensor of " + std::to_string(total) + " bytes is larger than the "
                      "pager's whole address arena (arena_size " +
-                     std::to_string(pool_.arena_bytes()) + " bytes): create the Pager with "
+                     std::to_string(pool_.arena_size()) + " bytes): create the Pager with "
                      "a larger arena_size");
   }
   return total;
@@ -483,8 +483,8 @@ PagerStats Pager::stats() const {
   s.mapped_bytes = pool_.mapped_bytes();
   s.peak_mapped_bytes = pool_.pages().peak_in_use_bytes();
   s.cached_bytes = pool_.pages().cached_bytes();
-  s.budget_bytes = pool_.pages().budget_bytes();
-  s.page_bytes = pool_.page_bytes();
+  s.hbm_budget = pool_.pages().hbm_budget();
+  s.page_size = pool_.page_size();
   s.extents = extents_.size();
   for (const auto& [id, e] : extents_) {
     if (e->state == Residency::kResident) s.resident_bytes += e->bytes;
@@ -511,10 +511,10 @@ void Pager::trim() {
   pool_.trim();
 }
 
-void Pager::set_keep_bytes(size_t keep_bytes) {
+void Pager::set_keep(size_t keep) {
   check_owner();
   std::unique_lock lock(mu_);
-  pool_.pages().set_keep_bytes(keep_bytes);
+  pool_.pages().set_keep(keep);
 }
 
 void Pager::reset_peak() {

@@ -4,7 +4,7 @@
 // An extent is a range of the pool's arena that holds one tensor's bytes. Its state is
 // ZERO (never written: page-in fills zeros and reads nothing), FILE (its bytes are at
 // rest in the store file), HOST (at rest in the host tier: pinned host memory of
-// PagerOptions::host_budget_bytes, allocator/host_tier.h) or RESIDENT (mapped and
+// PagerOptions::host_budget, allocator/host_tier.h) or RESIDENT (mapped and
 // current). A page-out goes to the host tier while it has room; short of room, HOST
 // extents are first written back to the store (spilled, as part of that bucket) and the
 // bucket takes their room; what still does not fit goes to the store file. Which spill: a
@@ -114,10 +114,10 @@ struct PagerOptions {
   std::string directory;                    // the store directory (see backing/store_dir.h)
   PoolOptions pool;                         // ranges: see pool.h
   unsigned io_depth = 0;                    // staging slots, 1..kMaxIoDepth; 0: io_shape_for
-  size_t io_block_bytes = 0;                // bytes per request: a multiple of 4 KiB up to
+  size_t io_block = 0;                      // bytes per request: a multiple of 4 KiB up to
                                             // kMaxIoBlockBytes; 0: io_shape_for(the medium)
-  bool try_direct = true;                   // O_DIRECT where the filesystem allows it
-  size_t host_budget_bytes = 0;             // the host tier's pinned memory, allocated at
+  bool direct_io = true;                    // O_DIRECT where the filesystem allows it
+  size_t host_budget = 0;                   // the host tier's pinned memory, allocated at
                                             // construction: 0 (none) to kMaxHostBudget
   bool map_ram = true;                      // store files in RAM mapped for the device's
                                             // copies (allocator/ram_map.h), one file each
@@ -127,7 +127,7 @@ struct PagerOptions {
 // The user address space of x86-64: more could never be allocated.
 constexpr size_t kMaxHostBudget = size_t(1) << 47;
 // Far past what any medium was measured to need (see IoShape); the staging memory is
-// io_depth x io_block_bytes of pinned memory.
+// io_depth x io_block of pinned memory.
 constexpr unsigned kMaxIoDepth = 1024;
 constexpr size_t kMaxIoBlockBytes = size_t(256) << 20;
 
@@ -136,8 +136,8 @@ struct PagerStats {
                                   // mapped by a page-in)
   size_t peak_mapped_bytes = 0;   // high-water mark of mapped_bytes (reset_peak)
   size_t cached_bytes = 0;        // unmapped physical pages kept for reuse
-  size_t budget_bytes = 0;        // PoolOptions::budget_bytes (a huge value: no budget)
-  size_t page_bytes = 0;
+  size_t hbm_budget = 0;          // PoolOptions::hbm_budget (a huge value: no budget)
+  size_t page_size = 0;
   size_t extents = 0;
   size_t resident_bytes = 0;      // bytes of RESIDENT extents
   uint64_t bytes_read = 0;        // from the store file
@@ -149,7 +149,7 @@ struct PagerStats {
   uint64_t buckets_in = 0;
   uint64_t buckets_out = 0;
   uint64_t buckets_held = 0;      // page-outs that waited for a held range (see hold())
-  size_t host_budget_bytes = 0;   // PagerOptions::host_budget_bytes
+  size_t host_budget = 0;         // PagerOptions::host_budget
   size_t host_used_bytes = 0;     // host-tier memory holding extents now (4 KiB-rounded)
   size_t host_bytes = 0;          // bytes of HOST extents
   uint64_t bytes_to_host = 0;     // page-outs into the host tier
@@ -163,7 +163,7 @@ struct PagerStats {
   uint64_t mapped_written_bytes = 0;  // from or to store files mapped in RAM (map_ram)
   uint64_t store_mapped_bytes = 0;  // store file bytes mapped for the device now
   unsigned io_depth = 0;          // the I/O shape in use (PagerOptions, resolved)
-  size_t io_block_bytes = 0;
+  size_t io_block = 0;
 };
 
 // Where an extent at rest keeps its bytes (see Pager::hold()).
@@ -186,7 +186,7 @@ class Pager {
   Pager& operator=(const Pager&) = delete;
 
   // A new extent of `bytes` in ZERO state in store `store`: address reserved, nothing
-  // mapped, no file I/O. UsageError when `bytes` exceeds the whole arena (arena_bytes);
+  // mapped, no file I/O. UsageError when `bytes` exceeds the whole arena (arena_size);
   // OutOfMemoryError when the arena has no free range that large.
   ExtentId create(size_t bytes, unsigned store = 0);
   // One tensor's bytes as adjacent extents ("pieces"), so that a part of a tensor larger
@@ -288,8 +288,8 @@ class Pager {
   std::vector<ExtentId> resident_extents() const;
   // Returns the page pool's cached pages to the device.
   void trim();
-  // Unmapped pages kept for reuse, at most (PoolOptions::keep_bytes).
-  void set_keep_bytes(size_t keep_bytes);
+  // Unmapped pages kept for reuse, at most (PoolOptions::keep).
+  void set_keep(size_t keep);
 
   // -- the store seen from outside: checkpoints copy file ranges, not bytes via the device
   // The physical files of all stores; UringFile::Span::file indexes them.

@@ -1,4 +1,4 @@
-// Pager's host tier (allocator/pager.h, PagerOptions::host_budget_bytes): where each
+// Pager's host tier (allocator/pager.h, PagerOptions::host_budget): where each
 // extent of a page-out goes, which HOST extents spill to make room, and read-ahead from
 // the store into free host room.
 #include <algorithm>
@@ -24,7 +24,7 @@ std::vector<ExtentId> Pager::place_outs_locked(Job& job) {
     Extent& e = extents_.at(id);
     std::optional<uint64_t> range;
     if (host_tier_) range = host_tier_->allocate(e.file_bytes);
-    if (!range && host_tier_ && e.file_bytes <= host_tier_->budget_bytes()) {
+    if (!range && host_tier_ && e.file_bytes <= host_tier_->host_budget()) {
       job.after.push_back(Residency::kResident);
       job.deferred.push_back(id);
       short_bytes += e.file_bytes;

@@ -13,22 +13,22 @@ namespace {
 // The options, once checked against the ranges in pool.h (before anything is reserved).
 const PoolOptions& checked(const PoolOptions& o, const Device& device) {
   const size_t grain = device.granularity();
-  if (o.page_bytes == 0 || o.page_bytes % grain != 0 || o.page_bytes > kMaxPageBytes) {
-    throw UsageError("page_size (PoolOptions::page_bytes) " + std::to_string(o.page_bytes) +
+  if (o.page_size == 0 || o.page_size % grain != 0 || o.page_size > kMaxPageBytes) {
+    throw UsageError("page_size " + std::to_string(o.page_size) +
                      " is not allowed: it must be a positive multiple of " + device.name() +
                      "'s granularity (" + std::to_string(grain) + " bytes) and at most " +
                      std::to_string(kMaxPageBytes) + " (1 GiB); 32 MiB is a good size");
   }
-  if (o.arena_bytes < o.page_bytes || o.arena_bytes > kMaxArenaBytes) {
-    throw UsageError("arena_size (PoolOptions::arena_bytes) " + std::to_string(o.arena_bytes) +
+  if (o.arena_size < o.page_size || o.arena_size > kMaxArenaBytes) {
+    throw UsageError("arena_size " + std::to_string(o.arena_size) +
                      " is not allowed: it must be between one page (page_size " +
-                     std::to_string(o.page_bytes) + ", the arena is reserved in whole pages) "
+                     std::to_string(o.page_size) + ", the arena is reserved in whole pages) "
                      "and " + std::to_string(kMaxArenaBytes) +
                      " (128 TiB, the user address space)");
   }
-  if (o.budget_bytes < o.page_bytes) {
-    throw UsageError("hbm_budget (PoolOptions::budget_bytes) " + std::to_string(o.budget_bytes) +
-                     " is less than one page (page_size " + std::to_string(o.page_bytes) +
+  if (o.hbm_budget < o.page_size) {
+    throw UsageError("hbm_budget " + std::to_string(o.hbm_budget) +
+                     " is less than one page (page_size " + std::to_string(o.page_size) +
                      "): nothing could be mapped. Raise it, or lower page_size");
   }
   return o;
@@ -38,10 +38,10 @@ const PoolOptions& checked(const PoolOptions& o, const Device& device) {
 
 Pool::Pool(Device& device, PoolOptions options)
     : device_(device),
-      page_bytes_(checked(options, device).page_bytes),
-      arena_(device.reserve(align_up(options.arena_bytes, options.page_bytes)),
-             align_up(options.arena_bytes, options.page_bytes)),
-      pages_(device, options.page_bytes, options.budget_bytes, options.keep_bytes) {}
+      page_size_(checked(options, device).page_size),
+      arena_(device.reserve(align_up(options.arena_size, options.page_size)),
+             align_up(options.arena_size, options.page_size)),
+      pages_(device, options.page_size, options.hbm_budget, options.keep) {}
 
 // Never throws: a destructor may run while the device is failing (a CUDA context with a
 // sticky error, a driver shutting down at exit); what cannot be returned then is left to
@@ -49,7 +49,7 @@ Pool::Pool(Device& device, PoolOptions options)
 Pool::~Pool() {
   try {
     for (auto& [index, entry] : table_) {
-      if (entry.mapping == nullptr) device_.unmap(address(index), page_bytes_);
+      if (entry.mapping == nullptr) device_.unmap(address(index), page_size_);
       pages_.release(entry.page);
     }
     table_.clear();
@@ -68,7 +68,7 @@ bool Pool::contains(uintptr_t addr, size_t bytes) const {
 }
 
 size_t Pool::end_page(uintptr_t addr, size_t bytes) const {
-  return (addr - arena_.base() + bytes + page_bytes_ - 1) / page_bytes_;
+  return (addr - arena_.base() + bytes + page_size_ - 1) / page_size_;
 }
 
 bool Pool::ref(uintptr_t addr, size_t bytes, bool past_budget) {
@@ -103,7 +103,7 @@ bool Pool::ref_begin(uintptr_t addr, size_t bytes, PendingMaps* pending, bool pa
       page = pages_.acquire(past_budget);  // may throw too: the device out of memory
       if (!page) {
         throw OutOfMemoryError("the pager's page budget (" +
-                               std::to_string(pages_.budget_bytes() >> 20) +
+                               std::to_string(pages_.hbm_budget() >> 20) +
                                " MiB) is used up: page out other tensors first, or raise "
                                "the budget");
       }
@@ -122,13 +122,13 @@ void Pool::map_pending(const PendingMaps& pending) {
   size_t mapped = 0;
   try {
     for (; mapped < pending.size(); mapped++) {
-      device_.map(pending[mapped].addr, page_bytes_, pending[mapped].page);
+      device_.map(pending[mapped].addr, page_size_, pending[mapped].page);
     }
   } catch (...) {
     while (mapped > 0) {
       --mapped;
       try {
-        device_.unmap(pending[mapped].addr, page_bytes_);
+        device_.unmap(pending[mapped].addr, page_size_);
       } catch (...) {
       }
     }
@@ -159,7 +159,7 @@ void Pool::drop(size_t index) {
   if (--it->second.refs > 0) return;
   // A failed unmap leaves the page in the table, mapped with no reference: a later ref()
   // finds it mapped.
-  if (it->second.mapping == nullptr) device_.unmap(address(index), page_bytes_);
+  if (it->second.mapping == nullptr) device_.unmap(address(index), page_size_);
   pages_.release(it->second.page);
   table_.erase(it);
 }

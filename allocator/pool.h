@@ -1,6 +1,6 @@
 // Pool: one address arena, its physical pages, and the table of which page is mapped.
 //
-// The arena is cut into pages of page_bytes. Each page has a reference count; it is
+// The arena is cut into pages of page_size. Each page has a reference count; it is
 // mapped while the count is above zero and unmapped (its physical page returned to the
 // PagePool) when the count drops to zero. Resident extents hold references on the
 // pages they touch, so a page shared by two resident extents is mapped once.
@@ -35,17 +35,17 @@
 namespace statepager {
 
 struct PoolOptions {
-  size_t arena_bytes = size_t(1) << 40;   // address space only: reserving it costs nothing
-  size_t page_bytes = size_t(32) << 20;
-  size_t budget_bytes = ~size_t(0);       // physical bytes mapped or cached, at most
-  size_t keep_bytes = 0;                  // unmapped pages kept for reuse, at most
+  size_t arena_size = size_t(1) << 40;  // address space only: reserving it costs nothing
+  size_t page_size = size_t(32) << 20;
+  size_t hbm_budget = ~size_t(0);       // physical bytes mapped or cached, at most
+  size_t keep = 0;                      // unmapped pages kept for reuse, at most
 };
 
-// page_bytes: a positive multiple of the device's granularity, at most kMaxPageBytes (a
+// page_size: a positive multiple of the device's granularity, at most kMaxPageBytes (a
 // page is created whole: a larger one only costs memory and time per map).
 constexpr size_t kMaxPageBytes = size_t(1) << 30;
-// arena_bytes: one page to kMaxArenaBytes, the user address space of x86-64 (rounded up
-// to whole pages). budget_bytes: at least one page.
+// arena_size: one page to kMaxArenaBytes, the user address space of x86-64 (rounded up
+// to whole pages). hbm_budget: at least one page.
 constexpr size_t kMaxArenaBytes = size_t(1) << 47;
 
 class Pool {
@@ -93,9 +93,9 @@ class Pool {
   Device& device() { return device_; }
   const PagePool& pages() const { return pages_; }
   PagePool& pages() { return pages_; }
-  size_t page_bytes() const { return page_bytes_; }
-  size_t arena_bytes() const { return arena_.size(); }
-  size_t mapped_bytes() const { return table_.size() * page_bytes_; }  // or being mapped
+  size_t page_size() const { return page_size_; }
+  size_t arena_size() const { return arena_.size(); }
+  size_t mapped_bytes() const { return table_.size() * page_size_; }  // or being mapped
 
  private:
   struct Entry {
@@ -103,13 +103,13 @@ class Pool {
     uint32_t refs;
     const PendingMaps* mapping = nullptr;  // the ref_begin() caller's, until mapped
   };
-  size_t first_page(uintptr_t addr) const { return (addr - arena_.base()) / page_bytes_; }
-  uintptr_t address(size_t index) const { return arena_.base() + index * page_bytes_; }
+  size_t first_page(uintptr_t addr) const { return (addr - arena_.base()) / page_size_; }
+  uintptr_t address(size_t index) const { return arena_.base() + index * page_size_; }
   size_t end_page(uintptr_t addr, size_t bytes) const;
   void drop(size_t index);
 
   Device& device_;
-  size_t page_bytes_;
+  size_t page_size_;
   Arena arena_;
   PagePool pages_;
   std::unordered_map<size_t, Entry> table_;  // referenced pages (mapped, or being mapped)

@@ -193,7 +193,7 @@ struct UringFile::Impl {
     f->path = join(where.dir, where.name);
     f->ram = in_ram(where.dir_fd);
     f->fds.push_back(open_file(where, where.name, options.create_new));
-    if (options.try_direct && !f->ram && set_direct(f->fds[0], true, f->path)) {
+    if (options.direct_io && !f->ram && set_direct(f->fds[0], true, f->path)) {
       // Other probe failures (ENOSPC, EFBIG) say nothing about O_DIRECT: keep it, and let
       // real requests report them.
       f->direct = probe_direct(f->fds[0], f->path) != EINVAL;

@@ -372,16 +372,16 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "measure_mapping",
-      [](const std::string& device, size_t page_bytes, size_t total_bytes, int rounds) {
+      [](const std::string& device, size_t page_size, size_t total_bytes, int rounds) {
         MapCost c;
         {
           py::gil_scoped_release release;
-          c = measure_mapping(*make_device(device), page_bytes, total_bytes, rounds);
+          c = measure_mapping(*make_device(device), page_size, total_bytes, rounds);
         }
         return py::dict(py::arg("map_s_per_gib") = c.map_s_per_gib,
                         py::arg("unmap_s_per_gib") = c.unmap_s_per_gib);
       },
-      py::arg("device"), py::arg("page_bytes"), py::arg("total_bytes"), py::arg("rounds") = 3);
+      py::arg("device"), py::arg("page_size"), py::arg("total_bytes"), py::arg("rounds") = 3);
 
   m.def(
       "measure_raw_io",
@@ -412,28 +412,28 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyPager>(m, "Pager")
       .def(py::init([](const std::string& directory, const std::string& device,
-                       size_t page_bytes, size_t budget_bytes, size_t keep_bytes,
-                       size_t arena_bytes, unsigned io_depth, size_t io_block_bytes,
-                       bool try_direct, size_t host_budget_bytes, bool map_ram) {
+                       size_t page_size, size_t hbm_budget, size_t keep,
+                       size_t arena_size, unsigned io_depth, size_t io_block,
+                       bool direct_io, size_t host_budget, bool map_ram) {
              PagerOptions o;
              o.directory = directory;
-             o.pool.page_bytes = page_bytes;
-             o.pool.budget_bytes = budget_bytes;
-             o.pool.keep_bytes = keep_bytes;
-             o.pool.arena_bytes = arena_bytes;
+             o.pool.page_size = page_size;
+             o.pool.hbm_budget = hbm_budget;
+             o.pool.keep = keep;
+             o.pool.arena_size = arena_size;
              o.io_depth = io_depth;
-             o.io_block_bytes = io_block_bytes;
-             o.try_direct = try_direct;
-             o.host_budget_bytes = host_budget_bytes;
+             o.io_block = io_block;
+             o.direct_io = direct_io;
+             o.host_budget = host_budget;
              o.map_ram = map_ram;
              auto pager = std::make_shared<Pager>(make_device(device), std::move(o));
              register_pager(pager);
              return PyPager{std::move(pager), torch::Device(device)};
            }),
-           py::arg("directory"), py::arg("device"), py::arg("page_bytes"),
-           py::arg("budget_bytes"), py::arg("keep_bytes"), py::arg("arena_bytes"),
-           py::arg("io_depth"), py::arg("io_block_bytes"), py::arg("try_direct"),
-           py::arg("host_budget_bytes") = 0, py::arg("map_ram") = true)
+           py::arg("directory"), py::arg("device"), py::arg("page_size"),
+           py::arg("hbm_budget"), py::arg("keep"), py::arg("arena_size"),
+           py::arg("io_depth"), py::arg("io_block"), py::arg("direct_io"),
+           py::arg("host_budget") = 0, py::arg("map_ram") = true)
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
               const std::string& store, std::optional<std::vector<int64_t>> strides,
@@ -598,8 +598,8 @@ PYBIND11_MODULE(_C, m) {
              d["mapped_bytes"] = s.mapped_bytes;
              d["peak_mapped_bytes"] = s.peak_mapped_bytes;
              d["cached_bytes"] = s.cached_bytes;
-             d["budget_bytes"] = s.budget_bytes;
-             d["page_bytes"] = s.page_bytes;
+             d["hbm_budget"] = s.hbm_budget;
+             d["page_size"] = s.page_size;
              d["extents"] = s.extents;
              d["resident_bytes"] = s.resident_bytes;
              d["bytes_read"] = s.bytes_read;
@@ -611,7 +611,7 @@ PYBIND11_MODULE(_C, m) {
              d["buckets_in"] = s.buckets_in;
              d["buckets_out"] = s.buckets_out;
              d["buckets_held"] = s.buckets_held;
-             d["host_budget_bytes"] = s.host_budget_bytes;
+             d["host_budget"] = s.host_budget;
              d["host_used_bytes"] = s.host_used_bytes;
              d["host_bytes"] = s.host_bytes;
              d["bytes_to_host"] = s.bytes_to_host;
@@ -625,16 +625,16 @@ PYBIND11_MODULE(_C, m) {
              d["mapped_written_bytes"] = s.mapped_written_bytes;
              d["store_mapped_bytes"] = s.store_mapped_bytes;
              d["io_depth"] = s.io_depth;
-             d["io_block_bytes"] = s.io_block_bytes;
+             d["io_block"] = s.io_block;
              return d;
            })
       .def("resident_extents", [](PyPager& self) { return self.pager->resident_extents(); },
            "Ids of the extents resident now (for pause/resume)")
       .def("page_all",
-           [](PyPager& self, const std::vector<ExtentId>& ids, size_t bucket_bytes, bool out) {
-             page_all(*self.pager, ids, bucket_bytes, out);
+           [](PyPager& self, const std::vector<ExtentId>& ids, size_t bucket_size, bool out) {
+             page_all(*self.pager, ids, bucket_size, out);
            },
-           py::arg("ids"), py::arg("bucket_bytes"), py::arg("out"), release_gil(),
+           py::arg("ids"), py::arg("bucket_size"), py::arg("out"), release_gil(),
            "Pages extents out (or in) in buckets, all in flight; waits for all of them")
       .def("trim", [](PyPager& self) { self.pager->trim(); }, release_gil(),
            "Returns the cached pages to the device")
@@ -683,7 +683,7 @@ PYBIND11_MODULE(_C, m) {
            release_gil())
       .def("abort_epoch", [](PyPager& self, uint64_t epoch) { self.pager->abort_epoch(epoch); },
            release_gil())
-      .def("set_keep_bytes", [](PyPager& self, size_t n) { self.pager->set_keep_bytes(n); })
+      .def("set_keep", [](PyPager& self, size_t n) { self.pager->set_keep(n); })
       .def("reset_peak", [](PyPager& self) { self.pager->reset_peak(); })
       .def("free_device_memory", [](PyPager& self) { return self.pager->device().free_memory(); })
       .def_property_readonly("file_path", [](PyPager& self) { return self.pager->file_path(); })

@@ -241,18 +241,18 @@ TEST_F(CudaDevice, AbsurdPageThrows) {
 }
 
 TEST_F(CudaDevice, FreeMemoryTracksPages) {
-  const size_t page_bytes = align_up(size_t{64} << 20, dev->granularity());
-  const size_t count = (size_t{1} << 30) / page_bytes;
-  const size_t total = count * page_bytes;
+  const size_t page_size = align_up(size_t{64} << 20, dev->granularity());
+  const size_t count = (size_t{1} << 30) / page_size;
+  const size_t total = count * page_size;
   const size_t slack = total / 4;  // other processes may allocate or free meanwhile
 
   const size_t before = dev->free_memory();
   std::vector<PhysicalPage> pages;
-  for (size_t i = 0; i < count; i++) pages.push_back(dev->create_page(page_bytes));
+  for (size_t i = 0; i < count; i++) pages.push_back(dev->create_page(page_size));
   const size_t held = dev->free_memory();
   EXPECT_LT(held + total - slack, before);
 
-  for (PhysicalPage p : pages) dev->release_page(p, page_bytes);
+  for (PhysicalPage p : pages) dev->release_page(p, page_size);
   const size_t after = dev->free_memory();
   EXPECT_GT(after, held + total - slack);
 }

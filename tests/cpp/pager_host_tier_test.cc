@@ -32,7 +32,7 @@ class HostTierTest : public ::testing::Test {
  protected:
   PagerOptions options(size_t host_budget) const {
     PagerOptions o = test_options(dir_.file("store"));
-    o.host_budget_bytes = host_budget;
+    o.host_budget = host_budget;
     return o;
   }
   std::string file(const std::string& name) const { return dir_.file(name); }
@@ -105,7 +105,7 @@ TEST_F(HostTierTest, BudgetThatHoldsTheStateMovesNoFileBytes) {
   EXPECT_EQ(s.bytes_read, 0u);
   EXPECT_EQ(s.host_bytes, ids.size() * kExtentBytes);
   EXPECT_EQ(s.host_used_bytes, ids.size() * kRounded);
-  EXPECT_EQ(s.host_budget_bytes, 8 * kRounded);
+  EXPECT_EQ(s.host_budget, 8 * kRounded);
   // write_all, the rounds, holds()
   EXPECT_EQ(s.bytes_to_host, (1 + 3 + 1) * ids.size() * kExtentBytes);
   EXPECT_EQ(s.mapped_bytes, 0u);
@@ -177,7 +177,7 @@ TEST_F(HostTierTest, ZeroBudgetIsTheStoreAlone) {
   write_all(pager, ids, 1);
   EXPECT_EQ(count(pager, ids, Residency::kFile), ids.size());
   const PagerStats s = pager.stats();
-  EXPECT_EQ(s.host_budget_bytes, 0u);
+  EXPECT_EQ(s.host_budget, 0u);
   EXPECT_EQ(s.bytes_to_host, 0u);
   EXPECT_EQ(s.bytes_written, ids.size() * kExtentBytes);
 }

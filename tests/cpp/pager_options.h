@@ -13,14 +13,14 @@
 namespace statepager {
 
 inline PagerOptions test_options(const std::string& directory,
-                                 size_t io_block_bytes = size_t(128) << 10,
+                                 size_t io_block = size_t(128) << 10,
                                  unsigned io_depth = 8) {
   PagerOptions o;
   o.directory = directory;
-  o.pool.page_bytes = 64 << 10;
-  o.pool.arena_bytes = size_t(1) << 32;
+  o.pool.page_size = 64 << 10;
+  o.pool.arena_size = size_t(1) << 32;
   o.io_depth = io_depth;
-  o.io_block_bytes = io_block_bytes;
+  o.io_block = io_block;
   return o;
 }
 

@@ -33,7 +33,7 @@ class PageInJoins : public ::testing::TestWithParam<Setup> {
     device_ = owned.get();
     PagerOptions o = test_options(dir_.file("store"));
     o.map_ram = GetParam().map_ram;
-    o.host_budget_bytes = GetParam().host_budget;
+    o.host_budget = GetParam().host_budget;
     pager_ = std::make_unique<Pager>(std::move(owned), o);
   }
 

@@ -72,7 +72,7 @@ TEST_P(ReleaseUnchangedTest, ReadWorksOnAnUnwritableStore) {
   const PagerOptions o = options();
   EXPECT_TRUE(in_child([&] {
     Pager pager(make_host_device(), o);
-    pager.set_keep_bytes(size_t(64) << 20);
+    pager.set_keep(size_t(64) << 20);
     std::vector<ExtentId> ids = make_extents(pager);
     write_all(pager, ids, 1);
     rlimit limit{rlim_t(4096), RLIM_INFINITY};

@@ -106,7 +106,7 @@ TEST(Pager, AddressStableAcrossPaging) {
 TEST(Pager, ExtentsInAreThePiecesARangeTouches) {
   PagerOptions o = small_options("extents_in");
   Pager pager(make_host_device(), o);
-  const size_t page = o.pool.page_bytes;
+  const size_t page = o.pool.page_size;
   const ExtentId single = pager.create(1000);
   const std::vector<ExtentId> ids = pager.create_pieces({2 * page, 2 * page, 12345});
   const uintptr_t a = pager.address(ids[0]), s = pager.address(single);
@@ -134,7 +134,7 @@ TEST(Pager, ExtentsInAreThePiecesARangeTouches) {
 TEST(Pager, PiecesAreAdjacentAndPagedOnTheirOwn) {
   PagerOptions o = small_options("pieces");
   Pager pager(make_host_device(), o);
-  const size_t page = o.pool.page_bytes;
+  const size_t page = o.pool.page_size;
   const ExtentId before = pager.create(1000);  // a neighbour sharing the first page
   const std::vector<ExtentId> ids = pager.create_pieces({2 * page, 2 * page, 12345});
   ASSERT_EQ(ids.size(), 3u);
@@ -167,7 +167,7 @@ TEST(Pager, PiecesAreAdjacentAndPagedOnTheirOwn) {
 
 TEST(Pager, BudgetIsNeverExceeded) {
   PagerOptions o = small_options("budget");
-  o.pool.budget_bytes = 8 * o.pool.page_bytes;
+  o.pool.hbm_budget = 8 * o.pool.page_size;
   Pager pager(make_host_device(), o);
   std::vector<ExtentId> ids;
   for (int i = 0; i < 40; i++) ids.push_back(pager.create(50000 + 1000 * i));
@@ -179,7 +179,7 @@ TEST(Pager, BudgetIsNeverExceeded) {
       pager.wait(pager.page_out(bucket));
     }
   }
-  EXPECT_LE(pager.stats().peak_mapped_bytes, o.pool.budget_bytes);
+  EXPECT_LE(pager.stats().peak_mapped_bytes, o.pool.hbm_budget);
   EXPECT_GT(pager.stats().peak_mapped_bytes, 0u);
   // Everything at once does not fit: refused, and nothing changes.
   EXPECT_THROW(pager.wait(pager.page_in(ids)), OutOfMemoryError);
@@ -395,18 +395,18 @@ TEST(Pager, IoShapeFollowsTheMedium) {
   for (const char* root : {"/tmp", "/dev/shm"}) {
     PagerOptions o;
     o.directory = std::string(root) + "/statepager-pager-test-io-" + std::to_string(getpid());
-    o.pool.arena_bytes = size_t(1) << 30;
+    o.pool.arena_size = size_t(1) << 30;
     Pager pager(make_host_device(), o);
     const PagerStats s = pager.stats();
     const IoShape want = io_shape_for(s.direct_io);
     EXPECT_EQ(s.io_depth, want.depth) << root;
-    EXPECT_EQ(s.io_block_bytes, want.block_bytes) << root;
+    EXPECT_EQ(s.io_block, want.block_bytes) << root;
   }
   EXPECT_NE(io_shape_for(true).block_bytes, io_shape_for(false).block_bytes);
   PagerOptions o = small_options("io-shape");
   Pager pager(make_host_device(), o);  // set: kept as given
   EXPECT_EQ(pager.stats().io_depth, 8u);
-  EXPECT_EQ(pager.stats().io_block_bytes, size_t(32) << 10);
+  EXPECT_EQ(pager.stats().io_block, size_t(32) << 10);
 }
 
 // Options outside their ranges are refused before the store directory is touched (no
@@ -423,16 +423,16 @@ TEST(Pager, OptionsOutOfRangeAreRefused) {
     }
     EXPECT_NE(::access(o.directory.c_str(), F_OK), 0) << what;
   };
-  refused([](PagerOptions& o) { o.pool.page_bytes = 0; }, "page_bytes");
-  refused([](PagerOptions& o) { o.pool.page_bytes = 4097; }, "page_bytes");
-  refused([](PagerOptions& o) { o.pool.page_bytes = size_t(1) << 40; }, "page_bytes");
-  refused([](PagerOptions& o) { o.pool.arena_bytes = 0; }, "arena_bytes");
-  refused([](PagerOptions& o) { o.pool.arena_bytes = size_t(1) << 50; }, "arena_bytes");
-  refused([](PagerOptions& o) { o.pool.arena_bytes = o.pool.page_bytes - 4096; }, "one page");
-  refused([](PagerOptions& o) { o.pool.budget_bytes = 4096; }, "budget_bytes");
+  refused([](PagerOptions& o) { o.pool.page_size = 0; }, "page_size");
+  refused([](PagerOptions& o) { o.pool.page_size = 4097; }, "page_size");
+  refused([](PagerOptions& o) { o.pool.page_size = size_t(1) << 40; }, "page_size");
+  refused([](PagerOptions& o) { o.pool.arena_size = 0; }, "arena_size");
+  refused([](PagerOptions& o) { o.pool.arena_size = size_t(1) << 50; }, "arena_size");
+  refused([](PagerOptions& o) { o.pool.arena_size = o.pool.page_size - 4096; }, "one page");
+  refused([](PagerOptions& o) { o.pool.hbm_budget = 4096; }, "hbm_budget");
   refused([](PagerOptions& o) { o.io_depth = kMaxIoDepth + 1; }, "io_depth");
-  refused([](PagerOptions& o) { o.io_block_bytes = 1000; }, "io_block_bytes");
-  refused([](PagerOptions& o) { o.io_block_bytes = kMaxIoBlockBytes + 4096; }, "io_block_bytes");
+  refused([](PagerOptions& o) { o.io_block = 1000; }, "io_block");
+  refused([](PagerOptions& o) { o.io_block = kMaxIoBlockBytes + 4096; }, "io_block");
   EXPECT_THROW(UringFile("/tmp/statepager-uring-depth", UringFile::Options{5000, true}),
                UsageError);
 }

@@ -213,7 +213,7 @@ struct SlowMapPager {
   std::unique_ptr<SlowMapDevice> owned = std::make_unique<SlowMapDevice>();  // to the Pager
   SlowMapDevice& device = *owned;
   Pager pager{std::move(owned), options(dir)};
-  size_t page = options(dir).pool.page_bytes;
+  size_t page = options(dir).pool.page_size;
 };
 
 // While one thread's page-in maps its pages, the Pager's lock is free: another thread
@@ -289,7 +289,7 @@ TEST(PagerThreads, AFailedMappingFailsItsBucketAndLeavesItAsBefore) {
   auto owned = std::make_unique<FailingMapDevice>();
   FailingMapDevice& device = *owned;
   Pager pager(std::move(owned), options(dir));
-  const size_t page = options(dir).pool.page_bytes;
+  const size_t page = options(dir).pool.page_size;
   const ExtentId stored = pager.create(2 * page + page / 2), fresh = pager.create(page);
   pager.wait(pager.page_in({stored}));
   fill(pager, stored, 0x77);

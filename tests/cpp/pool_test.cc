@@ -15,9 +15,9 @@ constexpr size_t kPage = 64 << 10;
 
 PoolOptions options(size_t budget_pages) {
   PoolOptions o;
-  o.arena_bytes = 64 * kPage;
-  o.page_bytes = kPage;
-  o.budget_bytes = budget_pages * kPage;
+  o.arena_size = 64 * kPage;
+  o.page_size = kPage;
+  o.hbm_budget = budget_pages * kPage;
   return o;
 }
 

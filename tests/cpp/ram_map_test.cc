@@ -215,7 +215,7 @@ TEST(PagerMappedRam, WithAHostTierTheStoreIsOneFileToo) {
   auto owned = std::make_unique<CopyCountingDevice>();
   CopyCountingDevice& device = *owned;
   PagerOptions o = mapped_options(dir);
-  o.host_budget_bytes = kMiB;
+  o.host_budget = kMiB;
   Pager pager(std::move(owned), o);
   EXPECT_EQ(pager.store_files().size(), 1u);
   const ExtentId large = pager.create(5 * kMiB + 4000);  // more than the tier holds
@@ -288,7 +288,7 @@ TEST(PagerMappedRam, ACopyFailingPartwayFailsTheBucketAndChangesNothing) {
     TempDir dir("/dev/shm");
     PagerOptions o = mapped_options(dir);
     o.map_ram = map_ram;
-    o.io_block_bytes = 1 << 20;  // the small extents share a chunk
+    o.io_block = 1 << 20;  // the small extents share a chunk
     auto owned = std::make_unique<FailingCopyDevice>();
     FailingCopyDevice& device = *owned;
     Pager pager(std::move(owned), o);

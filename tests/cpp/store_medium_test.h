@@ -20,7 +20,7 @@ class StoreMediumTest : public ::testing::TestWithParam<StoreMedium> {
   PagerOptions options(size_t host_budget = 0) const {
     PagerOptions o = test_options(dir_.file("store"));
     o.map_ram = GetParam().map_ram;
-    o.host_budget_bytes = host_budget;
+    o.host_budget = host_budget;
     return o;
   }
   std::string file(const std::string& name) const { return dir_.file(name); }

@@ -147,9 +147,9 @@ std::vector<char> read_striped(const std::string& path, unsigned stripes, size_t
 
 // Writes random data with many requests in flight (in shuffled order), reads it back the
 // same way, and checks it against both the source and a plain pread of the file(s).
-void round_trip(const std::string& dir, bool registered, bool try_direct, bool expect_direct,
+void round_trip(const std::string& dir, bool registered, bool direct_io, bool expect_direct,
                 unsigned expect_stripes = 1, bool stripe_ram = true) {
-  UringFile f(dir + "/data", UringFile::Options{16, try_direct, false, stripe_ram});
+  UringFile f(dir + "/data", UringFile::Options{16, direct_io, false, stripe_ram});
   EXPECT_EQ(f.direct(), expect_direct);
 
   // 300 chunks of 1 to 4 pages, laid out back to back.
@@ -610,10 +610,10 @@ std::vector<long> open_flags_of(const std::string& path) {
 // when direct() says so.
 TEST(UringFile, DirectModeIsOnTheDescriptor) {
   TempDir dir;
-  for (bool try_direct : {true, false}) {
-    const std::string path = dir.file(try_direct ? "direct" : "buffered");
-    UringFile f(path, UringFile::Options{4, try_direct, true});
-    EXPECT_EQ(f.direct(), try_direct && filesystem_accepts_direct(dir.path()));
+  for (bool direct_io : {true, false}) {
+    const std::string path = dir.file(direct_io ? "direct" : "buffered");
+    UringFile f(path, UringFile::Options{4, direct_io, true});
+    EXPECT_EQ(f.direct(), direct_io && filesystem_accepts_direct(dir.path()));
     const std::vector<long> flags = open_flags_of(path);
     ASSERT_EQ(flags.size(), 1u) << path;
     EXPECT_EQ((flags[0] & O_DIRECT) != 0, f.direct()) << path;
@@ -663,9 +663,9 @@ TEST(UringFile, CreateNewNeverTakesAnExistingFileNorFollowsALink) {
 TEST(UringFile, FileSizeLimitGivesNoSpaceErrorAndEfbig) {
   TempDir dir;
   constexpr uint64_t kLimit = 1 << 20;
-  for (bool try_direct : {true, false}) {
-    SCOPED_TRACE(try_direct ? "direct" : "buffered");
-    const std::string path = dir.file(try_direct ? "direct" : "buffered");
+  for (bool direct_io : {true, false}) {
+    SCOPED_TRACE(direct_io ? "direct" : "buffered");
+    const std::string path = dir.file(direct_io ? "direct" : "buffered");
     const int code = run_in_child([&] {
       std::signal(SIGXFSZ, SIG_IGN);
       rlimit lim{};
@@ -673,7 +673,7 @@ TEST(UringFile, FileSizeLimitGivesNoSpaceErrorAndEfbig) {
       lim.rlim_cur = kLimit;
       if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) return 10;
 
-      UringFile f(path, UringFile::Options{4, try_direct});
+      UringFile f(path, UringFile::Options{4, direct_io});
       f.allocate(kLimit / 2);
       try {
         f.allocate(2 * kLimit);

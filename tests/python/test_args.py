@@ -44,7 +44,7 @@ def test_pager_options_out_of_range_are_refused_before_the_store_is_touched(stor
 def test_numpy_and_tensor_integers_are_accepted(store_dir):
     np = pytest.importorskip("numpy")
     with Pager(store_dir, page_size=np.int64(64 * KiB), io_depth=torch.tensor(4)) as p:
-        assert p.stats()["page_bytes"] == 64 * KiB and p.stats()["io_depth"] == 4
+        assert p.stats()["page_size"] == 64 * KiB and p.stats()["io_depth"] == 4
 
 
 @pytest.mark.parametrize("shape, dtype, match", [
@@ -95,5 +95,5 @@ def test_paging_and_attach_sizes_are_checked(store_dir):
 
 
 def test_measure_mapping_refuses_a_zero_page():
-    with pytest.raises(statepager.UsageError, match="page_bytes"):
+    with pytest.raises(statepager.UsageError, match="page_size"):
         statepager._C.measure_mapping("cpu", 0, 1 << 20)

@@ -55,7 +55,7 @@ def test_steps_are_bit_exact_at_any_budget(store_dir, reference, share):
         train(model, opt, 0, 4)
         assert all(torch.equal(a, b) for a, b in zip(params(model), reference))
         s = p.stats()
-        assert s["host_budget_bytes"] == int(share * state)
+        assert s["host_budget"] == int(share * state)
         if share == 0:
             assert s["bytes_to_host"] == 0 and s["host_bytes"] == 0
         elif share == 4:  # holds the state and a step's fresh copy: no file I/O at all
@@ -63,7 +63,7 @@ def test_steps_are_bit_exact_at_any_budget(store_dir, reference, share):
             assert s["host_bytes"] >= state and s["bytes_from_host"] > 0
         else:  # part in the host tier, the rest spilled to the store
             assert s["bytes_to_host"] > 0 and s["bytes_written"] > 0
-            assert 0 < s["host_used_bytes"] <= s["host_budget_bytes"]
+            assert 0 < s["host_used_bytes"] <= s["host_budget"]
 
 
 def test_half_in_the_host_tier_on_a_mapped_ram_store(shm_dir):
@@ -313,7 +313,7 @@ def test_steps_read_ahead_into_free_room(store_dir, masters_reference):
         store_per_step(p, opt, 8)
         s = p.stats()
         assert s["read_aheads"] > 0 and s["read_ahead_bytes"] > 0
-        assert s["host_used_bytes"] <= s["host_budget_bytes"]
+        assert s["host_used_bytes"] <= s["host_budget"]
         assert all(torch.equal(a, b) for a, b in zip(values(p, ts), masters_reference))
 
 

@@ -26,9 +26,9 @@ def test_pool_out_of_memory_is_a_torch_out_of_memory(store_dir):
 
 def test_stats_say_none_for_no_budget(store_dir, tmp_path):
     with statepager.Pager(store_dir) as p:
-        assert p.stats()["budget_bytes"] is None
+        assert p.stats()["hbm_budget"] is None
     with statepager.Pager(str(tmp_path / "b"), page_size=64 * KiB, hbm_budget=MiB) as p:
-        assert p.stats()["budget_bytes"] == MiB
+        assert p.stats()["hbm_budget"] == MiB
 
 
 # -- the torch the extension was built against -----------------------------------------

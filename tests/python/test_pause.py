@@ -139,14 +139,14 @@ class FailingUnwind:
     def __getattr__(self, name):
         return getattr(self.core, name)
 
-    def page_all(self, ids, bucket_bytes, out):
+    def page_all(self, ids, bucket_size, out):
         if out:
-            self.core.page_all(ids[:len(ids) // 2], bucket_bytes, True)
+            self.core.page_all(ids[:len(ids) // 2], bucket_size, True)
             raise statepager.NoSpaceError("injected: the store's disk is full")
         if self.failures:
             self.failures -= 1
             raise statepager.StoreIOError("injected: a read error")
-        return self.core.page_all(ids, bucket_bytes, False)
+        return self.core.page_all(ids, bucket_size, False)
 
 
 def test_pause_that_cannot_page_back_in_stays_paused_and_resume_finishes(store_dir):

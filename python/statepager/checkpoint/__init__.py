@@ -76,7 +76,7 @@ def _fill_host_tier(pager) -> None:
     """Reads the loaded state from the store into the host tier's free room, in the order
     the steps need it, until the room is used. A read that fails leaves its tensors in
     the store, where their page-in reads them: the load stands."""
-    if not pager.stats()["host_budget_bytes"]:
+    if not pager.stats()["host_budget"]:
         return
     handles = [pager.read_ahead_async(b.stored) for binding in pager.bindings
                for b in binding.buckets]

@@ -442,11 +442,11 @@ class Pager:
 
     def stats(self) -> dict:
         """Counters of the pool, the store, the host tier and the I/O (each field is
-        documented at PagerStats in allocator/pager.h); budget_bytes is the hbm_budget,
-        None when unbounded."""
+        documented at PagerStats in allocator/pager.h, under the name of the knob it
+        reports: page_size, hbm_budget (None when unbounded), host_budget, io_block)."""
         s = self._core.stats()
         if self._unbounded:
-            s["budget_bytes"] = None  # the core's "no budget" is its largest size
+            s["hbm_budget"] = None  # the core's "no budget" is its largest size
         return s
 
     @serialized
@@ -455,7 +455,7 @@ class Pager:
         nbytes = args.integer("nbytes", nbytes)
         if nbytes > self.keep:
             self.keep = nbytes
-            self._core.set_keep_bytes(nbytes)
+            self._core.set_keep(nbytes)
 
     def free_device_memory(self) -> int:
         """Bytes the device reports free now (cudaMemGetInfo; on the host backend, the

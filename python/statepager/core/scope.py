@@ -209,7 +209,7 @@ class Capture(TorchDispatchMode):
         may touch two partial pages, so the fit is checked on the pool's own count.
         False when they do not fit because tensors kept resident hold the budget: the
         new tensor is then made as an ordinary one, as outside the scope."""
-        budget = self.pager.stats()["budget_bytes"]
+        budget = self.pager.stats()["hbm_budget"]
         if budget is None:
             return True
         need = nbytes + 2 * self.pager.page_size

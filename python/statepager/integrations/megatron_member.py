@@ -167,7 +167,7 @@ class MegatronMember:
         try:
             self.pager.page_in(t)
         except _C.OutOfMemoryError as e:
-            budget = self.pager.stats()["budget_bytes"]
+            budget = self.pager.stats()["hbm_budget"]
             if budget is None:  # the device itself is full
                 raise
             raise _C.UsageError(

@@ -214,7 +214,7 @@ def _pager_checks(work: str, mount: dict | None, probe_bytes: int) -> tuple[list
             stats = pager.stats()
     except _C.Error as e:
         return [Check("direct I/O", "FAIL", f"a Pager cannot open a store here: {e}")], None
-    depth, block, direct = stats["io_depth"], stats["io_block_bytes"], stats["direct_io"]
+    depth, block, direct = stats["io_depth"], stats["io_block"], stats["direct_io"]
     shape = f"{depth} x {block // MiB} MiB requests in flight"
     ram = mount is not None and mount["fstype"] in ("tmpfs", "ramfs")
     if direct:

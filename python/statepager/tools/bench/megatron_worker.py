@@ -217,7 +217,7 @@ def run_config(spec: dict) -> dict:
                 stored_bytes=_bytes(binding, "stored"), undo_bytes=_bytes(binding, "undo"),
                 host_budget=host_budget, host_used=stats["host_used_bytes"],
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
-                io_block=stats["io_block_bytes"],
+                io_block=stats["io_block"],
                 loop_host_s={k: spread([x[i] for x in loop_host])
                              for i, k in enumerate(("stepping", "page_ins", "device", "page_outs"))},
                 stream_s=spread(streams),

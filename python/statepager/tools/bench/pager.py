@@ -40,7 +40,7 @@ def _bench_store(args, work: str) -> dict:
                   io_block=args.io_block, keep=keep) as pager:
         bar.phase("filling the tensors")
         # fio and the raw loop run with the pager's I/O shape.
-        depth, block = pager.stats()["io_depth"], pager.stats()["io_block_bytes"]
+        depth, block = pager.stats()["io_depth"], pager.stats()["io_block"]
         result.update(io_depth=depth, io_block=block)
         # Buckets of tensors of mixed sizes (not multiples of 4 KiB), as optimizer state is.
         gen = torch.Generator().manual_seed(0)
@@ -180,7 +180,7 @@ def _pager_sleep(args, work: str, pager: Pager, size: int, bar) -> dict:
     stats = pager.stats()
     # The raw loop with the pager's I/O shape.
     bar.phase("raw io_uring loop")
-    depth, block = stats["io_depth"], stats["io_block_bytes"]
+    depth, block = stats["io_depth"], stats["io_block"]
     raw_r = _C.measure_raw_io(work, nbytes, block, depth, True, False)
     raw_w = _C.measure_raw_io(work, nbytes, block, depth, False, True)
     pause = [nbytes / p / 1e9 for p, _ in rounds]

@@ -60,7 +60,7 @@ def _disk_floor(args, work: str, disk: dict) -> dict:
     shape = disk["io"]
     try:
         return bench_floor.fio_best(fio, os.path.join(work, "saver-disk"), disk["bytes"],
-                                    disk["bytes"], block=shape["io_block_bytes"],
+                                    disk["bytes"], block=shape["io_block"],
                                     depth=shape["io_depth"], jobs=args.fio_jobs,
                                     direct=shape["direct_io"])
     except OSError as e:
@@ -108,7 +108,7 @@ def _rounds(args, work: str, device: torch.device, backup: str, bar) -> dict:
         got = bench_tms.sums(ts)
         stats = pager.stats()
         return {"bytes": sum(t.numel() * t.element_size() for t in ts), "tensors": len(ts),
-                "io": {k: stats[k] for k in ("io_block_bytes", "io_depth", "direct_io")},
+                "io": {k: stats[k] for k in ("io_block", "io_depth", "direct_io")},
                 "store": pager.directory, "pause_s": [p for p, _ in times],
                 "resume_s": [r for _, r in times], "freed_bytes": freed,
                 "data_intact": got == want if backup != "none" else None,

@@ -138,7 +138,7 @@ def paged_steps(args, work: str, device, n, bar, atomic: bool = True) -> dict:
             "bound_bytes": args.depth * (max(b.nbytes for b in binding.buckets) + 2 * args.page_size),
             "direct_io": pager.stats()["direct_io"],
             "io_depth": pager.stats()["io_depth"],
-            "io_block": pager.stats()["io_block_bytes"],
+            "io_block": pager.stats()["io_block"],
             "store_bytes": _store_bytes(os.path.join(store, binding.name)),
         }
 
@@ -267,7 +267,7 @@ def _bench_step(args, work: str) -> dict:
     result = {
         "device": str(device), "params": n, "unowned": args.unowned, "state_bytes": state,
         "dir": args.dir,
-        "bucket_bytes": args.bucket_size, "depth": args.depth,
+        "bucket_size": args.bucket_size, "depth": args.depth,
         "floor": floor, "floor_s": floor["seconds"], "paged": paged,
         "paged_gbps": moved / paged["step_s"]["median"] / 1e9,
     }
@@ -285,7 +285,7 @@ def print_step(r: dict) -> None:
     print(f"step bench: {r['params'] / 1e9:.2f} B params "
           f"{'(ordinary tensors; moments paged) ' if r['unowned'] else ''}on {r['device']}, "
           f"{r['state_bytes'] / 1e9:.1f} GB of state each way, dir {r['dir']}, "
-          f"buckets of {r['bucket_bytes'] // MiB} MiB x depth {r['depth']}, "
+          f"buckets of {r['bucket_size'] // MiB} MiB x depth {r['depth']}, "
           f"direct_io={p['direct_io']}, io {p['io_depth']} x {p['io_block'] // MiB} MiB")
     for line in bench_floor.describe(r["floor"]):
         print("  " + line)
