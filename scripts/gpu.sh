@@ -386,8 +386,8 @@ torch_memory_saver==0.0.10"
 cmd_deps() {
   local work
   work=$(mktemp -d) || return 1
-  # shellcheck disable=SC2064  # the folder made now
-  trap "rm -rf '$work'" RETURN
+  # shellcheck disable=SC2064  # the folder made now; the script exits after this command
+  trap "rm -rf '$work'" EXIT
   mkdir -p .deps .whl
   (cd "$work" && apt-get download liburing2 liburing-dev googletest >/dev/null) || return 1
   rm -rf .deps/liburing .deps/googletest
@@ -401,17 +401,17 @@ cmd_deps() {
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: -d .whl \
     $WHEELS || return 1
-  deps_source .deps/megatron-lm "${MEGATRON_LM_SRC:-}" \
+  deps_source .deps/megatron-lm "${MEGATRON_LM_SRC:-$work/megatron-lm}" \
     https://github.com/NVIDIA/Megatron-LM "$MEGATRON_LM_REF" "$MEGATRON_LM_PATHS" || return 1
-  deps_source .deps/torch_memory_saver "${TMS_SRC:-}" \
+  deps_source .deps/torch_memory_saver "${TMS_SRC:-$work/tms}" \
     https://github.com/fzyzcjy/torch_memory_saver HEAD "" || return 1
   du -sh .deps .whl
 }
 
-deps_source() {  # deps_source DEST CLONE URL REF PATHS: PATHS (all when empty) of REF
+deps_source() {  # deps_source DEST CLONE URL REF PATHS: PATHS (all when empty) of REF in
+  # the git clone CLONE, cloned from URL where it does not exist
   local dest=$1 clone=$2 url=$3 ref=$4 paths=$5
-  if [ -z "$clone" ]; then
-    clone=$(mktemp -d)/src
+  if [ ! -e "$clone" ]; then
     git clone -q --filter=blob:none "$url" "$clone" || return 1
   fi
   git -C "$clone" rev-parse -q --verify "$ref^{commit}" >/dev/null \
