@@ -62,7 +62,7 @@ class UringFile {
 
   struct Options {
     unsigned queue_depth = 32;  // requests in flight at most: 1 to kMaxQueueDepth
-    bool direct_io = true;     // false: always buffered I/O
+    bool direct_io = true;      // false: always buffered I/O
     bool create_new = false;    // true: every physical file must not exist yet (O_EXCL)
     bool stripe_ram = true;     // false: a file in RAM is one physical file (see Striping)
   };
