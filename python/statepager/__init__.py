@@ -22,7 +22,9 @@ from statepager._C import (  # noqa: E402, F401
     UsageError,
     cuda_available,
 )
-from statepager.core.pager import PageHandle, Pager  # noqa: E402, F401
+from statepager.core.handles import PageHandle  # noqa: E402, F401
+from statepager.core.pager import Pager  # noqa: E402, F401
+from statepager.core.hooks import Hooks  # noqa: E402, F401
 from statepager.core.step_stats import StepStats  # noqa: E402, F401
 from statepager.core.stream import StreamedOptimizer  # noqa: E402, F401
 from statepager.core.optim import PagedAdamW  # noqa: E402, F401
@@ -35,6 +37,7 @@ from statepager.integrations import megatron as _megatron  # noqa: E402, F401
 __all__ = [
     "Pager",
     "PageHandle",
+    "Hooks",
     "PagedAdamW",
     "StepStats",
     "StreamedOptimizer",

@@ -125,7 +125,7 @@ class TorchMemorySaver:
                                 "graphs cannot be captured on: pass stream=None or a "
                                 "torch.cuda.Stream()")
         pager = self._usable_pager(key)
-        with self._outer_closed(), pager.routed_pool() as mem_pool:
+        with self._outer_closed(), pager.services.routed_pool() as mem_pool:
             self._pool_ids[key] = mem_pool.id
             self._capturing = True
             try:

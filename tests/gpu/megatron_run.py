@@ -47,7 +47,7 @@ def stores_in_use(pager, binding) -> list:
     """Per member, the store its mains and moments are paged to (one name, or a set)."""
     out = []
     for stream in binding.streams:
-        names = {pager.store_of(t) for b in stream.buckets for t in b.stored}
+        names = {pager.services.store_of(t) for b in stream.buckets for t in b.stored}
         out.append(names.pop() if len(names) == 1 else names)
     return out
 

@@ -175,7 +175,7 @@ def main():
     elif case in ("hook-in-step", "interrupt-in-step"):
         hook = FailingHook(RuntimeError("user hook failed inside a step")
                            if case == "hook-in-step" else KeyboardInterrupt())
-        step_fails(pager, args.device, hook.arm, before_bucket=hook)
+        step_fails(pager, args.device, hook.arm, hooks=statepager.Hooks(before_bucket=hook))
     elif case == "sys-exit":
         trained(pager, args.device)
         sys.exit(3)

@@ -33,10 +33,9 @@ def test_megatron_is_registered():
     assert adapters.find(inner) is None
 
 
-@pytest.mark.parametrize("option", ["name", "before_bucket", "after_bucket", "model_param",
-                                    "keep_resident"])
+@pytest.mark.parametrize("option", ["name", "hooks"])
 def test_attach_refuses_what_the_megatron_adapter_sets(store_dir, option):
-    value = "x" if option == "name" else (lambda *_: None)
+    value = "x" if option == "name" else statepager.Hooks(before_bucket=lambda *_: None)
     with Pager(store_dir, page_size=64 * KiB) as pager:
         with pytest.raises(statepager.UsageError,
                            match=f"Megatron optimizer sets {option} itself.*leave it out"):

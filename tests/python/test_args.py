@@ -79,7 +79,7 @@ def test_paging_and_attach_sizes_are_checked(store_dir):
             (lambda: p.pause(bucket_size="1M"), r"bucket_size must be an integer"),
             (lambda: p.resume(bucket_size=-1), r"bucket_size = -1 is out of range"),
             (lambda: p.scope(min_bytes=-1).__enter__(), r"min_bytes = -1 is out of range"),
-            (lambda: p.keep_at_least(-3), r"nbytes = -3 is out of range"),
+            (lambda: p.services.keep_at_least(-3), r"nbytes = -3 is out of range"),
             (lambda: p.attach(torch.optim.AdamW(model.parameters()), bucket_size=0),
              r"bucket_size = 0 is out of range"),
             (lambda: p.attach(torch.optim.AdamW(model.parameters()), depth=1),

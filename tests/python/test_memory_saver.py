@@ -249,7 +249,7 @@ def test_cuda_graph_refused_on_the_host_backend(saver):
 def test_routed_pool_refused_on_the_host_backend(saver):
     kv = _made(saver, 1.0, tag="kv")
     with pytest.raises(statepager.UsageError, match="MemPools are CUDA's"):
-        with saver.pager("kv").routed_pool():
+        with saver.pager("kv").services.routed_pool():
             pass
     assert saver.tag_of(kv) == "kv"
 

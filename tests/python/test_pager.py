@@ -259,7 +259,7 @@ def test_host_like_is_ordinary_memory_laid_out_as_its_model(store_dir):
     of atomic steps), outside the pager, that holds what is copied into it."""
     model = torch.randn(6, 8, 5, 7).contiguous(memory_format=torch.channels_last)
     with Pager(store_dir, page_size=64 * KiB) as p:
-        copies = [p.host_like(t) for t in (model, model.to(torch.bfloat16), model[0, 0])]
+        copies = [p.services.host_like(t) for t in (model, model.to(torch.bfloat16), model[0, 0])]
         for copy, t in zip(copies, (model, model.to(torch.bfloat16), model[0, 0])):
             like = torch.empty_like(t)  # a gappy view (model[0, 0]) comes dense
             assert (copy.shape, copy.dtype, copy.stride()) == (t.shape, t.dtype, like.stride())
@@ -267,9 +267,9 @@ def test_host_like_is_ordinary_memory_laid_out_as_its_model(store_dir):
             copy.copy_(t)
             assert torch.equal(copy, t)
         assert p.stats()["extents"] == 0 and p.stats()["mapped_bytes"] == 0
-        assert p.host_like(torch.empty(0, 3)).shape == (0, 3)
+        assert p.services.host_like(torch.empty(0, 3)).shape == (0, 3)
         before = rss_bytes()
-        big = p.host_like(torch.empty(64 * MiB, dtype=torch.uint8))
+        big = p.services.host_like(torch.empty(64 * MiB, dtype=torch.uint8))
         big.fill_(1)
         assert rss_bytes() - before >= 60 * MiB
         del big  # freed with the tensor

@@ -47,7 +47,7 @@ def test_owns_each_is_owns_of_each_value(store_dir):
         pieces = pager.empty((2 * 4 * PAGE) // 4, pieces=[4 * PAGE, 4 * PAGE])
         values = [t, t[10:20], pieces[5:], torch.zeros(3), torch.zeros(3).to_sparse(), 1.5,
                   None, "t"]
-        assert pager.owns_each(values) == [pager.owns(v) for v in values] == \
+        assert pager.services.owns_each(values) == [pager.owns(v) for v in values] == \
             [True, True, True, False, False, False, False, False]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from statepager import checkpoint
-from statepager import Pager
+from statepager import Hooks, Pager
 
 from compare import same
 from small_jobs import KiB, bits, set_grads
@@ -31,7 +31,7 @@ def state_bytes(pager, binding) -> list:
         rest = [t for t in b.stored if pager.residency(t) != "resident"]
         pager.page_in_async(rest, for_read=True).wait()
         out.append([bits(t) for t in b.stored])
-        pager.release_unchanged_async(rest).wait()
+        pager.services.release_unchanged_async(rest).wait()
     return out
 
 
@@ -252,8 +252,8 @@ def chunked(store, atomic="bucket"):
     q = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(1)))
     opt = torch.optim.AdamW([p, q], lr=1e-2)
     calls = []
-    binding = pager.attach(opt, bucket_size=3 << 20, atomic=atomic,
-                           before_chunk=lambda *c: calls.append(c), after_chunk=lambda *c: None)
+    binding = pager.attach(opt, bucket_size=3 << 20, atomic=atomic, hooks=Hooks(
+        before_chunk=lambda *c: calls.append(c), after_chunk=lambda *c: None))
     return pager, opt, binding, [p, q], calls
 
 

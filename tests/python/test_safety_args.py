@@ -181,12 +181,8 @@ def test_attach_takes_an_optimizer(store_dir, optimizer, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(keep_resident=5), r"keep_resident must be callable or None, not int 5"),
-    (dict(before_bucket=5), r"before_bucket must be callable or None, not int 5"),
-    (dict(after_bucket="f"), r"after_bucket must be callable or None, not str 'f'"),
-    (dict(model_param=5), r"model_param must be callable or None, not int 5"),
-    (dict(before_chunk=5), r"before_chunk must be callable or None"),
-    (dict(after_chunk=5), r"after_chunk must be callable or None"),
+    (dict(hooks=dict(before_bucket=print)), r"hooks must be a statepager.Hooks or None, "
+                                            r"not dict.*Hooks\(before_bucket=...\)"),
     (dict(name=5), r"name must be a str or None, not int 5"),
     (dict(moments="fp16"), r"moments must be one of \('fp32', 'bf16', 'q8'\), not 'fp16'"),
     (dict(mains=None), r"mains must be one of \('fp32', 'residual'\), not None"),
@@ -197,6 +193,19 @@ def test_attach_options_are_checked_at_the_call(store_dir, kwargs, match):
         with pytest.raises(statepager.UsageError, match=match):
             p.attach(model_and_optimizer()[1], **kwargs)
         assert p.bindings == () and tree(store_dir) == before
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(keep_resident=5), r"keep_resident must be callable or None, not int 5"),
+    (dict(before_bucket=5), r"before_bucket must be callable or None, not int 5"),
+    (dict(after_bucket="f"), r"after_bucket must be callable or None, not str 'f'"),
+    (dict(model_param=5), r"model_param must be callable or None, not int 5"),
+    (dict(before_chunk=5), r"before_chunk must be callable or None"),
+    (dict(after_chunk=5), r"after_chunk must be callable or None"),
+])
+def test_hooks_are_checked_at_construction(kwargs, match):
+    with pytest.raises(statepager.UsageError, match=match):
+        statepager.Hooks(**kwargs)
 
 
 # -- optimizer names -----------------------------------------------------------------------

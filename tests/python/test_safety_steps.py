@@ -606,7 +606,7 @@ def test_statepager_code_sees_the_state_as_held(store_dir):
 
     def hook(params):
         state = opt.state[params[0]]
-        seen.append(type(state) is dict and pager.reads._open == {})
+        seen.append(type(state) is dict and pager.services.reads._open == {})
 
     binding.before_bucket = hook
     opt.step()

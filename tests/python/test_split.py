@@ -225,7 +225,8 @@ def test_bucket_hooks_without_chunk_hooks_keep_parameters_whole(store_dir):
     ps = params()
     opt = torch.optim.Adam(ps, lr=1e-2)
     with Pager(store_dir, page_size=PAGE) as pager:
-        binding = pager.attach(opt, bucket_size=BUCKET, before_bucket=lambda params: None)
+        binding = pager.attach(opt, bucket_size=BUCKET,
+                               hooks=statepager.Hooks(before_bucket=lambda params: None))
         assert not chunked(binding)
         assert max(b.planned for b in binding.buckets) > BUCKET
 

@@ -233,7 +233,8 @@ def test_small_parameters_are_dealt_over_the_buckets(store_dir):
     opt = torch.optim.AdamW(param_groups, lr=1e-3, foreach=True)
     small = {id(p) for p in param_groups[1]["params"]}
     with Pager(store_dir, page_size=64 * KiB) as pager:
-        binding = pager.attach(opt, bucket_size=bucket, keep_resident=lambda p: id(p) in small)
+        binding = pager.attach(opt, bucket_size=bucket,
+                               hooks=statepager.Hooks(keep_resident=lambda p: id(p) in small))
         assert [sum(id(p) in small for p in b.params) for b in binding.buckets] == [0, 0, 0, 24]
 
 
@@ -447,7 +448,8 @@ def test_keep_resident_params_step_unpaged(store_dir):
     opt = torch.optim.AdamW(groups(model), lr=1e-3)
     small = {id(p) for p in model.parameters() if p.dim() == 1}
     with Pager(store_dir, page_size=64 * KiB) as pager:
-        pager.attach(opt, bucket_size=40 * KiB, keep_resident=lambda p: id(p) in small)
+        pager.attach(opt, bucket_size=40 * KiB,
+                     hooks=statepager.Hooks(keep_resident=lambda p: id(p) in small))
         train(ref_model, ref, None, 4)
         train(model, opt, None, 4)
         for p in model.parameters():
@@ -471,7 +473,7 @@ def test_each_attached_optimizer_has_its_own_store(store_dir):
         for name, opt in (("0-dense", dense), ("opt1", expert)):
             paged = [t for p in opt.state for t in [p, *opt.state[p].values()]
                      if isinstance(t, torch.Tensor) and pager.owns(t)]
-            assert paged and {pager.store_of(t) for t in paged} == {name}
+            assert paged and {pager.services.store_of(t) for t in paged} == {name}
             stores[name] = sum(t.numel() * t.element_size() for t in paged)
         for name, nbytes in stores.items():
             path = os.path.join(store_dir, name, "state.bin")

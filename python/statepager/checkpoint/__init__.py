@@ -7,7 +7,8 @@ torch.distributed.checkpoint: functions over a Pager.
 
 The format, its checks and their order: statepager.checkpoint.save_load; the layout
 rules: staging and manifest; the directory's atomic creation: dirs. This layer sits on
-the core's public interface (Pager.between_steps, snapshot, restore) and nothing above.
+the core's interface (pager.services: between_steps, snapshot, restore) and nothing
+above.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def save(pager, path: str, *, background: bool = False) -> SaveHandle:
     bucket has been copied. Returns a SaveHandle: wait(), done(), and .method, .bytes,
     .seconds of the save."""
     background = args.flag("background", background)  # before anything changes
-    with pager.between_steps("save()"):
+    with pager.services.between_steps("save()"):
         _settle(pager)
         handle = save_load.save(pager, path, background=background)
         if background:
@@ -56,7 +57,7 @@ def load(pager, path: str, *, missing_ok: bool = False) -> bool:
     state goes into its free room, and what did not fit beside the old state is read
     into it afterwards, first buckets first (the next step's page-ins are host copies)."""
     missing_ok = args.flag("missing_ok", missing_ok)
-    with pager.between_steps("load()", replaces_state=True):
+    with pager.services.between_steps("load()", replaces_state=True):
         _settle(pager)
         loaded = save_load.load(pager, path, missing_ok)
         if loaded:

@@ -108,7 +108,7 @@ def rank_directory(base: str) -> str:
 
 
 def save(pager, path: str, *, background: bool = False) -> SaveHandle:
-    """statepager.checkpoint.save, between steps (Pager.between_steps). The caller has
+    """statepager.checkpoint.save, between steps (pager.services.between_steps). The caller has
     settled the previous background save and keeps the handle of a background one (the
     next save or load settles it)."""
     args.flag("background", background)
@@ -127,8 +127,8 @@ def save(pager, path: str, *, background: bool = False) -> SaveHandle:
     plan = [_Plan(binding) for binding in pager.bindings]
     # A tensor made of pieces (a parameter that steps in chunks) is copied piece by piece,
     # back to back: its bytes in the checkpoint are those of a tensor of one piece.
-    pieces = [pager.piece_views(t) for p in plan for t in p.tensors]
-    snapshot = pager.snapshot([v for views in pieces for v in views])
+    pieces = [pager.services.piece_views(t) for p in plan for t in p.tensors]
+    snapshot = pager.services.snapshot([v for views in pieces for v in views])
     try:
         placed = iter(snapshot.placements)
         states = iter(["zero" if all(next(placed)[0] == "zero" for _ in views) else "file"
@@ -263,7 +263,7 @@ def _starts(views: list) -> list:
 
 def load(pager, path: str, missing_ok: bool = False) -> bool:
     """Loads `path` into the attached optimizers, all or nothing (see the module
-    docstring; Pager.restore copies the bytes in) and
+    docstring; pager.services.restore copies the bytes in) and
     returns True. A path that holds no checkpoint is a UsageError naming what is missing
     (checkpoint_dirs.require_checkpoint), except that with missing_ok=True a path where
     nothing exists returns False (with a logged notice), changing nothing. The caller has
@@ -319,8 +319,8 @@ def _restore(pager, staged: list, loaded: list) -> None:
         pager.page_out(resident)
     for s in staged:
         tensors, zero, offsets = s.restore
-        pieces = [pager.piece_views(t) for t in tensors]  # each piece from its place
-        pager.restore([v for views in pieces for v in views],
+        pieces = [pager.services.piece_views(t) for t in tensors]  # each piece from its place
+        pager.services.restore([v for views in pieces for v in views],
                       [z for z, views in zip(zero, pieces) for _ in views],
                       s.data.path,
                       [offset + at for offset, views in zip(offsets, pieces)

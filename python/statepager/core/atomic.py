@@ -59,7 +59,7 @@ class UndoCopies:
     """Per binding: one host tensor for each tensor an all-or-nothing step overwrites
     outside the pager (a resumable step copies one bucket's on the device instead:
     statepager.core.resumable.undo_copies),
-    created on first use and kept between steps (Pager.host_like: pinned for a CUDA pager,
+    created on first use and kept between steps (pager.services.host_like: pinned for a CUDA pager,
     so that the copy before a bucket steps is queued on the device, not waited for).
 
     targets(params): the parameters the pager does not own, and for owned masters their
@@ -91,7 +91,7 @@ class UndoCopies:
         let go with it, so that between steps their memory serves other tensors.
         part: `state` is some parameters' (a bucket's): the others' kept copies stay."""
         entries = [(p, name, v) for p, values in state.items() for name, v in values.items()]
-        owned = self.pager.owns_each(v for _, _, v in entries)
+        owned = self.pager.services.owns_each(v for _, _, v in entries)
         saved = {p: {} for p in state}
         kept, targets, sources = {}, [], []
         with torch.no_grad():
@@ -199,7 +199,7 @@ class UndoCopies:
     def written_by_the_step(self, params, chunks=()) -> bool:
         """True when a target is a parameter the pager does not own: the optimizer's step
         writes it (a mirror is written after the step, by after_bucket)."""
-        return not all(self.pager.owns_each([*params, *(c.param for c in chunks)]))
+        return not all(self.pager.services.owns_each([*params, *(c.param for c in chunks)]))
 
     def _target(self, p):
         """What the step overwrites outside the pager for p, or None."""
@@ -227,7 +227,7 @@ class UndoCopies:
         like = torch.empty_like(t, device="meta")  # the layout host_like gives
         if copy is None or (copy.shape, copy.dtype, copy.stride()) != \
                 (like.shape, like.dtype, like.stride()):
-            copy = self._copies[id(p)] = self.pager.host_like(t)  # chunks are views of it
+            copy = self._copies[id(p)] = self.pager.services.host_like(t)  # chunks are views of it
         return copy
 
 

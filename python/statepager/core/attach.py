@@ -3,12 +3,10 @@
 The optimizer's state tensors (and its parameters, when the pager owns them) live in the
 pager, and step() pages each bucket of about `bucket_size` bytes in, steps it, and pages
 it out, within a window of the pages `depth` consecutive buckets touch. `moments` ("fp32", "bf16",
-"q8") and `mains` ("fp32", "residual": needs `model_param(master)` -> its bf16
+"q8") and `mains` ("fp32", "residual": needs the hook `model_param(master)` -> its bf16
 parameter) choose the on-disk formats (statepager.formats). `name` identifies the
 binding in checkpoints and names its own store, directory/<name>/ (default "opt<i>", i
-its attach order); parameters for which `keep_resident(p)` is true keep their state in
-ordinary memory and step unpaged. `model_param(master)` is also the model parameter that
-after_bucket writes from a master: a failed step restores it. atomic: "bucket" (the
+its attach order). atomic: "bucket" (the
 default) makes a step resumable: one that raises leaves each bucket stepped or not, and
 the next step() finishes it (statepager.core.resumable); True or "step" makes it all or
 nothing: one that raises changes nothing (statepager.core.atomic; the store and the host
@@ -19,16 +17,20 @@ consecutive buckets when the optimizer's step is torch's Adam step and its pager
 are made of pieces (statepager.core.slices; the binding makes the state so; an fp32
 master the pager owns must be made with
 empty(pieces=statepager.core.slices.pieces(numel, 4)), as PagedAdamW makes them), else
-it is a bucket of its own. before_chunk(p, start, stop) and after_chunk(p, start, stop)
-are then called around the step of elements [start, stop) of p (memory order), where
-before_bucket and after_bucket get whole parameters; with bucket hooks but no chunk
-hooks, no parameter steps in chunks. A Megatron DistributedOptimizer or ChainedOptimizer
-is attached through statepager.integrations.megatron (one binding per member; returns a
-MegatronBinding); it sets name, before_bucket, after_bucket, model_param and
-keep_resident itself, and passing any of them is refused (UsageError). hooks: a
-statepager.core.hooks.Hooks in place of the hook keywords (passing both is refused),
-which may add before_step and after_step, called around each step's buckets (the
-integrations' way in). bind=False: every check and the plan, and nothing attached yet;
+it is a bucket of its own.
+
+hooks: a statepager.Hooks (statepager.core.hooks), the callables the binding calls:
+before_bucket(params) and after_bucket(params) around each bucket's step (e.g. copy
+grads in, write model params out); before_chunk(p, start, stop) and after_chunk(p,
+start, stop) around the step of elements [start, stop) of p (memory order) where a
+parameter steps in chunks (with bucket hooks but no chunk hooks, none does);
+model_param(master) -> the model parameter after_bucket writes from a master (a failed
+step restores it; residual mains decode against it); keep_resident(p) -> True: p's
+state stays in ordinary memory and steps unpaged; before_step() and after_step()
+around each step's buckets (the integrations' way in). A Megatron DistributedOptimizer
+or ChainedOptimizer is attached through statepager.integrations.megatron (one binding
+per member; returns a MegatronBinding); it sets name and the hooks itself, and passing
+either is refused (UsageError). bind=False: every check and the plan, and nothing attached yet;
 the binding's bind() attaches it (an integration attaching several optimizers checks
 them all first). Returns the StreamedOptimizer binding; its `.last` holds the last
 step's StepStats.
@@ -41,9 +43,8 @@ from statepager.core.hooks import Hooks
 from statepager.core.stream import StreamedOptimizer
 
 
-def attach(pager, optimizer, *, bucket_size, depth, log_steps, before_bucket, after_bucket,
-           moments, mains, model_param, name, keep_resident, atomic, before_chunk,
-           after_chunk, hooks=None, bind=True):
+def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, name, atomic,
+           hooks=None, bind=True):
     """Pager.attach, under the Pager's lock: the binding (a StreamedOptimizer, or an
     adapter's own for an optimizer of another framework), which Pager.attach records.
     Every argument is checked before anything is made: the binding's store
@@ -51,17 +52,16 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, before_bucket, af
     bucket_size, depth = args.bucketing(bucket_size, depth)
     log_steps, atomic = args.flag("log_steps", log_steps), args.atomicity(atomic)
     moments, mains = args.formats(moments, mains)
-    hooks = Hooks.of(hooks, before_bucket=before_bucket, after_bucket=after_bucket,
-                     model_param=model_param, keep_resident=keep_resident,
-                     before_chunk=before_chunk, after_chunk=after_chunk)
+    hooks = Hooks.of(hooks)
     name = args.optimizer_name(name)
-    pager.check_not_paused("attach()")
+    pager.services.check_not_paused("attach()")
     adapter = adapters.find(optimizer)
     if adapter is not None:
         if not bind:
             raise _C.UsageError(f"attach(bind=False) is for torch optimizers, not a "
                                 f"{adapter.name} optimizer")
-        adapters.refuse_set_options(adapter, {"name": name, **hooks.given()})
+        adapters.refuse_set_options(adapter, {"name": name,
+                                              "hooks": hooks.given() or None})
         return adapter.attach(pager, optimizer, bucket_size=bucket_size, depth=depth,
                               log_steps=log_steps, moments=moments, mains=mains,
                               atomic=atomic)

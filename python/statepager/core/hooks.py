@@ -20,8 +20,8 @@ ChunkHook = Callable[[torch.Tensor, int, int], None]
 
 @dataclass(frozen=True)
 class Hooks:
-    """Every callable a binding calls, None where not given (Pager.attach documents the
-    first six). before_step and after_step are called with no arguments around each
+    """Every callable a binding calls, None where not given (statepager.core.attach
+    documents each). before_step and after_step are called with no arguments around each
     step's buckets (the Megatron integration reads its clip coefficient before, and
     knows the mains are copied after); not after a failed step. Each is checked callable
     at construction (UsageError)."""
@@ -45,16 +45,12 @@ class Hooks:
                 if getattr(self, f.name) is not None}
 
     @staticmethod
-    def of(hooks: "Hooks | None", **keywords) -> "Hooks":
-        """Pager.attach's hooks: `hooks` where given (then none of the hook keywords, or
-        UsageError), else a Hooks of the keywords."""
+    def of(hooks: "Hooks | None") -> "Hooks":
+        """Pager.attach's hooks: `hooks`, or none (UsageError for anything else)."""
         if hooks is None:
-            return Hooks(**keywords)
+            return Hooks()
         if not isinstance(hooks, Hooks):
-            raise _C.UsageError(f"hooks must be a statepager.core.hooks.Hooks or None, not "
-                                f"{type(hooks).__name__}")
-        given = sorted(k for k, v in keywords.items() if v is not None)
-        if given:
-            raise _C.UsageError(f"attach() takes the hooks as hooks=Hooks(...) or as "
-                                f"keywords, not both: pass {', '.join(given)} in the Hooks")
+            raise _C.UsageError(f"hooks must be a statepager.Hooks or None, not "
+                                f"{type(hooks).__name__}: attach(opt, hooks=statepager."
+                                f"Hooks(before_bucket=...))")
         return hooks

@@ -142,7 +142,7 @@ class StateLayout:
 
     def to_store(self, b: Bucket) -> None:
         if b.stored:  # the binding's own store, opened on first use
-            self.pager.move_to_store(b.stored, self.store)
+            self.pager.services.move_to_store(b.stored, self.store)
 
     def fused_forms(self, b: Bucket):
         """The moment forms the fused step reads in their stored form, or None where it

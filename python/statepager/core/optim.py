@@ -6,6 +6,7 @@ import torch
 from statepager import _C
 from statepager.core import args, defaults, slices
 from statepager.util.flat import flat_view
+from statepager.core.hooks import Hooks
 from statepager.core.pager import Pager
 
 
@@ -32,7 +33,7 @@ class PagedAdamW(torch.optim.AdamW):
         if not isinstance(pager, Pager):
             raise _C.UsageError(f"pager must be a statepager.Pager, not "
                                 f"{type(pager).__name__} {pager!r}")
-        pager.check_not_paused("PagedAdamW()")
+        pager.services.check_not_paused("PagedAdamW()")
         bucket_size, depth = args.bucketing(bucket_size, depth)
         log_steps, atomic = args.flag("log_steps", log_steps), args.atomicity(atomic)
         moments, mains = args.formats(moments, mains)
@@ -54,12 +55,12 @@ class PagedAdamW(torch.optim.AdamW):
         # "residual": a master equal to its bf16 parameter has residual zero, which is what
         # a fresh (ZERO) stored form already holds.
         super().__init__(master_groups, **hyper)
-        self.binding = pager.attach(self, bucket_size=bucket_size, depth=depth,
-                                    log_steps=log_steps, before_bucket=self._load_grads,
-                                    after_bucket=self._store_params, moments=moments,
-                                    mains=mains, model_param=self.model_param,
-                                    before_chunk=self._load_grads_of_chunk,
-                                    after_chunk=self._store_chunk, atomic=atomic)
+        self.binding = pager.attach(
+            self, bucket_size=bucket_size, depth=depth, log_steps=log_steps, moments=moments,
+            mains=mains, atomic=atomic, hooks=Hooks(
+                before_bucket=self._load_grads, after_bucket=self._store_params,
+                model_param=self.model_param, before_chunk=self._load_grads_of_chunk,
+                after_chunk=self._store_chunk))
 
     def _make_masters(self, pager: Pager, groups: list[dict], bucket_size: int) -> list[dict]:
         """The param groups over fp32 masters of the model's parameters (ZERO: no memory,
@@ -81,7 +82,7 @@ class PagedAdamW(torch.optim.AdamW):
         """Each master from its model parameter, in buckets of about bucket_size (a master
         made of pieces piece by piece)."""
         parts = [(m, start, view.numel()) for m in masters
-                 for start, view in _starts(pager.piece_views(m))]
+                 for start, view in _starts(pager.services.piece_views(m))]
         bucket, nbytes = [], 0
         for part in parts + [None]:
             if part is None or (bucket and nbytes + part[2] * 4 > bucket_size):

@@ -30,13 +30,13 @@ def replace(binding, optimizer) -> None:
 
 def _paged_step(binding, optimizer, closure=None):
     """optimizer.step() of an attached optimizer (the closure runs outside the lock)."""
-    binding.pager.check_not_paused("step()")
+    binding.pager.services.check_not_paused("step()")
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
     with lock_of(binding):
-        binding.pager.check_not_paused("step()")
+        binding.pager.services.check_not_paused("step()")
         optimizer._opt_called = True  # what LR schedulers check; their step wrapper is replaced
         binding.step_buckets()
     return loss

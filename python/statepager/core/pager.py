@@ -37,35 +37,15 @@ from typing import Iterable, Sequence
 import torch
 
 from statepager import _C
-from statepager.core import (args, attach, defaults, guard, lifetime, scope, serial,
-                             sleep, state_access)
+from statepager.core import args, attach, defaults, guard, lifetime, scope, serial, sleep
+from statepager.core.handles import PageHandle
 from statepager.core.serial import serialized
+from statepager.core.services import PagerServices, current_stream
 from statepager.util import ranks
-from statepager.util.flat import flat_view
-from statepager.core.stream import StreamedOptimizer
 from statepager.util.units import MiB
 
 
 log = logging.getLogger("statepager")
-
-
-class PageHandle:
-    """A bucket being paged in or out. wait() blocks until it is done and raises its error."""
-
-    def __init__(self, pager: "Pager", ticket):
-        self._pager = pager
-        self._ticket = ticket
-
-    def wait(self) -> None:
-        self._pager._core.wait(self._ticket)
-
-    def done(self) -> bool:
-        return self._pager._core.is_done(self._ticket)
-
-    @property
-    def times(self) -> tuple[float, float]:
-        """(start, end) of the bucket's I/O on the time.monotonic() clock, once done."""
-        return self._ticket.times
 
 
 class Epoch:
@@ -119,9 +99,6 @@ class Pager:
     ):
         guard.install()  # repr/pickle/copy of its tensors cannot crash (statepager.guard)
         serial.add(self)  # its lock, held by every entry point
-        # The attached optimizers' state read between steps; statepager's own (steps,
-        # state_access), not for users.
-        self.reads = state_access.Reads(self, self._begin_epoch)
         # Types and signs here; the core checks the ranges (it knows the device).
         page_size = args.optional_integer("page_size", page_size)
         hbm_budget = args.optional_integer("hbm_budget", hbm_budget)
@@ -142,6 +119,9 @@ class Pager:
             directory, str(self.device), page_size, budget, keep, arena_size,
             io_depth or 0, io_block or 0, direct_io, host_budget, map_ram,
         )
+        # What statepager's own modules call on it (attached optimizers, state reads,
+        # snapshots, pieces...), not users.
+        self.services = PagerServices(self, self._core, self._begin_epoch)
         lifetime.track(self)
         self._unbounded = hbm_budget is None
         self.hbm_budget, self.host_budget = hbm_budget, host_budget  # as made (None: unbounded)
@@ -149,7 +129,6 @@ class Pager:
         self.page_size = page_size
         self.keep = keep
         self._sleep = sleep.Sleep()
-        self._bindings = []    # attached optimizers, in attach order (checkpoint layout)
 
     # -- tensors ---------------------------------------------------------------------
 
@@ -159,7 +138,8 @@ class Pager:
         """A deferred tensor: address reserved, no memory and no I/O until page_in().
         `store`: the store its bytes go to ("" the default one); `strides`: its layout
         (None: contiguous); `pieces`: byte sizes of consecutive parts of its bytes paged
-        on their own through views (piece_views), all but the last multiples of 4 KiB."""
+        on their own through views (services.piece_views), all but the last multiples of
+        4 KiB."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         return self._core.empty(args.shape(shape), args.dtype(dtype), args.text("store", store),
@@ -174,52 +154,9 @@ class Pager:
         like = torch.empty_like(t, dtype=dtype, device="meta")
         return self.empty(like.shape, dtype=like.dtype, strides=like.stride(), pieces=pieces)
 
-    def host_like(self, t: torch.Tensor) -> torch.Tensor:
-        """An uninitialized CPU tensor laid out as torch.empty_like(t), in host memory the
-        device copies to and from directly (pinned on CUDA) and of exactly its size
-        (torch's pinned allocator rounds up to a power of two); freed with it."""
-        like = torch.empty_like(t, device="meta")
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0:
-            return torch.empty_like(t, device="cpu")
-        flat = self._core.host_empty(nbytes).view(like.dtype)
-        return flat.as_strided(like.shape, like.stride())
-
-    def pieces(self, t: torch.Tensor) -> list[int]:
-        """The byte sizes of the pieces t's storage is made of (empty(pieces=...)); one
-        for a tensor made without."""
-        return self._core.piece_bytes(t)
-
-    def piece_views(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """t's elements as 1-D views in memory order, one per piece (each pages that
-        piece alone); [t] for a tensor of one piece."""
-        sizes = self.pieces(t)
-        if len(sizes) == 1:
-            return [t]
-        flat, views, at = flat_view(t), [], 0
-        for nbytes in sizes:
-            views.append(flat[at:at + nbytes // t.element_size()])
-            at += nbytes // t.element_size()
-        return views
-
     def owns(self, t) -> bool:
         """Whether t is a tensor of this pager or a view of one (False for others)."""
         return isinstance(t, torch.Tensor) and t.layout == torch.strided and self._core.owns(t)
-
-    def owns_each(self, values: Iterable) -> list[bool]:
-        """owns() of each value, in one call."""
-        return self._core.owns_each(list(values))
-
-    def store_of(self, t: torch.Tensor) -> str:
-        """The name of the store t's bytes live in ("" the default one)."""
-        return self._core.store_of(t)
-
-    @serialized
-    def move_to_store(self, tensors: Iterable[torch.Tensor], store: str) -> None:
-        """The tensors' bytes live in store `store` (directory/<store>/; "" the default)
-        from now on; those at rest move on their next page-in. Not while being paged."""
-        self._core.move_to_store(args.tensors("move_to_store", tensors),
-                                 args.text("store", store))
 
     def residency(self, t: torch.Tensor) -> str:
         """'zero', 'file', 'host', 'resident', 'paging_in' or 'paging_out'; 'mixed' for a
@@ -235,11 +172,11 @@ class Pager:
     def page_in_async(self, tensors: Iterable[torch.Tensor], for_read: bool = False
                       ) -> PageHandle:
         """for_read: the caller will only read them and hand them back with
-        release_unchanged_async(): where their bytes lie at rest is remembered (their
+        services.release_unchanged_async(): where their bytes lie at rest is remembered (their
         host-tier copies stay, that room taken while they are resident), so that handing
         them back writes nothing."""
-        self.check_not_paused("page_in()")
-        return PageHandle(self, self._core.page_in(args.tensors("page_in", tensors),
+        self.services.check_not_paused("page_in()")
+        return PageHandle(self._core, self._core.page_in(args.tensors("page_in", tensors),
                                                    args.flag("for_read", for_read)))
 
     @serialized
@@ -247,39 +184,26 @@ class Pager:
         """Pages out after the work queued on the current stream. reuse_after > 0: they
         are paged in again after about that many more bytes of page_in calls, and the
         host tier keeps what is needed sooner (else least recently used leaves first)."""
-        self.check_not_paused("page_out()")
+        self.services.check_not_paused("page_out()")
         tensors = args.tensors("page_out", tensors)
         reuse_after = args.integer("reuse_after", reuse_after)
-        return PageHandle(self, self._core.page_out(tensors, _current_stream(self.device),
+        return PageHandle(self._core, self._core.page_out(tensors, current_stream(self.device),
                                                     reuse_after))
-
-    @serialized
-    def release_unchanged_async(self, tensors: Iterable[torch.Tensor],
-                                reuse_after: int = 0) -> PageHandle:
-        """Pages out tensors the caller only read since their page-in, after the work
-        queued on the current stream: those page_in_async(for_read=True) brought in go
-        back to their bytes at rest without a write; the others are paged out as
-        page_out_async() does (allocator/pager.h, Pager::release_unchanged)."""
-        self.check_not_paused("release_unchanged()")
-        tensors = args.tensors("release_unchanged", tensors)
-        reuse_after = args.integer("reuse_after", reuse_after)
-        return PageHandle(self, self._core.release_unchanged(tensors, _current_stream(self.device),
-                                                             reuse_after))
 
     @serialized
     def read_ahead_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Reads 'file' tensors into free host-tier room (never making room), so that
         their page-in is a copy-engine copy; others are skipped."""
-        self.check_not_paused("read_ahead()")
-        return PageHandle(self, self._core.read_ahead(args.tensors("read_ahead", tensors)))
+        self.services.check_not_paused("read_ahead()")
+        return PageHandle(self._core, self._core.read_ahead(args.tensors("read_ahead", tensors)))
 
     @serialized
     def discard_async(self, tensors: Iterable[torch.Tensor]) -> PageHandle:
         """Drops the tensors' bytes, resident or at rest, without any I/O (they become
         'zero'), after the work already queued on the current stream."""
-        self.check_not_paused("discard()")
-        return PageHandle(self, self._core.discard(args.tensors("discard", tensors),
-                                                   _current_stream(self.device)))
+        self.services.check_not_paused("discard()")
+        return PageHandle(self._core, self._core.discard(args.tensors("discard", tensors),
+                                                   current_stream(self.device)))
 
     @serialized
     def page_in(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
@@ -296,7 +220,7 @@ class Pager:
         Epoch.abort() can return to them. An optimizer step runs in one. State read
         since the last step is let go first (statepager.core.state_access)."""
         tensors = args.tensors("begin_epoch", tensors)
-        self.reads.release()
+        self.services.reads.release()
         return self._begin_epoch(tensors)
 
     def _begin_epoch(self, tensors: list) -> Epoch:
@@ -314,20 +238,15 @@ class Pager:
         `.pool` is the torch.cuda.MemPool allocations go to (None on the host backend)."""
         min_bytes = args.integer("min_bytes", min_bytes)
         with serial.lock_of(self):
-            self.check_not_paused("scope()")
-            self.reads.release()  # their room in the pool
+            self.services.check_not_paused("scope()")
+            self.services.reads.release()  # their room in the pool
         capture = scope.Capture(self, min_bytes)
         with contextlib.ExitStack() as stack:
             if self.device.type == "cuda":
-                capture.pool = stack.enter_context(self.routed_pool())
+                capture.pool = stack.enter_context(self.services.routed_pool())
                 stack.enter_context(torch.cuda.use_mem_pool(capture.pool, self.device))
             stack.enter_context(capture)
             yield capture
-
-    def routed_pool(self):
-        """This pager's MemPool with allocations routed to it, for the caller to
-        allocate into: see statepager.core.scope.routed_pool."""
-        return scope.routed_pool(self, self._core)
 
     # -- sleep / wake ----------------------------------------------------------------
 
@@ -343,9 +262,9 @@ class Pager:
         bucket_size = args.integer("bucket_size", bucket_size, minimum=1)
         discard = args.flag("discard", discard)
         self._core.check_usable()
-        self._end_begun_steps(finish=True)
+        self.services.end_begun_steps(finish=True)
         self._sleep.pause(self._core, bucket_size,
-                          _current_stream(self.device) if discard else None)
+                          current_stream(self.device) if discard else None)
 
     @serialized
     def resume(self, bucket_size: int = 256 * MiB) -> None:
@@ -361,82 +280,29 @@ class Pager:
         """While paused, x's bytes read where they lie, changing nothing (see Sleep.read)."""
         return self._sleep.read(self._core, x)
 
-    def _end_begun_steps(self, finish: bool = False) -> None:
-        """Ends the bindings' steps begun and not taken up (StreamedOptimizer.begin_step)
-        before what reads or moves all the state (pause, checkpoints, close), and lets
-        go of the state read since the last step (statepager.core.state_access); finish:
-        steps a failure left pending are finished first (StreamedOptimizer.finish_step)."""
-        self.reads.release()
-        for binding in self._bindings if finish else ():
-            binding.finish_step()
-        for binding in self._bindings:
-            binding.end_begun_step()
-
     @property
     def paused(self) -> bool:
         return self._sleep.paused
-
-    def check_not_paused(self, what: str) -> None:
-        """UsageError while paused, closed or in a forked child (see close()): `what`
-        (e.g. "step()") would page tensors."""
-        self._core.check_usable()
-        if self._sleep.paused:
-            raise _C.UsageError(f"this Pager is paused: call resume() first ({what} pages "
-                                "tensors in or out, and a paused Pager holds no memory)")
 
     # -- optimizers ------------------------------------------------------------------
 
     @serialized
     def attach(self, optimizer, *, bucket_size: int | None = None, depth: int | None = None,
-               log_steps: bool = False, before_bucket=None, after_bucket=None,
-               moments: str = "fp32", mains: str = "fp32", model_param=None,
-               name: str | None = None, keep_resident=None, atomic="bucket",
-               before_chunk=None, after_chunk=None, hooks=None, bind: bool = True):
+               moments: str = "fp32", mains: str = "fp32", atomic="bucket",
+               name: str | None = None, hooks=None, log_steps: bool = False,
+               bind: bool = True):
         """Streams `optimizer`'s state through this pager: each step pages buckets of
         about `bucket_size` bytes in, steps them and pages them out, within the pages of
         `depth` consecutive buckets (None: chosen to fit hbm_budget). Returns its binding. The
         keywords (bind=False: planned; its bind() attaches it): statepager.core.attach."""
         return attach.attach(
             self, optimizer, bucket_size=bucket_size, depth=depth, log_steps=log_steps,
-            before_bucket=before_bucket, after_bucket=after_bucket, moments=moments,
-            mains=mains, model_param=model_param, name=name, keep_resident=keep_resident,
-            atomic=atomic, before_chunk=before_chunk, after_chunk=after_chunk, hooks=hooks,
-            bind=bind)
-
-    def record_binding(self, binding: StreamedOptimizer) -> None:
-        self._bindings.append(binding)  # StreamedOptimizer.bind's, once attached
+            moments=moments, mains=mains, name=name, atomic=atomic, hooks=hooks, bind=bind)
 
     @property
     def bindings(self) -> tuple:
         """The attached StreamedOptimizers, in attach order (one per Megatron member)."""
-        return tuple(self._bindings)
-
-    # -- the state at rest, between steps (statepager.checkpoint builds on these) ------
-
-    @contextlib.contextmanager
-    def between_steps(self, what: str, replaces_state: bool = False):
-        """Holds this Pager for `what` (e.g. "save()"), an operation on all attached state
-        that must run between steps: takes its lock for the block, refuses while paused
-        or closed (UsageError), and ends steps begun and not taken up first; steps left
-        pending are finished first unless it replaces the state (a load drops them)."""
-        with serial.lock_of(self):
-            self.check_not_paused(what)
-            self._end_begun_steps(finish=not replaces_state)
-            yield
-
-    def snapshot(self, tensors: Sequence[torch.Tensor]):
-        """Holds the store ranges of `tensors` (at rest: paged out or zero) as they are
-        now, for a copy of this moment: a later page-out of one of them writes elsewhere
-        until the snapshot is released (allocator/store_snapshot.h). Returns it, with
-        .placements, copy_to(files, targets, chunk_bytes) and release()."""
-        return self._core.snapshot(list(tensors))
-
-    def restore(self, tensors: Sequence[torch.Tensor], zero: Sequence[bool], src: str,
-                offsets: Sequence[int]) -> str:
-        """Replaces the bytes at rest of `tensors` (paged out) with those of file `src`
-        at `offsets` (zero[i]: tensor i becomes zeros instead), all or nothing
-        (allocator/store_restore.h). Returns how the bytes were copied."""
-        return self._core.restore(list(tensors), list(zero), src, list(offsets))
+        return tuple(self.services.bindings)
 
     # -- state -----------------------------------------------------------------------
 
@@ -448,14 +314,6 @@ class Pager:
         if self._unbounded:
             s["hbm_budget"] = None  # the core's "no budget" is its largest size
         return s
-
-    @serialized
-    def keep_at_least(self, nbytes: int) -> None:
-        """Keeps at least `nbytes` of unmapped pages for reuse (never lowers `keep`)."""
-        nbytes = args.integer("nbytes", nbytes)
-        if nbytes > self.keep:
-            self.keep = nbytes
-            self._core.set_keep(nbytes)
 
     def free_device_memory(self) -> int:
         """Bytes the device reports free now (cudaMemGetInfo; on the host backend, the
@@ -479,7 +337,7 @@ class Pager:
         once and touches nothing of the parent's (store, lock, threads, memory)."""
         self._core.check_owner()
         try:
-            self._end_begun_steps()
+            self.services.end_begun_steps()
         finally:
             self._core.close()
         scope.retire_pool_of(id(self))
@@ -490,11 +348,3 @@ class Pager:
     def __exit__(self, *exc) -> None:
         if self._core.owner_pid == os.getpid():  # a forked child leaves the parent's alone
             self.close()
-
-
-def _current_stream(device: torch.device) -> int:
-    """The current CUDA stream of `device`, which paging orders itself after; 0 on the
-    host backend."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.current_stream(device).cuda_stream

@@ -341,7 +341,7 @@ class Pipeline:
         """The step's stats, finish() having begun at t0."""
         pager, stats = self.pager, self.stats
         self._stepper.end()
-        pager.keep_at_least(self._planner.window())  # state created in this step
+        pager.services.keep_at_least(self._planner.window())  # state created in this step
         t_end = time.monotonic()
         stats.wait_out_seconds += t_end - t0
         stats.seconds = t_end - self.t_start

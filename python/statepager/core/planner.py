@@ -91,7 +91,7 @@ class Planner:
         pager = layout.pager
         made = [p] if pager.owns(p) else []
         made += [v for v in held(layout.optimizer, p, {}).values() if pager.owns(v)]
-        if not all(pager.pieces(t) == slices.pieces(t.numel(), t.element_size())
+        if not all(pager.services.pieces(t) == slices.pieces(t.numel(), t.element_size())
                    for t in made):
             return None
         bounds = slices.chunk_bounds(p.numel(), self.bucket_size * p.numel() // nbytes)

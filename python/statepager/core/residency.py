@@ -91,10 +91,10 @@ def to_rest(pager, buckets: list, unchanged: bool = False) -> None:
     """The buckets' stored forms paged out and their scratch dropped, once a step that
     left some resident (its page-out failed) ends. unchanged: stored forms paged in
     for a read go back to their bytes at rest without a write
-    (Pager.release_unchanged_async); the others are written."""
+    (pager.services.release_unchanged_async); the others are written."""
     stored = [t for b in buckets for t in b.stored]
     if unchanged:
-        pager.release_unchanged_async(stored).wait()
+        pager.services.release_unchanged_async(stored).wait()
     else:
         pager.page_out(stored)
     pager.discard_async([t for b in buckets for t in b.working]).wait()
@@ -103,12 +103,12 @@ def to_rest(pager, buckets: list, unchanged: bool = False) -> None:
 def hand_back(pager, b: Bucket, written: bool) -> None:
     """A bucket paged in and decoded outside the step, given back: encoded and paged
     out where it was written; else its stored forms back to their bytes at rest
-    without any write (Pager.release_unchanged_async) and its scratch dropped."""
+    without any write (pager.services.release_unchanged_async) and its scratch dropped."""
     if written:
         encode_now(b)
         release(pager, b)
         return
-    handles = [pager.release_unchanged_async(b.stored)]
+    handles = [pager.services.release_unchanged_async(b.stored)]
     if b.working:  # the decoded scratch
         handles.append(pager.discard_async(b.working))
     for h in handles:

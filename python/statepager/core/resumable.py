@@ -5,7 +5,7 @@ stepped; the next step() finishes that step (the buckets not stepped, with the g
 they have) instead of starting another. Nothing is kept twice: a bucket's page-in is for
 a read (Pager.page_in_async(for_read=True): its bytes at rest stay where they are while
 it is resident) and its page-out writes in place. Until that page-out is issued, a
-failure hands the bucket back (Pager.release_unchanged_async: its device changes
+failure hands the bucket back (pager.services.release_unchanged_async: its device changes
 dropped, no write; the pipeline does that, statepager.core.pipeline) and
 ResumableStep.put_back() restores what its step changed in ordinary memory: its
 parameters' unpaged state (step counters, resident state), grads, residual exception

@@ -91,7 +91,7 @@ class ParamState(MutableMapping):
             return value
         with serial.lock_of(self._binding):
             self._binding.complete_step_in_flight()  # its buckets are the pipeline's
-            return self._binding.pager.reads.read(self._binding, self._param, name, value)
+            return self._binding.pager.services.reads.read(self._binding, self._param, name, value)
 
     def __setitem__(self, name, value) -> None:
         with serial.lock_of(self._binding):
@@ -140,7 +140,7 @@ class Reads:
         if key in self._open and self._open[key][0] is value:
             self._open.move_to_end(key)
             return value
-        self.pager.check_not_paused(f"reading opt.state[p][{name!r}]")
+        self.pager.services.check_not_paused(f"reading opt.state[p][{name!r}]")
         form = binding.known_form(p, name, value)
         if form is None:
             if self.pager.is_resident(value):

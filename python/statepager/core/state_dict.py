@@ -69,7 +69,7 @@ def paged_load_state_dict(binding, state_dict: dict) -> None:
     "max_exp_avg_sq" with amsgrad). Parameters kept resident (attach(keep_resident=...))
     load as torch loads them.
     """
-    binding.pager.check_not_paused("load_state_dict()")
+    binding.pager.services.check_not_paused("load_state_dict()")
     optimizer = binding.optimizer
     sd = state_dict.copy()
     # torch's hooks (register_load_state_dict_pre/post_hook) see the whole state dict

@@ -63,7 +63,7 @@ def load(binding, values: dict) -> None:
     copies run in a pager epoch, and a failure midway (NoSpaceError, say) puts back every
     tensor's bytes and stored form."""
     with serial.lock_of(binding.pager):
-        binding.pager.check_not_paused("loading optimizer state")
+        binding.pager.services.check_not_paused("loading optimizer state")
         targets = _targets(binding, values)
         binding.finish_step()
         undo = Undo(binding)

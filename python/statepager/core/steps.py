@@ -71,7 +71,7 @@ class Steps:
             for i, group in enumerate(self.layout.optimizer.param_groups):
                 self.layout.check_group(group, i)
             self.planner.plan()
-            self.pager.keep_at_least(self.planner.window())
+            self.pager.services.keep_at_least(self.planner.window())
         return self.planner.buckets
 
     def prepare(self) -> None:
@@ -108,7 +108,7 @@ class Steps:
         t0 = time.monotonic()
         self.planned()
         self._end_others_begun()
-        self.pager.reads.release()  # their room is the step's
+        self.pager.services.reads.release()  # their room is the step's
         run = self._begun
         if run is not None and not self._takes_up(run):
             self.end_begun()
@@ -208,7 +208,7 @@ class Steps:
             return
         self.complete_in_flight()
         self._end_others_begun()
-        self.pager.reads.release()  # their room is the step's
+        self.pager.services.reads.release()  # their room is the step's
         t0, run = time.monotonic(), None
         held = interrupts.Deferral()  # a Ctrl-C comes at poll(), or once this has ended
         try:
@@ -237,7 +237,7 @@ class Steps:
     def end_begun(self) -> None:
         """StreamedOptimizer.end_begun_step (a step in flight completed first)."""
         self.complete_in_flight()
-        self.pager.reads.release()
+        self.pager.services.reads.release()
         if self._begun is None:
             return
         with interrupts.deferred():
@@ -290,7 +290,7 @@ class Steps:
         if self.pending is None:
             self.planned()  # a pending step finishes over the plan it started with
         self._end_others_begun()
-        self.pager.reads.release()  # their room is the step's
+        self.pager.services.reads.release()  # their room is the step's
         run = self._begun
         if run is not None and not self._takes_up(run):
             self.end_begun()  # begun otherwise, or with param groups the fused step differs on

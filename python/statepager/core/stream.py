@@ -103,7 +103,7 @@ class StreamedOptimizer:
         pager, optimizer = self.pager, self.optimizer
         # Steady state creates and releases no physical pages: the pool keeps what the
         # pipeline's window of buckets needs.
-        pager.keep_at_least(self._planner.window())
+        pager.services.keep_at_least(self._planner.window())
         _warn_if_the_host_tier_spills(self, pager.host_budget)
         for b in self._planner.buckets:
             self._layout.to_store(b)
@@ -111,7 +111,7 @@ class StreamedOptimizer:
         _attached.add(optimizer)
         optimizer_methods.replace(self, optimizer)
         state_access.wrap(self)  # its state readable between steps
-        pager.record_binding(self)
+        pager.services.bindings.append(self)
 
     # -- configuration -------------------------------------------------------------
 
@@ -221,7 +221,7 @@ class StreamedOptimizer:
         self.end_begun_step()
         for b in self.buckets:
             self._layout.fill(b)
-        self.pager.keep_at_least(self._planner.window())
+        self.pager.services.keep_at_least(self._planner.window())
 
     def forms_kept(self) -> Callable[[], None]:
         """For a change of the state that may fail midway (load_state_dict): the returned
@@ -277,7 +277,7 @@ class StreamedOptimizer:
         state entries by resident pager tensors of its own: they are stored from then on.
         write=False: the caller only
         reads; nothing is encoded, and the stored forms go back to their bytes at rest
-        without any write (Pager.release_unchanged_async). A parameter that steps in
+        without any write (pager.services.release_unchanged_async). A parameter that steps in
         chunks comes whole, in a bucket of its own."""
         pager = self.pager
         for b in self._whole_buckets():
@@ -303,7 +303,7 @@ class StreamedOptimizer:
         (0 and its numel where it steps whole). Within the step's window, so within any
         budget attach accepted. write=False: the caller only reads; nothing is encoded or
         written, the stored forms go back to their bytes at rest
-        (Pager.release_unchanged_async). write=True: the caller may write the views; each
+        (pager.services.release_unchanged_async). write=True: the caller may write the views; each
         bucket's forms are made from the state entries as they are (pager tensors the
         caller put there are stored from then on), and it is encoded and paged out after.
         rebuild_mains: the caller overwrites the masters from changed model params, so
@@ -329,14 +329,14 @@ class StreamedOptimizer:
     def stored_in_buckets(self):
         """Yields each bucket with its stored form resident (no decoding), for a caller
         that only reads it: it goes back to its bytes at rest without any write
-        (Pager.release_unchanged_async). A parameter that steps in chunks comes whole, in a
+        (pager.services.release_unchanged_async). A parameter that steps in chunks comes whole, in a
         bucket of its own."""
         for b in self._whole_buckets():  # which ends a begun step first
             self.pager.page_in_async(b.stored, for_read=True).wait()
             try:
                 yield b
             finally:
-                self.pager.release_unchanged_async(b.stored).wait()
+                self.pager.services.release_unchanged_async(b.stored).wait()
 
     @contextlib.contextmanager
     def state_dict_by_reference(self):

@@ -42,12 +42,13 @@ def check_group(group: dict, index: int, device: torch.device,
             raise _C.UsageError(
                 f"param group {index} parameter {i} is a {p.layout} tensor: only dense "
                 "parameters have state the pager can hold. Keep it resident "
-                "(attach(..., keep_resident=...)) or make it dense.")
+                "(attach(..., hooks=statepager.Hooks(keep_resident=...))) or make it dense.")
         if p.device != device:
             raise _C.UsageError(
                 f"param group {index} parameter {i} is on {p.device}, the pager on "
                 f"{device}: its state would be created on {device}. Attach to a Pager on "
-                f"{p.device}, or keep it resident (attach(..., keep_resident=...)).")
+                f"{p.device}, or keep it resident "
+                "(attach(..., hooks=statepager.Hooks(keep_resident=...))).")
 
 
 def pageable(v, p: torch.Tensor) -> bool:

@@ -107,7 +107,7 @@ def _resumable_problem(view, atomic) -> str | None:
 
 adapters.register(adapters.Adapter(
     name="Megatron", matches=internals.is_megatron, attach=attach,
-    sets=("name", "before_bucket", "after_bucket", "model_param", "keep_resident")))
+    sets=("name", "hooks")))
 
 
 @dataclass

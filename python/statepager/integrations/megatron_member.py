@@ -116,7 +116,7 @@ class MegatronMember:
         for _, main in self.megatron.float16_params():
             pieces = slices.pieces(main.numel(), 4) \
                 if slices.may_step_in_chunks(main.numel(), bucket_size) else None
-            if not pager.owns(main) or pager.pieces(main) != (pieces or [4 * main.numel()]):
+            if not pager.owns(main) or pager.services.pieces(main) != (pieces or [4 * main.numel()]):
                 fresh[id(main)] = self._paged_copy(main, pieces)
         olds = {id(main): main for _, main in self.megatron.float16_params()}
         self._repoint(self.megatron.replace_mains(lambda main: fresh.get(id(main))))
@@ -150,7 +150,7 @@ class MegatronMember:
             self._page_in(main, main)
         try:
             at = 0
-            for view in pager.piece_views(t):
+            for view in pager.services.piece_views(t):
                 self._page_in(view, main)
                 with torch.no_grad():
                     flat_view(view).copy_(flat_view(main)[at:at + view.numel()])
