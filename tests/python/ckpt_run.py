@@ -8,7 +8,6 @@ background: train N steps, write the state to OUT.at-save, save in the backgroun
     M steps while it runs, wait; OUT records whether the save was still running then.
 inspect: load the checkpoint and write the state to OUT.
 WIDTH: of the hidden layer (200); larger makes a save long enough to overlap steps."""
-import os
 import sys
 
 import torch

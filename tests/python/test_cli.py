@@ -10,7 +10,6 @@ import textwrap
 import pytest
 import torch
 
-import statepager
 from statepager.tools import cli
 from statepager.tools.bench import common
 from statepager.tools.bench.floor import Fio, find_fio

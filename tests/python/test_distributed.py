@@ -9,7 +9,6 @@ see Note [The first AdamW step of a process] in docs/design.md). These tests com
 bits, so the reference must reproduce."""
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

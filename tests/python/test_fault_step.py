@@ -10,7 +10,6 @@ every unpaged state value (step counters) and every param-group value is bit-ide
 to before the step, and the retry, once the fault is gone, gives bit-identical results
 to a run that never failed."""
 import os
-import shutil
 
 import pytest
 import torch

@@ -45,7 +45,7 @@ def step(model, opt, first, count):
 
 
 def same(a, b):
-    (pa, oa, ma), (pb, ob, mb) = a, b
+    (_, oa, ma), (_, ob, mb) = a, b
     assert all(torch.equal(x.view(torch.int16), y.view(torch.int16))
                for x, y in zip(ma.parameters(), mb.parameters()))
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
