@@ -6,12 +6,12 @@ it out, within a window of the pages `depth` consecutive buckets touch. `moments
 "q8") and `mains` ("fp32", "residual": needs the hook `model_param(master)` -> its bf16
 parameter) choose the on-disk formats (statepager.formats). `name` identifies the
 binding in checkpoints and names its own store, directory/<name>/ (default "opt<i>", i
-its attach order). atomic: "bucket" (the
-default) makes a step resumable: one that raises leaves each bucket stepped or not, and
-the next step() finishes it (statepager.core.resumable); True or "step" makes it all or
-nothing: one that raises changes nothing (statepager.core.atomic; the store and the host
-tier need room for a second copy of the state); False steps in place, and a failed step
-may leave a bucket partly stepped. Either atomic kind's retry steps once. A parameter
+its attach order). atomic: "bucket" (the default) makes a step resumable: one that
+raises leaves each bucket stepped or not, and the next step() finishes it
+(statepager.core.resumable); True or "step" makes it all or nothing: one that raises
+changes nothing (statepager.core.atomic; the store and the host tier need room for a
+second copy of the state); False steps in place, and a failed step may leave a bucket
+partly stepped. Either atomic kind's retry steps once. A parameter
 whose state is larger than bucket_size steps in chunks of consecutive elements over
 consecutive buckets when the optimizer's step is torch's Adam step and its pager tensors
 are made of pieces (statepager.core.slices; the binding makes the state so; an fp32
@@ -30,9 +30,9 @@ state stays in ordinary memory and steps unpaged; before_step() and after_step()
 around each step's buckets (the integrations' way in). A Megatron DistributedOptimizer
 or ChainedOptimizer is attached through statepager.integrations.megatron (one binding
 per member; returns a MegatronBinding); it sets name and the hooks itself, and passing
-either is refused (UsageError). bind=False: every check and the plan, and nothing attached yet;
-the binding's bind() attaches it (an integration attaching several optimizers checks
-them all first). Returns the StreamedOptimizer binding; its `.last` holds the last
+either is refused (UsageError). bind=False: every check and the plan, and nothing
+attached yet; the binding's bind() attaches it (an integration attaching several
+optimizers checks them all first). Returns the StreamedOptimizer binding; its `.last` holds the last
 step's StepStats.
 """
 from __future__ import annotations
