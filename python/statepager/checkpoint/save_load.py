@@ -56,6 +56,7 @@ from statepager.checkpoint.manifest import (CHECKSUM, CHUNK, DIGEST, FORMAT, VER
                                             CheckpointMismatchError, DataFile, align, digest,
                                             encode, read_manifest, stored)
 from statepager.core import args
+from statepager.formats.codecs import in_index_order
 from statepager.util import ranks
 from statepager.util.names import check_name
 
@@ -229,8 +230,9 @@ class _Plan:
                         if not binding.pager.owns(v)}
             names[i] = list(opt.state.get(p, {}))  # torch's order of the entries
             for name, form in binding.forms(p):
-                if form.fmt == "residual":
-                    small[i][f"{name}:exceptions"] = [encode(e) for e in form.exceptions]
+                if form.fmt == "residual":  # sorted on the host: a save allocates no device memory
+                    listed = tuple(e.cpu() for e in form.exceptions_as_set)
+                    small[i][f"{name}:exceptions"] = [encode(e) for e in in_index_order(listed)]
         self.entry = {"name": binding.name, "class": type(opt).__name__, "params": len(params),
                       "formats": {"moments": binding.moments, "mains": binding.mains},
                       "shapes": [list(p.shape) for p in params],
