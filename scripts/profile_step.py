@@ -35,8 +35,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 import statepager
-from statepager.core import late_reads, stream as stream_mod
-from statepager.core import fused_adamw
+from statepager.core import atomic, bucket_step, fused_adamw, late_reads, pipeline
 
 MiB = 1 << 20
 CODEC_KERNELS = ("q8_encode_kernel", "q8_decode_kernel", "residual_encode_kernel",
@@ -47,12 +46,10 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
               "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize")
 CONFIGS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "fp32"), "q8": ("q8", "residual")}
 # Phases of the bucket loop, as record_function ranges (host time) around these methods.
-PHASES = [(stream_mod.StreamedOptimizer, "_step_bucket"),
-          (stream_mod.StreamedOptimizer, "_incoming"), (stream_mod.StreamedOptimizer, "_decode"),
-          (stream_mod.StreamedOptimizer, "_encode"), (stream_mod.StreamedOptimizer, "_release"),
-          (stream_mod.StreamedOptimizer, "_raw_step_bucket"), (fused_adamw.FusedStep, "step"),
-          (fused_adamw.FusedStep, "moment_forms"), (stream_mod.AtomicStep, "save"),
-          (stream_mod.AtomicStep, "__init__"), (stream_mod.AtomicStep, "commit"),
+PHASES = [(pipeline.Pipeline, "advance"), (pipeline.Pipeline, "_page_in"),
+          (bucket_step.BucketStepper, "step"), (fused_adamw.FusedStep, "step"),
+          (fused_adamw.FusedStep, "moment_forms"), (atomic.AtomicStep, "__init__"),
+          (atomic.AtomicStep, "take_ahead"), (atomic.AtomicStep, "commit"),
           (late_reads.ExceptionCounts, "read"), (late_reads.ExceptionCounts, "hold")]
 LABEL = "sp::"
 
@@ -68,9 +65,7 @@ def gpt_shapes(layers: int, hidden: int, vocab: int) -> list:
 def instrument() -> None:
     """Host-time ranges around the bucket loop's phases (once)."""
     for cls, name in PHASES:
-        if not hasattr(cls, name):
-            continue
-        fn = getattr(cls, name)
+        fn = getattr(cls, name)  # a phase renamed in the package fails here, loudly
 
         def wrapped(*a, _fn=fn, _label=f"{LABEL}{cls.__name__}.{name}", **k):
             with record_function(_label):

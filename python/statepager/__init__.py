@@ -26,7 +26,7 @@ from statepager.core.handles import PageHandle  # noqa: E402, F401
 from statepager.core.pager import Pager  # noqa: E402, F401
 from statepager.core.hooks import Hooks  # noqa: E402, F401
 from statepager.core.step_stats import StepStats  # noqa: E402, F401
-from statepager.core.stream import StreamedOptimizer  # noqa: E402, F401
+from statepager.core.binding import StreamedOptimizer  # noqa: E402, F401
 from statepager.core.optim import PagedAdamW  # noqa: E402, F401
 from statepager import checkpoint  # noqa: E402, F401
 from statepager.core import state_values  # noqa: E402, F401

@@ -23,7 +23,7 @@ N_BEFORE, M_AFTER = 6, 6
 def snapshot(optimizer, binding):
     """Mains and moments (and native fp32 params with their state), host copies."""
     out = []
-    streams = binding.streams if binding else None
+    member_bindings = binding.bindings if binding else None
     for i, d in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
         inner = d.optimizer
         params = [p for g in inner.param_groups for p in g["params"]]
@@ -32,11 +32,11 @@ def snapshot(optimizer, binding):
         def take(p):
             copies[id(p)] = [p.cpu()] + [v.cpu() for _, v in sorted(inner.state[p].items())
                                          if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if streams is None:
+        if member_bindings is None:
             for p in params:
                 take(p)
         else:
-            for b in streams[i].state_in_buckets():
+            for b in member_bindings[i].state_in_buckets():
                 for p in b.params:
                     take(p)
         out.append([copies[id(p)] for p in params])
@@ -46,8 +46,8 @@ def snapshot(optimizer, binding):
 def stores_in_use(pager, binding) -> list:
     """Per member, the store its mains and moments are paged to (one name, or a set)."""
     out = []
-    for stream in binding.streams:
-        names = {pager.services.store_of(t) for b in stream.buckets for t in b.stored}
+    for member_binding in binding.bindings:
+        names = {pager.services.store_of(t) for b in member_binding.buckets for t in b.stored}
         out.append(names.pop() if len(names) == 1 else names)
     return out
 
@@ -103,7 +103,7 @@ def main():
                 binding.overlap_forward(model)
             paged = result(model, optimizer, binding,
                            train(setup, model, optimizer, scheduler, 0, setup.steps))
-            names = [s.name for s in binding.streams]
+            names = [s.name for s in binding.bindings]
             stores = stores_in_use(pager, binding)
             assert stores == names, f"members' state in stores {stores}, not {names}"
             assert all(os.path.isfile(os.path.join(pager.directory, n, "state.bin"))

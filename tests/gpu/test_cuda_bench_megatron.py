@@ -145,8 +145,8 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
                          r"[0-9.]+ GiB = [0-9.]+ x the offload's$", summary, re.M), summary
     for name in ("fp32", "host-q8"):
         assert re.search(rf"^    {name} +(step [0-9.]+ x its floor, opt\.step [0-9.]+ x its "
-                         r"floor, the pager's stream [0-9.]+ x its floor|not shown: the "
-                         r"pager's stream .* beat its floor)", summary, re.M), summary
+                         r"floor, the pager's pipeline [0-9.]+ x its floor|not shown: the "
+                         r"pager's pipeline .* beat its floor)", summary, re.M), summary
     assert re.search(r"statepager's kernels on the device in one more optimizer\.step\(\) "
                      r"\(--device-time\): fp32 [0-9.]+ ms = [0-9.]+ x its opt\.step, host-q8 "
                      r"[0-9.]+ ms = [0-9.]+ x its opt\.step$", summary, re.M), summary

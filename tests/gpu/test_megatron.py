@@ -49,17 +49,17 @@ def snapshot(optimizer, binding=None):
     """Every main and moment, and every native fp32 param and its state, on the host
     (paged state is paged in bucket by bucket)."""
     out = []
-    streams = binding.streams if binding else [None] * len(members(optimizer))
-    for d, stream in zip(members(optimizer), streams):
+    member_bindings = binding.bindings if binding else [None] * len(members(optimizer))
+    for d, member_binding in zip(members(optimizer), member_bindings):
         inner = d.optimizer
         params = [p for g in inner.param_groups for p in g["params"]]
         copies = {}
-        if stream is None:
+        if member_binding is None:
             for p in params:
                 copies[id(p)] = [p.cpu()] + [v.cpu() for k, v in sorted(inner.state[p].items())
                                              if isinstance(v, torch.Tensor) and v.dim() > 0]
         else:
-            for b in stream.state_in_buckets():
+            for b in member_binding.state_in_buckets():
                 for p in b.params:
                     copies[id(p)] = [p.cpu()] + [
                         v.cpu() for k, v in sorted(inner.state[p].items())
@@ -157,7 +157,7 @@ def test_parity_with_unpaged_megatron(gpt, case, store_dir):
         assert sorted(inner) == sorted(INNER.get(case, ["AdamW"]))
         entries = state_entries(optimizer)
         names = [f"{i}-dense" for i in range(len(entries))]
-        assert [s.name for s in binding.streams] == names
+        assert [s.name for s in binding.bindings] == names
         assert megatron_run.stores_in_use(pager, binding) == names
         assert max(st.buckets for st in binding.last) > 1, "several buckets"
         assert_same(base, paged, entries)
@@ -179,7 +179,7 @@ def test_one_step_reads_and_writes_the_state_once(gpt, case, store_dir):
         model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB)
         for i in range(2):  # the first step reads only the mains (moments are deferred)
             gpt.train_step(setup, model, optimizer, scheduler, i)
-        stored = sum(t.numel() * t.element_size() for s in binding.streams
+        stored = sum(t.numel() * t.element_size() for s in binding.bindings
                      for b in s.buckets for t in b.stored)
         before = pager.stats()
         gpt.train_step(setup, model, optimizer, scheduler, 2)
@@ -187,7 +187,7 @@ def test_one_step_reads_and_writes_the_state_once(gpt, case, store_dir):
         gpt.finish(model)
         # Resumable steps keep no host undo copies (they copy a bucket's targets on the
         # device as it steps), and undo copies are never pager bytes.
-        undo = sum(t.numel() * t.element_size() for s in binding.streams
+        undo = sum(t.numel() * t.element_size() for s in binding.bindings
                    for b in s.buckets for t in b.undo)
         assert after["bytes_read"] - before["bytes_read"] == stored
         assert after["bytes_written"] - before["bytes_written"] == stored
@@ -216,8 +216,8 @@ def test_reload_model_params_goes_through_the_pager(gpt, store_dir):
             for p in model.parameters():
                 p.mul_(0.5)
         optimizer.reload_model_params()
-        for d, stream in zip(members(optimizer), binding.streams):
-            for b in stream.state_in_buckets():
+        for d, member_binding in zip(members(optimizer), binding.bindings):
+            for b in member_binding.state_in_buckets():
                 for main in b.params:
                     member = next(m for m in binding.members if m.optimizer is d)
                     model_param = member.model_of.get(id(main))
@@ -243,10 +243,10 @@ def three_steps(gpt, case, store_dir, atomic):
         yield setup, base, built, losses, [p.detach().clone() for p in model.parameters()]
 
 
-def fail_in_second_bucket(stream, train_step) -> None:
+def fail_in_second_bucket(member_binding, train_step) -> None:
     """Runs train_step() with the second bucket's after_bucket raising (after it wrote
     that bucket's stepped mains into the param buffer); checks that it raised."""
-    hook, calls = stream.after_bucket, []
+    hook, calls = member_binding.after_bucket, []
 
     def failing(bucket_params):
         hook(bucket_params)
@@ -254,12 +254,12 @@ def fail_in_second_bucket(stream, train_step) -> None:
         if len(calls) == 2:
             raise RuntimeError("injected failure")
 
-    stream.after_bucket = failing
+    member_binding.after_bucket = failing
     try:
         with pytest.raises(RuntimeError, match="injected failure"):
             train_step()
     finally:
-        stream.after_bucket = hook
+        member_binding.after_bucket = hook
     torch.cuda.synchronize()
 
 
@@ -273,8 +273,8 @@ def test_failed_step_changes_nothing_and_the_retry_is_exact(gpt, case, store_dir
     with three_steps(gpt, case, store_dir, "step") as (setup, base, built, losses, params):
         model, optimizer, scheduler, binding = built
         state = snapshot(optimizer, binding)
-        assert len(binding.streams[0].buckets) >= 3
-        fail_in_second_bucket(binding.streams[0],
+        assert len(binding.bindings[0].buckets) >= 3
+        fail_in_second_bucket(binding.bindings[0],
                               lambda: gpt.train_step(setup, model, optimizer, scheduler, 3))
         assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
         for ma, mb in zip(state, snapshot(optimizer, binding)):
@@ -296,9 +296,9 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
     first. Training on from there matches unpaged Megatron with that step whole."""
     with three_steps(gpt, case, store_dir, "bucket") as (setup, base, built, losses, params):
         model, optimizer, scheduler, binding = built
-        stream = binding.streams[0]
-        assert len(stream.buckets) >= 3 and stream.atomic == "bucket"
-        fail_in_second_bucket(stream,
+        member_binding = binding.bindings[0]
+        assert len(member_binding.buckets) >= 3 and member_binding.atomic == "bucket"
+        fail_in_second_bucket(member_binding,
                               lambda: gpt.train_step(setup, model, optimizer, scheduler, 3))
         changed = [not torch.equal(a, b) for a, b in zip(params, model.parameters())]
         assert any(changed) and not all(changed), "some buckets stepped, not all"
@@ -337,14 +337,14 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
         model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
                                                          **attach)
         binding.overlap_forward(model)
-        stream = binding.streams[-1]  # a chain's earlier members complete as it starts
+        member_binding = binding.bindings[-1]  # a chain's earlier members complete as it starts
         losses = []
         for i in range(setup.steps):
             losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
-            run_ = stream.step_in_flight
+            run_ = member_binding.step_in_flight
             assert run_ is not None and run_.stepped == 0, "left to the next forward"
-            assert all(s.step_in_flight is None for s in binding.streams[:-1])
-        for s in binding.streams:
+            assert all(s.step_in_flight is None for s in binding.bindings[:-1])
+        for s in binding.bindings:
             s.complete_step_in_flight()  # what the next forward would step
         gpt.finish(model)
         paged = (losses, [p.detach().cpu() for p in model.parameters()],
@@ -380,7 +380,7 @@ def test_a_step_stopped_before_the_inner_step_writes_nothing(gpt, case, store_di
         after = pager.stats()
         assert after["bytes_read"] > before["bytes_read"]  # it had begun
         assert after["bytes_written"] == before["bytes_written"]
-        assert all(pager.residency(t) == "file" for s in binding.streams for b in s.buckets
+        assert all(pager.residency(t) == "file" for s in binding.bindings for b in s.buckets
                    for t in b.stored)
         losses += [gpt.train_step(setup, model, optimizer, scheduler, i)
                    for i in range(3, setup.steps)]
@@ -417,8 +417,8 @@ def test_muon_steps_whole_matrices_larger_than_a_bucket(gpt, store_dir, case):
     base = run(gpt, setup)
     with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
         paged = run(gpt, setup, pager, bucket_size=128 * 1024, **attach)
-        streams = {type(s.optimizer).__name__: s for s in paged[3][2].streams}
-        muon, adam = streams["TensorParallelMuon"], streams["AdamW"]
+        member_bindings = {type(s.optimizer).__name__: s for s in paged[3][2].bindings}
+        muon, adam = member_bindings["TensorParallelMuon"], member_bindings["AdamW"]
         assert all(not b.chunks for b in muon.buckets)
         big = [b for b in muon.buckets
                if any(p.numel() * 8 > 128 * 1024 for p in b.params)]

@@ -79,9 +79,9 @@ def test_a_save_reads_the_state_through_one_window(gpt, store_dir, tmp_path):
     with built(gpt, setup, True, store_dir) as (model, opt, sched, binding):
         for i in range(2):
             gpt.train_step(setup, model, opt, sched, i)
-        pager = binding.streams[0].pager
-        state = sum(s.stored_bytes() for s in binding.streams)
-        window = max(s.window_bytes for s in binding.streams)
+        pager = binding.bindings[0].pager
+        state = sum(s.stored_bytes() for s in binding.bindings)
+        window = max(s.window_bytes for s in binding.bindings)
         mapped = pager.stats()["mapped_bytes"]
         pager.reset_peak()
         dist_checkpointing.save(sharded(model, opt, "dp_reshardable", is_loading=False),

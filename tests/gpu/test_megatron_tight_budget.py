@@ -24,9 +24,9 @@ def snapshot_in_pieces(optimizer, binding):
     main that steps in chunks comes chunk by chunk, within the budget (whole, the
     embedding's main and moments are more than 256 MiB)."""
     out = []
-    for d, stream in zip(members(optimizer), binding.streams):
+    for d, member_binding in zip(members(optimizer), binding.bindings):
         inner, got = d.optimizer, {}
-        for p, start, stop, entries in stream.state_in_pieces():
+        for p, start, stop, entries in member_binding.state_in_pieces():
             rows = got.setdefault(id(p), {})
             for name, v in entries.items():
                 rows.setdefault(name, torch.empty(p.numel(), dtype=v.dtype))[start:stop] = \
@@ -79,17 +79,17 @@ def test_the_small_gpt_under_256_mib_left_to_the_defaults(gpt, tmp_path, capsys)
         free = train(gpt, setup, pager)
     with Pager(str(tmp_path / "tight"), "cuda", hbm_budget=BUDGET) as pager:
         tight = train(gpt, setup, pager)
-        stream = pager.bindings[0]
+        first = pager.bindings[0]
         with capsys.disabled():
             print(f"\n0.116 B GPT, hbm_budget {BUDGET / MiB:.0f} MiB: pages of "
-                  f"{pager.page_size / MiB:g} MiB, buckets of {stream.bucket_size / MiB:g} MiB "
-                  f"x depth {stream.depth}, window {stream.window_bytes / MiB:.0f} MiB, "
-                  f"{len(stream.buckets)} buckets; step (median of 6-20) "
+                  f"{pager.page_size / MiB:g} MiB, buckets of {first.bucket_size / MiB:g} MiB "
+                  f"x depth {first.depth}, window {first.window_bytes / MiB:.0f} MiB, "
+                  f"{len(first.buckets)} buckets; step (median of 6-20) "
                   f"{tight[4] * 1e3:.1f} ms, without a budget {free[4] * 1e3:.1f} ms "
                   f"({tight[4] / free[4]:.2f} x), unpaged {base[4] * 1e3:.1f} ms")
             assert pager.stats()["peak_mapped_bytes"] <= BUDGET
             assert_same(base[:4], tight[:4])
-            within_budget(pager, "state_dict()", stream.optimizer.state_dict)
+            within_budget(pager, "state_dict()", first.optimizer.state_dict)
             path = str(tmp_path / "ckpt")
             within_budget(pager, "save", lambda: checkpoint.save(pager, path))
             within_budget(pager, "load", lambda: checkpoint.load(pager, path))

@@ -68,23 +68,23 @@ def flat_copies(optimizer, pager=None, binding=None):
     read bucket by bucket, a split main chunk by chunk (whole it would not fit)."""
     out = []
     members = getattr(optimizer, "chained_optimizers", [optimizer])
-    streams = binding.streams if binding else [None] * len(members)
-    for d, stream in zip(members, streams):
+    member_bindings = binding.bindings if binding else [None] * len(members)
+    for d, member_binding in zip(members, member_bindings):
         inner = d.optimizer
         params = [p for g in inner.param_groups for p in g["params"]]
 
         # Paged state as held: its buckets are paged in here, chunk by chunk.
-        state = inner.state if stream is None else inner.state.as_held()
+        state = inner.state if member_binding is None else inner.state.as_held()
 
         def tensors(p):
             return [p] + [v for _, v in sorted(state[p].items())
                           if isinstance(v, torch.Tensor) and v.dim() > 0]
         parts = collections.defaultdict(list)
-        if stream is None:
+        if member_binding is None:
             for p in params:
                 parts[id(p)] = [[t.reshape(-1).cpu()] for t in tensors(p)]
         else:
-            for b in stream.buckets:
+            for b in member_binding.buckets:
                 pager.page_in(b.stored)
                 for p in b.params:
                     parts[id(p)] = [[t.reshape(-1).cpu()] for t in tensors(p)]
@@ -119,14 +119,14 @@ def test_gpt_0_116b_in_chunks_under_256_mib(gpt, store_dir, grad_fp32, capsys):
     with Pager(store_dir, "cuda", page_size=2 * MiB, hbm_budget=BUDGET) as pager:
         paged = run(gpt, setup, pager, bucket_size=BUCKET)
         binding = paged[3]
-        buckets = [b for s in binding.streams for b in s.buckets]
+        buckets = [b for s in binding.bindings for b in s.buckets]
         chunks = sum(len(b.chunks) for b in buckets)
         largest = max(max(b.nbytes, b.planned) for b in buckets)
         peak = max(paged[4])
-        window = max(s.window_bytes for s in binding.streams)
+        window = max(s.window_bytes for s in binding.bindings)
         with capsys.disabled():
             print(f"\nsplit GPT ({'fp32' if grad_fp32 else 'bf16'} grads): "
-                  f"{type(binding.streams[0].optimizer).__name__}, {len(buckets)} buckets, "
+                  f"{type(binding.bindings[0].optimizer).__name__}, {len(buckets)} buckets, "
                   f"{chunks} chunks, largest bucket {largest / MiB:.1f} MiB, window "
                   f"{window / MiB:.0f} MiB, peak mapped {peak / MiB:.0f} MiB of "
                   f"{BUDGET / MiB:.0f}, "

@@ -217,7 +217,7 @@ def paged(stored, *, undo=0, host=False):
             "loop_host_s": {k: {"n": 5, "median": m, "min": m, "max": m} for k, m in
                             (("stepping", 0.02), ("page_ins", 0.004), ("device", 0.003),
                              ("page_outs", 0.006))},
-            "stream_s": {"n": 5, "median": 0.55, "min": 0.54, "max": 0.57},
+            "pipeline_s": {"n": 5, "median": 0.55, "min": 0.54, "max": 0.57},
             "peak_mapped": int(1.5 * GiB), "held": int(2.25 * GiB), "buckets": 70,
             "largest_bucket": 750 << 20, "window": int(2.5 * GiB),
             "mapped_before_first_step": 5 * GiB, "mapped_read_bytes": [0] * 5,
@@ -328,7 +328,7 @@ def test_the_kernels_device_time_is_shown_when_the_profiler_saw_them():
             "under torch.profiler failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
 
 
-def test_a_floor_the_stream_beat_is_not_shown():
+def test_a_floor_the_pipeline_beat_is_not_shown():
     """A floor measured slower than the pager's own copies is no floor: the summary shows
     no multiple of it, and says why."""
     r = canned_run()
@@ -336,15 +336,15 @@ def test_a_floor_the_stream_beat_is_not_shown():
     fp32["floor"] = floor(16 * 10**9, 16 * 10**9, pcie_s=0.437)
     fp32["step_s"] = {"n": 5, "median": 0.35, "min": 0.34, "max": 0.36}
     fp32["opt_step_s"] = {"n": 5, "median": 0.366, "min": 0.36, "max": 0.37}
-    fp32["pager"] = dict(fp32["pager"], stream_s={"n": 5, "median": 0.359, "min": 0.35,
+    fp32["pager"] = dict(fp32["pager"], pipeline_s={"n": 5, "median": 0.359, "min": 0.35,
                                                   "max": 0.37})
     text = summary(r)
-    assert ("fp32      not shown: the pager's stream (0.359 s) beat its floor (0.437 s, set "
+    assert ("fp32      not shown: the pager's pipeline (0.359 s) beat its floor (0.437 s, set "
             "by pcie), so that floor was none") in text
     assert "fp32      step" not in text
     assert "q8        step 3.50 x its floor" in text  # the others' floors stand
     text = "\n".join(megatron_report.config_lines(fp32))
-    assert ("the pager's stream 0.359 s = 0.82 x the floor (below the floor: that floor was "
+    assert ("the pager's pipeline 0.359 s = 0.82 x the floor (below the floor: that floor was "
             "none") in text
 
 
@@ -417,8 +417,8 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert ("CPU over the timed steps, in cores busy: io_uring workers 11.9, pager I/O thread "
             "0.4, other threads 1.2 (of 16)") in out
     # Each paged configuration against the floor of its own bytes, with the floor's parts.
-    # opt.step = the pager's stream (the floor's bytes) + the optimizer's work around it.
-    assert ("step 2.00 x the floor, opt.step 1.40 x the floor, of which the pager's stream "
+    # opt.step = the pager's pipeline (the floor's bytes) + the optimizer's work around it.
+    assert ("step 2.00 x the floor, opt.step 1.40 x the floor, of which the pager's pipeline "
             "0.550 s = 1.10 x the floor; the floor of its") in out
     assert "floor: 16.00 GB read and 16.00 GB written, measured in this run" in out
     assert ("floor: 0.00 GB read and 0.00 GB written through the files and 16.00 GB from and "
@@ -437,9 +437,9 @@ def test_the_report_puts_the_configurations_side_by_side(capsys):
     assert ("host-fp32 0.350 s: 1.20 x faster; opt.step 0.245 s: 1.20 x faster; driver peak "
             "10.00 GiB = 0.48 x the offload's") in summary
     assert "host-q8   0" not in summary  # it failed
-    assert ("fp32      step 2.00 x its floor, opt.step 1.40 x its floor, the pager's stream "
+    assert ("fp32      step 2.00 x its floor, opt.step 1.40 x its floor, the pager's pipeline "
             "1.10 x its floor (0.500 s, set by fio)" in summary)
-    assert ("host-fp32 step 1.09 x its floor, opt.step 0.77 x its floor, the pager's stream "
+    assert ("host-fp32 step 1.09 x its floor, opt.step 0.77 x its floor, the pager's pipeline "
             "1.72 x its floor (0.320 s, set by pcie)" in summary)
     assert "q8 / fp32: step 0.70, opt.step 0.70 (q8's step is 1.43 x faster)" in summary
     assert "host-q8 / host-fp32" not in summary

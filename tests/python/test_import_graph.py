@@ -299,7 +299,7 @@ def test_no_import_circle_and_no_private_access():
 
 def test_every_module_is_seen():
     names = set(modules())
-    for m in ("statepager", "statepager.core.pager", "statepager.core.stream",
+    for m in ("statepager", "statepager.core.pager", "statepager.core.binding",
               "statepager.checkpoint.save_load", "statepager.integrations.megatron"):
         assert m in names
     for m in names:

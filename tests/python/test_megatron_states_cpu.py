@@ -47,7 +47,7 @@ class Member:
         with self.pager.scope(min_bytes=1):
             self.mains = [p.detach().view(-1).float() for p in params]
         self.inner = torch.optim.AdamW(self.mains, lr=3e-3, weight_decay=0.1)
-        self.stream = self.pager.attach(self.inner, bucket_size=16 * KiB)
+        self.binding = self.pager.attach(self.inner, bucket_size=16 * KiB)
         d = self.d = object.__new__(D)
         d.gbuf_ranges = [{(torch.bfloat16, torch.float32): [{"param_map": b} for b in buckets]}]
         d.per_bucket_numel = [lay.bucket_indices[-1][1]]
@@ -62,13 +62,13 @@ class Member:
         self.states = ParamStates(types.SimpleNamespace(
             megatron=types.SimpleNamespace(main_of=main_of.__getitem__,
                                            state_keys=lambda: tuple(d.optimizer_state_keys)),
-            pager=self.pager, stream=self.stream))
+            pager=self.pager, binding=self.binding))
         internals.answer_param_states(d, self.states)  # as MegatronMember.bind does
 
     def common_state(self) -> dict:
         """Megatron's state_dict (the param groups, their step counter), as the member's
         own state_dict gives it."""
-        with self.stream.state_dict_by_reference():
+        with self.binding.state_dict_by_reference():
             return distrib.DistributedOptimizer.state_dict(self.d)
 
     def load(self, common: dict, saved) -> dict:
@@ -106,7 +106,7 @@ class Member:
         return loss.item()
 
     def state(self, names=("param", "exp_avg", "exp_avg_sq")) -> list:
-        values = state_values.read(self.stream)
+        values = state_values.read(self.binding)
         return [[values[main][n] for n in names] for main in self.mains]
 
 
@@ -153,7 +153,7 @@ def test_megatron_s_dp_reshardable_save_and_load_continue_exactly(store_dir, mon
         assert len(loads) == 1
         # The state written once, read at most once: Megatron's round trip of the inner
         # optimizer's state dict goes by reference.
-        stored = sum(t.numel() * t.element_size() for b in second.stream.buckets
+        stored = sum(t.numel() * t.element_size() for b in second.binding.buckets
                      for t in b.stored)
         assert moved["bytes_written"] == stored and moved["bytes_read"] <= stored, moved
         assert all(torch.equal(x, y) for px, py in zip(first.state(), second.state())
@@ -218,10 +218,10 @@ def test_a_load_into_residual_mains_is_refused_before_anything_changes(store_dir
         first.step(0)
         before = first.state()
         saved = copied(first.d.get_parameter_state_dp_reshardable())
-        first.stream.mains = "residual"  # as a binding with mains="residual" has it
+        first.binding.mains = "residual"  # as a binding with mains="residual" has it
         with pytest.raises(_C.UsageError, match="cannot load into residual mains"):
             first.d.load_parameter_state_from_dp_reshardable(saved)
-        first.stream.mains = "fp32"
+        first.binding.mains = "fp32"
         assert all(torch.equal(x, y) for px, py in zip(before, first.state())
                    for x, y in zip(px, py))
     finally:

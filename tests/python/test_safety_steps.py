@@ -269,7 +269,7 @@ POINTS = {
     "snapshot-taken": (statepager.core.atomic.AtomicStep, "snapshot", 1, True),
     "first-bucket": (BucketStepper, "step", 1, True),
     "third-bucket": (BucketStepper, "step", 3, True),
-    "last-bucket-out": (Pipeline, "stream", 1, True),
+    "last-bucket-out": (Pipeline, "step_all", 1, True),
     "commit": (pager_module.Epoch, "commit", 1, False),
 }
 

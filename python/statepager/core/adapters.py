@@ -3,7 +3,7 @@ its integration without the core importing it.
 
 An integration registers an Adapter when it is imported (statepager/__init__.py imports
 them); Pager.attach asks find() first and falls back to the torch binding
-(statepager.core.stream). Registration happens at import, under the import lock; find()
+(statepager.core.binding). Registration happens at import, under the import lock; find()
 only reads. Not thread-safe against registering while attaching (nothing does).
 """
 from __future__ import annotations

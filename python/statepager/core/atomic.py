@@ -1,6 +1,6 @@
 """All-or-nothing streamed steps: a step that fails leaves the optimizer as it was.
 
-A streamed step (statepager.core.stream) changes three kinds of things; AtomicStep keeps what
+A streamed step (statepager.core.binding) changes three kinds of things; AtomicStep keeps what
 it needs to put each back:
 - the paged state (moments, and the masters the pager owns): the step runs in a pager
   epoch (Pager.begin_epoch). Page-outs write fresh store ranges, so until the commit the

@@ -40,7 +40,7 @@ from __future__ import annotations
 from statepager import _C
 from statepager.core import adapters, args, guard
 from statepager.core.hooks import Hooks
-from statepager.core.stream import StreamedOptimizer
+from statepager.core.binding import StreamedOptimizer
 
 
 def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, name, atomic,

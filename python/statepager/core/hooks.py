@@ -1,4 +1,4 @@
-"""What an attached optimizer's binding calls back (statepager.core.stream): the hooks
+"""What an attached optimizer's binding calls back (statepager.core.binding): the hooks
 Pager.attach takes, and the step hooks an integration adds, as one object fixed at
 construction."""
 from __future__ import annotations

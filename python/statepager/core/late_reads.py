@@ -1,4 +1,4 @@
-"""What a streamed step (statepager.core.stream) reads back from the device late, so
+"""What a streamed step (statepager.core.binding) reads back from the device late, so
 that the host never waits for the device as a whole within a step: the residual masters'
 exception counts (ExceptionCounts, each bucket's a LateRead) and their model parameters'
 checks (ParamChecks). All work on the host backend too (the values known at once), so CI runs the

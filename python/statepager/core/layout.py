@@ -1,4 +1,4 @@
-"""What an attached optimizer pages (statepager.core.stream): each parameter's paged
+"""What an attached optimizer pages (statepager.core.binding): each parameter's paged
 state entries and their stored forms (statepager.formats.stored), the buckets filled
 with them, the bytes they take, and state moved into the pager or created there."""
 from __future__ import annotations

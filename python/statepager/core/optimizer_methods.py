@@ -1,4 +1,4 @@
-"""An attached optimizer's own methods, replaced by attach (statepager.core.stream):
+"""An attached optimizer's own methods, replaced by attach (statepager.core.binding):
 step(), zero_grad(), state_dict(), load_state_dict() and add_param_group() go through
 its binding. Each holds the Pager's lock (statepager.core.serial): a step, a
 state_dict() or a save on another thread waits for the one running."""

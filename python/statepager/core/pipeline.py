@@ -1,4 +1,4 @@
-"""One streamed step's pipeline (statepager.core.stream): its buckets paged in ahead,
+"""One streamed step's pipeline (statepager.core.binding): its buckets paged in ahead,
 stepped one at a time (statepager.core.bucket_step) and paged out: bucket i + k is read
 while bucket i steps and the buckets before it are written. Page-ins run `ahead`
 buckets past the next to step (planner.page_ins_ahead), each admitted once its pages
@@ -8,7 +8,7 @@ A Pipeline is made when the step starts (its set-up: what each bucket's page-in
 brings); start() issues the first page-ins; advance() steps the next bucket and issues
 the page-in that its room frees (under the forward, as far as page-outs have landed:
 pump() issues the rest later); finish() waits for the rest and returns the step's
-stats. stream() runs advance() to the last bucket and finish(), and leaves nothing in
+stats. step_all() runs advance() to the last bucket and finish(), and leaves nothing in
 flight where either fails; end() ends a pipeline started and never streamed.
 
 The step it runs is all or nothing (an AtomicStep: a pager epoch), resumable (a
@@ -127,13 +127,13 @@ class Pipeline:
                        min(j + self._read_ahead + 1, len(buckets))):
             aheads[k] = pager.read_ahead_async(buckets[k].stored)
 
-    def stream(self) -> StepStats:
+    def step_all(self) -> StepStats:
         """Steps every bucket (advance()) and finishes; returns the stats (the caller's
         once the step is whole). Where it fails, nothing is left in flight."""
-        self.begin_stream()
+        self.begin_steps()
         return self.complete()
 
-    def begin_stream(self) -> None:
+    def begin_steps(self) -> None:
         """Before the first advance(): the counters the buckets step from."""
         if not self.resumed:
             self._stepper.begin()

@@ -1,4 +1,4 @@
-"""Which parameters step together: a streamed step's buckets (statepager.core.stream).
+"""Which parameters step together: a streamed step's buckets (statepager.core.binding).
 
 plan() puts an optimizer's parameters into buckets of about bucket_size bytes each, in
 param-group order; a parameter larger than a bucket steps in chunks over consecutive

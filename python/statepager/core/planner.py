@@ -1,4 +1,4 @@
-"""An attached optimizer's buckets (statepager.core.stream): planned by
+"""An attached optimizer's buckets (statepager.core.binding): planned by
 statepager.core.plan over what statepager.core.layout says each parameter maps, which
 parameters step in chunks, and the window of physical bytes the step's pipeline maps."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One bucket's state made resident and given back (statepager.core.plan's Bucket, filled
 by statepager.core.layout): what its page-in brings, its stored forms decoded into fp32
 working tensors and encoded back, its page-out. The step (statepager.core.pipeline) and
-the reads and writes between steps (statepager.core.stream) share these."""
+the reads and writes between steps (statepager.core.binding) share these."""
 from __future__ import annotations
 
 from statepager.core.late_reads import ParamChecks

@@ -1,4 +1,4 @@
-"""An attached optimizer's steps (statepager.core.stream): each runs a Pipeline
+"""An attached optimizer's steps (statepager.core.binding): each runs a Pipeline
 (statepager.core.pipeline), all or nothing (atomic="step", statepager.core.atomic),
 atomic per bucket and resumed where it failed (atomic="bucket",
 statepager.core.resumable) or in place (atomic=False), its first page-ins possibly begun
@@ -130,7 +130,7 @@ class Steps:
                 raise
             run.checked = checked
             run.setup_seconds += time.monotonic() - t0
-            run.begin_stream()
+            run.begin_steps()
             self.in_flight = run
             self.owner.overlap.started(run)
         finally:
@@ -302,7 +302,7 @@ class Steps:
             checked = self._params_checked_up_front(self.planned())
             run = self.start(None)
             run.checked, run.setup_seconds = checked, time.monotonic() - t0
-            self._finish(run.stream())
+            self._finish(run.step_all())
 
     def _takes_up(self, run: Pipeline) -> bool:
         """Whether step() takes up the begun `run`: begun as it steps (a pending step
@@ -336,7 +336,7 @@ class Steps:
                 run.checked = checked
                 run.setup_seconds += time.monotonic() - t0
                 run.interrupts = held
-                stats = run.stream()
+                stats = run.step_all()
             except BaseException as error:
                 # Pending once a bucket stepped; else nothing changed.
                 self.pending = step if step.stepped_count else None
@@ -367,7 +367,7 @@ class Steps:
                     run = self.start(step)
                 run.setup_seconds += time.monotonic() - t0
                 run.interrupts = held
-                stats = run.stream()
+                stats = run.step_all()
                 held.poll()
                 t1 = time.monotonic()
                 step.commit()

@@ -131,7 +131,7 @@ class PendingExceptions:
     With the kernels (CUDA tensors, kernels on) the encodes are one call and the counts
     are still being counted on the device; the reference (CPU, or kernels off) lists the
     exceptions at once, and finish() returns them: both take the same way through the
-    step (statepager.core.stream)."""
+    step (statepager.core.binding)."""
 
     def __init__(self, mains: list, params: list, residual_outs: list,
                  fingerprints: bool = False):

@@ -13,7 +13,7 @@ through statepager.integrations.megatron_internals, the one place that names Meg
 attributes. The inner torch optimizers it pages are listed by
 megatron_internals.inner_problem (Muon steps whole matrices: a matrix larger than
 bucket_size is a bucket of its own, and attach checks that window against hbm_budget):
-- its inner torch optimizer steps bucket by bucket (statepager.core.stream); each bucket's
+- its inner torch optimizer steps bucket by bucket (statepager.core.binding); each bucket's
   updated mains are copied into the DDP param buffer as soon as it is stepped, and the
   param all-gather then runs exactly as Megatron decides it (step_with_ready_grads is
   Megatron's own);
@@ -121,8 +121,9 @@ class MegatronBinding:
     _gathers_hooked: bool = False  # overlap_forward() set _before_param_gather
 
     @property
-    def streams(self) -> list:
-        return [m.stream for m in self.members]
+    def bindings(self) -> list:
+        """The members' StreamedOptimizers, in order."""
+        return [m.binding for m in self.members]
 
     def step(self, *args, **kwargs):
         """Megatron's step() of the optimizer (set on it at attach). Its first member
@@ -137,8 +138,8 @@ class MegatronBinding:
                 return self.megatron_step(*args, **kwargs)
             finally:
                 for m in self.members:
-                    if m.stream.begun:
-                        m.stream.end_begun_step()
+                    if m.binding.begun:
+                        m.binding.end_begun_step()
 
     def overlap_forward(self, *model_chunks, page_in_during_backward: bool = True) -> list:
         """Each member's steps end under the next forward of `model_chunks` (the DDP
@@ -171,7 +172,7 @@ class MegatronBinding:
                     "overlap_param_gather (Megatron-LM: --overlap-param-gather): without "
                     "it Megatron all-gathers every param at the end of step(), before the "
                     "forward has stepped their mains")
-        overlaps = [m.stream.overlap_forward(*model_chunks, forward_param=m.model_param_of)
+        overlaps = [m.binding.overlap_forward(*model_chunks, forward_param=m.model_param_of)
                     for m in self.members]
         # Without overlap_param_gather (one rank) the all-gather at the end of step()
         # gathers each param onto itself: left alone, or it would step every bucket.
@@ -180,7 +181,7 @@ class MegatronBinding:
             internals.before_param_gather(model_chunks, self._before_param_gather)
             self._gathers_hooked = True  # once: the hooks read the members' overlaps anew
         if page_in_during_backward and self.early is None:
-            self.early = PageInsDuringBackward(self.members[0].stream, model_chunks)
+            self.early = PageInsDuringBackward(self.members[0].binding, model_chunks)
         return overlaps
 
     def _before_param_gather(self, params) -> None:
@@ -188,7 +189,7 @@ class MegatronBinding:
         its params' mains stepped, the current stream (which the collective follows)
         after them."""
         for m in self.members:
-            overlap = m.stream.overlap
+            overlap = m.binding.overlap
             if overlap is not None:
                 overlap.before_reading(params, key=params)
 
@@ -196,12 +197,12 @@ class MegatronBinding:
         """Steps what each member's step in flight has left (overlap_forward): the
         model params are then the step's, for what reads them outside a forward."""
         for m in self.members:
-            m.stream.complete_step_in_flight()
+            m.binding.complete_step_in_flight()
 
     @property
     def last(self) -> list:
         """StepStats of the last step, one per member."""
-        return [m.stream.last for m in self.members]
+        return [m.binding.last for m in self.members]
 
 
 class PageInsDuringBackward:
@@ -213,8 +214,8 @@ class PageInsDuringBackward:
     backward has freed since its first grad sync (so that the driver's peak need not
     rise: Note [Page-ins during backward])."""
 
-    def __init__(self, stream, model_chunks):
-        self.stream = stream
+    def __init__(self, binding, model_chunks):
+        self.binding = binding
         self.steps_begun = 0  # steps begun in a backward, in all
         # Grad-sync starts that began nothing, by what held them back (bench megatron).
         self.held_back = {"the step in flight": 0, "room": 0}
@@ -228,23 +229,23 @@ class PageInsDuringBackward:
         self._first, self._room, self._begun = None, None, False
 
     def _grad_sync_started(self) -> None:
-        stream = self.stream
-        if self._begun or stream.overlap is None:
+        binding = self.binding
+        if self._begun or binding.overlap is None:
             return
-        device = stream.pager.device
+        device = binding.pager.device
         on_cuda = device.type == "cuda"  # the host backend's memory is the host's
         now = torch.cuda.memory_allocated(device) if on_cuda else 0
         if self._first is None:
             self._first = now
-        if not stream.in_flight_settled():
+        if not binding.in_flight_settled():
             self.held_back["the step in flight"] += 1
             return
         if self._room is None:  # counted once a backward, the step in flight's pages back
-            self._room = max(0, stream.first_page_ins_bytes
-                             - stream.pager.stats()["cached_bytes"]) if on_cuda else 0
+            self._room = max(0, binding.first_page_ins_bytes
+                             - binding.pager.stats()["cached_bytes"]) if on_cuda else 0
         if self._first - now < self._room:
             self.held_back["room"] += 1
             return
         self._begun = True
-        stream.begin_step()
-        self.steps_begun += stream.begun
+        binding.begin_step()
+        self.steps_begun += binding.begun

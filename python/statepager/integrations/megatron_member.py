@@ -56,7 +56,7 @@ class MegatronMember:
         if self.bf16_grads:
             self._make_carriers()
         try:
-            self.stream = pager.attach(self.megatron.inner, name=name, bind=False, hooks=Hooks(
+            self.binding = pager.attach(self.megatron.inner, name=name, bind=False, hooks=Hooks(
                 before_bucket=self._grads_in, after_bucket=self._mains_out,
                 keep_resident=lambda p: not pager.owns(p), model_param=self._shard16,
                 before_chunk=self._grads_in_chunk, after_chunk=self._mains_out_chunk,
@@ -68,7 +68,7 @@ class MegatronMember:
     def bind(self) -> None:
         """Attaches the planned binding and sets the member's methods on Megatron's
         instance and its grad buffers."""
-        self.stream.bind()
+        self.binding.bind()
         # A DistributedOptimizer's checkpoint formats all go through its param-state
         # accessors, which the pager answers; a Float16 optimizer's read the mains.
         distributed = not self.megatron.state_dict_holds_state
@@ -273,7 +273,7 @@ class MegatronMember:
         computes the grad norm and clips."""
         self._copy_grads()
         if self.begins_step:
-            self.stream.begin_step()
+            self.binding.begin_step()
 
     def _copy_grads(self) -> None:
         if not self.bf16_grads:
@@ -294,10 +294,10 @@ class MegatronMember:
         in flight under the forward keeps the grads it reads, unless they are zeroed in
         place."""
         to_none = args[0] if args else kwargs.get("set_to_none", True)
-        if self.stream.step_in_flight is None or not to_none:
-            self.stream.finish_step()  # a pending step, with the grads it needs
+        if self.binding.step_in_flight is None or not to_none:
+            self.binding.finish_step()  # a pending step, with the grads it needs
         self.megatron.zero_grad_as_megatron(*args, **kwargs)
-        self.stream.prepare_step()
+        self.binding.prepare_step()
 
     @serialized
     def zero_grads(self, buffer, reset) -> None:
@@ -306,9 +306,9 @@ class MegatronMember:
         grads of the mains a step in flight under the forward has not stepped yet are
         zeroed once they have (_zeroed_after_step), the rest now (Note [Megatron's failed
         step finishes before the grads are zeroed])."""
-        run = self.stream.step_in_flight
+        run = self.binding.step_in_flight
         if run is None:
-            self.stream.finish_step()
+            self.binding.finish_step()
             return reset()
         kept = [m for b in run.buckets[run.stepped:]
                 for m in map(self.model_param_of, list(b.params) + [c.param for c in b.chunks])
@@ -348,13 +348,13 @@ class MegatronMember:
         a second time. Elsewhere they are paged in to copy."""
         for model_param, shard in self.megatron.fp32_params():
             _copy_apart(self.megatron.param_buffer_slice(model_param), shard)
-        if self.stream.step_in_flight is not None:
+        if self.binding.step_in_flight is not None:
             return  # each bucket's mains go to the buffer as the forward steps it
         if self.mains_copied:
             self.mains_copied = False
             return
         # Read in the step's pieces (within the budget attach accepted), written nowhere.
-        for main, start, stop, entries in self.stream.state_in_pieces():
+        for main, start, stop, entries in self.binding.state_in_pieces():
             model_param = self.model_of.get(id(main))
             if model_param is not None and "param" in entries:
                 target = flat_view(self.megatron.param_buffer_slice(model_param))
@@ -373,7 +373,7 @@ class MegatronMember:
         for model_param, shard in self.megatron.fp32_params():
             _copy_apart(shard, shard_of(model_param))
         # In the step's pieces: a main that steps in chunks is rebuilt chunk by chunk.
-        for main, start, stop, entries in self.stream.state_in_pieces(write=True,
+        for main, start, stop, entries in self.binding.state_in_pieces(write=True,
                                                                        rebuild_mains=True):
             model_param = self.model_of.get(id(main))
             if model_param is not None and "param" in entries:
@@ -384,7 +384,7 @@ class MegatronMember:
         """Megatron's state_dict() holds no parameter state (it reads only the step
         counters and param groups), so the inner optimizer's state_dict by reference
         (torch's own, which does not read the paged tensors) serves it."""
-        with self.stream.state_dict_by_reference():
+        with self.binding.state_dict_by_reference():
             return self.megatron.state_dict_as_megatron()
 
 

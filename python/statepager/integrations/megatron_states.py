@@ -47,12 +47,12 @@ class ParamStates:
 
     def get(self, model_param) -> dict:
         main = self.member.megatron.main_of(model_param)
-        stream = self.member.stream
+        binding = self.member.binding
         with serial.lock_of(self.member.pager):
             copies = {}
-            if not stream.resident(main):  # a resident main is in no read
+            if not binding.resident(main):  # a resident main is in no read
                 if self._read is None or id(main) not in self._read:
-                    self._read = {id(p): v for p, v in state_values.read(stream).items()}
+                    self._read = {id(p): v for p, v in state_values.read(binding).items()}
                 copies = self._read.pop(id(main), {})
             tensors = {"param": copies.get("param", main)}
             for name, value in self._held(main).items():
@@ -74,18 +74,18 @@ class ParamStates:
         checkpoint methods need one (megatron-core 0.19.2 with torch's optimizers reads
         the step count from it, and a load into none allocates the whole state on the
         device)."""
-        stream = self.member.stream
+        binding = self.member.binding
         with serial.lock_of(self.member.pager):
-            state = stream.optimizer.state
-            mains = [p for g in stream.optimizer.param_groups for p in g["params"]]
+            state = binding.optimizer.state
+            mains = [p for g in binding.optimizer.param_groups for p in g["params"]]
             if not mains or any(state.get(p) for p in mains):
                 return
             for p in mains:
-                zeros = torch.zeros_like if stream.resident(p) else \
-                    functools.partial(stream.empty_state_like, p)
+                zeros = torch.zeros_like if binding.resident(p) else \
+                    functools.partial(binding.empty_state_like, p)
                 state[p] = {"step": torch.tensor(0.0),
                             **{k: zeros(p) for k in self.member.megatron.state_keys()}}
-            stream.state_changed()
+            binding.state_changed()
 
     def loading(self, load):
         """`load` (a bound Megatron method that sets param states) loading what it sets at
@@ -98,16 +98,16 @@ class ParamStates:
                 return load(*args, **kwargs)
             self._refuse_residual_mains()
             self.make_state()
-            stream = self.member.stream
+            binding = self.member.binding
             with serial.lock_of(self.member.pager):  # the state as it is (no page-ins)
-                steps = {p: held["step"] for p, held in stream.optimizer.state.items()
+                steps = {p: held["step"] for p, held in binding.optimizer.state.items()
                          if "step" in held}
             self._pending = []
             try:
                 # The inner optimizer's state dict that load_state_dict reads and loads
                 # back holds the live paged tensors: no read, no copy (Megatron replaces
                 # their values by the sets after).
-                with stream.state_dict_by_reference():
+                with binding.state_dict_by_reference():
                     result = load(*args, **kwargs)
                 pending = self._pending
                 self._pending = None
@@ -118,7 +118,7 @@ class ParamStates:
                 # Megatron's load_state_dict wrote its shared counter into the state it
                 # read (by reference), which torch's load may have replaced since.
                 with serial.lock_of(self.member.pager):
-                    state = stream.optimizer.state
+                    state = binding.optimizer.state
                     for p, step in steps.items():
                         if p in state:
                             state[p]["step"] = step
@@ -156,7 +156,7 @@ class ParamStates:
     def _refuse_residual_mains(self) -> None:
         """Residual mains are stored against the model params, which a Megatron load
         replaces before the optimizer's state: refused before anything changes."""
-        if self.member.stream.mains == "residual":
+        if self.member.binding.mains == "residual":
             raise _C.UsageError(
                 "Megatron's optimizer checkpoint formats cannot load into residual mains "
                 "(stored against the model params, which the load replaces first): save and "
@@ -169,7 +169,7 @@ class ParamStates:
         once per param a step: each gets a copy of its own."""
         with serial.lock_of(self.member.pager):
             seen = set()
-            for held in self.member.stream.optimizer.state.values():
+            for held in self.member.binding.optimizer.state.values():
                 step = held.get("step")
                 if isinstance(step, torch.Tensor):
                     if id(step) in seen:
@@ -178,19 +178,19 @@ class ParamStates:
 
     def _held(self, main) -> dict:
         """main's state entries as the inner optimizer holds them (under the lock)."""
-        return self.member.stream.optimizer.state.get(main, {})
+        return self.member.binding.optimizer.state.get(main, {})
 
     def _load(self, pending: list) -> None:
         """Each (main, values): the paged entries through the pager, all or nothing; then
         the entries Megatron keeps resident (a native fp32 param's shard), copied as
         Megatron copies them. Every entry must be given (as Megatron's own set asks),
         and of its shape: refused before anything changes."""
-        stream = self.member.stream
+        binding = self.member.binding
         with serial.lock_of(self.member.pager):
             self.forget()
             paged, resident = {}, []
             for main, values in pending:
-                names = set() if stream.resident(main) else {n for n, _ in stream.forms(main)}
+                names = set() if binding.resident(main) else {n for n, _ in binding.forms(main)}
                 for name, target in {"param": main, **self._held(main)}.items():
                     if not isinstance(target, torch.Tensor) or name == "step":
                         continue
@@ -211,7 +211,7 @@ class ParamStates:
                         f"{tuple(value.shape)} for a tensor of shape {tuple(target.shape)}; "
                         "the checkpoint does not fit this model; nothing was loaded")
             if paged:
-                state_values.load(stream, paged)
+                state_values.load(binding, paged)
             with torch.no_grad():
                 for target, value in resident:
                     target.copy_(value)

@@ -175,7 +175,7 @@ def config_lines(c: dict) -> list[str]:
     if f:
         notes.append((f"step {multiple(c['step_s']['median'], f['seconds'], 'the floor')}, "
                       f"opt.step {multiple(c['opt_step_s']['median'], f['seconds'], 'the floor')}"
-                      f", of which the pager's stream {_stream_share(p, f)}"
+                      f", of which the pager's pipeline {_pipeline_share(p, f)}"
                       if f["seconds"] else "no floor") +
                      "; the floor of its median step's bytes, measured after its steps:")
         notes += ["  " + line for line in bench_floor.describe(f)]
@@ -226,14 +226,14 @@ def _device_time_line(t: dict) -> str:
             f"{ms(t['d2h_busy_s'])}, both at once {ms(t['both_busy_s'])}")
 
 
-def _stream_share(p: dict, f: dict) -> str:
-    """The pager's stream (its buckets' page-ins, steps and page-outs: the part of opt.step
+def _pipeline_share(p: dict, f: dict) -> str:
+    """The pager's pipeline (its buckets' page-ins, steps and page-outs: the part of opt.step
     the floor's bytes bound; the rest is the optimizer's own work around it, but for the
     grad norm its first page-ins overlap, from Megatron's prepare_grads) against the
     floor."""
-    s = p["stream_s"]["median"]
+    s = p["pipeline_s"]["median"]
     beaten = (" (below the floor: that floor was none, its PCIe copies slower than the "
-              "stream's own)" if s < f["seconds"] else "")
+              "pipeline's own)" if s < f["seconds"] else "")
     return f"{s:.3f} s = {multiple(s, f['seconds'], 'the floor')}{beaten}"
 
 
@@ -318,16 +318,16 @@ def _unpaged_lines(done: dict) -> list[str]:
 
 
 def _floor_comparison(c: dict, f: dict) -> str:
-    """A configuration's step, opt.step and stream as multiples of its floor; a stream
+    """A configuration's step, opt.step and pipeline as multiples of its floor; a pipeline
     below the floor shows that the floor was none (see Note [The floor of a step])."""
-    stream = c["pager"]["stream_s"]["median"]
-    if stream < f["seconds"]:
-        return (f"not shown: the pager's stream ({stream:.3f} s) beat its floor "
+    pipeline = c["pager"]["pipeline_s"]["median"]
+    if pipeline < f["seconds"]:
+        return (f"not shown: the pager's pipeline ({pipeline:.3f} s) beat its floor "
                 f"({f['seconds']:.3f} s, set by {f['bound_by']}), so that floor was none (its "
-                "PCIe copies ran slower than the stream's own); run again")
+                "PCIe copies ran slower than the pipeline's own); run again")
     return (f"step {multiple(_step(c), f['seconds'], 'its floor')}, opt.step "
             f"{multiple(_step(c, 'opt_step_s'), f['seconds'], 'its floor')}, the pager's "
-            f"stream {multiple(stream, f['seconds'], 'its floor')} ({f['seconds']:.3f} s, set "
+            f"pipeline {multiple(pipeline, f['seconds'], 'its floor')} ({f['seconds']:.3f} s, set "
             f"by {f['bound_by']})")
 
 

@@ -94,7 +94,7 @@ def _scope_pool_bytes() -> int:
 def _bytes(binding, kind: str) -> int:
     """Bytes of the buckets' `kind` tensors ("stored": the state at rest; "undo": the
     atomic steps' host copies of what a step overwrites outside the pager)."""
-    return sum(t.numel() * t.element_size() for s in binding.streams for b in s.buckets
+    return sum(t.numel() * t.element_size() for s in binding.bindings for b in s.buckets
                for t in getattr(b, kind))
 
 
@@ -156,7 +156,7 @@ def run_config(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
-        steps, moved, pool, loop_host, streams, parts = [], [], [], [], [], []
+        steps, moved, pool, loop_host, pipelines, parts = [], [], [], [], [], []
         skipped = 0
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
@@ -186,7 +186,7 @@ def run_config(spec: dict) -> dict:
                     loop_host.append([sum(getattr(s, k) for s in binding.last) for k in
                                       ("compute_seconds", "wait_in_seconds",
                                        "wait_device_seconds", "wait_out_seconds")])
-                    streams.append(sum(s.seconds for s in binding.last))
+                    pipelines.append(sum(s.seconds for s in binding.last))
                     parts.append([sum(getattr(s, k) for s in binding.last)
                                   for k in ("setup_seconds", "loop_seconds", "commit_seconds")])
         if not steps:
@@ -220,7 +220,7 @@ def run_config(spec: dict) -> dict:
                 io_block=stats["io_block"],
                 loop_host_s={k: spread([x[i] for x in loop_host])
                              for i, k in enumerate(("stepping", "page_ins", "device", "page_outs"))},
-                stream_s=spread(streams),
+                pipeline_s=spread(pipelines),
                 parts_s=opt_step_parts(opt_times, parts, under_forward),
                 under_forward=under_forward,
                 begun_in_backward=binding.early.steps_begun if binding.early else 0,
@@ -228,11 +228,11 @@ def run_config(spec: dict) -> dict:
                 peak_mapped=max(p[0] for p in pool),
                 held=max(max(p[0], p[1] + p[2]) for p in pool),
                 buckets=sum(s.buckets for s in binding.last),
-                page_size=pager.page_size, bucket_size=binding.streams[0].bucket_size,
-                depth=binding.streams[0].depth, atomic=binding.streams[0].atomic,
-                largest_bucket=max(b.nbytes for s in binding.streams for b in s.buckets),
+                page_size=pager.page_size, bucket_size=binding.bindings[0].bucket_size,
+                depth=binding.bindings[0].depth, atomic=binding.bindings[0].atomic,
+                largest_bucket=max(b.nbytes for s in binding.bindings for b in s.buckets),
                 # The members step one after another: the largest one's window.
-                window=max(s.window_bytes for s in binding.streams),
+                window=max(s.window_bytes for s in binding.bindings),
                 # What scope() built and left mapped (no hbm_budget: every main) until
                 # the first step pages it out.
                 mapped_before_first_step=built["pool_mapped"])
@@ -241,7 +241,7 @@ def run_config(spec: dict) -> dict:
                 result["timeline_files"] = trace.write_outputs(
                     last, spec.get("trace"), spec.get("plot"),
                     f"bench megatron {spec['config']}: GPT {result['params'] / 1e9:.2f} B, "
-                    f"buckets of {binding.streams[0].bucket_size // MiB} MiB, step {last.step}")
+                    f"buckets of {binding.bindings[0].bucket_size // MiB} MiB, step {last.step}")
         if spec.get("checkpoint"):
             try:
                 result["checkpoint"] = megatron_checkpoint.measure(
