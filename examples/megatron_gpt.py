@@ -246,8 +246,8 @@ def main() -> None:
             continue
         line = f"step {step:3d}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms"
         if binding is not None:
-            for s, stream in zip(binding.last, binding.streams):
-                line += (f"  [{stream.name}: {s.buckets} buckets, read {s.bytes_read / MiB:.1f}"
+            for s, member in zip(binding.last, binding.bindings):
+                line += (f"  [{member.name}: {s.buckets} buckets, read {s.bytes_read / MiB:.1f}"
                          f" MiB, wrote {s.bytes_written / MiB:.1f} MiB, {s.seconds * 1e3:.1f} ms,"
                          f" overlap {100 * s.overlap:.0f}%, peak {s.peak_mapped_bytes / MiB:.0f}"
                          " MiB mapped]")
