@@ -114,10 +114,12 @@ def run_config(name: str, args) -> dict:
                     model_of[id(m)].copy_(m)
 
             binding = pager.attach(opt, bucket_size=args.bucket_size, depth=3, moments=moments,
-                                   mains=mains, before_bucket=labelled("before_bucket", grads_in),
-                                   after_bucket=labelled("after_bucket", mains_out),
-                                   model_param=lambda m: model_of[id(m)])
-            fused_step, raw_step = fused_adamw.FusedStep.step, binding._raw_step_bucket
+                                   mains=mains, hooks=statepager.Hooks(
+                                       before_bucket=labelled("before_bucket", grads_in),
+                                       after_bucket=labelled("after_bucket", mains_out),
+                                       model_param=lambda m: model_of[id(m)]))
+            stepper = bucket_step.BucketStepper
+            fused_step, raw_step = fused_adamw.FusedStep.step, stepper._raw_step_bucket
             times, stats = [], []
             sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
             for k in range(args.warmup + args.steps):
@@ -131,7 +133,8 @@ def run_config(name: str, args) -> dict:
             # Which buckets the fused step took, in the profiled step.
             fused_adamw.FusedStep.step = lambda self, b, f: (counts.update(["fused"]),
                                                              fused_step(self, b, f))[1]
-            binding._raw_step_bucket = lambda b: (counts.update(["unfused"]), raw_step(b))[1]
+            stepper._raw_step_bucket = lambda self, b: (counts.update(["unfused"]),
+                                                        raw_step(self, b))[1]
             sync()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
             with profile(activities=activities) as prof:
@@ -139,7 +142,7 @@ def run_config(name: str, args) -> dict:
                 opt.step()
                 sync()
                 profiled = time.perf_counter() - t0
-            fused_adamw.FusedStep.step = fused_step
+            fused_adamw.FusedStep.step, stepper._raw_step_bucket = fused_step, raw_step
             last = binding.last
             return dict(name=name, n=n, tensors=len(shapes), times=times, stats=stats,
                         profiled=profiled, last=last, prof=prof, counts=counts,
