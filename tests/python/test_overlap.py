@@ -238,8 +238,8 @@ def test_megatron_hooks_the_param_gathers_only_with_overlap_param_gather(
                         lambda chunks, before: hooked.append(chunks))
     view = SimpleNamespace(buffers=lambda: [object()], data_parallel_size=lambda: 1,
                            overlaps_param_gather=lambda: overlaps_param_gather)
-    stream = SimpleNamespace(overlap_forward=lambda *chunks, forward_param: "overlap")
-    member = SimpleNamespace(megatron=view, stream=stream, model_param_of=None)
+    member_binding = SimpleNamespace(overlap_forward=lambda *chunks, forward_param: "overlap")
+    member = SimpleNamespace(megatron=view, binding=member_binding, model_param_of=None)
     binding = megatron.MegatronBinding(optimizer=None, members=[member])
     assert binding.overlap_forward("chunk", page_in_during_backward=False) == ["overlap"]
     assert hooked == ([("chunk",)] if overlaps_param_gather else [])
