@@ -5,8 +5,9 @@ checkpoints, the integrations and torch_memory_saver's API also need its tensors
 their stores, undo copies in host memory, its attached optimizers, the state read
 between steps and the snapshots a save copies. Those live here, one object per Pager,
 made with it and holding its C++ core.
-Thread-safety: the methods that page or change the store hold the Pager's lock
-(statepager.core.serial), as the Pager's entry points do; the others read only.
+Thread-safety: move_to_store, release_unchanged_async and keep_at_least hold the Pager's
+lock (statepager.core.serial), as its entry points do; snapshot and restore are called
+inside between_steps(), which holds it; the others read only.
 Errors: UsageError for arguments of the wrong type or range, and while the Pager is
 paused, closed or in a forked child (check_not_paused); the core's typed errors else.
 """
