@@ -33,11 +33,11 @@ def sharded(model, optimizer, fmt: str, is_loading: bool) -> dict:
 
 
 @contextlib.contextmanager
-def built(gpt, setup, paged: bool, directory: str):
+def built(gpt, setup, paged: bool, directory: str, mains: str = "fp32"):
     with contextlib.ExitStack() as stack:
         pager = stack.enter_context(Pager(directory, "cuda", page_size=2 * MiB)) \
             if paged else None
-        yield gpt.build(setup, pager, bucket_size=1 * MiB)
+        yield gpt.build(setup, pager, bucket_size=1 * MiB, mains=mains)
 
 
 # Loaded into paged runs, fresh ones: with torch's AdamW, megatron-core 0.19.2 cannot
@@ -45,9 +45,11 @@ def built(gpt, setup, paged: bool, directory: str):
 # step count from the state), and its load_state_dict gives all params one shared "step"
 # tensor, which AdamW then advances once per param; statepager makes the state first and
 # gives each param its own counter (integrations/megatron_states.py).
+# Residual mains load too: encoded against the model params, which the load sets first.
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("saver", ["paged", "unpaged"])
-def test_a_megatron_checkpoint_resumes_exactly(gpt, store_dir, tmp_path, fmt, saver):
+@pytest.mark.parametrize("mains", ["fp32", "residual"])
+def test_a_megatron_checkpoint_resumes_exactly(gpt, store_dir, tmp_path, fmt, saver, mains):
     from megatron.core import dist_checkpointing
 
     setup = gpt.Setup(steps=6)
@@ -59,7 +61,7 @@ def test_a_megatron_checkpoint_resumes_exactly(gpt, store_dir, tmp_path, fmt, sa
         gpt.finish(model)
         dist_checkpointing.save(sharded(model, opt, fmt, is_loading=False), str(ckpt))
         sched_state = sched.state_dict()
-    with built(gpt, setup, True, store_dir + "-load") as (model, opt, sched, binding):
+    with built(gpt, setup, True, store_dir + "-load", mains) as (model, opt, sched, binding):
         loaded = dist_checkpointing.load(sharded(model, opt, fmt, is_loading=True), str(ckpt))
         model.module.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])

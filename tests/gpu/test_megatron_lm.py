@@ -290,9 +290,11 @@ def runs(tmp_path_factory):
     # Megatron's own optimizer checkpoints, loaded paged: the unpaged run's, and the paged
     # run's that Megatron wrote through the pager.
     second.update({
-        name: (name, ["--load", ckpt, "--ckpt-step", str(SAVE_AT)] + MEGATRON_FORMAT, {})
-        for name, ckpt in (("unpaged-to-paged", a),
-                           ("megatron-format-resumed", r.path("ckpt-megatron-format")))})
+        name: (name, ["--load", ckpt, "--ckpt-step", str(SAVE_AT)] + MEGATRON_FORMAT + more, {})
+        for name, ckpt, more in (
+            ("unpaged-to-paged", a, []),
+            ("unpaged-to-paged-residual", a, ["--statepager-mains", "residual"]),
+            ("megatron-format-resumed", r.path("ckpt-megatron-format"), []))})
     if HAVE_EMERGING:
         second["muon-restarted"] = ("muon-restarted", MUON + [
             "--load", r.path("ckpt-muon-killed"), "--save", r.path("ckpt-muon-killed")], {})
@@ -370,11 +372,12 @@ def test_megatron_s_own_optimizer_checkpoints_resume_paged_runs_exactly(runs):
     """--statepager-optimizer-checkpoint megatron: Megatron saves and loads the optimizer
     (torch_dist, through the pager). The paged run logs the unpaged one's iterations; its
     checkpoint at 10, and the unpaged run's, each resume a fresh paged run that logs
-    iterations 11-20 as the uninterrupted run."""
+    iterations 11-20 as the uninterrupted run; the unpaged run's also into residual
+    mains (encoded against the model params Megatron loads first)."""
     assert logged(ok(runs.result["megatron-format"])) == runs.unpaged
     assert not os.path.exists(runs.path("ckpt-megatron-format", f"iter_{SAVE_AT:07d}",
                                         "statepager"))
-    for name in ("unpaged-to-paged", "megatron-format-resumed"):
+    for name in ("unpaged-to-paged", "unpaged-to-paged-residual", "megatron-format-resumed"):
         resumed_as(logged(ok(runs.result[name])), runs.unpaged, SAVE_AT + 1)
 
 

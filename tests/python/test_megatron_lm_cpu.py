@@ -724,13 +724,9 @@ def test_main_runs_an_unchanged_script_and_refuses_at_start(tmp_path, monkeypatc
         mlm.uninstall()
 
 
-def test_megatron_s_optimizer_checkpoint_refuses_residual_mains():
-    """Megatron loads the model params before the optimizer's state, which residual mains
-    are stored against: refused at start, naming both ways out."""
-    megatron = dict(statepager_optimizer_checkpoint="megatron")
-    assert check(megatron_args(**megatron)).optimizer_checkpoint == "megatron"
-    assert check(megatron_args(statepager_mains="residual")).mains == "residual"
-    with pytest.raises(RefusedConfiguration, match="--statepager-mains residual with "
-                       "--statepager-optimizer-checkpoint megatron: .* use "
-                       "--statepager-optimizer-checkpoint statepager or --statepager-mains fp32"):
-        check(megatron_args(**megatron, statepager_mains="residual"))
+def test_megatron_s_optimizer_checkpoint_takes_residual_mains():
+    """Megatron loads the model params before the optimizer's state: residual mains are
+    encoded against them (state_values.load), so both options go together."""
+    options = check(megatron_args(statepager_optimizer_checkpoint="megatron",
+                                  statepager_mains="residual"))
+    assert (options.optimizer_checkpoint, options.mains) == ("megatron", "residual")

@@ -210,24 +210,6 @@ def test_a_state_made_before_the_first_step_steps_as_a_fresh_one(store_dir):
         fresh.pager.close()
 
 
-def test_a_load_into_residual_mains_is_refused_before_anything_changes(store_dir):
-    """Residual mains are stored against the model params, which Megatron's load replaces
-    before the optimizer's state."""
-    first = Member(model(), store_dir)
-    try:
-        first.step(0)
-        before = first.state()
-        saved = copied(first.d.get_parameter_state_dp_reshardable())
-        first.binding.mains = "residual"  # as a binding with mains="residual" has it
-        with pytest.raises(_C.UsageError, match="cannot load into residual mains"):
-            first.d.load_parameter_state_from_dp_reshardable(saved)
-        first.binding.mains = "fp32"
-        assert all(torch.equal(x, y) for px, py in zip(before, first.state())
-                   for x, y in zip(px, py))
-    finally:
-        first.pager.close()
-
-
 def test_a_load_that_fails_in_its_sets_keeps_the_step_counters(store_dir, monkeypatch):
     """Megatron's load_state_dict writes the checkpoint's step counter into the state it
     reads (by reference) before the sets; a load that fails in them puts every param's

@@ -1,5 +1,7 @@
 """statepager.core.state_values: an attached optimizer's state read out and loaded back
 per parameter (masters included), all or nothing, in every stored format."""
+import copy
+
 import pytest
 import torch
 
@@ -98,6 +100,43 @@ def test_values_loaded_into_another_optimizer_continue_the_run_exactly(store_dir
         assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
         assert same(as_lists(state_values.read(opt_a.binding), opt_a),
                     as_lists(state_values.read(opt_b.binding), opt_b))
+
+
+def test_residual_masters_load_against_model_params_loaded_first(store_dir):
+    """A checkpoint's load in Megatron's order: the model params first, then the
+    optimizer's values. Residual masters, stored against the params they had, are encoded
+    against the loaded ones where the load gives every master: the run continues as the
+    one that saved, bit for bit. A load that leaves some masters as they were cannot
+    rebuild them from the changed params: refused (their fingerprints), nothing changed."""
+    a, b = model(), model(seed=1)
+    with Pager(store_dir, page_size=64 * KiB) as pa, Pager(store_dir + "-b",
+                                                            page_size=64 * KiB) as pb:
+        opt_a, opt_b = paged(a, pa, "q8", "residual"), paged(b, pb, "q8", "residual")
+        train(a, opt_a, 4)
+        train(b, opt_b, 1)
+        # The step counters (and moments) of the saving run, as from a file: its own.
+        opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+        own = [p.detach().clone() for p in b.parameters()]
+        before = as_lists(state_values.read(opt_b.binding), opt_b)
+        with torch.no_grad():  # the model's checkpoint, loaded first
+            for x, y in zip(a.parameters(), b.parameters()):
+                y.copy_(x)
+        values = state_values.read(opt_a.binding)
+        first = masters(opt_b)[0]
+        with pytest.raises(ValueError):
+            state_values.load(opt_b.binding, {first: dict(values[masters(opt_a)[0]])})
+        with torch.no_grad():
+            for p, kept in zip(b.parameters(), own):
+                p.copy_(kept)
+        assert same(as_lists(state_values.read(opt_b.binding), opt_b), before)
+        with torch.no_grad():
+            for x, y in zip(a.parameters(), b.parameters()):
+                y.copy_(x)
+        state_values.load(opt_b.binding, dict(zip(masters(opt_b),
+                                                  (values[p] for p in masters(opt_a)))))
+        assert same(as_lists(state_values.read(opt_b.binding), opt_b), as_lists(values, opt_a))
+        assert train(a, opt_a, 5, first=4) == train(b, opt_b, 5, first=4)
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
 def test_a_load_of_some_entries_keeps_the_others(store_dir):

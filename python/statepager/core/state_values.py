@@ -61,7 +61,10 @@ def load(binding, values: dict) -> None:
     and the fix): a paused Pager, a parameter whose state the pager does not hold, a name
     that is none of its paged entries, a value of another shape. All or nothing: the
     copies run in a pager epoch, and a failure midway (NoSpaceError, say) puts back every
-    tensor's bytes and stored form."""
+    tensor's bytes and stored form. Residual masters are encoded against their model
+    params as they are at the load; where the load gives every residual master's
+    "param", the stored ones are not checked against those params (a checkpoint's load
+    replaces the model params first: Note [State values per parameter])."""
     with serial.lock_of(binding.pager):
         binding.pager.services.check_not_paused("loading optimizer state")
         targets = _targets(binding, values)
@@ -69,21 +72,25 @@ def load(binding, values: dict) -> None:
         undo = Undo(binding)
         try:
             copy_in(binding, InTargetOrder(
-                {id(p): named for p, named in values.items()}, targets))
+                {id(p): named for p, named in values.items()}, targets),
+                rebuild_mains=_every_master_given(binding, values))
         except BaseException:
             undo.roll_back()
             raise
         undo.commit()
 
 
-def copy_in(binding, sources: "InTargetOrder") -> None:
+def copy_in(binding, sources: "InTargetOrder", rebuild_mains: bool = False) -> None:
     """Copies each source value into its paged entry, bucket by bucket (inside the
-    caller's Undo)."""
+    caller's Undo). rebuild_mains: the sources overwrite every residual master, so their
+    stored forms are not checked against the model params
+    (StreamedOptimizer.state_in_pieces)."""
     # closing: a bucket that fails is paged out now, inside the caller's epoch, not
     # whenever the generator is collected (after the roll-back). Only the copies run
     # without grad: the forms the generator makes hold views of model params, which views
     # made under no_grad would keep from later in-place updates with grad mode on.
-    with contextlib.closing(binding.state_in_pieces(write=True)) as pieces:
+    with contextlib.closing(binding.state_in_pieces(
+            write=True, rebuild_mains=rebuild_mains)) as pieces:
         for p, start, stop, entries in pieces:
             with torch.no_grad():
                 for name, view in entries.items():
@@ -139,6 +146,15 @@ class InTargetOrder:
                 value = laid
             self.done[key] = flat_view(value)
         return self.done[key]
+
+
+def _every_master_given(binding, values: dict) -> bool:
+    """Whether `values` holds the "param" of every residual master the binding pages."""
+    if binding.mains != "residual":
+        return False
+    return all("param" in values.get(p, ()) for g in binding.optimizer.param_groups
+               for p in g["params"]
+               if not binding.resident(p) and any(n == "param" for n, _ in binding.forms(p)))
 
 
 def _entry(p, held: dict, name: str):

@@ -269,12 +269,6 @@ def check(args) -> Options:
     if options.overlap_forward == "on":
         refused += [f"{flag} with --statepager-overlap-forward on: {why}"
                     for flag, test, why in _NOT_UNDER_THE_FORWARD if test(args)]
-    if options.optimizer_checkpoint == "megatron" and options.mains == "residual":
-        refused.append("--statepager-mains residual with --statepager-optimizer-checkpoint "
-                       "megatron: Megatron loads the model params before the optimizer's "
-                       "state, which residual mains are stored against; use "
-                       "--statepager-optimizer-checkpoint statepager or --statepager-mains "
-                       "fp32")
     if refused:
         raise RefusedConfiguration("statepager cannot run with these Megatron flags:\n  "
                                    + "\n  ".join(refused))

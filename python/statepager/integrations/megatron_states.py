@@ -19,7 +19,8 @@ checkpoint formats] in docs/design.md.
   (state_values.load); a set outside a load is loaded at once. The step counter is not
   set: Megatron's load_state_dict restores it from the param groups, and the one a
   dp_reshardable checkpoint hands back is the loader's own from before the load (the
-  format keeps it non-persistent).
+  format keeps it non-persistent). Residual mains are encoded against the model params
+  as the load finds them: Megatron loads the model first.
 """
 from __future__ import annotations
 
@@ -96,7 +97,6 @@ class ParamStates:
         def load_then_set(*args, **kwargs):
             if self._pending is not None:
                 return load(*args, **kwargs)
-            self._refuse_residual_mains()
             self.make_state()
             binding = self.member.binding
             with serial.lock_of(self.member.pager):  # the state as it is (no page-ins)
@@ -148,20 +148,9 @@ class ParamStates:
         @functools.wraps(sharded_state_dict)
         def with_state(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
             if is_loading:
-                self._refuse_residual_mains()
                 self.make_state()
             return read(model_sharded_state_dict or {}, is_loading, *args, **kwargs)
         return with_state
-
-    def _refuse_residual_mains(self) -> None:
-        """Residual mains are stored against the model params, which a Megatron load
-        replaces before the optimizer's state: refused before anything changes."""
-        if self.member.binding.mains == "residual":
-            raise _C.UsageError(
-                "Megatron's optimizer checkpoint formats cannot load into residual mains "
-                "(stored against the model params, which the load replaces first): save and "
-                "load with statepager.checkpoint (Megatron-LM: "
-                "--statepager-optimizer-checkpoint statepager), or attach with mains='fp32'")
 
     def _own_step_counters(self) -> None:
         """Megatron's load_state_dict gives every param's state one shared "step" tensor

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from statepager import _C, checkpoint
+from statepager import checkpoint
 from statepager.util.units import GiB
 
 FORMAT = "dp_reshardable"
@@ -47,10 +47,7 @@ def measure(model, optimizer, pager, driver, directory: str) -> dict:
             loaded = dist_checkpointing.load(sharded(True), directory)
             model.module.load_state_dict(loaded["model"])
             optimizer.load_state_dict(loaded["optimizer"])
-        try:
-            load_peaks = _peaks(pager, driver, load)
-        except _C.UsageError as refused:  # before anything changed: residual mains
-            load_peaks = {"refused": str(refused)}
+        load_peaks = _peaks(pager, driver, load)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     result = {"format": FORMAT, "files_bytes": written, "save": save, "load": load_peaks}
@@ -127,8 +124,6 @@ def line(c: dict, state_bytes: int | None) -> str:
 
     def part(name: str, k: dict = k) -> str:
         p = k[name]
-        if "refused" in p:
-            return f"{name} refused: {p['refused']}"
         pool = "" if p["pool"] is None else f", pool {p['pool'] / GiB:.2f}"
         host = "" if p["host"] is None else f"; host {p['host'] / GiB:.2f} GiB"
         return (f"{name} {p['seconds']:.2f} s, peaks above before: device {p['driver'] / GiB:.2f} "
