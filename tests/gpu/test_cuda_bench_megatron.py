@@ -105,7 +105,7 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
         k = c["checkpoint"]
         assert "error" not in k, k
         assert k["format"] == "dp_reshardable" and k["files_bytes"] > 0
-        for part in (k["save"], k["load"]) if c is not host else (k["save"],):
+        for part in (k["save"], k["load"]):
             assert part["seconds"] > 0 and part["driver"] >= 0 and part["host"] >= 0
             if c["pager"] is not None:
                 assert 0 < part["pool"] <= c["pager"]["window"]
@@ -120,9 +120,6 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
         # the caching allocator, none of the state's bytes.
         assert own["save"]["torch"] <= (1 << 20 if c is host else 0), (c["config"], own["save"])
         assert own["load"]["pool"] <= c["pager"]["window"] and own["load"]["seconds"] > 0
-    # Residual mains are stored against the model params, which Megatron's load replaces
-    # first: refused, before anything changes.
-    assert "cannot load into residual mains" in host["checkpoint"]["load"]["refused"]
     assert "checkpoint" in offload  # its figures, or the error Megatron's offload gave
 
     bench_megatron.print_megatron(r)
@@ -133,7 +130,9 @@ def test_bench_megatron_runs_four_configurations_side_by_side(tmp_path, capsys):
                      r"[0-9.]+ GiB stored\): save [0-9.]+ s, peaks above before: device "
                      r"[0-9.]+ GiB \(torch [0-9.]+, pool [0-9.]+\); host [0-9.]+ GiB; load "
                      r"[0-9.]+ s", text), text
-    assert "; load refused: Megatron's optimizer checkpoint formats cannot load" in text
+    # Megatron's load of each: unpaged, fp32 and host-q8 (residual mains too).
+    assert len(re.findall(r"Megatron's checkpoint \([^)]*\): save [^;]*; host [0-9.]+ GiB; "
+                          r"load [0-9.]+ s, peaks above before", text)) == 3, text
     assert re.search(r"; statepager's \([0-9.]+ GiB\): save [0-9.]+ s, peaks above before: "
                      r"device [0-9.]+ GiB \(torch 0.00, pool 0.00\)", text), text
     # The summary: each against the offload, each paged one against its floor (or why
