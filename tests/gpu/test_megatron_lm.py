@@ -170,6 +170,46 @@ def same_state(a, b, iteration=ITERS, rank=0):
         assert x[1][key] == y[1][key], f"{a} and {b}: {key} differs"
 
 
+def megatron_tensors(base, iteration=ITERS) -> dict:
+    """{key: value} of the torch_dist checkpoint Megatron saved at `iteration` in `base`:
+    its model and optimizer tensors (and the objects saved beside them), read with torch's
+    own reader of distributed checkpoints."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    directory = os.path.join(base, f"iter_{iteration:07d}")
+    out = directory + ".pt"
+    dcp_to_torch_save(directory, out)
+    try:
+        return torch.load(out, weights_only=False)
+    finally:
+        os.remove(out)
+
+
+def assert_same_tensors(expected: dict, got: dict, name: str) -> None:
+    """Every key of two megatron_tensors() the same, each tensor bit for bit (the RNG
+    states, which say nothing of the training state, aside)."""
+    assert expected.keys() == got.keys(), (name, expected.keys() ^ got.keys())
+    keys = [k for k in expected if "rng_state" not in k]
+    assert any(k.startswith("optimizer.") for k in keys), (name, sorted(expected))
+    for key in keys:
+        same_value(expected[key], got[key], f"{name}: {key}")
+
+
+def same_value(x, y, where: str) -> None:
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, where
+        assert torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys(), where
+        for k in x:
+            same_value(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert type(x) is type(y) and len(x) == len(y), where
+        for i, (a, b) in enumerate(zip(x, y)):
+            same_value(a, b, f"{where}[{i}]")
+    else:
+        assert x == y, where
+
+
 def read_state(directory):
     """(the manifest but for the tensors' places: their offsets, their order, the data
     file's size; {(optimizer, parameter, state name): the tensor's bytes}) of the
@@ -290,7 +330,8 @@ def runs(tmp_path_factory):
     # Megatron's own optimizer checkpoints, loaded paged: the unpaged run's, and the paged
     # run's that Megatron wrote through the pager.
     second.update({
-        name: (name, ["--load", ckpt, "--ckpt-step", str(SAVE_AT)] + MEGATRON_FORMAT + more, {})
+        name: (name, ["--load", ckpt, "--ckpt-step", str(SAVE_AT), "--save", r.path(
+            f"ckpt-{name}")] + MEGATRON_FORMAT + more, {})
         for name, ckpt, more in (
             ("unpaged-to-paged", a, []),
             ("unpaged-to-paged-residual", a, ["--statepager-mains", "residual"]),
@@ -373,12 +414,19 @@ def test_megatron_s_own_optimizer_checkpoints_resume_paged_runs_exactly(runs):
     (torch_dist, through the pager). The paged run logs the unpaged one's iterations; its
     checkpoint at 10, and the unpaged run's, each resume a fresh paged run that logs
     iterations 11-20 as the uninterrupted run; the unpaged run's also into residual
-    mains (encoded against the model params Megatron loads first)."""
+    mains (encoded against the model params Megatron loads first). The checkpoints at 20
+    (the paged run's, each resumed run's) hold the uninterrupted unpaged run's tensors."""
     assert logged(ok(runs.result["megatron-format"])) == runs.unpaged
     assert not os.path.exists(runs.path("ckpt-megatron-format", f"iter_{SAVE_AT:07d}",
                                         "statepager"))
     for name in ("unpaged-to-paged", "unpaged-to-paged-residual", "megatron-format-resumed"):
         resumed_as(logged(ok(runs.result[name])), runs.unpaged, SAVE_AT + 1)
+    # What they saved at 20 (model and optimizer, Megatron's format), and what the paged
+    # run saved, is what the uninterrupted unpaged run saved, tensor for tensor.
+    unpaged = megatron_tensors(runs.path("ckpt-unpaged"))
+    for name in ("megatron-format", "unpaged-to-paged", "unpaged-to-paged-residual",
+                 "megatron-format-resumed"):
+        assert_same_tensors(unpaged, megatron_tensors(runs.path(f"ckpt-{name}")), name)
 
 
 @pytest.mark.skipif(not two_gpus, reason="needs two GPUs (DP = 2)")
