@@ -11,8 +11,11 @@
 // plan), host_copies_issued .. fence, requests, mapped_bytes, error and the times (error
 // and the times are read by others once the phase is kDone). phase: changed under the
 // Pager's lock, while the job is queued by the I/O thread alone (which so reads it without).
+// done(): readable from any thread without the lock (set_done() publishes error and the
+// times with it), so that polling a bucket never waits for the I/O thread's lock.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -132,6 +135,16 @@ struct Job {
   std::chrono::steady_clock::time_point start_time, end_time;  // first I/O, completion
   TraceRange trace;                    // the same span, for profilers (allocator/trace_range.h)
   JobPhase phase = JobPhase::kQueued;
+
+  // kDone, under the Pager's lock, once error and the times are final.
+  void set_done() {
+    phase = JobPhase::kDone;
+    finished.store(true, std::memory_order_release);
+  }
+  bool done() const { return finished.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<bool> finished{false};
 };
 
 using Ticket = std::shared_ptr<Job>;

@@ -282,7 +282,7 @@ class Pager {
   // without a host tier nothing moves. A failed read leaves them FILE.
   Ticket read_ahead(const std::vector<ExtentId>& bucket);
   void wait(const Ticket& ticket);      // rethrows the bucket's error
-  bool is_done(const Ticket& ticket) const;
+  bool is_done(const Ticket& ticket) const;  // without the lock: never waits
 
   // Extents now resident (for pause/resume: page these out, later back in).
   std::vector<ExtentId> resident_extents() const;

@@ -171,7 +171,7 @@ Ticket Pager::read_ahead(const std::vector<ExtentId>& bucket) {
   }
   plan_locked(*job);
   if (job->extents.empty()) {
-    job->phase = JobPhase::kDone;
+    job->set_done();
     return job;
   }
   queue_.push_back(job);

@@ -153,7 +153,7 @@ void Pager::mapping_failed_locked(Job& job, std::exception_ptr error) {
     if (e.dead && !e.tier_move) free_extent_locked(job.extents[i]);  // released meanwhile
   }
   job.error = error;
-  job.phase = JobPhase::kDone;
+  job.set_done();
 }
 
 // `job` says what kind of bucket (Job::kind); submit plans the rest of it.
@@ -246,7 +246,7 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
   if (job->extents.empty() && job->returned.empty()) {
     if (job->fence) device_->release_fence(*job->fence);
     job->fence.reset();
-    job->phase = JobPhase::kDone;
+    job->set_done();
     return job;
   }
   if (!job->maps.empty()) {  // queued for the I/O thread once mapped
@@ -286,15 +286,16 @@ void Pager::plan_locked(Job& job) {
 
 void Pager::wait(const Ticket& ticket) {
   check_owner();
-  std::unique_lock lock(mu_);
-  done_cv_.wait(lock, [&] { return ticket->phase == JobPhase::kDone; });
+  if (!ticket->done()) {
+    std::unique_lock lock(mu_);
+    done_cv_.wait(lock, [&] { return ticket->done(); });
+  }
   if (ticket->error) std::rethrow_exception(ticket->error);
 }
 
-bool Pager::is_done(const Ticket& ticket) const {
-  std::unique_lock lock(mu_);
-  return ticket->phase == JobPhase::kDone;
-}
+// Without the lock, which the I/O thread holds while it settles buckets: a step's pipeline
+// polls its page-outs from every forward pre-hook.
+bool Pager::is_done(const Ticket& ticket) const { return ticket->done(); }
 
 // ---- I/O thread ----------------------------------------------------------------------
 
@@ -479,7 +480,7 @@ void Pager::complete(Job& job) {
   if (job.out()) outs_in_flight_--;
   job.end_time = std::chrono::steady_clock::now();
   job.trace.end();
-  job.phase = JobPhase::kDone;
+  job.set_done();
   queue_.erase(std::find_if(queue_.begin(), queue_.end(),
                             [&](const Ticket& t) { return t.get() == &job; }));
   done_cv_.notify_all();

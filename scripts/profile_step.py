@@ -35,7 +35,9 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 import statepager
-from statepager.core import atomic, bucket_step, fused_adamw, late_reads, pipeline
+from statepager.core import (atomic, bucket_step, fused_adamw, late_reads, pipeline, residency,
+                             resumable)
+from statepager.core import pager as pager_module
 
 MiB = 1 << 20
 CODEC_KERNELS = ("q8_encode_kernel", "q8_decode_kernel", "residual_encode_kernel",
@@ -50,7 +52,12 @@ PHASES = [(pipeline.Pipeline, "advance"), (pipeline.Pipeline, "_page_in"),
           (bucket_step.BucketStepper, "step"), (fused_adamw.FusedStep, "step"),
           (fused_adamw.FusedStep, "moment_forms"), (atomic.AtomicStep, "__init__"),
           (atomic.AtomicStep, "take_ahead"), (atomic.AtomicStep, "commit"),
-          (late_reads.ExceptionCounts, "read"), (late_reads.ExceptionCounts, "hold")]
+          (late_reads.ExceptionCounts, "read"), (late_reads.ExceptionCounts, "hold"),
+          (residency, "decode"), (residency, "encode"), (residency, "release"),
+          (pipeline.Pipeline, "_issue"), (pipeline.Pipeline, "_hold_until_landed"),
+          (resumable.ResumableStep, "save"), (resumable.ResumableStep, "stepped"),
+          (pager_module.Pager, "page_in"), (pager_module.Pager, "page_in_async"),
+          (pager_module.Pager, "page_out_async"), (pager_module.Pager, "discard_async")]
 LABEL = "sp::"
 
 

@@ -357,8 +357,8 @@ def test_undo_copies_are_taken_a_bucket_ahead_once_each(store_dir, monkeypatch):
         events, take, step_bucket = [], undo.take, stepper.step
         monkeypatch.setattr(undo, "take", lambda copies, targets: (
             events.append(("take", index[id(copies)])), take(copies, targets))[1])
-        monkeypatch.setattr(stepper, "step", lambda b, *a: (
-            events.append(("step", order[id(b)])), step_bucket(b, *a))[1])
+        monkeypatch.setattr(stepper, "step", lambda b, *a, **k: (
+            events.append(("step", order[id(b)])), step_bucket(b, *a, **k))[1])
         set_grads(model, 1)
         opt.step()
         taken = [i for kind, i in events if kind == "take"]

@@ -54,14 +54,16 @@ class BucketStepper:
 
     def step(self, bucket: Bucket, atomic: AtomicStep | ResumableStep | None,
              checks: ParamChecks | None,
-             fused: list | None, checked: bool = False) -> list:
+             fused: list | None, checked: bool = False, resident=()) -> list:
         """Steps one bucket, its residual masters' checks left to `checks` where given,
-        skipped where `checked` (up front); `fused` is StateLayout.fused_forms(bucket).
+        skipped where `checked` (up front); `fused` is StateLayout.fused_forms(bucket);
+        `resident`: its tensors paged in already (residency.decode).
         Returns the bucket's pending exceptions (residency.encode)."""
         layout, hooks, pager = self.layout, self.hooks, self.layout.pager
         # The fused step (statepager.core.fused_adamw) reads and writes the moments in their
         # stored form: they are not decoded unless it turns out not to apply.
-        residency.decode(pager, bucket, not checked, skip=fused or (), checks=checks)
+        residency.decode(pager, bucket, not checked, skip=fused or (), checks=checks,
+                         resident=resident)
         if atomic:
             atomic.save(bucket)
         _call(hooks.before_bucket, hooks.before_chunk, bucket)

@@ -257,7 +257,8 @@ class Pipeline:
             if i + 1 < n:
                 atomic.take_ahead(buckets[i + 1])
         self._trace.start(f"step bucket {i}", "step")
-        pending = self._stepper.step(b, atomic, self._checks, self.fused[i], self.checked)
+        pending = self._stepper.step(b, atomic, self._checks, self.fused[i], self.checked,
+                                     resident=self.incoming[i])
         self._trace.end()
         t2 = time.monotonic()
         self._stepping.append((t1, t2))
