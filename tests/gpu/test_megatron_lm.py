@@ -28,6 +28,7 @@ time; the tests then check what they logged and wrote.
 Skips without CUDA, megatron-core, or Megatron-LM's training scripts in .deps/megatron-lm
 (git-ignored; NVIDIA/Megatron-LM core_r0.19.0). Each run's log is kept under
 $STATEPAGER_TEST_LOGS when set (scripts/gpu.sh megatron-lm sets it), else in tmp_path."""
+import argparse
 import concurrent.futures
 import importlib.util
 import json
@@ -186,28 +187,33 @@ def megatron_tensors(base, iteration=ITERS) -> dict:
 
 def assert_same_tensors(expected: dict, got: dict, name: str) -> None:
     """Every key of two megatron_tensors() the same, each tensor bit for bit (the RNG
-    states, which say nothing of the training state, aside)."""
+    states and the run's own arguments, its paths and flags, which say nothing of the
+    training state, aside). Every difference is named at once."""
     assert expected.keys() == got.keys(), (name, expected.keys() ^ got.keys())
     keys = [k for k in expected if "rng_state" not in k]
     assert any(k.startswith("optimizer.") for k in keys), (name, sorted(expected))
+    differences = []
     for key in keys:
-        same_value(expected[key], got[key], f"{name}: {key}")
+        differences += differing(expected[key], got[key], key)
+    assert not differences, (name, differences)
 
 
-def same_value(x, y, where: str) -> None:
+def differing(x, y, where: str) -> list:
+    """Where x and y differ (a tensor's dtype or bits, a key, a length, a value)."""
     if isinstance(x, torch.Tensor):
-        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, where
-        assert torch.equal(x, y), where
-    elif isinstance(x, dict):
-        assert isinstance(y, dict) and x.keys() == y.keys(), where
-        for k in x:
-            same_value(x[k], y[k], f"{where}.{k}")
-    elif isinstance(x, (list, tuple)):
-        assert type(x) is type(y) and len(x) == len(y), where
-        for i, (a, b) in enumerate(zip(x, y)):
-            same_value(a, b, f"{where}[{i}]")
-    else:
-        assert x == y, where
+        same = isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        return [] if same else [where]
+    if isinstance(x, argparse.Namespace):
+        return []  # the run's arguments (Megatron's common state keeps them)
+    if isinstance(x, dict):
+        if not isinstance(y, dict) or x.keys() != y.keys():
+            return [where]
+        return [d for k in x for d in differing(x[k], y[k], f"{where}.{k}")]
+    if isinstance(x, (list, tuple)):
+        if type(x) is not type(y) or len(x) != len(y):
+            return [where]
+        return [d for i, (a, b) in enumerate(zip(x, y)) for d in differing(a, b, f"{where}[{i}]")]
+    return [] if x == y else [where]
 
 
 def read_state(directory):
