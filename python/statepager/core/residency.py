@@ -34,9 +34,8 @@ def decode(pager, b: Bucket, check_params: bool = True, skip=(),
     forms = [f for f in b.forms if id(f) not in skip]
     working = [f.working for f in forms if f.scratch and id(f.working) not in resident]
     if working:
-        # Zero-filled scratch. Not asked again where incoming() brought it: a call is a
-        # round trip through the Pager's lock, which the I/O thread holds while it
-        # settles page-outs (0.7 ms a bucket on the H100).
+        # Zero-filled scratch. Not asked again where incoming() brought it: a call takes
+        # the Pager's lock, which the I/O thread holds while it settles buckets.
         pager.page_in(working)
     for f in forms:
         if f.fmt != "residual":
