@@ -15,11 +15,12 @@ pager) loaded at the same and, with two GPUs, at the other data-parallel size.
 Megatron's own logging: the first iteration a run logs does not reset its loss sum
 (training_log's is_first_iteration), so the second iteration after a resume prints the
 mean of both losses (every resume shows it); resumed_as() checks that iteration against
-that mean. Megatron's own resume of this run unpaged is no control here: megatron-core
-0.19.2 with torch's AdamW (no TransformerEngine, no apex) fails it while building the
-optimizer's sharded state dict before any step (DistributedOptimizer.state_dict:
-`assert len(steps) == 1`, the state being empty), so the uninterrupted run is the
-reference.
+that mean. Megatron-LM alone resuming a checkpoint (a paged run's in Megatron's format,
+and the unpaged run's own as the control) runs through plain_megatron_lm.py: megatron-core
+0.19.2 with torch's AdamW (no TransformerEngine, no apex) fails any resume while building
+the optimizer's sharded state dict before the first step (DistributedOptimizer.state_dict:
+`assert len(steps) == 1`, the state being empty); that script works around this one
+assertion. The uninterrupted unpaged run is the reference of every resume.
 
 The runs are independent processes, started in two waves (each run's inputs come from
 the first) that run at once on the GPU(s), so the whole module takes about two runs'
@@ -45,6 +46,7 @@ import torch
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MEGATRON_LM = os.path.join(ROOT, ".deps", "megatron-lm")
 PRETRAIN_GPT = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
+PLAIN_MEGATRON_LM = os.path.join(os.path.dirname(__file__), "plain_megatron_lm.py")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,16 +98,18 @@ class Runs:
         return os.path.join(self.folder, *parts)
 
     def run(self, name, extra, *, paged=True, gpus=1, kill_after=None, env=None,
-            entry=True, first_path=None):
+            entry=True, first_path=None, plain=False):
         """kill_after=N: SIGKILL to the whole run (torchrun and its workers) once it has
         logged iteration N. entry=False: plain pretrain_gpt.py, statepager's options
-        only in `env` (the startup hook's way)."""
+        only in `env` (the startup hook's way). plain=True (unpaged): through
+        plain_megatron_lm.py (able to resume, statepager not importable; see there)."""
         store = self.path(f"store-{name}-{{rank}}")
         argv = TINY_GPT + extra + [a.replace("{store}", store)
                                    for a in PAGED if paged and entry]
         module = ["-m", "statepager.megatron_lm"] if paged and entry else []
+        script = [PLAIN_MEGATRON_LM, PRETRAIN_GPT] if plain else [PRETRAIN_GPT]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(gpus)] + module + [PRETRAIN_GPT] + argv
+               "--nproc-per-node", str(gpus)] + module + script + argv
         path = ([first_path] if first_path else []) + [MEGATRON_LM] + sys.path
         env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(path), **(env or {}))
@@ -293,6 +297,9 @@ def runs(tmp_path_factory):
                            + PARAM_GATHER_IN_THE_FORWARD, {}),
         "megatron-format": ("megatron-format", ["--save", r.path("ckpt-megatron-format")]
                             + MEGATRON_FORMAT, {}),
+        "megatron-format-residual": ("megatron-format-residual", [
+            "--save", r.path("ckpt-megatron-format-residual"), "--statepager-mains",
+            "residual"] + MEGATRON_FORMAT, {}),
     }
     if HAVE_EMERGING:  # --optimizer muon with --use-distributed-optimizer: layer-wise
         first.update({
@@ -342,6 +349,13 @@ def runs(tmp_path_factory):
             ("unpaged-to-paged", a, []),
             ("unpaged-to-paged-residual", a, ["--statepager-mains", "residual"]),
             ("megatron-format-resumed", r.path("ckpt-megatron-format"), []))})
+    # The same checkpoints (the unpaged one as the control) resumed by Megatron-LM alone.
+    second.update({
+        name: (name, ["--load", r.path(ckpt), "--ckpt-step", str(SAVE_AT), "--save", r.path(
+            f"ckpt-{name}")], dict(paged=False, plain=True))
+        for name, ckpt in (("unpaged-resumed", "ckpt-unpaged"),
+                           ("paged-to-unpaged", "ckpt-megatron-format"),
+                           ("residual-to-unpaged", "ckpt-megatron-format-residual"))})
     if HAVE_EMERGING:
         second["muon-restarted"] = ("muon-restarted", MUON + [
             "--load", r.path("ckpt-muon-killed"), "--save", r.path("ckpt-muon-killed")], {})
@@ -432,6 +446,20 @@ def test_megatron_s_own_optimizer_checkpoints_resume_paged_runs_exactly(runs):
     unpaged = megatron_tensors(runs.path("ckpt-unpaged"))
     for name in ("megatron-format", "unpaged-to-paged", "unpaged-to-paged-residual",
                  "megatron-format-resumed"):
+        assert_same_tensors(unpaged, megatron_tensors(runs.path(f"ckpt-{name}")), name)
+
+
+def test_megatron_lm_alone_resumes_paged_runs_checkpoints_exactly(runs):
+    """A paged run's checkpoint at 10 in Megatron's format (fp32 mains, or residual mains
+    decoded into Megatron's fp32), resumed by Megatron-LM without statepager (importing it
+    fails there; plain_megatron_lm.py works around megatron-core's assertion that keeps
+    it from resuming any checkpoint here), logs iterations 11-20 as the uninterrupted
+    unpaged run and saves at 20 its tensors. The control: Megatron-LM alone resuming the
+    unpaged run's own checkpoint."""
+    assert logged(ok(runs.result["megatron-format-residual"])) == runs.unpaged
+    unpaged = megatron_tensors(runs.path("ckpt-unpaged"))
+    for name in ("unpaged-resumed", "paged-to-unpaged", "residual-to-unpaged"):
+        resumed_as(logged(ok(runs.result[name])), runs.unpaged, SAVE_AT + 1)
         assert_same_tensors(unpaged, megatron_tensors(runs.path(f"ckpt-{name}")), name)
 
 
