@@ -19,8 +19,9 @@ that mean. Megatron-LM alone resuming a checkpoint (a paged run's in Megatron's 
 and the unpaged run's own as the control) runs through plain_megatron_lm.py: megatron-core
 0.19.2 with torch's AdamW (no TransformerEngine, no apex) fails any resume while building
 the optimizer's sharded state dict before the first step (DistributedOptimizer.state_dict:
-`assert len(steps) == 1`, the state being empty); that script works around this one
-assertion. The uninterrupted unpaged run is the reference of every resume.
+`assert len(steps) == 1`, the state being empty), and once loaded its states share one
+step tensor, which AdamW advances once per parameter; that script works around these two
+and nothing else. The uninterrupted unpaged run is the reference of every resume.
 
 The runs are independent processes, started in two waves (each run's inputs come from
 the first) that run at once on the GPU(s), so the whole module takes about two runs'
@@ -452,8 +453,8 @@ def test_megatron_s_own_optimizer_checkpoints_resume_paged_runs_exactly(runs):
 def test_megatron_lm_alone_resumes_paged_runs_checkpoints_exactly(runs):
     """A paged run's checkpoint at 10 in Megatron's format (fp32 mains, or residual mains
     decoded into Megatron's fp32), resumed by Megatron-LM without statepager (importing it
-    fails there; plain_megatron_lm.py works around megatron-core's assertion that keeps
-    it from resuming any checkpoint here), logs iterations 11-20 as the uninterrupted
+    fails there; plain_megatron_lm.py works around the two megatron-core bugs that keep it
+    from resuming any checkpoint exactly here), logs iterations 11-20 as the uninterrupted
     unpaged run and saves at 20 its tensors. The control: Megatron-LM alone resuming the
     unpaged run's own checkpoint."""
     assert logged(ok(runs.result["megatron-format-residual"])) == runs.unpaged
