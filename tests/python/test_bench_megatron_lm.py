@@ -219,6 +219,29 @@ def test_each_configuration_is_compared_with_its_own_optimizers(capsys):
         ran("unpaged", 100.0), ran("offload", 200.0), ran("host-q8", 120.0),
         ran("muon-unpaged", 150.0), ran("muon-host-fp32", 180.0)], "failed": []})
     assert capsys.readouterr().out.splitlines() == [
-        "  against unpaged's (100.0 ms): offload 2.00 x; host-q8 1.20 x",
+        "  against unpaged's (100.0 ms): offload 2.00 x (+100.0 ms); host-q8 1.20 x (+20.0 ms)",
         "  against offload's (200.0 ms): host-q8 0.60 x",
-        "  against muon-unpaged's (150.0 ms): muon-host-fp32 1.20 x"]
+        "  against muon-unpaged's (150.0 ms): muon-host-fp32 1.20 x (+30.0 ms)"]
+
+
+def test_paged_runs_report_statepager_s_fields_of_megatron_s_line():
+    """statepager's fields of each counted iteration's line (IntervalStats.log_text), their
+    medians beside the iteration's."""
+    def line(i, ms, step, waits):
+        return (f" [2026-12-06 05:40:0{i}.5] iteration {i:8d}/       5 | consumed samples: 4 | "
+                f"elapsed time per iteration (ms): {ms} | lm loss: 9.3E+00 | grad norm: 0.899 | "
+                f"statepager read/written per iter (GB): 0.000/0.000 | statepager step (ms): "
+                f"{step} | statepager page-in/out wait (ms): {waits} | statepager io overlap: "
+                "35% | statepager peak mapped (MiB): 4864 |")
+    log = "\n".join([line(1, 900.0, 800.0, "5.0/9.0"), line(2, 300.0, 250.0, "0.5/10.0"),
+                     line(3, 310.0, 270.0, "0.3/14.0"), line(4, 320.0, 260.0, "0.4/12.0")])
+    its = megatron_lm.iterations(log)
+    assert its[3] == {"ms": 310.0, "wall_ms": 1000.0, "saving": False, "step_ms": 270.0,
+                      "page_in_wait_ms": 0.3, "page_out_wait_ms": 14.0}
+    counted = [its[i] for i in (2, 3, 4)]
+    c = {"config": "host-q8-overlap", "what": "w", "driver_peak": None, "median_ms": 310.0,
+         "min_ms": 300.0, "max_ms": 320.0, "n": 3,
+         "statepager_ms": {k: sorted(it[k] for it in counted)[1]
+                           for k in ("step_ms", "page_in_wait_ms", "page_out_wait_ms")}}
+    assert ("statepager's step 260.0 ms, waiting for page-ins 0.4 ms and page-outs 12.0 ms"
+            in megatron_lm.config_line(c))

@@ -7,7 +7,10 @@ The GPT is bench megatron's (24 layers, hidden 2048, 16 heads, vocab 32000, seq 
 micro-batch 4, untied embeddings, fp32 grads with overlap_grad_reduce: 1.34 B params),
 trained through Megatron-LM's own loop, so the figure is the one Megatron-LM users read:
 its log's `elapsed time per iteration (ms)`, median of the iterations after the first
---skip (the first builds the moments). Each configuration is one torchrun of its own, one
+--skip (the first builds the moments), and against the unpaged run's the difference, the
+paging that the iteration exposes; for paged runs also the medians of statepager's own
+fields of that line (its step, its waits for page-ins and page-outs). Each configuration is
+one torchrun of its own, one
 after another; the device memory the driver saw at the run's peak is sampled beside it
 (NVML, by a child process: statepager.tools.bench.driver_memory). A configuration that
 fails keeps its log's last lines in the results; the others go on.
@@ -71,6 +74,9 @@ CONFIGS = {
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "host-fp32", "host-q8", "host-q8-overlap"]
 _LINE = re.compile(r"\[([0-9-]+ [0-9:.]+)\] iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per "
                    r"iteration \(ms\): ([0-9.]+) \|")
+# statepager's fields of the same line (statepager.integrations.megatron_lm.IntervalStats).
+_STEP = re.compile(r"statepager step \(ms\): ([0-9.]+) \| statepager page-in/out wait "
+                   r"\(ms\): ([0-9.]+)/([0-9.]+) \|")
 _SCHEDULED, _SAVED = "scheduled an async checkpoint save", "successfully saved checkpoint"
 
 
@@ -170,7 +176,9 @@ def command(name: str, args, work: str) -> list[str]:
 
 def iterations(log: str) -> dict[int, dict]:
     """{iteration: {"ms": Megatron's elapsed time, "wall_ms": since the line before (None
-    for the first), "saving": logged while an async save was in flight}} from `log`."""
+    for the first), "saving": logged while an async save was in flight, and where
+    statepager stepped, "step_ms", "page_in_wait_ms", "page_out_wait_ms": its fields of
+    the line}} from `log`."""
     out, saving, before = {}, False, None
     for line in log.splitlines():
         if _SCHEDULED in line:
@@ -182,9 +190,16 @@ def iterations(log: str) -> dict[int, dict]:
             continue
         at = datetime.datetime.fromisoformat(m.group(1))
         wall = None if before is None else (at - before).total_seconds() * 1e3
-        out[int(m.group(2))] = {"ms": float(m.group(3)), "wall_ms": wall, "saving": saving}
+        it = out[int(m.group(2))] = {"ms": float(m.group(3)), "wall_ms": wall,
+                                     "saving": saving}
+        paged = _STEP.search(line)
+        if paged:
+            it.update(zip(_PAGED_KEYS, map(float, paged.groups())))
         before = at
     return out
+
+
+_PAGED_KEYS = ("step_ms", "page_in_wait_ms", "page_out_wait_ms")
 
 
 def _stats(values: list, key: str) -> dict:
@@ -249,6 +264,9 @@ def run_config(name: str, cmd: list[str], args, work: str) -> dict:
     if error is not None:
         return dict(c, error=error, log_tail=text.splitlines()[-60:])  # torchrun adds ~30
     c.update(_stats([it["ms"] for it in counted], ""))
+    paged = [it for it in counted if "step_ms" in it]
+    if paged:
+        c["statepager_ms"] = {k: statistics.median(it[k] for it in paged) for k in _PAGED_KEYS}
     if args.save_interval:
         c.update(_stats([it["wall_ms"] for it in counted if it["saving"]], "saving_wall_"))
         c.update(_stats([it["wall_ms"] for it in counted if not it["saving"]], "quiet_wall_"))
@@ -275,6 +293,11 @@ def config_line(c: dict) -> str:
     memory = f"; driver peak {peak / GiB:.2f} GiB" if peak else ""
     line = (f"  {c['config']:18s} {c['median_ms']:7.1f} ms per iteration ({c['min_ms']:.1f}-"
             f"{c['max_ms']:.1f}, n={c['n']}){memory}: {c['what']}")
+    if "statepager_ms" in c:
+        v = c["statepager_ms"]
+        line += (f"\n{'':21s}statepager's step {v['step_ms']:.1f} ms, waiting for page-ins "
+                 f"{v['page_in_wait_ms']:.1f} ms and page-outs {v['page_out_wait_ms']:.1f} ms "
+                 "(medians of its log's fields)")
     if "quiet_wall_n" in c and "saving_wall_n" in c:
         line += (f"\n{'':21s}wall clock: {c['saving_wall_median_ms']:.1f} ms with a save in "
                  f"flight (n={c['saving_wall_n']}), {c['quiet_wall_median_ms']:.1f} ms without "
@@ -303,8 +326,10 @@ def print_megatron_lm(r: dict) -> None:
         others = [c for c in ok.values() if c["config"] not in (base, "unpaged")
                   and ("muon" in c["config"]) == ("muon" in base)]
         if others:
-            print(f"  against {base}'s ({ok[base]['median_ms']:.1f} ms): " + "; ".join(
-                f"{c['config']} {c['median_ms'] / ok[base]['median_ms']:.2f} x"
+            ms = ok[base]["median_ms"]
+            print(f"  against {base}'s ({ms:.1f} ms): " + "; ".join(
+                f"{c['config']} {c['median_ms'] / ms:.2f} x"
+                + ("" if base == "offload" else f" ({c['median_ms'] - ms:+.1f} ms)")
                 for c in others))
     for name in r["failed"]:
         print(f"  {name} failed (its log's last lines are above)")
