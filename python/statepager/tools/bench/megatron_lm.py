@@ -9,11 +9,11 @@ trained through Megatron-LM's own loop, so the figure is the one Megatron-LM use
 its log's `elapsed time per iteration (ms)`, median of the iterations after the first
 --skip (the first builds the moments), and against the unpaged run's the difference, the
 paging that the iteration exposes; for paged runs also the medians of statepager's own
-fields of that line (its step, its waits for page-ins and page-outs). Each configuration is
-one torchrun of its own, one
-after another; the device memory the driver saw at the run's peak is sampled beside it
-(NVML, by a child process: statepager.tools.bench.driver_memory). A configuration that
-fails keeps its log's last lines in the results; the others go on.
+fields of that line (its step, its waits for page-ins and page-outs). Each configuration
+is one torchrun of its own, one after another; the device memory the driver saw at the
+run's peak is sampled beside it (NVML, by a child process:
+statepager.tools.bench.driver_memory). A configuration that fails keeps its log's last
+lines in the results; the others go on.
 
 With --save-interval N each run also saves every N iterations with --async-save (Megatron's
 torch_dist checkpoint beside statepager's part), and each counted iteration is put in one
@@ -77,6 +77,7 @@ _LINE = re.compile(r"\[([0-9-]+ [0-9:.]+)\] iteration\s+(\d+)/\s*\d+ \|.*?elapse
 # statepager's fields of the same line (statepager.integrations.megatron_lm.IntervalStats).
 _STEP = re.compile(r"statepager step \(ms\): ([0-9.]+) \| statepager page-in/out wait "
                    r"\(ms\): ([0-9.]+)/([0-9.]+) \|")
+_PAGED_KEYS = ("step_ms", "page_in_wait_ms", "page_out_wait_ms")  # _STEP's groups
 _SCHEDULED, _SAVED = "scheduled an async checkpoint save", "successfully saved checkpoint"
 
 
@@ -197,9 +198,6 @@ def iterations(log: str) -> dict[int, dict]:
             it.update(zip(_PAGED_KEYS, map(float, paged.groups())))
         before = at
     return out
-
-
-_PAGED_KEYS = ("step_ms", "page_in_wait_ms", "page_out_wait_ms")
 
 
 def _stats(values: list, key: str) -> dict:
