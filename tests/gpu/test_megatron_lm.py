@@ -10,7 +10,8 @@ missing, a refused flag, --async-save, a crash between statepager's save and Meg
 statepager turned on by environment variables alone (no -m statepager.megatron_lm:
 the package's start-up hook, its .pth in a site directory), --optimizer muon paged,
 unpaged, killed and restarted, and Megatron's own optimizer checkpoints (through the
-pager) loaded at the same and, with two GPUs, at the other data-parallel size.
+pager) loaded at the same and, with two GPUs, at the other data-parallel size, and
+resumed by Megatron-LM without statepager.
 
 Megatron's own logging: the first iteration a run logs does not reset its loss sum
 (training_log's is_first_iteration), so the second iteration after a resume prints the
@@ -19,9 +20,11 @@ that mean. Megatron-LM alone resuming a checkpoint (a paged run's in Megatron's 
 and the unpaged run's own as the control) runs through plain_megatron_lm.py: megatron-core
 0.19.2 with torch's AdamW (no TransformerEngine, no apex) fails any resume while building
 the optimizer's sharded state dict before the first step (DistributedOptimizer.state_dict:
-`assert len(steps) == 1`, the state being empty), and once loaded its states share one
-step tensor, which AdamW advances once per parameter; that script works around these two
-and nothing else. The uninterrupted unpaged run is the reference of every resume.
+`assert len(steps) == 1`, the state being empty), and its load leaves every state one
+shared step tensor holding the loader's own step from before the load (dp_reshardable's
+parameter state copies it in), so AdamW restarts its bias correction; that script works
+around these two and nothing else. The uninterrupted unpaged run is the reference of
+every resume.
 
 The runs are independent processes, started in two waves (each run's inputs come from
 the first) that run at once on the GPU(s), so the whole module takes about two runs'
