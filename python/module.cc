@@ -24,6 +24,7 @@
 #include "backing/file_copy.h"
 #include "backing/raw_io.h"
 #include "python/kernel_bindings.h"
+#include "python/tensor_lists.h"
 
 namespace py = pybind11;
 using namespace statepager;
@@ -274,6 +275,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("TORCH_VERSION") = STATEPAGER_TORCH_VERSION;
   bind_kernels(m);
+  bind_tensor_lists(m);
 
   m.def("cuda_available", &cuda_available, "True when a CUDA driver and device are present");
   m.def("residency_of", &residency_of, py::arg("tensor"),

@@ -266,6 +266,29 @@ def test_dealt_small_masters_keep_the_step_within_its_window(tmp_path):
         assert opt.binding.last.peak_mapped_bytes <= budget
 
 
+
+def test_page_runs_are_the_pages_the_tensors_touch():
+    """planner.page_runs (one call into C++) against the pages counted one by one: views
+    anywhere in a buffer, overlapping and adjacent ones merged, empty ones touch none."""
+    from statepager.core.planner import page_runs
+    torch.manual_seed(0)
+    buffer = torch.empty(1 << 16, dtype=torch.float32)
+    page = 4 * KiB
+    for _ in range(50):
+        starts = torch.randint(0, buffer.numel(), (int(torch.randint(0, 9, ())),))
+        views = [buffer[s:s + int(torch.randint(0, 5_000, ()))] for s in starts.tolist()]
+        views.append(buffer[::7][:100].view(-1))  # strided: numel x size from data_ptr
+        pages = sorted({q for v in views if v.numel()
+                        for q in range(v.data_ptr() // page,
+                                       (v.data_ptr() + v.numel() * 4 - 1) // page + 1)})
+        runs = page_runs(views, page)
+        assert runs == sorted(runs)
+        assert all(a[1] + 1 < b[0] for a, b in zip(runs, runs[1:]))  # disjoint, not adjacent
+        assert [q for first, last in runs for q in range(first, last + 1)] == pages
+    assert page_runs([], page) == []
+    with pytest.raises(statepager.UsageError, match="page must be positive"):
+        page_runs([buffer], 0)
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("depth", [2, 3, 4])
 def test_a_begun_step_maps_what_first_page_ins_bytes_counts(store_dir, depth, device):

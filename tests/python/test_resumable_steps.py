@@ -220,7 +220,7 @@ def test_undo_copies_hold_each_target_and_put_it_back():
     """undo_copies: dense targets (contiguous, transposed, channels_last, of any dtype)
     share one buffer, each at a 64-byte boundary; one with gaps gets its own copy; one
     without elements none (nor does a list of only such: no buffer). Copied back, each
-    target has its bits again."""
+    target has its bits again. A parameter's view and copy record nothing for autograd."""
     from statepager.core.resumable import undo_copies
     g = torch.Generator().manual_seed(0)
     base = torch.randn(6, 10, generator=g)
@@ -242,6 +242,9 @@ def test_undo_copies_hold_each_target_and_put_it_back():
         t.copy_(c)
     assert all(torch.equal(a, b) for a, b in zip(targets, before))
     assert undo_copies([torch.empty(0), torch.empty(3, 0)]) == []
+    leaf = torch.nn.Parameter(torch.randn(4, 4, generator=g))  # copied in grad mode
+    (view, copy), = undo_copies([leaf.t()])
+    assert view.grad_fn is None and not copy.requires_grad  # autograd records nothing
 
 
 def chunked(store, atomic="bucket"):

@@ -35,7 +35,7 @@ class Planner:
         # waits for each bucket in turn (statepager.core.overlap), and none is dealt.
         self.order = None
         self._planned_for: list = []  # groups_layout() of the last plan
-        self._pages_of: dict = {}  # id(bucket) -> (what its pages were counted for, count)
+        self._pages_of: dict = {}  # id(bucket) -> its pages as last counted (_pages)
 
     def groups_layout(self) -> list:
         """What a plan is made for: the parameters of each param group, by identity."""
@@ -185,20 +185,15 @@ class Planner:
         by address, as sorted disjoint (first, last) pairs; the pages of state yet to be
         created, planned beyond them: its bytes in whole pages and two more, as the arena
         makes a bucket's new state in one or two runs, its tensors one after another or
-        around a hole). Kept while b's tensors are the same."""
-        known = self._pages_of.get(id(b))
+        around a hole). Counted anew each time (one call into C++), kept for a closed
+        Pager, whose tensors have no data."""
         try:
-            key = (b.planned, tuple((t.data_ptr(), t.numel() * t.element_size())
-                                    for t in b.incoming))
-        except RuntimeError:  # a closed Pager's tensors have no data: as last counted
-            if known is None:
+            counted = (page_runs(b.incoming, self.layout.pager.page_size), self.new_pages(b))
+        except RuntimeError:
+            if id(b) not in self._pages_of:
                 raise
-            return known[1]
-        if known is not None and known[0] == key:
-            return known[1]
-        page = self.layout.pager.page_size
-        counted = (page_runs(b.incoming, page), self.new_pages(b))
-        self._pages_of[id(b)] = (key, counted)
+            return self._pages_of[id(b)]
+        self._pages_of[id(b)] = counted
         return counted
 
     def new_pages(self, b: Bucket) -> int:
@@ -209,8 +204,7 @@ class Planner:
 
 def page_runs(tensors, page: int) -> list:
     """The pages `tensors` touch, by address, as sorted disjoint (first, last) runs."""
-    return _merged([(t.data_ptr() // page, (t.data_ptr() + n - 1) // page)
-                    for t in tensors if (n := t.numel() * t.element_size())])
+    return _C.page_runs(list(tensors), page)
 
 
 def _merged(runs: list) -> list:

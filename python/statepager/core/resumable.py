@@ -23,9 +23,10 @@ from typing import Callable
 
 import torch
 
+from statepager import _C
 from statepager.core.atomic import (UndoCopies, copy_groups, rebuild_mirrors, restore_groups,
                                     restore_state)
-from statepager.util.flat import copy_each, flat_view
+from statepager.util.flat import copy_each
 
 # Each undo copy starts on a multiple of this many bytes of its bucket's buffer (the
 # copies' vector loads and stores stay aligned).
@@ -107,25 +108,9 @@ class ResumableStep:
             f.exceptions, f.fingerprint = exceptions, fingerprint
 
 
-@torch.no_grad()
 def undo_copies(targets: list) -> list:
     """[(target, its copy)] for each target with elements, copied now on the current
     stream into one buffer on the targets' device (a dense target's elements in memory
     order; one with gaps gets a tensor of its own): Note [A resumable step's undo copies
-    stay on the device]."""
-    targets = [t for t in targets if t.numel()]
-    dense = [torch.ops.aten.is_non_overlapping_and_dense.default(t) for t in targets]
-    sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN if d else 0
-             for t, d in zip(targets, dense)]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8,
-                         device=targets[0].device) if any(sizes) else None
-    pairs, at = [], 0
-    for t, d, size in zip(targets, dense, sizes):
-        if d:
-            flat = flat_view(t)
-            pairs.append((flat, buffer[at:at + flat.numel() * t.element_size()].view(t.dtype)))
-        else:
-            pairs.append((t, torch.empty_like(t)))
-        at += size
-    copy_each([c for _, c in pairs], [t for t, _ in pairs])
-    return pairs
+    stay on the device]. One call into C++ for the bucket."""
+    return _C.dense_copies(targets, _ALIGN)
