@@ -6,8 +6,10 @@
 
 namespace statepager {
 
-// Adds page_runs and dense_copies to `m`. Both hold the GIL (they neither block nor wait
-// for the device); errors are UsageError (bad arguments) or torch's own.
+// Adds page_runs and dense_copies to `m`. Both hold the GIL: page_runs reads addresses,
+// dense_copies queues its copies on the current stream and waits for none (its buffer
+// comes from torch's caching allocator, as a Python torch.empty's would). Errors are
+// UsageError (bad arguments) or torch's own (a closed Pager's tensor has no data).
 void bind_tensor_lists(pybind11::module_& m);
 
 }  // namespace statepager
