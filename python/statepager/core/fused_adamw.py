@@ -80,26 +80,34 @@ class FusedStep:
     def may_step(self, group: dict, p: torch.Tensor) -> bool:
         """True when the fused step may run parameter p of param group `group` (once it
         has its state): what the bucket's plan counts on (no fp32 scratch of the moments)."""
-        return _fused_on and _group_fusable(group) and p.dtype == torch.float32 \
-            and _kernels_for(p)
+        return _fused_on and _group_fusable(group) and _param_fusable(p)
 
     def moment_forms(self, bucket) -> list | None:
         """The stored forms of the bucket's moments (its chunks' included) when the fused
         step may run it (its grads are checked later, by ready()): they need not be
-        decoded. None otherwise."""
+        decoded. None otherwise. Each pipeline asks it of every bucket: a param group
+        is judged once per call, not once per parameter."""
+        if not _fused_on:
+            return None
         groups = self.optimizer.param_groups
-        members = [(groups[gi], p, dict(self.binding.forms(p)))
+        members = [(gi, p, dict(self.binding.forms(p)))
                    for gi, params in enumerate(bucket.groups) for p in params]
-        members += [(groups[c.group], c.param, named)
+        members += [(c.group, c.param, named)
                     for c, named in zip(bucket.chunks, bucket.chunk_forms)]
-        forms = []
-        for group, p, named in members:
-            state = self.optimizer.state.get(p)
-            if not self.may_step(group, p) or not state or "exp_avg" not in named \
-                    or "exp_avg_sq" not in named \
-                    or not isinstance(state.get("step"), torch.Tensor) or state["step"].is_cuda:
+        fusable: dict[int, bool] = {}
+        state, forms = self.optimizer.state, []
+        for gi, p, named in members:
+            ok = fusable.get(gi)
+            if ok is None:
+                ok = fusable[gi] = _group_fusable(groups[gi])
+            s = state.get(p)
+            m, v = named.get("exp_avg"), named.get("exp_avg_sq")
+            if not ok or not s or m is None or v is None or not _param_fusable(p):
                 return None
-            forms += [named["exp_avg"], named["exp_avg_sq"]]
+            step = s.get("step")
+            if not isinstance(step, torch.Tensor) or step.is_cuda:
+                return None
+            forms += [m, v]
         return forms if members else None
 
     def ready(self, bucket) -> bool:
@@ -144,9 +152,10 @@ class FusedStep:
             copy_each(counts, after)
 
 
-def _kernels_for(p: torch.Tensor) -> bool:
-    """True when p's device runs the kernels (a CUDA tensor, kernels built and on)."""
-    return codecs.kernels_used(p)
+def _param_fusable(p: torch.Tensor) -> bool:
+    """True when the kernels can step p: fp32 on a device that runs them (a CUDA tensor,
+    kernels built and on)."""
+    return p.dtype == torch.float32 and codecs.kernels_used(p)
 
 
 def _stream(p: torch.Tensor) -> int:
