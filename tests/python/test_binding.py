@@ -116,9 +116,9 @@ def test_a_step_times_its_parts(store_dir, how, monkeypatch):
         start = steps.start  # the pipeline's start: set-up, where begun in begin_step()
         others = steps._end_others_begun  # among step()'s first acts: set-up too
 
-        def slow_start(atomic):
+        def slow_start(*args):
             time.sleep(0.05)
-            return start(atomic)
+            return start(*args)
 
         def slow_others():
             time.sleep(0.05)

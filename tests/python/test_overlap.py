@@ -91,12 +91,12 @@ def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic, lr_decay):
 
 
 def long_enough(binding, seconds: float = 30) -> bool:
-    """binding.in_flight_settled(), once true or after `seconds` (a backward that lasts
-    until the step in flight's page-outs, the I/O thread's, are done)."""
+    """binding.can_begin_step(), once true or after `seconds` (a backward that lasts
+    until the step in flight can hand over to the next)."""
     deadline = time.monotonic() + seconds
-    while not binding.in_flight_settled() and time.monotonic() < deadline:
+    while not binding.can_begin_step() and time.monotonic() < deadline:
         time.sleep(0.001)
-    return binding.in_flight_settled()
+    return binding.can_begin_step()
 
 
 def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
@@ -121,6 +121,108 @@ def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
     assert seen == [(True, True)] * 5 and all(taken)
     assert base[0] == early[0]
     assert same(base[1], early[1])
+
+
+def test_a_step_begun_while_the_one_in_flight_pages_out_follows_its_page_outs(
+        tmp_path, monkeypatch):
+    """Page-outs held back until the backward's end (but those the forward's buckets
+    waited for to make room): begin_step() in the backward does not wait for the step
+    in flight (it has stepped every bucket), pages in only buckets that step has let go
+    of, and, called again once the rest landed, the page-ins they made room for; a
+    window of 8 buckets' pages, so that the forward waits for few. Training is
+    bit-identical."""
+    from statepager.core.pipeline import Pipeline
+
+    base = run(tmp_path, "base", False)
+    issued = []  # per page-in of a following step: whether its bucket was let go of
+    page_in = Pipeline._page_in
+
+    def watched(self, j):
+        if self.following:
+            issued.append(self._follows.released(self.buckets[j]))
+        return page_in(self, j)
+    monkeypatch.setattr(Pipeline, "_page_in", watched)
+    with Pager(str(tmp_path / "early"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True, depth=8)
+        gate = hold_page_outs(monkeypatch)
+        seen = []
+
+        def begin(param):  # the first layer's grad: the backward's last
+            if binding.step_in_flight is None:  # the first backward
+                return
+            can = binding.can_begin_step()
+            binding.begin_step()
+            held = len(issued)
+            landed = let_land(gate)
+            binding.begin_step()
+            seen.append((can, binding.begun, landed, len(issued) > held))
+            gate["held"] = True  # again for the next forward's page-outs
+
+        model[0].weight.register_post_accumulate_grad_hook(begin)
+        gate["held"] = True
+        losses = train(model, opt, 5)
+        let_land(gate)
+        early = losses, result(model, opt)
+    assert seen == [(True, True, True, True)] * 4
+    assert issued and all(issued)
+    assert base[0] == early[0]
+    assert same(base[1], early[1])
+
+
+def test_a_page_out_failing_under_a_following_step_fails_step_as_without_it(
+        monkeypatch, sized_tmpfs):
+    """The store's filesystem full while the step in flight pages out (its buckets'
+    first state: fresh file ranges): the begun step that follows it pages in none of
+    the buckets whose page-outs failed, step() raises the error, and from there on
+    training is bit-identical to the same run without page-ins begun in the backward."""
+    from statepager.core.pipeline import Pipeline
+
+    issued = []  # per page-in of a following step: whether its bucket was let go of
+    page_in = Pipeline._page_in
+
+    def watched(self, j):
+        if self.following:
+            issued.append(self._follows.released(self.buckets[j]))
+        return page_in(self, j)
+    monkeypatch.setattr(Pipeline, "_page_in", watched)
+
+    def train_filling(root, early):
+        with Pager(os.path.join(root, "store"), "cpu", page_size=16 * KiB) as pager:
+            model, opt, binding, _ = model_and_opt(pager, True, depth=16)
+            unreleased, failed, losses = [], [], []
+
+            def begin(param):  # the first layer's grad: the backward's last
+                if early and binding.step_in_flight is not None:
+                    run_ = binding.step_in_flight
+                    binding.begin_step()
+                    unreleased.append(sum(not run_.released(b) for b in run_.buckets))
+            model[0].weight.register_post_accumulate_grad_hook(begin)
+            ballast = os.path.join(root, "ballast")
+            for i in range(6):
+                x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
+                opt.zero_grad()
+                loss = model(x).square().mean()
+                loss.backward()
+                try:
+                    opt.step()
+                except _C.NoSpaceError:
+                    failed.append((i, binding.pending))
+                    os.remove(ballast)
+                losses.append(loss.item())
+                if i == 0:  # the state is made (and first written) under the next forward
+                    free = os.statvfs(root)
+                    with open(ballast, "wb") as f:
+                        f.write(b"\1" * (free.f_bavail * free.f_frsize - 160 * KiB))
+            model(torch.zeros(1, WIDTH))  # the last step's buckets
+            return losses, result(model, opt), failed, unreleased
+
+    plain = train_filling(sized_tmpfs(4, "a store that fills up"), False)
+    early = train_filling(sized_tmpfs(4, "a store that fills up"), True)
+    assert plain[2] == early[2] == [(1, True)], "the step in flight's page-outs failed"
+    assert early[3][0] > 0, "buckets not let go of when the next step began"
+    assert issued and all(issued)
+    assert plain[0] == early[0]
+    assert same(plain[1], early[1])
 
 
 def test_megatron_page_ins_during_backward_begin_at_a_grad_sync_start(tmp_path):
@@ -300,9 +402,9 @@ def test_a_bucket_failing_in_a_param_gather_raises_from_the_forward_and_the_step
 def test_a_step_in_flight_is_settled_once_the_forward_has_stepped_it(tmp_path):
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True)
-        assert binding.in_flight_settled(), "no step in flight"
+        assert binding.can_begin_step(), "no step in flight"
         train(model, opt, 1)
-        assert not binding.in_flight_settled(), "its buckets left to the forward"
+        assert not binding.can_begin_step(), "its buckets left to the forward"
         model(torch.zeros(2, WIDTH))
         assert long_enough(binding), "stepped, its page-outs done"
         assert binding.step_in_flight is not None

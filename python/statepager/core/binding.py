@@ -391,13 +391,16 @@ class StreamedOptimizer:
     def begin_step(self) -> None:
         """Starts the next step's first page-ins now, so that they overlap what runs
         before the step (Megatron's grad norm and clipping: the adapter calls it once
-        the grads are ready); step() takes them up. Atomic steps only: their pager epoch
-        opens now, so a begun step that no step() takes up ends (end_begun_step) without
-        writing a byte. Until then, whatever else reads or changes the state ends it
-        first (state_dict(), checkpoints, pause(), another binding's step on the same
-        Pager: one step is begun per Pager at a time). Nothing changes when the page-ins
-        cannot start (a budget too small, a device error): step() meets the problem
-        again and reports it, rolled back."""
+        the grads are ready); step() takes them up. Under the forward, a step in flight
+        that has stepped every bucket is not waited for: the page-ins follow its
+        page-outs as they land, and each later begin_step() issues those room has been
+        made for since, waiting for nothing (can_begin_step). Atomic steps only: their
+        pager epoch opens now, so a begun step that no step() takes up ends
+        (end_begun_step) without writing a byte. Until then, whatever else reads or
+        changes the state ends it first (state_dict(), checkpoints, pause(), another
+        binding's step on the same Pager: one step is begun per Pager at a time).
+        Nothing changes when the page-ins cannot start (a budget too small, a device
+        error): step() meets the problem again and reports it, rolled back."""
         self._steps.begin()
 
     @property
@@ -430,10 +433,11 @@ class StreamedOptimizer:
         return self._steps.in_flight
 
     @serialized
-    def in_flight_settled(self) -> bool:
-        """Whether begin_step() would wait for no step in flight (Note [Page-ins during
-        backward])."""
-        return self._steps.in_flight_settled()
+    def can_begin_step(self) -> bool:
+        """Whether begin_step() would wait for no step in flight: none is, its page-outs
+        are done, or it has stepped every bucket (the begun step's page-ins then follow
+        its page-outs as they land: Note [Page-ins during backward])."""
+        return self._steps.can_begin()
 
     @serialized
     def complete_step_in_flight(self) -> None:

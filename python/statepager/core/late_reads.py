@@ -9,6 +9,8 @@ import collections
 
 import torch
 
+from statepager.formats.stored import params_changed_since_encoded, residual_forms
+
 
 class LateRead:
     """A device tensor's values, copied to host memory once the work queued so far on
@@ -51,36 +53,45 @@ class ExceptionCounts:
 
     def __init__(self, pager):
         self.pager = pager
-        # Per bucket stepped, oldest first: its (StoredForms, PendingExceptions) pairs
-        # (residency.encode), their counts (a LateRead), the scratch held for them.
+        # Per bucket stepped, oldest first: its key, its (StoredForms, PendingExceptions)
+        # pairs (residency.encode), their counts (a LateRead), the scratch held for them.
         self._queue: collections.deque = collections.deque()
         self.handles: list = []  # the discards of the scratch let go, not yet waited for
+        self.let_go: dict = {}  # a bucket's key -> the discard of its scratch held here
 
-    def hold(self, pending: list) -> list:
-        """The bucket just stepped, before its release: returns the scratch to keep."""
+    def hold(self, pending: list, key=None) -> list:
+        """The bucket just stepped (named `key`), before its release: returns the
+        scratch to keep."""
         if not pending:
             return []
         counts = LateRead(torch.cat([p.count for _, p in pending]))
         held = [f.working for forms, _ in pending for f in forms]
-        self._queue.append((pending, counts, held))
+        self._queue.append((key, pending, counts, held))
         return held
+
+    def holds(self, key) -> bool:
+        """Whether the scratch of the bucket named `key` is still held (its counts unread)."""
+        return any(k == key for k, _, _, _ in self._queue)
 
     def read(self, keep: int = LAG - 1) -> None:
         """Finishes all buckets but the last `keep` (each form gets its exceptions) and
         lets their scratch go (discarded after the work queued on it)."""
         while len(self._queue) > keep:
-            pending, counts, held = self._queue[0]
+            key, pending, counts, held = self._queue[0]
             values, at = counts.get().tolist(), 0
             for forms, p in pending:
                 for form, exceptions in zip(forms, p.finish(values[at:at + len(forms)])):
                     form.set_exceptions(exceptions)
                 at += len(forms)
             self._queue.popleft()
-            self.handles.append(self.pager.discard_async(held))
+            handle = self.pager.discard_async(held)
+            self.handles.append(handle)
+            if key is not None:
+                self.let_go[key] = handle
 
     def ready(self) -> bool:
         """Whether read() would wait for no copy."""
-        return all(counts.ready() for _, counts, _ in self._queue)
+        return all(counts.ready() for _, _, counts, _ in self._queue)
 
     def wait_let_go(self) -> None:
         """Waits for the scratch let go so far to be unmapped (before a page-in that the
@@ -108,6 +119,21 @@ class ParamChecks:
         """Raises (refuse()) when any flag added is True: one device sync."""
         if self._flags and bool(torch.stack(self._flags).any()):
             ParamChecks.refuse()
+
+    @staticmethod
+    def up_front(buckets: list) -> bool:
+        """A step's residual checks that cannot roll back, every bucket's at once before
+        any bucket steps: a model parameter changed since its master was encoded (its
+        fingerprint) is refused here, with nothing written, and the host waits for the
+        device once per step instead of once per bucket. True when done; False where
+        some master's fingerprint is not known yet (its state new, or loaded), whose
+        bucket's decode then checks it before the bucket steps."""
+        changed = params_changed_since_encoded(residual_forms(buckets))
+        if changed is None:
+            return False
+        if bool(changed):
+            ParamChecks.refuse()
+        return True
 
     @staticmethod
     def refuse() -> None:

@@ -29,7 +29,7 @@ from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.layout import StateLayout
 from statepager.core.planner import Planner, page_ins_ahead
 from statepager.core.resumable import ResumableStep
-from statepager.core.room import Room
+from statepager.core.room import Room, landed
 from statepager.core.step_stats import StepStats
 
 
@@ -39,13 +39,17 @@ class Pipeline:
     def __init__(self, buckets: list, layout: StateLayout, planner: Planner,
                  stepper: BucketStepper, atomic: AtomicStep | ResumableStep | None, *,
                  step: int, host_budget: int, fused_groups: tuple | None,
-                 resumed: bool = False):
+                 resumed: bool = False, follows: "Pipeline | None" = None):
         """buckets: the plan (planner's, planned anew where the param groups changed), or
         a resumed step's buckets not stepped yet; step: the step's number
         (StepStats.step); host_budget: the Pager's host tier; fused_groups:
         FusedStep.groups_key() (a step begun under other options starts again);
         resumed: the step resumes one that failed (the stepper's counters are those of
-        its start, BucketStepper.begin())."""
+        its start, BucketStepper.begin()); follows: the step in flight, every bucket of
+        the same plan stepped, whose page-outs this one's page-ins follow as they land
+        (Note [Page-ins during backward]): its window is shared, and until
+        stop_following() a bucket is paged in once that step has let go of it
+        (released())."""
         pager = layout.pager
         self.pager, self.buckets, self.atomic = pager, buckets, atomic
         self.resumed = resumed
@@ -56,6 +60,8 @@ class Pipeline:
         self._depth = planner.depth
         self.before = pager.stats()  # the pager's stats() at the start
         pager.reset_peak()
+        if follows is not None:
+            follows._followed = dict(self.before)
         self.t_start = time.monotonic()
         self.stats = StepStats(step=step, buckets=len(buckets))
         self.fused_groups = fused_groups
@@ -70,7 +76,10 @@ class Pipeline:
         scratch = [m - b.stored_bytes for m, b in zip(named_in, buckets)]
         self._sched = _Schedule(named_in, scratch, self.ahead)
         page = pager.page_size
-        self._room = Room(planner.window_parts()[0] // page, page)
+        self._follows = follows
+        self._followed: dict | None = None  # the stats() where a step following it began
+        self._room = follows._room if follows is not None else Room(
+            planner.window_parts()[0] // page, page)
         self._counted: dict = {}  # bucket index -> what its page-in holds (Room.count)
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
         # the store into free host room (bounded by it: the pager never makes room for a
@@ -93,6 +102,7 @@ class Pipeline:
         # The streaming, from the first advance() on.
         self._next = 0                      # the bucket advance() steps
         self._outs = collections.deque()    # per bucket stepped, its page-out handles
+        self._landing: dict = {}            # id(bucket) -> its page-out and discard handles
         self._done_in, self._done_out, self._stepping = [], [], []
         self._counting = ExceptionCounts(pager)  # the exceptions of the buckets stepped last
         # All or nothing: residual masters' params checked once the last bucket stepped.
@@ -110,8 +120,11 @@ class Pipeline:
         """Issues the first page-ins (the rest as buckets step); none left in flight
         where one fails."""
         try:
-            for j in range(min(self.ahead + 1, len(self.buckets))):
-                self._page_in(j)
+            if self._follows is None:
+                for j in range(min(self.ahead + 1, len(self.buckets))):
+                    self._page_in(j)
+            else:
+                self._issue(wait=False)
         except BaseException:
             _settle(list(self._ins.values()) + list(self._aheads.values()))
             self._hand_back(list(self._ins))
@@ -125,7 +138,41 @@ class Pipeline:
         self._due = j + 1
         for k in range(max(j + 1, max(aheads, default=0) + 1),
                        min(j + self._read_ahead + 1, len(buckets))):
+            if self._follows is not None and not self._follows.released(buckets[k]):
+                break  # read ahead by a later page-in's call
             aheads[k] = pager.read_ahead_async(buckets[k].stored)
+
+    @property
+    def following(self) -> bool:
+        """Whether its page-ins follow a step in flight's page-outs (`follows`)."""
+        return self._follows is not None
+
+    def stop_following(self) -> None:
+        """The step it followed is complete (or failed: its buckets not let go stay
+        resident, and this step, begun, is ended before it steps). Its stats count the
+        bytes written from here on: the page-outs before were that step's."""
+        if self._follows is not None:
+            self._follows = None
+            self.before["bytes_written"] = self.pager.stats()["bytes_written"]
+
+    def released(self, b) -> bool:
+        """Whether bucket b, stepped, has let go of every page this step held for it:
+        its page-out and the discards of its scratch landed (one that failed never
+        has). True for a bucket it has not stepped: a step is followed once it has
+        stepped every bucket."""
+        key = id(b)
+        handles = self._landing.get(key)
+        if handles is None:
+            return True
+        if self._counting.holds(key):
+            return False
+        more = self._counting.let_go.get(key)
+        return all(h.done() and landed(h) for h in
+                   (handles if more is None else [*handles, more]))
+
+    def held_bytes(self) -> int:
+        """Physical bytes of the window its buckets hold now (Room)."""
+        return self._room.held_pages() * self.pager.page_size
 
     def step_all(self) -> StepStats:
         """Steps every bucket (advance()) and finishes; returns the stats (the caller's
@@ -201,6 +248,10 @@ class Pipeline:
                     return
                 for h in outs.popleft():
                     h.wait()
+            if self._follows is not None and not (
+                    room.fits(self._holds(self._due))
+                    and self._follows.released(self.buckets[self._due])):
+                return  # issued by a later call (begin_step's, or the step's own)
             # Queued behind the work of the buckets whose page-outs were waited for.
             if not wait and not all(h.done() for h in counting.handles):
                 return
@@ -263,13 +314,14 @@ class Pipeline:
         t2 = time.monotonic()
         self._stepping.append((t1, t2))
         stats.compute_seconds += t2 - t1
-        held = counting.hold(pending)  # before anything else can fail
+        held = counting.hold(pending, id(b))  # before anything else can fail
         self._open = None  # stepped: whole, resident until its page-out lands
         if self._for_read:
             atomic.stepped(b)
         handles = residency.release(self.pager, b, wait=False, keep=held,
                                     reuse_after=self._sched.reuse_after(i))
         self._outs.append(handles)
+        self._landing[id(b)] = handles
         self._hold_until_landed(i, held, handles)
         self._done_out.append(handles[0])
         t0 = time.monotonic()
@@ -348,9 +400,11 @@ class Pipeline:
         stats.seconds = t_end - self.t_start
         stats.setup_seconds, stats.loop_seconds = self.setup_seconds, t_end - self._t_loop
         after = pager.stats()
-        stats.bytes_read = after["bytes_read"] - self.before["bytes_read"]
+        # A step that followed it began with page-ins of its own: its reads end there.
+        until = self._followed or after
+        stats.bytes_read = until["bytes_read"] - self.before["bytes_read"]
         stats.bytes_written = after["bytes_written"] - self.before["bytes_written"]
-        stats.peak_mapped_bytes = after["peak_mapped_bytes"]
+        stats.peak_mapped_bytes = until["peak_mapped_bytes"]
         stats.set_io_times([h.times for h in self._done_in], [h.times for h in self._done_out])
         stats.timeline = [(b.nbytes, i.times, s, o.times) for b, i, s, o
                           in zip(self.buckets, self._done_in, self._stepping, self._done_out)]

@@ -88,6 +88,16 @@ class ResumableStep:
         self._stepped.add(id(bucket))
         self._open = None
 
+    def refill(self, layout, error: BaseException) -> None:
+        """After a failure: its buckets without the state the bucket that failed created
+        (put_back dropped it), filled again by `layout` (StateLayout)."""
+        try:
+            for b in self.buckets:
+                layout.fill(b)
+        except BaseException as failed:
+            error.add_note(f"statepager: refilling the buckets after the failed step failed "
+                           f"too ({failed!r})")
+
     def put_back(self) -> None:
         """After a failure, the buckets not stepped handed back (at rest as before the
         step): what the bucket that was stepping changed in ordinary memory as before

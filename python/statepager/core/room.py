@@ -16,15 +16,16 @@ from statepager.core.planner import page_runs
 
 class Room:
     """The pages held by one pipeline's buckets, at most `limit` (the window's, beside
-    the residual masters' scratch that ExceptionCounts holds). Used by the stepping
-    thread alone.
+    the residual masters' scratch that ExceptionCounts holds); a step begun while the
+    one before it still pages out shares that one's (Note [Page-ins during backward]).
+    Used under the Pager's lock (the binding's entry points take it).
 
     Holds that wait for a handle go in lanes, one per kind of handle, in the order they
     were issued: a lane's handles land in that order (page-outs on the device-to-host
     queue, discards behind the stream's kernels), so a poll asks each lane's oldest
     alone (cheap enough for every forward pre-hook). A hold whose handle landed out of
     order is let go at the next poll after those before it: later, never too early; one
-    whose handle failed is kept (_landed)."""
+    whose handle failed is kept (landed)."""
 
     def __init__(self, limit: int, page_size: int):
         self.limit, self._page = limit, page_size
@@ -59,12 +60,20 @@ class Room:
     def fits(self, counted: tuple[list, int]) -> bool:
         """Whether `counted` fits beside the pages held now (holds whose handles are done
         let go first)."""
-        for lane in self._lanes.values():
-            while lane and lane[0][0].done() and _landed(lane[0][0]):
-                self._drop(lane.popleft()[1])
+        self._poll()
         pages, new = counted
         extra = sum(1 for p in pages if p not in self._refs)
         return len(self._refs) + self._new + extra + new <= self.limit
+
+    def held_pages(self) -> int:
+        """The pages held now (holds whose handles are done let go first)."""
+        self._poll()
+        return len(self._refs) + self._new
+
+    def _poll(self) -> None:
+        for lane in self._lanes.values():
+            while lane and lane[0][0].done() and landed(lane[0][0]):
+                self._drop(lane.popleft()[1])
 
     def _take(self, counted) -> None:
         pages, new = counted
@@ -80,7 +89,7 @@ class Room:
         self._new -= new
 
 
-def _landed(handle) -> bool:
+def landed(handle) -> bool:
     """Whether a handle that is done succeeded. One that failed keeps its hold: a failed
     page-out leaves its bucket resident, and the pipeline's wait for it raises its error."""
     try:

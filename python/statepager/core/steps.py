@@ -22,7 +22,6 @@ from statepager.core.plan import Bucket
 from statepager.core.planner import Planner
 from statepager.core.resumable import ResumableStep
 from statepager.core.step_stats import StepStats
-from statepager.formats.stored import params_changed_since_encoded, residual_forms
 
 log = logging.getLogger("statepager")
 
@@ -75,18 +74,14 @@ class Steps:
         return self.planner.buckets
 
     def prepare(self) -> None:
-        """StreamedOptimizer.prepare_step (nothing while a step is in flight: only
-        all-or-nothing steps take undo copies before the step, and those never step
-        under the forward)."""
+        """StreamedOptimizer.prepare_step: the next all-or-nothing step's undo copies of
+        residual masters' model parameters, taken now (Note [Undo copies of residual
+        masters' params are taken before the step]; a resumable step takes its own on the
+        device). Nothing while a step is in flight: those are never all or nothing."""
         if self.in_flight is not None:
             return
         self.end_begun()
-        self._take_undo_before_step(self.planned())
-
-    def _take_undo_before_step(self, buckets: list) -> None:
-        """The next all-or-nothing step's undo copies of residual masters' model
-        parameters, taken now (Note [Undo copies of residual masters' params are taken
-        before the step]); a resumable step takes its own on the device."""
+        buckets = self.planned()
         if self.atomic == "step" and self.layout.mains == "residual":
             self.undo.take_before_step(buckets)
 
@@ -120,7 +115,7 @@ class Steps:
         try:
             try:
                 held.poll()
-                checked = self._params_checked_up_front(
+                checked = ParamChecks.up_front(
                     step.remaining() if step is not None else self.planned())
                 if run is None:
                     run = self.start(step)
@@ -164,9 +159,17 @@ class Steps:
             run.interrupts = None
             held.release()
 
-    def in_flight_settled(self) -> bool:
-        """Whether completing the step in flight would not wait (or none is)."""
-        return self.in_flight is None or self.in_flight.settled()
+    def can_begin(self) -> bool:
+        """Whether begin() waits for no step in flight (none, settled, or _hands_over)."""
+        return self.in_flight is None or self.in_flight.settled() or self._hands_over()
+
+    def _hands_over(self) -> bool:
+        """Whether the next step can begin while the resumable step in flight still pages
+        out: it stepped every bucket of the plan as it is (Note [Page-ins during backward])."""
+        run, plan = self.in_flight, self.planner.buckets
+        return (run is not None and self.atomic == "bucket" and self.pending is None
+                and run.stepped == len(run.buckets) == len(plan) and not self.planner.changed()
+                and all(a is b for a, b in zip(run.buckets, plan)))
 
     def complete_in_flight(self) -> None:
         """Steps what is left of the step in flight and finishes it (its page-outs waited
@@ -183,6 +186,8 @@ class Steps:
                 self._in_flight_failed(error)
                 raise
             self.in_flight = None
+            if self._begun is not None:
+                self._begun.stop_following()
             self._finish(stats)
         finally:
             self.owner.overlap.joined()  # what comes next waits for none of its events
@@ -195,18 +200,36 @@ class Steps:
         resumable step is pending, a bucket stepped or none (step() returned: the step
         is owed)."""
         run, self.in_flight = self.in_flight, None
+        if self._begun is not None:
+            self._begun.stop_following()
         self.owner.overlap.joined()
         step = run.atomic
         if isinstance(step, ResumableStep):
             self.pending = step
-            self._refill(step.buckets, error)
+            step.refill(self.layout, error)
 
     def begin(self) -> None:
-        """StreamedOptimizer.begin_step (a step in flight completed first: its page-outs
-        and the stats of its bytes are its own)."""
-        if self._begun is not None or not self.atomic or self.pager.paused:
+        """StreamedOptimizer.begin_step: a step in flight completed first (its page-outs
+        and the stats of its bytes are its own), unless it hands over (_hands_over): then
+        the begun step's page-ins follow its page-outs as they land. Called again while
+        such a step is begun, issues the page-ins its page-outs have made room for since
+        (Pipeline.pump), waiting for nothing; where one fails, the begun step ends
+        (nothing changed) and step() meets the problem again."""
+        run = self._begun
+        if run is not None:
+            if run.following:
+                try:
+                    run.pump()
+                except Exception as error:  # the pipeline left nothing in flight
+                    self._begun = None
+                    log.debug("statepager %s: begin_step() left to step() (%r)",
+                              self.name, error)
             return
-        self.complete_in_flight()
+        if not self.atomic or self.pager.paused:
+            return
+        follows = self.in_flight if self._hands_over() else None
+        if follows is None:
+            self.complete_in_flight()
         self._end_others_begun()
         self.pager.services.reads.release()  # their room is the step's
         t0, run = time.monotonic(), None
@@ -218,7 +241,7 @@ class Steps:
                 log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
                 return
             try:
-                run = self.start(step)
+                run = self.start(step, follows)
                 run.setup_seconds = time.monotonic() - t0
                 held.poll()
                 self._begun = run  # last: from here on the begun step is ended as such
@@ -269,19 +292,22 @@ class Steps:
         return ResumableStep(self.pager, self.layout.optimizer, self.planned(), self.undo,
                              self._mirror())
 
-    def start(self, atomic: AtomicStep | ResumableStep | None) -> Pipeline:
+    def start(self, atomic: AtomicStep | ResumableStep | None,
+              follows: Pipeline | None = None) -> Pipeline:
         """A step's pipeline, its first page-ins issued (the rest as buckets step). A
         resumable step's buckets not stepped, from rest (those a failed page-out left
-        resident written now: Note [Resumable steps])."""
+        resident written now: Note [Resumable steps]); following the step in flight
+        (`follows`, _hands_over), they are at rest or on their way there."""
         resumed = atomic is not None and atomic is self.pending
         if isinstance(atomic, ResumableStep):
-            residency.to_rest(self.pager, atomic.buckets, unchanged=True)
+            if follows is None:
+                residency.to_rest(self.pager, atomic.buckets, unchanged=True)
             buckets = atomic.remaining()
         else:
             buckets = self.planned()
         run = Pipeline(buckets, self.layout, self.planner, self.stepper, atomic,
                        step=self._steps + 1, host_budget=self.host_budget,
-                       fused_groups=self._fused_groups(), resumed=resumed)
+                       fused_groups=self._fused_groups(), resumed=resumed, follows=follows)
         run.start()
         return run
 
@@ -299,7 +325,7 @@ class Steps:
         elif self.atomic == "step":
             self._step_atomic(t0)
         else:
-            checked = self._params_checked_up_front(self.planned())
+            checked = ParamChecks.up_front(self.planned())
             run = self.start(None)
             run.checked, run.setup_seconds = checked, time.monotonic() - t0
             self._finish(run.step_all())
@@ -326,7 +352,7 @@ class Steps:
             try:
                 try:
                     held.poll()
-                    checked = self._params_checked_up_front(step.remaining())
+                    checked = ParamChecks.up_front(step.remaining())
                     if run is None:
                         run = self.start(step)
                 except BaseException:
@@ -340,7 +366,7 @@ class Steps:
             except BaseException as error:
                 # Pending once a bucket stepped; else nothing changed.
                 self.pending = step if step.stepped_count else None
-                self._refill(step.buckets, error)
+                step.refill(self.layout, error)
                 raise
             self.pending = None
             self._finish(stats)
@@ -394,36 +420,12 @@ class Steps:
             error.add_note(f"statepager: undoing the failed step failed too ({failed!r}): "
                            "the optimizer state may be partly stepped")
 
-    def _refill(self, buckets: list, error: BaseException) -> None:
-        """After a failed resumable step: the buckets without the state the bucket that
-        failed created (ResumableStep.put_back dropped it)."""
-        try:
-            for b in buckets:
-                self.layout.fill(b)
-        except BaseException as failed:
-            error.add_note(f"statepager: refilling the buckets after the failed step failed "
-                           f"too ({failed!r})")
-
     def _finish(self, stats: StepStats) -> None:
         """A step done: its stats are the last, and logged."""
         self._steps += 1
         self.last = stats
         if self.log_steps:
             log.info("statepager %s", stats.summary())
-
-    def _params_checked_up_front(self, buckets: list) -> bool:
-        """An in-place step's residual checks, every bucket's at once before any bucket
-        steps: a model parameter changed since its master was encoded (its fingerprint)
-        is refused here, with nothing written, and the host waits for the device once
-        per step instead of once per bucket. True when done; False where some master's
-        fingerprint is not known yet (its state new, or loaded), whose bucket's decode
-        then checks it before the bucket steps, as before."""
-        changed = params_changed_since_encoded(residual_forms(buckets))
-        if changed is None:
-            return False
-        if bool(changed):
-            ParamChecks.refuse()
-        return True
 
 
 def _end(step: AtomicStep | ResumableStep, run: Pipeline | None) -> None:

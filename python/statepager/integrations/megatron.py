@@ -209,10 +209,12 @@ class PageInsDuringBackward:
     """Begins the first member's next step (begin_step: its first page-ins) in the
     backward before it, where Megatron's copy_grads would begin it after the backward:
     at the first grad-sync start of the DDP bucket groups (the last micro-batch's) by
-    which the step in flight has nothing left to wait for (so that the autograd thread
-    never blocks) and the page-ins find their pages in the pool, or in device memory the
-    backward has freed since its first grad sync (so that the driver's peak need not
-    rise: Note [Page-ins during backward])."""
+    which begin_step() waits for nothing (can_begin_step: the step in flight has
+    stepped every bucket, its page-ins following its page-outs; so that the autograd
+    thread never blocks) and the page-ins find their pages in the pool, held by the
+    step in flight or in device memory the backward has freed since its first grad sync
+    (so that the driver's peak need not rise: Note [Page-ins during backward]). Each
+    later grad-sync start issues the page-ins room has been made for since."""
 
     def __init__(self, binding, model_chunks):
         self.binding = binding
@@ -230,18 +232,24 @@ class PageInsDuringBackward:
 
     def _grad_sync_started(self) -> None:
         binding = self.binding
-        if self._begun or binding.overlap is None:
+        if binding.overlap is None:
+            return
+        if self._begun:
+            if binding.begun:
+                binding.begin_step()  # the page-ins room has been made for since
             return
         device = binding.pager.device
         on_cuda = device.type == "cuda"  # the host backend's memory is the host's
         now = torch.cuda.memory_allocated(device) if on_cuda else 0
         if self._first is None:
             self._first = now
-        if not binding.in_flight_settled():
+        if not binding.can_begin_step():
             self.held_back["the step in flight"] += 1
             return
-        if self._room is None:  # counted once a backward, the step in flight's pages back
-            self._room = max(0, binding.first_page_ins_bytes
+        if self._room is None:  # counted once a backward; the step in flight's pages reused
+            run = binding.step_in_flight
+            held = run.held_bytes() if run is not None else 0
+            self._room = max(0, binding.first_page_ins_bytes - held
                              - binding.pager.stats()["cached_bytes"]) if on_cuda else 0
         if self._first - now < self._room:
             self.held_back["room"] += 1
