@@ -50,13 +50,20 @@ def test_the_defaults_are_the_1_34_b_gpt_in_six_configurations(tmp_path):
 
 def test_pages_are_as_large_as_a_bucket_unless_given(tmp_path):
     """A page mapped while a page-out copies costs the step about 1 ms (see Note [Mapping
-    costs per call, not per byte] in docs/design.md): the
-    bench streams with bucket-sized pages, in whole 2 MiB, up to 256 MiB."""
-    assert parse(tmp_path).page_size is None
+    costs per call, not per byte] in docs/design.md): the bench streams with bucket-sized
+    pages, in whole 2 MiB, up to 256 MiB at depth 4; with q8 moments up to 128 MiB at
+    depth 6 (Note [Pages for compact formats]); what is given wins."""
+    a = parse(tmp_path)
+    assert a.page_size is None and a.depth is None
     assert parse(tmp_path, "--page-size", "32M").page_size == 32 << 20
-    assert megatron_configs.page_for(256 << 20) == 256 << 20
-    assert megatron_configs.page_for((100 << 20) + 1) == 102 << 20
-    assert megatron_configs.page_for(512 << 20) == 256 << 20
+    streaming = megatron_configs.streaming
+    assert streaming("fp32", 256 << 20, None, None) == (256 << 20, 4)
+    assert streaming("fp32", (100 << 20) + 1, None, None) == (102 << 20, 4)
+    assert streaming("fp32", 512 << 20, None, None) == (256 << 20, 4)
+    assert streaming(None, 512 << 20, None, None) == (256 << 20, 4)
+    assert streaming("q8", 512 << 20, None, None) == (128 << 20, 6)
+    assert streaming("q8", 64 << 20, None, None) == (64 << 20, 6)
+    assert streaming("q8", 512 << 20, 32 << 20, 3) == (32 << 20, 3)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -84,7 +84,7 @@ def test_each_configuration_runs_pretrain_gpt_with_its_flags(tmp_path):
     budget = megatron_lm.host_budget(args, "q8", "residual")
     assert extra == ["--statepager-dir", "/w/host-q8-overlap-{rank}",
                      "--statepager-bucket-size", str(512 << 20),
-                     "--statepager-page-size", str(256 << 20), "--statepager-depth", "4",
+                     "--statepager-page-size", str(128 << 20), "--statepager-depth", "6",
                      "--statepager-moments", "q8", "--statepager-mains", "residual",
                      "--statepager-host-budget", str(budget),
                      "--statepager-overlap-forward", "on"]
@@ -93,6 +93,8 @@ def test_each_configuration_runs_pretrain_gpt_with_its_flags(tmp_path):
     assert "--statepager-host-budget" in muon
     fp32 = megatron_lm.command("fp32", args, "/w")
     assert "--statepager-host-budget" not in fp32 and "--statepager-overlap-forward" not in fp32
+    i = fp32.index("--statepager-page-size")
+    assert fp32[i:i + 4] == ["--statepager-page-size", str(256 << 20), "--statepager-depth", "4"]
     assert megatron_lm.command("unpaged", parse(tmp_path, "--bf16-grads"), "/w").count(
         "--accumulate-allreduce-grads-in-fp32") == 0
 

@@ -43,7 +43,7 @@ import time
 from statepager import _C
 from statepager.tools.bench import floor as bench_floor
 from statepager.tools.bench.common import bench_directory
-from statepager.tools.bench.megatron_configs import (CONFIGS, add_arguments, page_for,
+from statepager.tools.bench.megatron_configs import (CONFIGS, add_arguments, streaming,
                                                      timeline_config)
 from statepager.tools.bench.megatron_report import (config_lines, header_lines, print_lines,
                                                     print_megatron, print_summary)
@@ -94,7 +94,6 @@ def bench_megatron(args) -> dict:
     model["bucket"] = model.pop("bucket_size")  # the results' key, read by the reports
     model["grads"] = "bf16" if args.bf16_grads else "fp32"
     model["overlap_grad_reduce"] = not args.no_overlap_grad_reduce
-    model["page_size"] = args.page_size or page_for(args.bucket_size)
     r = {"model": model, "dir": args.dir, "configs": []}
     live = not args.json
     if live:
@@ -104,6 +103,8 @@ def bench_megatron(args) -> dict:
         for name in args.configs:
             bar.phase(f"{name}: {CONFIGS[name]['what']}")
             spec = dict(model, config=name, store=os.path.join(work, name), example=example())
+            spec["page_size"], spec["depth"] = streaming(
+                CONFIGS[name].get("moments"), args.bucket_size, args.page_size, args.depth)
             if name == drawn:
                 spec.update({k: getattr(args, k) and os.path.abspath(getattr(args, k))
                              for k in ("trace", "plot", "iteration_trace", "iteration_plot")})

@@ -109,15 +109,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the pager's bucket_size (default 512M: half the buckets of 256M, so "
                         "half the stepping thread's per-bucket work per byte moved: "
                         "docs/design.md, Note [Buckets and the window])")
-    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=4,
-                   help="the pager's depth (attach(depth=...)); the default 4 keeps two "
-                        "page-ins in flight, so that a bucket's page mapping overlaps another's "
-                        "copies (attach's own default is 3: one bucket less of HBM)")
+    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=None,
+                   help="the pager's depth (attach(depth=...)); default per format "
+                        "(streaming()): 4 keeps two page-ins in flight, so that a bucket's page "
+                        "mapping overlaps another's copies (attach's own default is 3: one "
+                        "bucket less of HBM); 6 with q8 moments")
     p.add_argument("--page-size", type=size, default=None,
-                   help="the pager's page_size (default: the bucket size, at most 256M; "
-                        "smaller pages map less memory but cost the step about 1 ms per page "
-                        "mapped while a page-out copies: docs/design.md, Note [Mapping costs "
-                        "per call, not per byte])")
+                   help="the pager's page_size (default per format, streaming(): the bucket "
+                        "size, at most 256M, 128M with q8 moments; smaller pages map less "
+                        "memory but cost the step about 1 ms per page mapped while a page-out "
+                        "copies: docs/design.md, Note [Mapping costs per call, not per byte])")
     p.add_argument("--hbm-budget", type=size, default=None, help="the pager's hbm_budget")
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' host_budget (default: what holds their "
@@ -190,11 +191,18 @@ def host_budget(numels: list[int], moments: str, mains: str, copies: int = 2) ->
     return int(copies * state * 1.03) + 256 * MiB
 
 
-def page_for(bucket: int) -> int:
-    """The page size the bench streams with by default: the bucket size, in whole CUDA
-    pages (2 MiB), at most 256 MiB (the largest measured: a 512 MiB bucket maps two)."""
+def streaming(moments: str | None, bucket: int, page: int | None,
+              depth: int | None) -> tuple[int, int]:
+    """The page size and depth a configuration streams with (Note [Pages for compact
+    formats] in docs/design.md): those given, else the bucket size in whole CUDA pages
+    (2 MiB) at most 256 MiB (the largest measured: a 512 MiB bucket maps two) at depth 4;
+    with q8 moments, whose tensors are a quarter of fp32's, pages of at most 128 MiB at
+    depth 6."""
+    compact = moments == "q8"
     granularity = 2 * MiB
-    return min(256 * MiB, -(-bucket // granularity) * granularity)
+    largest = (128 if compact else 256) * MiB
+    return (page or min(largest, -(-bucket // granularity) * granularity),
+            depth or (6 if compact else 4))
 
 
 def timeline_config(args) -> str | None:

@@ -94,8 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=3, help="iterations not counted (default 3: the median of the "
                                    "4th onward)")
     p.add_argument("--bucket-size", type=size, default=size("512M"))
-    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=4)
-    p.add_argument("--page-size", type=size, default=size("256M"))
+    p.add_argument("--depth", type=at_least(2, "buckets in the step's pipeline"), default=None,
+                   help="default per format, as bench megatron's")
+    p.add_argument("--page-size", type=size, default=None,
+                   help="default per format, as bench megatron's")
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' --statepager-host-budget (default: "
                         "twice their state, from the GPT's parameter count)")
@@ -159,10 +161,12 @@ def command(name: str, args, work: str) -> list[str]:
     if paged is not None:
         module = ["-m", "statepager.megatron_lm"]
         moments, mains = paged.get("moments", "fp32"), paged.get("mains", "fp32")
+        page, depth = megatron_configs.streaming(moments, args.bucket_size, args.page_size,
+                                                 args.depth)
         flags += ["--statepager-dir", os.path.join(work, f"{name}-{{rank}}"),
                   "--statepager-bucket-size", str(args.bucket_size),
-                  "--statepager-page-size", str(args.page_size),
-                  "--statepager-depth", str(args.depth),
+                  "--statepager-page-size", str(page),
+                  "--statepager-depth", str(depth),
                   "--statepager-moments", moments, "--statepager-mains", mains]
         if paged.get("host"):
             budget = args.host_budget or host_budget(args, moments, mains)

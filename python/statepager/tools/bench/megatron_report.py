@@ -78,8 +78,10 @@ def header_lines(r: dict) -> list[str]:
             f"{m['grads']} grads"
             + (", overlap_grad_reduce" if m["overlap_grad_reduce"] else "")
             + f"; {m['warmup']} warm-up + {m['steps']} timed steps; stores in "
-            f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB x depth {m['depth']}, pages of "
-            f"{m['page_size'] // MiB} MiB"
+            f"{r['dir']}, buckets of {m['bucket'] // MiB} MiB"
+            + (f" x depth {m['depth']}" if m["depth"] else "")
+            + (f", pages of {m['page_size'] // MiB} MiB" if m["page_size"] else "")
+            + ("" if m["depth"] and m["page_size"] else ", pages and depth per format")
             + ("; map_ram off (a store in RAM goes through io_uring)"
                if m.get("no_map_ram") else "")
             + "; each configuration in its own process, printed as it ends (per step: "
