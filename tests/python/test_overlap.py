@@ -123,6 +123,22 @@ def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
     assert same(base[1], early[1])
 
 
+def watch_following_page_ins(monkeypatch) -> list:
+    """Per page-in that a step following the step in flight issues (Pipeline follows=),
+    whether that step had let go of its bucket then: appended to the list returned."""
+    from statepager.core.pipeline import Pipeline
+
+    issued = []
+    page_in = Pipeline._page_in
+
+    def watched(self, j):
+        if self.following:
+            issued.append(self._follows.released(self.buckets[j]))
+        return page_in(self, j)
+    monkeypatch.setattr(Pipeline, "_page_in", watched)
+    return issued
+
+
 def test_a_step_begun_while_the_one_in_flight_pages_out_follows_its_page_outs(
         tmp_path, monkeypatch):
     """Page-outs held back until the backward's end (but those the forward's buckets
@@ -131,17 +147,8 @@ def test_a_step_begun_while_the_one_in_flight_pages_out_follows_its_page_outs(
     of, and, called again once the rest landed, the page-ins they made room for; a
     window of 8 buckets' pages, so that the forward waits for few. Training is
     bit-identical."""
-    from statepager.core.pipeline import Pipeline
-
     base = run(tmp_path, "base", False)
-    issued = []  # per page-in of a following step: whether its bucket was let go of
-    page_in = Pipeline._page_in
-
-    def watched(self, j):
-        if self.following:
-            issued.append(self._follows.released(self.buckets[j]))
-        return page_in(self, j)
-    monkeypatch.setattr(Pipeline, "_page_in", watched)
+    issued = watch_following_page_ins(monkeypatch)
     with Pager(str(tmp_path / "early"), "cpu", page_size=16 * KiB) as pager:
         model, opt, binding, _ = model_and_opt(pager, True, depth=8)
         gate = hold_page_outs(monkeypatch)
@@ -175,16 +182,7 @@ def test_a_page_out_failing_under_a_following_step_fails_step_as_without_it(
     first state: fresh file ranges): the begun step that follows it pages in none of
     the buckets whose page-outs failed, step() raises the error, and from there on
     training is bit-identical to the same run without page-ins begun in the backward."""
-    from statepager.core.pipeline import Pipeline
-
-    issued = []  # per page-in of a following step: whether its bucket was let go of
-    page_in = Pipeline._page_in
-
-    def watched(self, j):
-        if self.following:
-            issued.append(self._follows.released(self.buckets[j]))
-        return page_in(self, j)
-    monkeypatch.setattr(Pipeline, "_page_in", watched)
+    issued = watch_following_page_ins(monkeypatch)
 
     def train_filling(root, early):
         with Pager(os.path.join(root, "store"), "cpu", page_size=16 * KiB) as pager:
