@@ -176,6 +176,46 @@ def test_a_step_begun_while_the_one_in_flight_pages_out_follows_its_page_outs(
     assert same(base[1], early[1])
 
 
+@pytest.mark.parametrize("failure", [_C.NoSpaceError, KeyboardInterrupt])
+def test_a_page_in_failing_in_a_later_begin_step_ends_the_begun_step(tmp_path, monkeypatch,
+                                                                    failure):
+    """A page-in that a later begin_step() issues for the following step fails: the begun
+    step ends, nothing of it left in flight (an error is left to step(), an interrupt
+    raises), and step() then steps as if none had begun: training is bit-identical."""
+    base = run(tmp_path, "base", False)
+    with Pager(str(tmp_path / "early"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True, depth=8)
+        gate = hold_page_outs(monkeypatch)
+        page_in, seen = pager.page_in_async, []
+
+        def failing(*args, **kwargs):
+            raise failure("injected: a page-in of the begun step")
+
+        def begin(param):  # the first layer's grad: the backward's last
+            if binding.step_in_flight is None:  # the first backward
+                return
+            binding.begin_step()  # the page-outs held: some page-ins left for later
+            monkeypatch.setattr(pager, "page_in_async", failing)
+            let_land(gate)
+            try:
+                binding.begin_step()
+                seen.append(("returned", binding.begun))
+            except KeyboardInterrupt:
+                seen.append(("raised", binding.begun))
+            monkeypatch.setattr(pager, "page_in_async", page_in)
+            gate["held"] = True
+
+        model[0].weight.register_post_accumulate_grad_hook(begin)
+        gate["held"] = True
+        losses = train(model, opt, 5)
+        let_land(gate)
+        early = losses, result(model, opt)
+    how = "raised" if failure is KeyboardInterrupt else "returned"
+    assert seen == [(how, False)] * 4
+    assert base[0] == early[0]
+    assert same(base[1], early[1])
+
+
 def test_a_page_out_failing_under_a_following_step_fails_step_as_without_it(
         monkeypatch, sized_tmpfs):
     """The store's filesystem full while the step in flight pages out (its buckets'

@@ -217,13 +217,14 @@ class Steps:
         (nothing changed) and step() meets the problem again."""
         run = self._begun
         if run is not None:
-            if run.following:
-                try:
+            try:
+                if run.following:
                     run.pump()
-                except Exception as error:  # the pipeline left nothing in flight
-                    self._begun = None
-                    log.debug("statepager %s: begin_step() left to step() (%r)",
-                              self.name, error)
+            except BaseException as error:  # the pipeline left nothing in flight
+                self._begun = None
+                if not isinstance(error, Exception):  # an interrupt
+                    raise
+                log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
             return
         if not self.atomic or self.pager.paused:
             return
@@ -296,8 +297,7 @@ class Steps:
               follows: Pipeline | None = None) -> Pipeline:
         """A step's pipeline, its first page-ins issued (the rest as buckets step). A
         resumable step's buckets not stepped, from rest (those a failed page-out left
-        resident written now: Note [Resumable steps]); following the step in flight
-        (`follows`, _hands_over), they are at rest or on their way there."""
+        resident written now: Note [Resumable steps]; on their way there: `follows`)."""
         resumed = atomic is not None and atomic is self.pending
         if isinstance(atomic, ResumableStep):
             if follows is None:
