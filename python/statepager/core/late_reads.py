@@ -59,7 +59,7 @@ class ExceptionCounts:
         self.handles: list = []  # the discards of the scratch let go, not yet waited for
         self.let_go: dict = {}  # a bucket's key -> the discard of its scratch held here
 
-    def hold(self, pending: list, key=None) -> list:
+    def hold(self, pending: list, key) -> list:
         """The bucket just stepped (named `key`), before its release: returns the
         scratch to keep."""
         if not pending:
@@ -86,8 +86,7 @@ class ExceptionCounts:
             self._queue.popleft()
             handle = self.pager.discard_async(held)
             self.handles.append(handle)
-            if key is not None:
-                self.let_go[key] = handle
+            self.let_go[key] = handle
 
     def ready(self) -> bool:
         """Whether read() would wait for no copy."""
