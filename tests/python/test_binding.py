@@ -116,9 +116,9 @@ def test_a_step_times_its_parts(store_dir, how, monkeypatch):
         start = steps.start  # the pipeline's start: set-up, where begun in begin_step()
         others = steps._end_others_begun  # among step()'s first acts: set-up too
 
-        def slow_start(*args):
+        def slow_start(*args, **kwargs):
             time.sleep(0.05)
-            return start(*args)
+            return start(*args, **kwargs)
 
         def slow_others():
             time.sleep(0.05)
@@ -291,10 +291,10 @@ def test_page_runs_are_the_pages_the_tensors_touch():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("depth", [2, 3, 4])
-def test_a_begun_step_maps_what_first_page_ins_bytes_counts(store_dir, depth, device):
-    """begin_step() maps the pages of the step's first page-ins (the buckets the pipeline
-    keeps in flight beyond the one stepping, and that one) and no more: what page-ins
-    begun during a backward must find room for (Note [Page-ins during backward])."""
+def test_a_begun_step_fills_the_window(store_dir, depth, device):
+    """begin_step() maps the window's pages (here `depth` buckets), which begun_step_bytes
+    counts, and no more: what page-ins begun during a backward must find room for (Note
+    [Page-ins during backward])."""
     torch.manual_seed(0)
     page = 2 * MiB if device == "cuda" else 64 * KiB
     params = [torch.nn.Parameter(torch.randn(page, device=device)) for _ in range(8)]
@@ -308,9 +308,8 @@ def test_a_begun_step_maps_what_first_page_ins_bytes_counts(store_dir, depth, de
         before = pager.stats()["mapped_bytes"]
         binding.begin_step()
         assert binding.begun
-        first = max(1, depth - 2) + 1
-        assert binding.first_page_ins_bytes == first * 8 * page
-        assert pager.stats()["mapped_bytes"] - before == binding.first_page_ins_bytes
+        assert binding.begun_step_bytes == depth * 8 * page
+        assert pager.stats()["mapped_bytes"] - before == binding.begun_step_bytes
         binding.end_begun_step()
         assert pager.stats()["mapped_bytes"] == before
 

@@ -39,9 +39,10 @@ def params(n: int = 24):
         [torch.nn.Parameter(torch.randn(300_000).bfloat16())]  # one steps in chunks
 
 
-def run(directory, budget, steps=3, **options):
+def run(directory, budget, steps=3, begun=None, **options):
     """PagedAdamW over params() through a Pager of `budget`: (the window attach counted,
-    the peak mapped, the params after `steps` steps)."""
+    the peak mapped, the params after `steps` steps). begun: a list, each step begun
+    (begin_step) before step(), and its pipeline appended."""
     ps, options = params(), dict(options)
     with Pager(directory, page_size=options.pop("page_size", None), hbm_budget=budget) as p:
         opt = statepager.PagedAdamW(ps, pager=p, lr=1e-2, **options)
@@ -50,6 +51,9 @@ def run(directory, budget, steps=3, **options):
             g = torch.Generator().manual_seed(step)
             for q in ps:
                 q.grad = torch.randn(q.shape, generator=g).bfloat16()
+            if begun is not None:
+                opt.binding.begin_step()
+                begun.append(opt.binding._steps._begun)
             opt.step()
         return window, p.stats()["peak_mapped_bytes"], \
             [q.detach().clone() for q in ps]
@@ -85,6 +89,23 @@ def test_a_window_attach_accepts_holds_every_step(tmp_path, page, bucket, format
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("page, depth", [(16 * KiB, 3), (64 * KiB, 3), (16 * KiB, 6)])
+def test_a_begun_step_fills_the_window_within_the_budget(tmp_path, page, depth):
+    """begin_step() pages in past the buckets a step keeps in flight, as far as the
+    window's pages hold. Under an hbm_budget of exactly the window, steps begun so run
+    within it and step as without."""
+    options = dict(page_size=page, bucket_size=64 * KiB, depth=depth, moments="q8",
+                   mains="residual")
+    window, _, want = run(str(tmp_path / "free"), None, steps=4, **options)
+    begun = []
+    _, peak, got = run(str(tmp_path / "exact"), window, steps=4, begun=begun, **options)
+    assert peak <= window
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(pipeline is not None for pipeline in begun)
+    first = max(1, depth - 2) + 1  # what a step that is not begun pages in first
+    assert max(pipeline.page_ins.due for pipeline in begun[1:]) > first
+
+
 @pytest.mark.parametrize("page, formats", [(16 * KiB, ("q8", "residual")),
                                            (64 * KiB, ("q8", "residual")),
                                            (16 * KiB, ("fp32", "fp32"))])
@@ -97,7 +118,7 @@ def test_page_ins_are_admitted_by_pages_with_page_outs_held_back(tmp_path, monke
     alone (its fp32 scratch dropped), so more stepped buckets await their page-outs at a
     page-in than a count of `depth` buckets resident or in flight would allow."""
     from held_page_outs import hold_page_outs
-    from statepager.core.pipeline import Pipeline
+    from statepager.core.page_ins import PageIns
 
     moments, mains = formats
     options = dict(page_size=page, bucket_size=64 * KiB, depth=3, moments=moments, mains=mains)
@@ -105,12 +126,12 @@ def test_page_ins_are_admitted_by_pages_with_page_outs_held_back(tmp_path, monke
     gate = hold_page_outs(monkeypatch)
     gate["held"] = True
     awaiting = []  # at each page-in the pipeline issues: buckets awaiting their page-outs
-    page_in = Pipeline._page_in
+    page_in = PageIns._page_in
 
-    def counting(self, j):
+    def counting(self, j, *args):
         awaiting.append(sum(not h.issued for h in gate["made"] if h.page_out))
-        return page_in(self, j)
-    monkeypatch.setattr(Pipeline, "_page_in", counting)
+        return page_in(self, j, *args)
+    monkeypatch.setattr(PageIns, "_page_in", counting)
     got_window, peak, got = run(str(tmp_path / "exact"), window, **options)
     assert got_window == window and peak <= window
     assert all(torch.equal(a, b) for a, b in zip(got, want))

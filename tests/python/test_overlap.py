@@ -123,19 +123,45 @@ def test_steps_begun_in_the_backward_before_them_are_bit_identical(tmp_path):
     assert same(base[1], early[1])
 
 
+@pytest.mark.parametrize("moments", ["q8", "bf16", "fp32"])
+def test_steps_begun_in_the_backward_map_no_more_than_the_window(tmp_path, moments):
+    """Steps begun at each of several grads of the backward (filling the window, following
+    the step in flight) and stepped under the forward, at depth 6: the pages mapped never
+    exceed the window of the plan as it is (the first step's plan, with its state yet to
+    be created, is larger: a window shared with the step followed is sized anew), and
+    training is bit-identical."""
+    base = run(tmp_path, "base", False, depth=6, moments=moments)
+    with Pager(str(tmp_path / "begun"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, _ = model_and_opt(pager, True, depth=6, moments=moments)
+        dues = []
+
+        def begin(param):
+            if binding.can_begin_step():
+                binding.begin_step()
+                dues.append(binding._steps._begun.page_ins.due)
+        for m in list(model)[::2]:
+            m.weight.register_post_accumulate_grad_hook(begin)
+        losses = train(model, opt, 5)
+        assert pager.stats()["peak_mapped_bytes"] <= binding.window_bytes
+        early = losses, result(model, opt)
+    assert max(dues) > 5, "past the 5 buckets a step not begun pages in first"
+    assert base[0] == early[0]
+    assert same(base[1], early[1])
+
+
 def watch_following_page_ins(monkeypatch) -> list:
     """Per page-in that a step following the step in flight issues (Pipeline follows=),
     whether that step had let go of its bucket then: appended to the list returned."""
-    from statepager.core.pipeline import Pipeline
+    from statepager.core.page_ins import PageIns
 
     issued = []
-    page_in = Pipeline._page_in
+    page_in = PageIns._page_in
 
-    def watched(self, j):
-        if self.following:
-            issued.append(self._follows.released(self.buckets[j]))
-        return page_in(self, j)
-    monkeypatch.setattr(Pipeline, "_page_in", watched)
+    def watched(self, j, *args):
+        if self.follows is not None:
+            issued.append(self.follows.released(self.buckets[j]))
+        return page_in(self, j, *args)
+    monkeypatch.setattr(PageIns, "_page_in", watched)
     return issued
 
 
@@ -475,7 +501,7 @@ def test_each_module_runs_after_its_bucket_stepped(tmp_path, split_groups):
 
 def left(run_) -> bool:
     """Whether a page-in due is not issued (left for room by a hook that did not wait)."""
-    return run_._due <= min(run_.stepped + run_.ahead, len(run_.buckets) - 1)
+    return run_.page_ins.due <= min(run_.stepped + run_.ahead, len(run_.buckets) - 1)
 
 
 def test_a_forward_hook_returns_without_waiting_for_room_and_a_later_one_pages_in(
@@ -533,9 +559,9 @@ def test_a_page_in_left_for_room_is_issued_by_its_bucket_within_the_window(
         run_ = binding.step_in_flight
         n = len(run_.buckets)
         gate["held"] = True
-        while run_._due > run_.stepped and run_.stepped < n - 1:
+        while run_.page_ins.due > run_.stepped and run_.stepped < n - 1:
             binding.step_in_flight_to(run_.stepped + 1, lazy=True)
-        assert run_._due == run_.stepped, "the next bucket's own page-in was left"
+        assert run_.page_ins.due == run_.stepped, "the next bucket's own page-in was left"
         assert gate["waited"] == 0
         binding.step_in_flight_to(run_.stepped + 1, lazy=True)
         assert gate["waited"] > 0, "it waited for room for its own page-in"

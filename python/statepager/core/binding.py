@@ -257,9 +257,10 @@ class StreamedOptimizer:
         return self._planner.window()
 
     @property
-    def first_page_ins_bytes(self) -> int:
-        """Physical bytes a step's first page-ins map (those begin_step() issues)."""
-        return self._planner.first_page_ins_bytes()
+    def begun_step_bytes(self) -> int:
+        """Physical bytes a begun step maps at most before its step() (begin_step() fills
+        the window: Note [A begun step fills the window])."""
+        return self._planner.window_parts()[0]
 
     def _whole_buckets(self):
         """The buckets, each parameter that steps in chunks as a bucket of its own, whole

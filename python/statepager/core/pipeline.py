@@ -2,7 +2,8 @@
 stepped one at a time (statepager.core.bucket_step) and paged out: bucket i + k is read
 while bucket i steps and the buckets before it are written. Page-ins run `ahead`
 buckets past the next to step (planner.page_ins_ahead), each admitted once its pages
-fit in the window beside those that page-outs still hold (statepager.core.room).
+fit in the window beside those that page-outs still hold (statepager.core.page_ins,
+statepager.core.room).
 
 A Pipeline is made when the step starts (its set-up: what each bucket's page-in
 brings); start() issues the first page-ins; advance() steps the next bucket and issues
@@ -27,6 +28,7 @@ from statepager.core.atomic import AtomicStep
 from statepager.core.bucket_step import BucketStepper
 from statepager.core.late_reads import ExceptionCounts, ParamChecks
 from statepager.core.layout import StateLayout
+from statepager.core.page_ins import PageIns
 from statepager.core.planner import Planner, page_ins_ahead
 from statepager.core.resumable import ResumableStep
 from statepager.core.room import Room, landed
@@ -76,11 +78,10 @@ class Pipeline:
         scratch = [m - b.stored_bytes for m, b in zip(named_in, buckets)]
         self._sched = _Schedule(named_in, scratch, self.ahead)
         page = pager.page_size
-        self._follows = follows
         self._followed: dict | None = None  # the stats() where a step following it began
-        self._room = follows._room if follows is not None else Room(
-            planner.window_parts()[0] // page, page)
-        self._counted: dict = {}  # bucket index -> what its page-in holds (Room.count)
+        limit = planner.window_parts()[0] // page
+        room = follows.page_ins.room if follows is not None else Room(limit, page)
+        room.limit = limit  # shared: this plan's window from now on
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
         # the store into free host room (bounded by it: the pager never makes room for a
         # read-ahead), so that their page-in is a copy from host memory that never waits
@@ -92,10 +93,7 @@ class Pipeline:
         # waits for (at half the host budget on the H200, 0.88 GB of the atomic step's
         # 2.22 GB read went that way).
         mapped = self.before["store_mapped_bytes"] > 0
-        self._read_ahead = self._depth if host_budget and not mapped else 0
-        self._ins: dict = {}     # bucket index -> its page-in's handle
-        self._due = 0            # the bucket whose page-in is to be issued next
-        self._aheads: dict = {}  # bucket index -> its read-ahead's handle
+        read_ahead = self._depth if host_budget and not mapped else 0
         self.setup_seconds = 0.0  # StepStats.setup_seconds, so far
         self.checked = False      # residual masters' params checked up front
         self.interrupts: "interrupts.Deferral | None" = None  # an atomic step's: polled per bucket
@@ -105,6 +103,10 @@ class Pipeline:
         self._landing: dict = {}            # id(bucket) -> its page-out and discard handles
         self._done_in, self._done_out, self._stepping = [], [], []
         self._counting = ExceptionCounts(pager)  # the exceptions of the buckets stepped last
+        self.page_ins = PageIns(pager, buckets, self.incoming, room, planner.new_pages,
+                                ahead=self.ahead, for_read=self._for_read,
+                                read_ahead=read_ahead, outs=self._outs,
+                                counting=self._counting, follows=follows)
         # All or nothing: residual masters' params checked once the last bucket stepped.
         self._checks = ParamChecks() if isinstance(atomic, AtomicStep) else None
         self._open: int | None = None  # the bucket between its page-in's wait and page-out
@@ -116,43 +118,28 @@ class Pipeline:
         """Page-ins in flight beyond the bucket stepping (planner.page_ins_ahead)."""
         return page_ins_ahead(self._depth)
 
-    def start(self) -> None:
-        """Issues the first page-ins (the rest as buckets step); none left in flight
-        where one fails."""
+    def start(self, fill: bool = False) -> None:
+        """Issues the first page-ins (the rest as buckets step); fill: a begun step's,
+        as far as the window holds (PageIns.fill). None left in flight where one fails."""
+        page_ins = self.page_ins
         try:
-            if self._follows is None:
-                for j in range(min(self.ahead + 1, len(self.buckets))):
-                    self._page_in(j)
-            else:
-                self._issue(wait=False)
+            page_ins.first(fill)
         except BaseException:
-            _settle(list(self._ins.values()) + list(self._aheads.values()))
-            self._hand_back(list(self._ins))
+            _settle(list(page_ins.handles.values()) + list(page_ins.aheads.values()))
+            self._hand_back(list(page_ins.handles))
             raise
-
-    def _page_in(self, j: int) -> None:
-        """Issues bucket j's page-in, and the read-aheads past it."""
-        pager, buckets, aheads = self.pager, self.buckets, self._aheads
-        self._ins[j] = pager.page_in_async(self.incoming[j], for_read=self._for_read)
-        self._room.hold(j, self._holds(j))
-        self._due = j + 1
-        for k in range(max(j + 1, max(aheads, default=0) + 1),
-                       min(j + self._read_ahead + 1, len(buckets))):
-            if self._follows is not None and not self._follows.released(buckets[k]):
-                break  # read ahead by a later page-in's call
-            aheads[k] = pager.read_ahead_async(buckets[k].stored)
 
     @property
     def following(self) -> bool:
         """Whether its page-ins follow a step in flight's page-outs (`follows`)."""
-        return self._follows is not None
+        return self.page_ins.follows is not None
 
     def stop_following(self) -> None:
         """The step it followed is complete (or failed: its buckets not let go stay
         resident, and this step, begun, is ended before it steps). Its stats count the
         bytes written from here on: the page-outs before were that step's."""
-        if self._follows is not None:
-            self._follows = None
+        if self.page_ins.follows is not None:
+            self.page_ins.follows = None
             self.before["bytes_written"] = self.pager.stats()["bytes_written"]
 
     def released(self, b) -> bool:
@@ -172,7 +159,7 @@ class Pipeline:
 
     def held_bytes(self) -> int:
         """Physical bytes of the window its buckets hold now (Room)."""
-        return self._room.held_pages() * self.pager.page_size
+        return self.page_ins.room.held_pages() * self.pager.page_size
 
     def step_all(self) -> StepStats:
         """Steps every bucket (advance()) and finishes; returns the stats (the caller's
@@ -203,12 +190,16 @@ class Pipeline:
             self._fail(error)
             raise
 
-    def pump(self) -> None:
+    def pump(self, fill: bool = False) -> None:
         """Issues the page-ins due whose room page-outs have already made, waiting for
-        nothing. Where one fails, or a Ctrl-C came meanwhile, nothing is left in flight."""
+        nothing; fill: a begun step's, as start(fill=True). Where one fails, or a Ctrl-C
+        came meanwhile, nothing is left in flight."""
         try:
             with interrupts.deferred():  # not between a page-in issued and its handle kept
-                self._issue(wait=False)
+                if fill and not self._next:
+                    self.page_ins.fill()
+                else:
+                    self.page_ins.issue(self._next, wait=False)
         except BaseException as error:
             self._fail(error)
             raise
@@ -216,53 +207,13 @@ class Pipeline:
     def pumpable(self) -> bool:
         """Whether pump() has a page-in to issue now (a check cheap enough for every
         module's pre-hook)."""
-        if self._due > min(self._next + self.ahead, len(self.buckets) - 1):
-            return False
-        outs = self._outs
-        return (self._room.fits(self._holds(self._due))
-                or bool(outs) and all(h.done() for h in outs[0]))
-
-    def _holds(self, j: int) -> tuple:
-        """What bucket j's page-in holds (Room.count): its incoming tensors' pages and
-        those of its state yet to be created."""
-        counted = self._counted.get(j)
-        if counted is None:
-            counted = self._room.count(self.incoming[j],
-                                       self._planner.new_pages(self.buckets[j]))
-            self._counted[j] = counted
-        return counted
-
-    def _issue(self, wait: bool, through: int | None = None) -> None:
-        """Issues the page-ins due, through bucket `through` (by default `ahead` past the
-        bucket that steps next), each once its pages fit in the window (Room): waiting for
-        the page-outs that make room, oldest first, where `wait`, else only as far as they
-        have landed. Page-ins in flight and the one due are never more than `depth`
-        consecutive buckets, whose pages the window holds, so a page-in that does not fit
-        always has a page-out to wait for (callers keep `through` so)."""
-        last = min(self._next + self.ahead if through is None else through,
-                   len(self.buckets) - 1)
-        outs, counting, room = self._outs, self._counting, self._room
-        while self._due <= last:
-            while outs and not room.fits(self._holds(self._due)):
-                if not wait and not all(h.done() for h in outs[0]):
-                    return
-                for h in outs.popleft():
-                    h.wait()
-            if self._follows is not None and not (
-                    room.fits(self._holds(self._due))
-                    and self._follows.released(self.buckets[self._due])):
-                return  # issued by a later call (begin_step's, or the step's own)
-            # Queued behind the work of the buckets whose page-outs were waited for.
-            if not wait and not all(h.done() for h in counting.handles):
-                return
-            counting.wait_let_go()
-            self._page_in(self._due)
+        return self.page_ins.pumpable(self._next)
 
     def settled(self) -> bool:
         """Whether every bucket has stepped and its page-outs, late reads and read-aheads
         are done: complete() would not wait (Note [Page-ins during backward])."""
         handles = ([h for hs in self._outs for h in hs] + self._counting.handles
-                   + list(self._aheads.values()))
+                   + list(self.page_ins.aheads.values()))
         return (self._next == len(self.buckets) and self._counting.ready()
                 and all(h.done() for h in handles))
 
@@ -283,17 +234,17 @@ class Pipeline:
         or (room=False) where page-outs have made it already."""
         i = self._next
         self._next = i + 1
-        buckets, atomic, stats, ins = self.buckets, self.atomic, self.stats, self._ins
+        buckets, atomic, stats, page_ins = self.buckets, self.atomic, self.stats, self.page_ins
         b, n, counting = buckets[i], len(buckets), self._counting
         if self.interrupts is not None:
             self.interrupts.poll()  # a Ctrl-C fails the step here
         t0 = time.monotonic()
-        if self._due <= i:  # its page-in left for room by an advance that did not wait
-            self._issue(wait=True, through=i)
-            self._issue(wait=False, through=i + self.ahead)  # as many as when it steps
+        if page_ins.due <= i:  # its page-in left for room by an advance that did not wait
+            page_ins.issue(i, wait=True, through=i)
+            page_ins.issue(i, wait=False, through=i + self.ahead)  # as many as when it steps
             stats.wait_out_seconds += time.monotonic() - t0
             t0 = time.monotonic()
-        h = ins.pop(i)
+        h = page_ins.handles.pop(i)
         self._open = i
         h.wait()
         self._done_in.append(h)
@@ -325,19 +276,19 @@ class Pipeline:
         self._hold_until_landed(i, held, handles)
         self._done_out.append(handles[0])
         t0 = time.monotonic()
-        self._issue(wait=room)
+        page_ins.issue(self._next, wait=room)
         stats.wait_out_seconds += time.monotonic() - t0
 
     def _hold_until_landed(self, i: int, held: list, handles: list) -> None:
         """Bucket i, stepped and released (`handles`), holds its stored forms' pages until
         its page-out lands and its dropped scratch's (what its page-in mapped, or all of it
         where the step made its state) until its discard does."""
-        window, b = self._room, self.buckets[i]
+        window, b = self.page_ins.room, self.buckets[i]
         window.let_go(i)
         window.hold_until("page-outs", handles[0], window.count(b.stored))
         if len(handles) > 1:  # its scratch, but what ExceptionCounts holds
             scratch = residency.dropped(b, held)
-            if not self._holds(i)[1]:  # the fused step's moments have none mapped
+            if not self.page_ins.holds(i)[1]:  # the fused step's moments have none mapped
                 mapped = {id(t) for t in self.incoming[i]}
                 scratch = [t for t in scratch if id(t) in mapped]
             window.hold_until("discards", handles[1], window.count(scratch))
@@ -354,7 +305,7 @@ class Pipeline:
         self._counting.wait_let_go()
         # Done by now (their page-ins waited for them). One that failed left its tensors
         # in the store, whose page-in then read them (or failed the step itself).
-        _settle(self._aheads.values())
+        _settle(self.page_ins.aheads.values())
         return t0
 
     def _fail(self, error: BaseException) -> None:
@@ -367,10 +318,12 @@ class Pipeline:
                 error.add_note(f"statepager: reading a stepped bucket's residual "
                                f"exceptions failed too ({failed!r}): its masters may "
                                "not decode")
-            _settle(list(self._ins.values()) + [h for handles in self._outs for h in handles]
-                    + self._counting.handles + list(self._aheads.values()))
+            page_ins = self.page_ins
+            _settle(list(page_ins.handles.values())
+                    + [h for handles in self._outs for h in handles]
+                    + self._counting.handles + list(page_ins.aheads.values()))
             open_ = [] if self._open is None else [self._open]
-            self._hand_back(open_ + list(self._ins), error)
+            self._hand_back(open_ + list(page_ins.handles), error)
 
     def _hand_back(self, indices: list, error: BaseException | None = None) -> None:
         """A resumable step's buckets `indices`, paged in (or in flight, waited for) and
@@ -415,10 +368,10 @@ class Pipeline:
         epoch's abort waits for any left, an interrupt here notwithstanding), their pages
         dropped unwritten (an atomic step's, abandoned; a resumable one's, handed back)."""
         try:
-            _settle(list(self._ins.values()) + list(self._aheads.values()))
+            _settle(list(self.page_ins.handles.values()) + list(self.page_ins.aheads.values()))
         finally:
             if self._for_read:
-                self._hand_back(list(self._ins))
+                self._hand_back(list(self.page_ins.handles))
             else:
                 self.atomic.abandon()
 
@@ -430,7 +383,7 @@ class _Schedule:
     first ahead + 1 at once, then one after each bucket stepped) and its scratch again
     when it steps (named_at_step[k]: the decode's page-in); steps repeat the same order,
     so bucket i, paged out after its step, is needed again one step's bytes after its
-    page-in was issued."""
+    page-in was issued (sooner where a begun step fills the window: a hint)."""
 
     def __init__(self, named_in: list, named_at_step: list, ahead: int):
         n = len(named_in)

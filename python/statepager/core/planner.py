@@ -140,12 +140,6 @@ class Planner:
         bucket, held_bytes = self.window_parts()
         return bucket + held_bytes
 
-    def first_page_ins_bytes(self) -> int:
-        """Physical bytes a step's first page-ins map (Pipeline.start: the first
-        page_ins_ahead + 1 buckets), counted as the window counts them."""
-        first = self.buckets[:page_ins_ahead(self.depth) + 1]
-        return _held([self._pages(b) for b in first]) * self.layout.pager.page_size
-
     def refuse_a_window_over(self, budget: int | None) -> None:
         """UsageError when the pipeline's window is more than hbm_budget (None: none)."""
         (buckets, held), window = self.window_parts(), self.window()

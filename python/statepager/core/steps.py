@@ -211,15 +211,14 @@ class Steps:
     def begin(self) -> None:
         """StreamedOptimizer.begin_step: a step in flight completed first (its page-outs
         and the stats of its bytes are its own), unless it hands over (_hands_over): then
-        the begun step's page-ins follow its page-outs as they land. Called again while
-        such a step is begun, issues the page-ins its page-outs have made room for since
-        (Pipeline.pump), waiting for nothing; where one fails, the begun step ends
-        (nothing changed) and step() meets the problem again."""
+        the begun step's page-ins follow its page-outs as they land, as far as the
+        window holds (Note [A begun step fills the window]). Called again while a step is
+        begun, issues the page-ins room has been made for since (Pipeline.pump), waiting
+        for nothing; where one fails, the begun step ends and step() meets it again."""
         run = self._begun
         if run is not None:
             try:
-                if run.following:
-                    run.pump()
+                run.pump(fill=True)
             except BaseException as error:  # the pipeline left nothing in flight
                 self._begun = None
                 if not isinstance(error, Exception):  # an interrupt
@@ -242,7 +241,7 @@ class Steps:
                 log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
                 return
             try:
-                run = self.start(step, follows)
+                run = self.start(step, follows, fill=True)
                 run.setup_seconds = time.monotonic() - t0
                 held.poll()
                 self._begun = run  # last: from here on the begun step is ended as such
@@ -294,10 +293,11 @@ class Steps:
                              self._mirror())
 
     def start(self, atomic: AtomicStep | ResumableStep | None,
-              follows: Pipeline | None = None) -> Pipeline:
-        """A step's pipeline, its first page-ins issued (the rest as buckets step). A
-        resumable step's buckets not stepped, from rest (those a failed page-out left
-        resident written now: Note [Resumable steps]; on their way there: `follows`)."""
+              follows: Pipeline | None = None, fill: bool = False) -> Pipeline:
+        """A step's pipeline, its first page-ins issued (the rest as buckets step;
+        fill: Pipeline.start). A resumable step's buckets not stepped, from rest
+        (those a failed page-out left resident written now: Note [Resumable steps]; on
+        their way there: `follows`)."""
         resumed = atomic is not None and atomic is self.pending
         if isinstance(atomic, ResumableStep):
             if follows is None:
@@ -308,7 +308,7 @@ class Steps:
         run = Pipeline(buckets, self.layout, self.planner, self.stepper, atomic,
                        step=self._steps + 1, host_budget=self.host_budget,
                        fused_groups=self._fused_groups(), resumed=resumed, follows=follows)
-        run.start()
+        run.start(fill)
         return run
 
     def _step_all(self) -> None:

@@ -249,7 +249,7 @@ class PageInsDuringBackward:
         if self._room is None:  # counted once a backward; the step in flight's pages reused
             run = binding.step_in_flight
             held = run.held_bytes() if run is not None else 0
-            self._room = max(0, binding.first_page_ins_bytes - held
+            self._room = max(0, binding.begun_step_bytes - held
                              - binding.pager.stats()["cached_bytes"]) if on_cuda else 0
         if self._first - now < self._room:
             self.held_back["room"] += 1
