@@ -27,8 +27,8 @@ import time
 import torch
 
 import statepager
-from statepager.core import (bucket_step, late_reads, overlap, pipeline, residency, resumable,
-                             steps)
+from statepager.core import (bucket_step, late_reads, overlap, page_ins, pipeline, residency,
+                             resumable, steps)
 
 # (owner, name) of the phases timed: the step's set-up in step(), then the bucket loop.
 PHASES = [(steps.Steps, "_defer"), (pipeline.Pipeline, "__init__"), (pipeline.Pipeline, "start"),
@@ -36,7 +36,7 @@ PHASES = [(steps.Steps, "_defer"), (pipeline.Pipeline, "__init__"), (pipeline.Pi
           (bucket_step.BucketStepper, "step"), (resumable.ResumableStep, "save"),
           (resumable, "undo_copies"), (residency, "decode"), (residency, "encode"),
           (residency, "release"), (late_reads.ExceptionCounts, "read"),
-          (pipeline.Pipeline, "_issue"), (pipeline.Pipeline, "_hold_until_landed")]
+          (page_ins.PageIns, "issue"), (pipeline.Pipeline, "_hold_until_landed")]
 
 
 class Layer(torch.nn.Module):

@@ -35,8 +35,8 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 import statepager
-from statepager.core import (atomic, bucket_step, fused_adamw, late_reads, pipeline, residency,
-                             resumable)
+from statepager.core import (atomic, bucket_step, fused_adamw, late_reads, page_ins, pipeline,
+                             residency, resumable)
 from statepager.core import pager as pager_module
 
 MiB = 1 << 20
@@ -48,13 +48,13 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
               "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize")
 CONFIGS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "fp32"), "q8": ("q8", "residual")}
 # Phases of the bucket loop, as record_function ranges (host time) around these methods.
-PHASES = [(pipeline.Pipeline, "advance"), (pipeline.Pipeline, "_page_in"),
+PHASES = [(pipeline.Pipeline, "advance"), (page_ins.PageIns, "_page_in"),
           (bucket_step.BucketStepper, "step"), (fused_adamw.FusedStep, "step"),
           (fused_adamw.FusedStep, "moment_forms"), (atomic.AtomicStep, "__init__"),
           (atomic.AtomicStep, "take_ahead"), (atomic.AtomicStep, "commit"),
           (late_reads.ExceptionCounts, "read"), (late_reads.ExceptionCounts, "hold"),
           (residency, "decode"), (residency, "encode"), (residency, "release"),
-          (pipeline.Pipeline, "_issue"), (pipeline.Pipeline, "_hold_until_landed"),
+          (page_ins.PageIns, "issue"), (pipeline.Pipeline, "_hold_until_landed"),
           (resumable.ResumableStep, "save"), (resumable.ResumableStep, "stepped"),
           (pager_module.Pager, "page_in"), (pager_module.Pager, "page_in_async"),
           (pager_module.Pager, "page_out_async"), (pager_module.Pager, "discard_async")]

@@ -1,6 +1,9 @@
 """The package as its users meet it: errors that fit torch's, stats that say what they
-mean, the console script, and an extension that refuses a torch it was not built for."""
+mean, the console script, an extension that refuses a torch it was not built for, and
+profiling scripts that still find what they time."""
+import importlib.util
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -80,3 +83,16 @@ def test_console_script_runs_the_same_commands():
     assert r.returncode == 2 and "the size must be more than 0" in r.stderr
     r = subprocess.run([script, "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and all(c in r.stdout for c in ("doctor", "inspect", "bench"))
+
+
+@pytest.mark.parametrize("script", ["loop_host_time.py", "profile_step.py"])
+def test_the_profiling_scripts_time_phases_that_exist(script):
+    """scripts/loop_host_time.py and scripts/profile_step.py wrap the bucket loop's
+    methods by name: each must still be there."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / script
+    spec = importlib.util.spec_from_file_location(script[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in module.PHASES
+               if not hasattr(owner, name)]
+    assert module.PHASES and missing == []
