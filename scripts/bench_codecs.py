@@ -4,7 +4,7 @@ For each stored format's decode and encode (statepager.formats.codecs on CUDA te
 the time per GB of stored state, the bytes it reads and writes, and the time a plain
 device-to-device copy of the same bytes takes in the same run (the floor: a codec that
 reads and writes each byte once cannot beat it), then the same with the kernels off
-(the torch reference), and the codec time of one whole step of a model of --params
+(the torch reference), the store checksums' kernel, and the codec time of one whole step of a model of --params
 parameters in each format (decode before the optimizer's step, encode after it).
 
     python3 scripts/bench_codecs.py [--elements 268435456] [--params 1.34e9]
@@ -118,6 +118,20 @@ def adamw_operations(n: int):
     return out
 
 
+def crc_line(n: int, reps: int) -> None:
+    """The store checksums' kernel (kernels/store_crc.cu) on 4 n bytes in ranges of 1 MiB,
+    a mapped RAM store's requests, against a copy that moves as many bytes."""
+    nbytes = 4 * n
+    x = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    ranges = [(o, min(1 << 20, nbytes - o)) for o in range(0, nbytes, 1 << 20)]
+    stream = torch.cuda.current_stream().cuda_stream
+    t = timed(lambda: statepager._C.kernels.crc32c(x, ranges, stream), reps)
+    floor = copy_seconds(nbytes, reps)
+    print(f"\nstore checksums (crc32c) of {nbytes / 1e9:.3f} GB in {len(ranges)} ranges: "
+          f"{t * 1e3:.3f} ms, {nbytes / t / 1e9:.1f} GB/s; a copy moving as many bytes "
+          f"{floor * 1e3:.3f} ms ({t / floor:.2f} x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--elements", type=int, default=1 << 28)
@@ -142,6 +156,7 @@ def main() -> None:
                   f"{t * 1e3 / (stored / 1e9):11.3f} {floor * 1e3:8.3f} {t / floor:7.2f}")
         torch.cuda.empty_cache()
     C.use_kernels(True)
+    crc_line(n, a.reps)
     print(f"\nAdamW step of {n} elements (param fp32 in place, fp32 grad, moments as stored):")
     print(f"{'moments':8} {'read GB':>8} {'write GB':>8} {'fused ms':>9} {'copy ms':>8} {'x copy':>7} "
           f"{'unfused ms':>10}  (step of {a.params:.3g} params: fused / unfused ms)")

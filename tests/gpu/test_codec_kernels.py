@@ -601,10 +601,10 @@ def test_store_crc_kernel_gives_the_cpus_crc32c():
     g = torch.Generator().manual_seed(5)
     host = torch.randint(0, 256, (9 * MiB,), dtype=torch.uint8, generator=g)
     x = host.cuda()
-    edges = [0, 1, 7, 8, 255, 256, 257, 4096, 65535, 65536, 65537, 3 * 65536 + 5,
-             100 * 65536 + 1, 8 * MiB + 3]
+    edges = [0, 1, 7, 8, 15, 16, 17, 255, 256, 257, 511, 512, 513, 4096, 65535, 65536, 65537,
+             131071, 131072, 131073, 3 * 131072 + 5, 50 * 131072 + 1, 8 * MiB + 3]
     ranges = [(offset, length) for offset in (0, 1, 4096, 12345) for length in edges]
-    ranges += [(k * 1000, 999 + k) for k in range(150)]  # more than a launch takes
+    ranges += [(k * 1000, 999 + k) for k in range(600)]  # more than a launch takes
     got = statepager._C.kernels.crc32c(x, ranges, torch.cuda.current_stream().cuda_stream)
     raw = host.numpy().tobytes()
     want = [statepager._C.crc32c(raw[o:o + n]) for o, n in ranges]
