@@ -144,8 +144,8 @@ __global__ void range_crcs(Batch batch, uint32_t* out) {
     const uint64_t tile_start = uint64_t(tile - batch.first_tile[r]) * kTile;
     const uint64_t start = tile_start + threadIdx.x * kSegment;
     const uint64_t n = start < size ? least(kSegment, size - start) : 0;
-    crc[threadIdx.x] =
-        n == 0 ? 0 : segment_crc(table, reinterpret_cast<const unsigned char*>(batch.addr[r] + start), n);
+    const auto* at = reinterpret_cast<const unsigned char*>(batch.addr[r] + start);
+    crc[threadIdx.x] = n == 0 ? 0 : segment_crc(table, at, n);
     bytes[threadIdx.x] = n;
     __syncthreads();
     join_block(crc, bytes, batch.power);
@@ -179,9 +179,16 @@ void launch(Batch& batch, int device, cudaStream_t stream, uint32_t* out) {
   cudaError_t err = cudaMemsetAsync(sums, 0, sizeof(uint32_t) * batch.n, stream);
   if (err == cudaSuccess && tiles > 0) {
     const uint32_t blocks = std::min<uint32_t>(tiles, kBlocksPerSm * sm_count(device));
-    static const cudaError_t carved = cudaFuncSetAttribute(  // room for kBlocksPerSm
-        range_crcs, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    (void)carved;  // a hint: without it the kernel still runs, fewer blocks at a time
+    // Room for kBlocksPerSm: a hint, without which the kernel runs fewer blocks at a time
+    // (its error cleared, not left for the launch's check).
+    static const bool carved = [] {
+      const bool ok = cudaFuncSetAttribute(range_crcs,
+                                           cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared) == cudaSuccess;
+      if (!ok) (void)cudaGetLastError();
+      return ok;
+    }();
+    (void)carved;
     range_crcs<<<blocks, kThreads, 0, stream>>>(batch, sums);
     err = cudaGetLastError();
   }
