@@ -149,14 +149,13 @@ void Pager::check_owner() const {
 
 void Pager::check_usable() const {
   check_owner();
-  std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
 }
 
 const std::string& Pager::file_path() const { return file_->path(); }
 const std::string& Pager::directory() const { return dir_->path(); }
 
-void Pager::check_open_locked() const {
+void Pager::check_open() const {
   if (closed_) throw UsageError("this Pager is closed: create a new one");
 }
 
@@ -188,7 +187,7 @@ std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, un
   const size_t total = check_pieces(pieces);
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   check_store_locked(store);
   // The file ranges, then the address range: what can fail, undone if it does.
   std::vector<uint64_t> offsets;
@@ -260,7 +259,7 @@ uintptr_t Pager::create_segment(size_t bytes) {
   try {
     while (!pool_.ref(e.addr, e.bytes, true)) {  // a page of it is being mapped: wait
       done_cv_.wait(lock);
-      check_open_locked();
+      check_open();
     }
   } catch (...) {
     lock.unlock();
@@ -335,7 +334,7 @@ void Pager::free_extent_locked(ExtentId id) {
 unsigned Pager::open_store(const std::string& name) {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   for (unsigned i = 0; i < stores_.size(); i++) {
     if (stores_[i]->name == name) return i;
   }
@@ -367,7 +366,7 @@ const std::string& Pager::store_name(unsigned store) const {
 void Pager::move_to_store(const std::vector<ExtentId>& ids, unsigned store) {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   check_store_locked(store);
   for (ExtentId id : ids) {  // all checked before any moves
     const Extent& e = extents_.at(id);
@@ -526,7 +525,7 @@ void Pager::reset_peak() {
 std::vector<std::string> Pager::store_files() const {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   return file_->physical_paths();
 }
 

@@ -71,6 +71,7 @@
 // value and the range) before touching the store directory.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -395,7 +396,7 @@ class Pager {
   std::vector<Extent*> settled_epoch_locked(std::unique_lock<std::mutex>& lock, uint64_t epoch);
   void end_epoch_locked(Extent& e, bool keep);
   void check_not_in_epoch_locked(const Extent& e, ExtentId id, const char* what) const;
-  void check_open_locked() const;
+  void check_open() const;
   void abandon() noexcept;
   void open_stores();
 
@@ -438,7 +439,9 @@ class Pager {
   uint64_t use_clock_ = 0;             // mu_: ticks of page-ins and page-outs (LRU)
   uint64_t paged_in_bytes_ = 0;        // mu_: bytes named in page-ins (reuse hints' clock)
   PagerStats counters_;                // mu_: counts of finished buckets (complete())
-  bool closed_ = false;                // mu_
+  // Written under mu_; check_usable() reads it without (the stepping thread checks before
+  // each page-in, page-out and discard, and the I/O thread holds mu_ while it settles).
+  std::atomic<bool> closed_ = false;
   bool stopping_ = false;              // mu_: tells the threads to return once idle
   std::thread io_thread_;              // started last by the constructor, joined by close()
   std::thread map_thread_;             // likewise

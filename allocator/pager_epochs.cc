@@ -55,7 +55,7 @@ Placement Pager::placement_locked(const Extent& e, std::optional<uint64_t> range
 std::vector<Placement> Pager::hold(const std::vector<ExtentId>& ids) {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   if (!held_.empty()) {
     throw UsageError("a checkpoint copy still holds ranges of this Pager's store: wait for it "
                      "to finish before taking another");
@@ -125,7 +125,7 @@ std::vector<Placement> Pager::begin_restore(const std::vector<ExtentId>& ids,
                                             const std::vector<bool>& zero) {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   wait_tier_moves_locked(lock, ids);
   for (ExtentId id : ids) {
     const Extent& e = extents_.at(id);
@@ -206,7 +206,7 @@ void Pager::end_restore(const std::vector<ExtentId>& ids, const std::vector<Plac
 uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   std::vector<ExtentId> members = ids;
   std::sort(members.begin(), members.end());
   members.erase(std::unique(members.begin(), members.end()), members.end());
@@ -232,7 +232,7 @@ uint64_t Pager::begin_epoch(const std::vector<ExtentId>& ids) {
 // The epoch's extents (those not released meanwhile), once none is being paged.
 std::vector<Extent*> Pager::settled_epoch_locked(std::unique_lock<std::mutex>& lock,
                                                         uint64_t epoch) {
-  check_open_locked();
+  check_open();
   auto it = epochs_.find(epoch);
   if (it == epochs_.end()) throw UsageError("no open epoch " + std::to_string(epoch));
   std::vector<Extent*> members;

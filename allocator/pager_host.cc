@@ -153,7 +153,7 @@ void Pager::wait_tier_moves_locked(std::unique_lock<std::mutex>& lock,
 Ticket Pager::read_ahead(const std::vector<ExtentId>& bucket) {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   auto job = std::make_shared<Job>(JobKind::kReadAhead);
   const std::vector<ExtentId> ids = sorted_unique(bucket);
   wait_tier_moves_locked(lock, ids);

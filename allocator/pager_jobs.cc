@@ -87,7 +87,7 @@ void Pager::ref_pages_locked(std::unique_lock<std::mutex>& lock,
     unref_pages_locked(ids, taken);
     pending->clear();
     done_cv_.wait(lock);
-    check_open_locked();  // close() does not wait for a submit that waits here
+    check_open();  // close() does not wait for a submit that waits here
   }
 }
 
@@ -161,7 +161,7 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
                      uint64_t reuse_after) {
   check_owner();
   std::unique_lock lock(mu_);
-  check_open_locked();
+  check_open();
   const bool out = job->out(), discard = job->kind == JobKind::kDiscard;
   const std::vector<ExtentId> ids = sorted_unique(bucket);
   wait_tier_moves_locked(lock, ids);
