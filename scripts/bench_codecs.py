@@ -4,8 +4,9 @@ For each stored format's decode and encode (statepager.formats.codecs on CUDA te
 the time per GB of stored state, the bytes it reads and writes, and the time a plain
 device-to-device copy of the same bytes takes in the same run (the floor: a codec that
 reads and writes each byte once cannot beat it), then the same with the kernels off
-(the torch reference), the store checksums' kernel, and the codec time of one whole step of a model of --params
-parameters in each format (decode before the optimizer's step, encode after it).
+(the torch reference), the store checksums' kernel, and the codec time of one whole step
+of a model of --params parameters in each format (decode before the optimizer's step,
+encode after it).
 
     python3 scripts/bench_codecs.py [--elements 268435456] [--params 1.34e9]
 """
