@@ -42,6 +42,11 @@ def same_values(a, b):
     return torch.equal(nan, b.isnan()) and torch.equal(bits(a[~nan]), bits(b[~nan]))
 
 
+def rebuild(params, residuals, exceptions, mains_out, fingerprints):
+    """The masters rebuilt as the step rebuilds them (ResidualMasters.rebuild)."""
+    return C.ResidualMasters(mains_out, params, residuals).rebuild(exceptions, fingerprints)
+
+
 def misaligned(t, offset):
     """t's values in CUDA memory that starts `offset` elements past an aligned address."""
     buf = torch.empty(t.numel() + offset, dtype=t.dtype, device="cuda")
@@ -171,7 +176,7 @@ def test_a_bucket_of_masters_in_one_call_is_the_reference():
     md = [misaligned(m, i % 2) for i, m in enumerate(masters_)]
     pd = [misaligned(p, i % 2) for i, p in enumerate(params)]
     rd = [misaligned(torch.ones(n, dtype=torch.int16), i % 2) for i, n in enumerate(sizes)]
-    pending = C.PendingExceptions(md, pd, rd, fingerprints=True)
+    pending = C.PendingExceptions(C.ResidualMasters(md, pd, rd), fingerprints=True)
     got = C.finish_exceptions([pending])
     assert [int(c) for c in pending.count.cpu()][5] > pending.capacities[5]  # overflowed
     for i, (m, p) in enumerate(zip(masters_, params)):
@@ -183,20 +188,20 @@ def test_a_bucket_of_masters_in_one_call_is_the_reference():
         assert torch.equal(listed[1].cpu(), refs[i][1]), i
         assert int(pending.fingerprints[i]) == int(C.param_checksum(p)), i
     outs = [misaligned(torch.zeros(n), i % 2) for i, n in enumerate(sizes)]
-    changed = C.rebuild_residuals(pd, rd, got, outs, pending.fingerprints)
+    changed = rebuild(pd, rd, got, outs, pending.fingerprints)
     assert not bool(changed)
     for m, out in zip(masters_, outs):
         assert torch.equal(bits(out), bits(m))
     for i in (1, 4):  # a change the rounding check alone misses too
         p2 = [p.clone() for p in pd]
         p2[i].view(torch.int16)[-1] ^= 1
-        assert bool(C.rebuild_residuals(p2, rd, got, outs, pending.fingerprints)), i
+        assert bool(rebuild(p2, rd, got, outs, pending.fingerprints)), i
         # Without fingerprints, the rounding check alone: the kernels' verdict is the
         # reference's.
-        ref = C.rebuild_residuals([x.cpu() for x in p2], [x.cpu() for x in rd],
+        ref = rebuild([x.cpu() for x in p2], [x.cpu() for x in rd],
                                   [(a.cpu(), b.cpu()) for a, b in got],
                                   [torch.empty(n) for n in sizes], [None] * len(sizes))
-        assert bool(C.rebuild_residuals(p2, rd, got, outs, [None] * len(sizes))) == bool(ref)
+        assert bool(rebuild(p2, rd, got, outs, [None] * len(sizes))) == bool(ref)
 
 
 def test_more_masters_than_one_launch_takes_are_each_the_reference():
@@ -210,7 +215,7 @@ def test_more_masters_than_one_launch_takes_are_each_the_reference():
     md = [misaligned(m, i % 2) for i, m in enumerate(masters_)]
     pd = [misaligned(p, (i // 2) % 2) for i, p in enumerate(params)]
     rd = [misaligned(torch.ones(n, dtype=torch.int16), int(i % 3 == 0)) for i, n in enumerate(sizes)]
-    pending = C.PendingExceptions(md, pd, rd, fingerprints=True)
+    pending = C.PendingExceptions(C.ResidualMasters(md, pd, rd), fingerprints=True)
     got = C.finish_exceptions([pending])
     for i, (m, p) in enumerate(zip(masters_, params)):
         r = torch.empty(len(m), dtype=torch.int16)
@@ -221,7 +226,7 @@ def test_more_masters_than_one_launch_takes_are_each_the_reference():
         assert int(pending.fingerprints[i]) == int(C.param_checksum(p)), i
     assert sum(len(i) for i, _ in got) > 0  # some exceptions were scattered back
     outs = [misaligned(torch.zeros(n), (i + 1) % 2) for i, n in enumerate(sizes)]
-    assert not bool(C.rebuild_residuals(pd, rd, got, outs, pending.fingerprints))
+    assert not bool(rebuild(pd, rd, got, outs, pending.fingerprints))
     for i, (m, out) in enumerate(zip(masters_, outs)):
         assert torch.equal(bits(out), bits(m)), i
     assert not C.params_changed(pd, pending.fingerprints).item()
@@ -230,7 +235,7 @@ def test_more_masters_than_one_launch_takes_are_each_the_reference():
         p2[i] = pd[i].clone()
         p2[i].view(torch.int16)[-1] ^= 1
         assert C.params_changed(p2, pending.fingerprints).item(), i
-        assert bool(C.rebuild_residuals(p2, rd, got, outs, pending.fingerprints)), i
+        assert bool(rebuild(p2, rd, got, outs, pending.fingerprints)), i
 
 
 def test_adamw_of_many_params_in_one_call_is_each_alone():

@@ -131,25 +131,46 @@ class FusedStep:
         returned for the bucket (its parameters' moments, then its chunks')."""
         groups = self.optimizer.param_groups
         hypers = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in groups]
-        whole = [(gi, p) for gi, params in enumerate(bucket.groups) for p in params]
-        moments = list(zip(forms[0::2], forms[1::2]))  # the whole params', then the chunks'
-        calls = [(hypers[gi], p, p.grad, m, v)
-                 for (gi, p), (m, v) in zip(whole, moments) if p.grad is not None]
+        calls = FusedCalls.of(bucket, forms)
+        state = self.optimizer.state
+        stepped = [(hypers[gi], p, p.grad, m, v, fmt)
+                   for gi, p, m, v, fmt in calls.whole if p.grad is not None]
         # The counts after the step (as _multi_tensor_adam adds to CPU counts), stored
         # once the kernels are queued: a refused call leaves them as they were.
-        counts = [self.optimizer.state[p]["step"] for _, p, _, _, _ in calls]
+        counts = [state[p]["step"] for _, p, _, _, _, _ in stepped]
         after = list(torch._foreach_add(counts, _ONE, alpha=1.0)) if counts else []  # a tuple
-        for c, (m, v) in zip(bucket.chunks, moments[len(whole):]):
+        for c, m, v, fmt in calls.chunks:
             if c.param.grad is not None:
-                counts.append(self.optimizer.state[c.param]["step"])
+                counts.append(state[c.param]["step"])
                 after.append(self.binding.counters_before(c.param)["step"].add(_ONE, alpha=1.0))
-                calls.append((hypers[c.group], c.of(c.param), c.of(c.param.grad), m, v))
-        if calls:
-            hyper, params, grads, ms, vs = zip(*calls)
+                stepped.append((hypers[c.group], c.of(c.param), c.of(c.param.grad), m, v, fmt))
+        if stepped:
+            hyper, params, grads, ms, vs, fmts = zip(*stepped)
             _C.kernels.adamw_step_many(
-                list(params), list(grads), [_stored(m) for m in ms], [_stored(v) for v in vs],
-                [m.fmt for m in ms], list(hyper), [a.item() for a in after], _stream(params[0]))
+                list(params), list(grads), list(ms), list(vs), list(fmts), list(hyper),
+                [a.item() for a in after], _stream(params[0]))
             copy_each(counts, after)
+
+
+class FusedCalls:
+    """What FusedStep.step takes of a bucket's plan and moment forms, gathered once and
+    kept on the bucket while its forms stay (a step asks anew, moment_forms()): per
+    whole parameter (its group's index, it, its moments' stored tensors, their format),
+    then per chunk (it, its moments' stored tensors, their format)."""
+
+    def __init__(self, bucket, forms: list):
+        self.forms = forms
+        whole = [(gi, p) for gi, params in enumerate(bucket.groups) for p in params]
+        moments = [(_stored(m), _stored(v), m.fmt) for m, v in zip(forms[0::2], forms[1::2])]
+        self.whole = [(gi, p, *mv) for (gi, p), mv in zip(whole, moments)]
+        self.chunks = [(c, *mv) for c, mv in zip(bucket.chunks, moments[len(whole):])]
+
+    @staticmethod
+    def of(bucket, forms: list) -> "FusedCalls":
+        calls = bucket.fused_calls
+        if calls is None or calls.forms != forms:
+            calls = bucket.fused_calls = FusedCalls(bucket, forms)
+        return calls
 
 
 def _param_fusable(p: torch.Tensor) -> bool:

@@ -64,7 +64,8 @@ class ExceptionCounts:
         scratch to keep."""
         if not pending:
             return []
-        counts = LateRead(torch.cat([p.count for _, p in pending]))
+        values = [p.count for _, p in pending]
+        counts = LateRead(values[0] if len(values) == 1 else torch.cat(values))
         held = [f.working for forms, _ in pending for f in forms]
         self._queue.append((key, pending, counts, held))
         return held

@@ -13,7 +13,7 @@ from statepager.core.atomic import UndoCopies
 from statepager.core.hooks import Hooks
 from statepager.core.plan import Bucket
 from statepager.formats import codecs
-from statepager.formats.stored import StoredForm
+from statepager.formats.stored import StoredForm, residual_masters
 
 
 class StateLayout:
@@ -134,6 +134,7 @@ class StateLayout:
         if to_store:
             self.to_store(b)
         b.working = [f.working for f in b.forms if f.scratch]
+        b.masters = residual_masters([f for f in b.forms if f.fmt == "residual"])
         # Host undo copies for all-or-nothing steps; resumable ones copy on the device.
         b.undo = self.undo.copies(b.params, b.chunks) if self.atomic == "step" else []
         b.fused = self.fused_forms(b)

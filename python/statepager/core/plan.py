@@ -9,10 +9,14 @@ chunks and whether it may be dealt; plan() knows nothing of pagers or formats.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from statepager import _C
 from statepager.core.slices import Chunk
+
+if TYPE_CHECKING:
+    from statepager.core.fused_adamw import FusedCalls
+    from statepager.formats.codecs import ResidualMasters
 
 # A parameter planned at most bucket_size / SMALL_SHARE bytes is small: dealt over the
 # buckets (_deal).
@@ -37,6 +41,12 @@ class Bucket:
     fused: list | None = None
     incoming: list = field(default_factory=list)
     stored_bytes: int = 0
+    # Gathered once for its forms (Note [A bucket keeps what its forms fix]): its residual
+    # forms' masters, the fused step's calls for the moment forms it has, and
+    # (forms, UndoCopies.targets of its parameters).
+    masters: ResidualMasters | None = None
+    fused_calls: FusedCalls | None = None
+    undo_targets: tuple | None = None
 
 
 def plan(groups: list, bucket_size: int, planned_bytes: Callable, chunking: Callable,

@@ -41,7 +41,8 @@ def decode(pager, b: Bucket, check_params: bool = True, skip=(),
         if f.fmt != "residual":
             f.decode()
     # Without check_params nobody reads `changed`: the params' checksums are skipped.
-    changed = decode_residuals([f for f in forms if f.fmt == "residual"], check_params)
+    residual = [f for f in forms if f.fmt == "residual"]
+    changed = decode_residuals(residual, check_params, _masters(b, residual))
     if changed is None or not check_params:
         return
     if checks is not None:
@@ -61,7 +62,14 @@ def encode(b: Bucket, skip=()) -> list:
         if f.fmt != "residual":
             f.encode()
     residual = [f for f in forms if f.fmt == "residual"]
-    return [(residual, encode_residuals(residual))] if residual else []
+    return [(residual, encode_residuals(residual, _masters(b, residual)))] if residual else []
+
+
+def _masters(b: Bucket, residual: list):
+    """The bucket's ResidualMasters (StateLayout.fill) where `residual` is all of its
+    residual forms (a subset of them, in order), else None."""
+    masters = b.masters
+    return masters if masters is not None and len(masters.mains) == len(residual) else None
 
 
 def encode_now(b: Bucket) -> None:

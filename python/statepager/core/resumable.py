@@ -77,7 +77,7 @@ class ResumableStep:
         self._open = _Open(bucket, params, kept, [(p, p.grad) for p in params],
                            copy_groups(self.optimizer.param_groups),
                            [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms],
-                           undo_copies(self.undo.targets(bucket.params, bucket.chunks)))
+                           undo_copies(self.undo.bucket_targets(bucket)))
 
     def writing(self, bucket) -> None:
         """Before after_bucket: it may write model parameters."""

@@ -93,7 +93,8 @@ def residual_encode(main: torch.Tensor, param: torch.Tensor,
     Exception slots in residual_out are written as 0. The exceptions are sorted by index
     (a step's encodes, PendingExceptions, leave them in the kernel's order).
     """
-    return in_index_order(finish_exceptions([PendingExceptions([main], [param], [residual_out])])[0])
+    pending = PendingExceptions(ResidualMasters([main], [param], [residual_out]))
+    return in_index_order(finish_exceptions([pending])[0])
 
 
 def _residual_encode_reference(main, param, residual_out):
@@ -119,46 +120,84 @@ def _exception_list(main, exc) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, main.view(torch.int32).reshape(-1)[idx]
 
 
+class ResidualMasters:
+    """Residual masters rebuilt and encoded together (a bucket's, kept with its forms by
+    StateLayout.fill): fp32 mains, bf16 model params, int16 residuals, checked once."""
+
+    def __init__(self, mains: list, params: list, residuals: list):
+        for main, param, out in zip(mains, params, residuals, strict=True):
+            assert (main.dtype, param.dtype, out.dtype) == (torch.float32, torch.bfloat16,
+                                                            torch.int16)
+            assert main.numel() == param.numel() == out.numel()
+            assert main.is_contiguous() and param.is_contiguous() and out.is_contiguous()
+        self.mains, self.params, self.residuals = list(mains), list(params), list(residuals)
+        self.device = mains[0].device if mains else torch.device("cpu")
+        # The encode kernel's room for each master's exceptions; RNE ties: ~1 in 2**17.
+        self.capacities = [1024 + m.numel() // 2048 for m in mains]
+        self._rows = max(1, sum(-(-p.numel() // _CHECKSUM_ROW) for p in params))
+
+    def checksum_rows(self) -> torch.Tensor:
+        """param_checksum's scratch for all the params, each its own rows."""
+        return torch.empty(self._rows, dtype=torch.int64, device=self.device)
+
+    def rebuild(self, exceptions: list, fingerprints: list) -> torch.Tensor:
+        """residual_rebuild of every master into its main, each param also checked against
+        its fingerprint (its param_checksum when the residual was encoded; None: not
+        checked): a 0-dim device bool, True when some param changed. One kernel call."""
+        if not self.mains:
+            return torch.zeros((), dtype=torch.bool)
+        if not kernels_used(self.mains[0]):
+            flags = [_rebuild_reference(*x) for x in
+                     zip(self.params, self.residuals, exceptions, self.mains, strict=True)]
+            flags += [param_checksum(p) != f for p, f in zip(self.params, fingerprints)
+                      if f is not None]
+            return torch.stack(flags).any()
+        device = self.device
+        bad = torch.zeros(1, dtype=torch.uint8, device=device)
+        _C.kernels.residual_rebuild_many(
+            self.params, self.residuals, self.mains, [_on(i, device) for i, _ in exceptions],
+            [_on(b, device) for _, b in exceptions], fingerprints, self.checksum_rows(),
+            torch.empty(len(self.mains), dtype=torch.int64, device=device), bad,
+            _stream(self.mains[0]))
+        return bad.view(()).bool()
+
+
 class PendingExceptions:
-    """residual_encode of many masters (a bucket's), their exceptions not yet listed on
-    the host: the encodes are queued at construction and `count` (an int64 tensor on the
-    mains' device, one element per master) holds how many each has. finish_exceptions()
-    reads the counts of many at once, with one device sync, or the caller reads `count`
-    when it likes (a copy to host memory it waits for) and calls finish(). The mains and
-    params must stay as they are until then. Given fingerprints=True, `fingerprints` are
-    the params' checksums (param_checksum, 0-dim tensors) taken with the encode; else None.
+    """residual_encode of many masters (a ResidualMasters), their exceptions not yet
+    listed on the host: the encodes are queued at construction and `count` (an int64
+    tensor on the mains' device, one element per master) holds how many each has.
+    finish_exceptions() reads the counts of many at once, with one device sync, or the
+    caller reads `count` when it likes (a copy to host memory it waits for) and calls
+    finish(). The mains and params must stay as they are until then. Given
+    fingerprints=True, `fingerprints` are the params' checksums (param_checksum, 0-dim
+    tensors) taken with the encode; else None.
 
     With the kernels (CUDA tensors, kernels on) the encodes are one call and the counts
     are still being counted on the device; the reference (CPU, or kernels off) lists the
     exceptions at once, and finish() returns them: both take the same way through the
     step (statepager.core.binding)."""
 
-    def __init__(self, mains: list, params: list, residual_outs: list,
-                 fingerprints: bool = False):
-        for main, param, out in zip(mains, params, residual_outs, strict=True):
-            assert main.dtype == torch.float32 and param.dtype == torch.bfloat16
-            assert out.dtype == torch.int16
-            assert main.numel() == param.numel() == out.numel()
-            assert main.is_contiguous() and param.is_contiguous() and out.is_contiguous()
+    def __init__(self, masters: ResidualMasters, fingerprints: bool = False):
+        mains, params = masters.mains, masters.params
         self._mains, self._params = mains, params  # for a count past the room
-        device = mains[0].device if mains else torch.device("cpu")
+        device = masters.device
         if not mains or not kernels_used(mains[0]):
             self._listed = [_residual_encode_reference(m, p, r)
-                            for m, p, r in zip(mains, params, residual_outs)]
+                            for m, p, r in zip(mains, params, masters.residuals)]
             self.fingerprints = [param_checksum(p) for p in params] if fingerprints else None
             self.count = torch.tensor([len(i) for i, _ in self._listed], dtype=torch.int64,
                                       device=device)
             return
         self._listed = None
-        self.capacities = [1024 + m.numel() // 2048 for m in mains]  # RNE ties: ~1 in 2**17
+        self.capacities = masters.capacities
         room = sum(self.capacities)
         self._idx = torch.empty(room, dtype=torch.int64, device=device)
         self._bits = torch.empty(room, dtype=torch.int32, device=device)
         self.count = torch.zeros(len(mains), dtype=torch.int64, device=device)
         sums = torch.empty(len(mains), dtype=torch.int64, device=device) if fingerprints else None
         _C.kernels.residual_encode_many(
-            mains, params, residual_outs, self.capacities, self._idx, self._bits, self.count,
-            sums, _checksum_rows(mains), _stream(mains[0]))
+            mains, params, masters.residuals, self.capacities, self._idx, self._bits,
+            self.count, sums, masters.checksum_rows(), _stream(mains[0]))
         self.fingerprints = list(sums.unbind()) if fingerprints else None
 
     def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -279,30 +318,7 @@ def residual_rebuild(param: torch.Tensor, residual: torch.Tensor,
     """residual_decode without its checks and without a device sync: rebuilds the master
     into `main_out` and returns a 0-dim device bool, True when some element outside the
     exceptions is inconsistent with `param` (see _inconsistent): the param changed."""
-    return rebuild_residuals([param], [residual], [exceptions], [main_out], [None])
-
-
-def rebuild_residuals(params: list, residuals: list, exceptions: list, mains_out: list,
-                      fingerprints: list) -> torch.Tensor:
-    """residual_rebuild of many masters (a bucket's), each param also checked against its
-    fingerprint (its param_checksum when the residual was encoded; None: not checked): a
-    0-dim device bool, True when some param changed. With the kernels, one call for all."""
-    for param, residual, main in zip(params, residuals, mains_out, strict=True):
-        assert main.dtype == torch.float32 and param.dtype == torch.bfloat16
-        assert residual.dtype == torch.int16
-        assert main.numel() == param.numel() == residual.numel()
-        assert main.is_contiguous() and param.is_contiguous() and residual.is_contiguous()
-    if not kernels_used(mains_out[0]):
-        flags = [_rebuild_reference(*x) for x in zip(params, residuals, exceptions, mains_out)]
-        flags += [param_checksum(p) != f for p, f in zip(params, fingerprints) if f is not None]
-        return torch.stack(flags).any()
-    device = mains_out[0].device
-    bad = torch.zeros(1, dtype=torch.uint8, device=device)
-    _C.kernels.residual_rebuild_many(
-        params, residuals, mains_out, [_on(i, device) for i, _ in exceptions],
-        [_on(b, device) for _, b in exceptions], fingerprints, _checksum_rows(params),
-        torch.empty(len(params), dtype=torch.int64, device=device), bad, _stream(mains_out[0]))
-    return bad.view(()).bool()
+    return ResidualMasters([main_out], [param], [residual]).rebuild([exceptions], [None])
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -237,31 +237,41 @@ def params_changed_since_encoded(forms: list) -> torch.Tensor | None:
                                  [f.fingerprint for f in forms])
 
 
-def decode_residuals(forms: list, checksums: bool = True) -> torch.Tensor | None:
+def residual_masters(forms: list) -> codecs.ResidualMasters:
+    """The residual forms' masters (working tensors, model parameters, residuals)."""
+    return codecs.ResidualMasters([f.flat_working for f in forms],
+                                  [f.flat_model_param for f in forms],
+                                  [f.tensors[0] for f in forms])
+
+
+def decode_residuals(forms: list, checksums: bool = True,
+                     masters: codecs.ResidualMasters | None = None) -> torch.Tensor | None:
     """Decodes residual forms (a bucket's) into their working tensors: a device bool, True
     when some model parameter changed: it differs from the one its residual was encoded
     against (its checksum, where known and `checksums`: False where the caller checked
     them already), or is not the bf16 rounding of the rebuilt master. Changed behind the
     optimizer's back, the residual would rebuild wrong masters. None when there are no
-    forms. One kernel call for all of them on CUDA."""
+    forms. One kernel call for all of them on CUDA. masters: residual_masters(forms),
+    where the caller keeps it."""
     if not forms:
         return None
-    return codecs.rebuild_residuals(
-        [f.flat_model_param for f in forms], [f.tensors[0] for f in forms],
-        [f.exceptions_as_set for f in forms], [f.flat_working for f in forms],
+    masters = residual_masters(forms) if masters is None else masters
+    return masters.rebuild(
+        [f.exceptions_as_set for f in forms],
         [f.fingerprint if checksums else None for f in forms])
 
 
-def encode_residuals(forms: list) -> codecs.PendingExceptions | None:
+def encode_residuals(forms: list,
+                     masters: codecs.ResidualMasters | None = None) -> codecs.PendingExceptions | None:
     """Encodes residual forms (a bucket's) from their working tensors: their exceptions,
     pending, one count per form in order; each form's fingerprint is its model
     parameter's checksum now. Until the exceptions are finished, the working tensors and
-    model parameters must stay as they are. None when there are no forms."""
+    model parameters must stay as they are. None when there are no forms. masters: as
+    decode_residuals'."""
     if not forms:
         return None
-    pending = codecs.PendingExceptions([f.flat_working for f in forms],
-                                       [f.flat_model_param for f in forms],
-                                       [f.tensors[0] for f in forms], fingerprints=True)
+    masters = residual_masters(forms) if masters is None else masters
+    pending = codecs.PendingExceptions(masters, fingerprints=True)
     for f, fingerprint in zip(forms, pending.fingerprints):
         f.fingerprint = fingerprint
     return pending
