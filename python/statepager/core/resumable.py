@@ -42,7 +42,7 @@ class _Open:
     state: dict             # UndoCopies.copy_state of their state
     grads: list             # [(param, its grad)]
     groups: list            # copy_groups: the param groups' options (their step counters)
-    forms: list             # [(form, its exceptions, its fingerprint)]
+    forms: list             # [(residual form, its exceptions, its fingerprint)]
     undo: list              # [(what its step overwrites outside the pager, its copy)]
     written: bool = False   # after_bucket may have written model parameters
 
@@ -76,7 +76,8 @@ class ResumableStep:
         kept = self.undo.copy_state({p: state[p] for p in params if p in state}, part=True)
         self._open = _Open(bucket, params, kept, [(p, p.grad) for p in params],
                            copy_groups(self.optimizer.param_groups),
-                           [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms],
+                           [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms
+                            if f.fmt == "residual"],
                            undo_copies(self.undo.bucket_targets(bucket)))
 
     def writing(self, bucket) -> None:
