@@ -65,7 +65,7 @@ def encode(b: Bucket, skip=()) -> list:
     return [(residual, encode_residuals(residual, _masters(b, residual)))] if residual else []
 
 
-def _masters(b: Bucket, residual: list):
+def _masters(b: Bucket, residual: list) -> codecs.ResidualMasters | None:
     """The bucket's ResidualMasters (StateLayout.fill) where `residual` is all of its
     residual forms (a subset of them, in order), else None."""
     masters = b.masters

@@ -144,8 +144,6 @@ class ResidualMasters:
         """residual_rebuild of every master into its main, each param also checked against
         its fingerprint (its param_checksum when the residual was encoded; None: not
         checked): a 0-dim device bool, True when some param changed. One kernel call."""
-        if not self.mains:
-            return torch.zeros((), dtype=torch.bool)
         if not kernels_used(self.mains[0]):
             flags = [_rebuild_reference(*x) for x in
                      zip(self.params, self.residuals, exceptions, self.mains, strict=True)]
