@@ -214,14 +214,6 @@ class UndoCopies:
         parts = [(c, self._target(c.param)) for c in chunks]
         return [t for t in whole if t is not None] + [c.of(t) for c, t in parts if t is not None]
 
-    def bucket_targets(self, bucket) -> list:
-        """targets() of a bucket's parameters and chunks, kept on the bucket while its
-        forms stay: which parameters the pager owns, and their mirrors, are fixed by then."""
-        kept = bucket.undo_targets
-        if kept is None or kept[0] is not bucket.forms:
-            kept = bucket.undo_targets = (bucket.forms, self.targets(bucket.params, bucket.chunks))
-        return kept[1]
-
     def copies(self, params, chunks=()) -> list:
         """The host tensors for targets(params, chunks), in the same order: a chunk's is
         the part of its parameter's copy."""

@@ -137,6 +137,7 @@ class StateLayout:
         b.masters = residual_masters([f for f in b.forms if f.fmt == "residual"])
         # Host undo copies for all-or-nothing steps; resumable ones copy on the device.
         b.undo = self.undo.copies(b.params, b.chunks) if self.atomic == "step" else []
+        b.undo_targets = self.undo.targets(b.params, b.chunks)
         b.fused = self.fused_forms(b)
         b.incoming = residency.incoming(b, b.fused)
         b.nbytes, b.stored_bytes = residency.nbytes(b.incoming), residency.nbytes(b.stored)

@@ -42,11 +42,11 @@ class Bucket:
     incoming: list = field(default_factory=list)
     stored_bytes: int = 0
     # Gathered once for its forms (Note [A bucket keeps what its forms fix]): its residual
-    # forms' masters, the fused step's calls for the moment forms it has, and
-    # (forms, UndoCopies.targets of its parameters).
+    # forms' masters and UndoCopies.targets of its parameters (by StateLayout.fill), the
+    # fused step's calls for the moment forms it has.
     masters: ResidualMasters | None = None
+    undo_targets: list = field(default_factory=list)
     fused_calls: FusedCalls | None = None
-    undo_targets: tuple | None = None
 
 
 def plan(groups: list, bucket_size: int, planned_bytes: Callable, chunking: Callable,

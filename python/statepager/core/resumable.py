@@ -78,7 +78,7 @@ class ResumableStep:
                            copy_groups(self.optimizer.param_groups),
                            [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms
                             if f.fmt == "residual"],
-                           undo_copies(self.undo.bucket_targets(bucket)))
+                           undo_copies(bucket.undo_targets))
 
     def writing(self, bucket) -> None:
         """Before after_bucket: it may write model parameters."""
