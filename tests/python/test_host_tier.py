@@ -360,13 +360,22 @@ def test_load_without_a_host_tier_leaves_the_state_in_the_store(tmp_path):
 def test_a_step_failing_to_write_the_store_changes_nothing(store_dir, layers_reference):
     """At half the budget each step writes part of the state to the store (spills and
     page-outs); when those writes fail (a file-size limit: EFBIG, a NoSpaceError) the step
-    raises and leaves every parameter and host copy as before, and a retry steps once."""
+    raises and leaves every parameter and host copy as before, and a retry steps once.
+    The limit holds for every file of the process, the host backend's pages (memfds)
+    too: the pool keeps pages up to its budget, made before the limit, so that the
+    failed step maps pages it has already."""
     _, _, state = layers(None, True)
-    with Pager(store_dir, page_size=64 * KiB, host_budget=state // 2) as p:
+    pool = 4 * MiB  # over what a step maps
+    with Pager(store_dir, page_size=64 * KiB, host_budget=state // 2, hbm_budget=pool,
+               keep=pool) as p:
         model, opt, _ = layers(p, True)
         steps(p, model, opt, 0, 4)
         before = params(model)
         host = p.stats()["host_bytes"]
+        made = p.empty((pool - p.stats()["mapped_bytes"]) // 4)  # every page the budget allows
+        p.page_in_async([made]).wait()
+        del made  # its pages back to the pool's cache, unwritten
+        assert p.stats()["cached_bytes"] + p.stats()["mapped_bytes"] == pool
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
         try:
