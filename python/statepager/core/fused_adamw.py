@@ -100,7 +100,7 @@ class FusedStep:
             ok = fusable.get(gi)
             if ok is None:
                 ok = fusable[gi] = _group_fusable(groups[gi])
-            s = state.get(p)
+            s = dict.get(state, p)  # as held: the step's own read (statepager.core.layout.held)
             m, v = named.get("exp_avg"), named.get("exp_avg_sq")
             if not ok or not s or m is None or v is None or not _param_fusable(p):
                 return None
@@ -137,11 +137,11 @@ class FusedStep:
                    for gi, p, m, v, fmt in calls.whole if p.grad is not None]
         # The counts after the step (as _multi_tensor_adam adds to CPU counts), stored
         # once the kernels are queued: a refused call leaves them as they were.
-        counts = [state[p]["step"] for _, p, _, _, _, _ in stepped]
+        counts = [dict.get(state, p)["step"] for _, p, _, _, _, _ in stepped]  # as held
         after = list(torch._foreach_add(counts, _ONE, alpha=1.0)) if counts else []  # a tuple
         for c, m, v, fmt in calls.chunks:
             if c.param.grad is not None:
-                counts.append(state[c.param]["step"])
+                counts.append(dict.get(state, c.param)["step"])
                 after.append(self.binding.counters_before(c.param)["step"].add(_ONE, alpha=1.0))
                 stepped.append((hypers[c.group], c.of(c.param), c.of(c.param.grad), m, v, fmt))
         if stepped:

@@ -70,7 +70,8 @@ class ForwardOverlap:
         self._options: list[dict] = []  # per param group, its options at step()
         self._last: dict[int, int] = {}   # id(param) -> its last bucket (chunks: several)
         self._index: dict[int, int] = {}  # ... and id(its model param) -> that bucket
-        self._needs: dict[int, int] = {}  # id(module or key) -> buckets it waits for
+        self._needs: dict[int, int] = {}  # id(module or key) -> buckets it waits for, as
+        # of _index
         self._handles = []
         for m in modules:
             for sub in m.modules():
@@ -95,7 +96,8 @@ class ForwardOverlap:
     def started(self, run) -> None:
         """A step deferred: its grads and options kept, its buckets indexed, its stream
         after the work that made the grads."""
-        self._holders, self._grads, self._last, self._needs, self._events = {}, {}, {}, {}, {}
+        index = self._index
+        self._holders, self._grads, self._last, self._events = {}, {}, {}, {}
         self._options = [_options(g) for g in self.binding.optimizer.param_groups]
         for i, b in enumerate(run.buckets):
             for p in _params(b):
@@ -108,6 +110,8 @@ class ForwardOverlap:
         for holders in self._holders.values():
             for used in holders[1:]:
                 self._index[id(used)] = self._last[id(holders[0])]
+        if self._index != index:  # a module's need holds while the buckets stay the same
+            self._needs = {}
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
             for g in self._grads.values():

@@ -73,7 +73,8 @@ class ResumableStep:
         undo copies queued on the current stream, ahead of its step's kernels."""
         params = [*bucket.params, *(c.param for c in bucket.chunks)]
         state = self.optimizer.state
-        kept = self.undo.copy_state({p: state[p] for p in params if p in state}, part=True)
+        kept = self.undo.copy_state({p: dict.get(state, p) for p in params if p in state},  # as held
+                                    part=True)
         self._open = _Open(bucket, params, kept, [(p, p.grad) for p in params],
                            copy_groups(self.optimizer.param_groups),
                            [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms

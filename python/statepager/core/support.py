@@ -109,7 +109,8 @@ class DeferredState:
         a gradient, the moments from zeros_like(p); False when torch would create none
         now (no gradient, state already there, or a sparse gradient, which torch's step
         refuses itself)."""
-        if p.grad is None or p.grad.is_sparse or len(self.optimizer.state.get(p, ())) != 0:
+        # The state as held (dict.get: no entry made, nothing paged in), as the step sees it.
+        if p.grad is None or p.grad.is_sparse or len(dict.get(self.optimizer.state, p, ())) != 0:
             return False
         from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
