@@ -70,6 +70,19 @@ def test_page_out_on_a_side_stream(store_dir):
         assert bool((t == 3.0).all())
 
 
+def test_the_stream_paging_orders_itself_after_is_the_current_one():
+    """streams.current: torch.cuda.current_stream(device).cuda_stream, a side stream's
+    inside `with torch.cuda.stream(...)`, for a device given with and without its index."""
+    from statepager.util import streams
+    index = torch.cuda.current_device()
+    for device in (torch.device("cuda"), torch.device("cuda", index)):
+        assert streams.current(device) == torch.cuda.current_stream(device).cuda_stream
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert streams.current(device) == side.cuda_stream != 0
+    assert streams.current(torch.device("cpu")) == 0
+
+
 def test_a_discard_waits_for_its_stream_not_for_page_outs_queued_before_it(store_dir):
     """A discard unmaps once the kernels queued before it on its stream are done, not
     behind a page-out's copies queued on the copy queue before it (a streamed step's

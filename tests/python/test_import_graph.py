@@ -94,6 +94,11 @@ FOREIGN = {
     "statepager.util.warn": {
         "_getframe": "sys._getframe, to find the user's frame a warning points at",
     },
+    "statepager.util.streams": {
+        "_C": "torch._C, where that accessor lives",
+        "_cuda_getCurrentRawStream": "torch's raw current stream (its compiled code's): the "
+                                     "public torch.cuda.current_stream makes a Stream per call",
+    },
     "statepager.util.flat": {
         "_foreach_copy_": "torch._foreach_copy_, many copies as one (copy_each)",
         "_foreach_zero_": "torch._foreach_zero_, many zero fills as one (zero_each)",

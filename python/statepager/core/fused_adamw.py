@@ -28,6 +28,7 @@ import os
 import torch
 
 from statepager import _C
+from statepager.util import streams
 from statepager.util.flat import copy_each
 from statepager.formats import codecs
 
@@ -180,7 +181,7 @@ def _param_fusable(p: torch.Tensor) -> bool:
 
 
 def _stream(p: torch.Tensor) -> int:
-    return torch.cuda.current_stream(p.device).cuda_stream
+    return streams.current(p.device)
 
 
 def _stored(form) -> list:

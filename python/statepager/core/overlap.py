@@ -30,6 +30,7 @@ import torch
 
 from statepager import _C
 from statepager.core.serial import lock_of
+from statepager.util import streams
 
 
 class ForwardOverlap:
@@ -63,6 +64,10 @@ class ForwardOverlap:
         device = binding.pager.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: dict[int, torch.cuda.Event] = {}  # bucket index -> its step's end
+        # Per stream (streams.current), the last bucket it was made to wait for: the
+        # events are recorded in bucket order on one stream, so it waits for those
+        # before it already (each module's pre-hook would wait again).
+        self._waited: dict[int, int] = {}
         # Per optimizer param, the tensors whose grads its step reads: the param and the
         # model param the forward uses for it (PagedAdamW reads the model param's grad).
         self._holders: dict[int, list] = {}
@@ -98,6 +103,7 @@ class ForwardOverlap:
         after the work that made the grads."""
         index = self._index
         self._holders, self._grads, self._last, self._events = {}, {}, {}, {}
+        self._waited = {}
         self._options = [_options(g) for g in self.binding.optimizer.param_groups]
         for i, b in enumerate(run.buckets):
             for p in _params(b):
@@ -230,8 +236,13 @@ class ForwardOverlap:
     def _wait(self, i: int) -> None:
         """The current stream waits, on the device, for bucket i's step."""
         event = self._events.get(i)
-        if event is not None:
-            torch.cuda.current_stream(self._stream.device).wait_event(event)
+        if event is None:
+            return
+        device = self._stream.device
+        stream = streams.current(device)
+        if self._waited.get(stream, -1) < i:
+            torch.cuda.current_stream(device).wait_event(event)
+            self._waited[stream] = i
 
 
 def _options(group: dict, copy: bool = True) -> dict:

@@ -40,8 +40,8 @@ from statepager import _C
 from statepager.core import args, attach, defaults, guard, lifetime, scope, serial, sleep
 from statepager.core.handles import PageHandle
 from statepager.core.serial import serialized
-from statepager.core.services import PagerServices, current_stream
-from statepager.util import ranks
+from statepager.core.services import PagerServices
+from statepager.util import ranks, streams
 from statepager.util.units import MiB
 
 
@@ -187,7 +187,7 @@ class Pager:
         self.services.check_not_paused("page_out()")
         tensors = args.tensors("page_out", tensors)
         reuse_after = args.integer("reuse_after", reuse_after)
-        return PageHandle(self._core, self._core.page_out(tensors, current_stream(self.device),
+        return PageHandle(self._core, self._core.page_out(tensors, streams.current(self.device),
                                                     reuse_after))
 
     @serialized
@@ -203,7 +203,7 @@ class Pager:
         'zero'), after the work already queued on the current stream."""
         self.services.check_not_paused("discard()")
         return PageHandle(self._core, self._core.discard(args.tensors("discard", tensors),
-                                                   current_stream(self.device)))
+                                                   streams.current(self.device)))
 
     @serialized
     def page_in(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> None:
@@ -264,7 +264,7 @@ class Pager:
         self._core.check_usable()
         self.services.end_begun_steps(finish=True)
         self._sleep.pause(self._core, bucket_size,
-                          current_stream(self.device) if discard else None)
+                          streams.current(self.device) if discard else None)
 
     @serialized
     def resume(self, bucket_size: int = 256 * MiB) -> None:

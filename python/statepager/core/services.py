@@ -22,6 +22,7 @@ from statepager import _C
 from statepager.core import args, scope, state_access
 from statepager.core.handles import PageHandle
 from statepager.core.serial import lock_of, serialized
+from statepager.util import streams
 from statepager.util.flat import flat_view
 
 
@@ -91,7 +92,7 @@ class PagerServices:
         self.check_not_paused("release_unchanged()")
         tensors = args.tensors("release_unchanged", tensors)
         reuse_after = args.integer("reuse_after", reuse_after)
-        stream = current_stream(self.pager.device)
+        stream = streams.current(self.pager.device)
         return PageHandle(self._core, self._core.release_unchanged(tensors, stream,
                                                                    reuse_after))
 
@@ -155,11 +156,3 @@ class PagerServices:
         at `offsets` (zero[i]: tensor i becomes zeros instead), all or nothing
         (allocator/store_restore.h). Returns how the bytes were copied."""
         return self._core.restore(list(tensors), list(zero), src, list(offsets))
-
-
-def current_stream(device: torch.device) -> int:
-    """The current CUDA stream of `device`, which paging orders itself after; 0 on the
-    host backend."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.current_stream(device).cuda_stream

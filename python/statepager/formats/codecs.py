@@ -24,6 +24,7 @@ import os
 import torch
 
 from statepager import _C
+from statepager.util import streams
 
 # Chosen by scripts/measure_codecs.py (tiny LM, AdamW, 300 steps with moments re-coded
 # every step; held-out loss vs exact moments): linear m + sqrt v at block 256 cost +0.002
@@ -63,7 +64,7 @@ def kernels_used(t: torch.Tensor) -> bool:
 
 
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+    return streams.current(t.device)
 
 
 # ----------------------------------------------------------------------- residual format
