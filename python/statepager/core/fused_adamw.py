@@ -149,7 +149,7 @@ class FusedStep:
             hyper, params, grads, ms, vs, fmts = zip(*stepped)
             _C.kernels.adamw_step_many(
                 list(params), list(grads), list(ms), list(vs), list(fmts), list(hyper),
-                [a.item() for a in after], _stream(params[0]))
+                [a.item() for a in after], streams.current(params[0].device))
             copy_each(counts, after)
 
 
@@ -178,10 +178,6 @@ def _param_fusable(p: torch.Tensor) -> bool:
     """True when the kernels can step p: fp32 on a device that runs them (a CUDA tensor,
     kernels built and on)."""
     return p.dtype == torch.float32 and codecs.kernels_used(p)
-
-
-def _stream(p: torch.Tensor) -> int:
-    return streams.current(p.device)
 
 
 def _stored(form) -> list:

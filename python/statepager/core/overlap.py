@@ -75,8 +75,8 @@ class ForwardOverlap:
         self._options: list[dict] = []  # per param group, its options at step()
         self._last: dict[int, int] = {}   # id(param) -> its last bucket (chunks: several)
         self._index: dict[int, int] = {}  # ... and id(its model param) -> that bucket
-        self._needs: dict[int, int] = {}  # id(module or key) -> buckets it waits for, as
-        # of _index
+        # id(module or key) -> how many buckets it waits for, kept while _index stays
+        self._needs: dict[int, int] = {}
         self._handles = []
         for m in modules:
             for sub in m.modules():

@@ -63,10 +63,6 @@ def kernels_used(t: torch.Tensor) -> bool:
     return _kernels_on and t.is_cuda
 
 
-def _stream(t: torch.Tensor) -> int:
-    return streams.current(t.device)
-
-
 # ----------------------------------------------------------------------- residual format
 
 def _bf16_bits_hi(param: torch.Tensor) -> torch.Tensor:
@@ -157,7 +153,7 @@ class ResidualMasters:
             self.params, self.residuals, self.mains, [_on(i, device) for i, _ in exceptions],
             [_on(b, device) for _, b in exceptions], fingerprints, self.checksum_rows(),
             torch.empty(len(self.mains), dtype=torch.int64, device=device), bad,
-            _stream(self.mains[0]))
+            streams.current(device))
         return bad.view(()).bool()
 
 
@@ -196,7 +192,7 @@ class PendingExceptions:
         sums = torch.empty(len(mains), dtype=torch.int64, device=device) if fingerprints else None
         _C.kernels.residual_encode_many(
             mains, params, masters.residuals, self.capacities, self._idx, self._bits,
-            self.count, sums, masters.checksum_rows(), _stream(mains[0]))
+            self.count, sums, masters.checksum_rows(), streams.current(device))
         self.fingerprints = list(sums.unbind()) if fingerprints else None
 
     def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -259,7 +255,7 @@ def params_changed(params: list, fingerprints: list) -> torch.Tensor:
     bad = torch.zeros(1, dtype=torch.uint8, device=device)
     _C.kernels.params_changed_many(
         params, fingerprints, _checksum_rows(params),
-        torch.empty(len(params), dtype=torch.int64, device=device), bad, _stream(params[0]))
+        torch.empty(len(params), dtype=torch.int64, device=device), bad, streams.current(device))
     return bad.view(()).bool()
 
 
@@ -295,7 +291,7 @@ def param_checksum(param: torch.Tensor) -> torch.Tensor:
         rows = torch.empty(-(-param.numel() // _CHECKSUM_ROW), dtype=torch.int64,
                            device=param.device)
         out = torch.empty((), dtype=torch.int64, device=param.device)
-        _C.kernels.param_checksum(param.view(-1), rows, out, _stream(param))
+        _C.kernels.param_checksum(param.view(-1), rows, out, streams.current(param.device))
         return out
     p = 2**31 - 1  # prime modulus
     x = param.view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF).add_(1)
@@ -424,7 +420,7 @@ def q8_encode(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor
     scheme, codes_dtype = _q8_layout(x, codes_out, scales_out, kind, block, scheme)
     if kernels_used(x) and _kernel_q8(kind, block, scheme):
         _C.kernels.q8_encode(x.view(-1), codes_out.view(torch.uint8).view(-1), scales_out.view(-1),
-                             kind == "nonneg", _stream(x))
+                             kind == "nonneg", streams.current(x.device))
         return
     scales, row = scales_out.view(-1), 0
     for xb, cb in zip(_blocks(x, block), _blocks(codes_out.view(codes_dtype), block)):
@@ -453,7 +449,7 @@ def q8_decode(codes: torch.Tensor, scales: torch.Tensor, x_out: torch.Tensor,
     scheme, codes_dtype = _q8_layout(x_out, codes, scales, kind, block, scheme)
     if kernels_used(x_out) and _kernel_q8(kind, block, scheme):
         _C.kernels.q8_decode(codes.view(torch.uint8).view(-1), scales.view(-1), x_out.view(-1),
-                             kind == "nonneg", _stream(x_out))
+                             kind == "nonneg", streams.current(x_out.device))
         return
     scales, row = scales.view(-1), 0
     for xb, cb in zip(_blocks(x_out, block), _blocks(codes.view(codes_dtype), block)):
