@@ -64,7 +64,6 @@ def fused_on_cpu(monkeypatch):
     its calls (their formats) and of q8 decodes."""
     calls, decodes = [], []
     monkeypatch.setattr(fused_adamw, "_param_fusable", lambda p: p.dtype == torch.float32)
-    monkeypatch.setattr(fused_adamw, "_stream", lambda p: 0)
     if getattr(statepager._C, "kernels", None) is None:  # built without nvcc
         monkeypatch.setattr(statepager._C, "kernels", types.SimpleNamespace(), raising=False)
     monkeypatch.setattr(statepager._C.kernels, "adamw_step_many", stand_in(calls),
