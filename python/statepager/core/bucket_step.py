@@ -10,7 +10,8 @@ from statepager.core import residency, slices
 from statepager.core.atomic import AtomicStep
 from statepager.core.hooks import Hooks
 from statepager.core.late_reads import ParamChecks
-from statepager.core.layout import StateLayout, held
+from statepager.core.layout import StateLayout
+from statepager.core.state_access import held
 from statepager.core.plan import Bucket
 from statepager.core.resumable import ResumableStep
 

@@ -28,6 +28,7 @@ import os
 import torch
 
 from statepager import _C
+from statepager.core.state_access import held
 from statepager.util import streams
 from statepager.util.flat import copy_each
 from statepager.formats import codecs
@@ -96,12 +97,12 @@ class FusedStep:
         members += [(c.group, c.param, named)
                     for c, named in zip(bucket.chunks, bucket.chunk_forms)]
         fusable: dict[int, bool] = {}
-        state, forms = self.optimizer.state, []
+        forms = []
         for gi, p, named in members:
             ok = fusable.get(gi)
             if ok is None:
                 ok = fusable[gi] = _group_fusable(groups[gi])
-            s = dict.get(state, p)  # as held: the step's own read (statepager.core.layout.held)
+            s = held(self.optimizer, p)
             m, v = named.get("exp_avg"), named.get("exp_avg_sq")
             if not ok or not s or m is None or v is None or not _param_fusable(p):
                 return None
@@ -133,16 +134,15 @@ class FusedStep:
         groups = self.optimizer.param_groups
         hypers = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in groups]
         calls = FusedCalls.of(bucket, forms)
-        state = self.optimizer.state
         stepped = [(hypers[gi], p, p.grad, m, v, fmt)
                    for gi, p, m, v, fmt in calls.whole if p.grad is not None]
         # The counts after the step (as _multi_tensor_adam adds to CPU counts), stored
         # once the kernels are queued: a refused call leaves them as they were.
-        counts = [dict.get(state, p)["step"] for _, p, _, _, _, _ in stepped]  # as held
+        counts = [held(self.optimizer, p)["step"] for _, p, _, _, _, _ in stepped]
         after = list(torch._foreach_add(counts, _ONE, alpha=1.0)) if counts else []  # a tuple
         for c, m, v, fmt in calls.chunks:
             if c.param.grad is not None:
-                counts.append(dict.get(state, c.param)["step"])
+                counts.append(held(self.optimizer, c.param)["step"])
                 after.append(self.binding.counters_before(c.param)["step"].add(_ONE, alpha=1.0))
                 stepped.append((hypers[c.group], c.of(c.param), c.of(c.param.grad), m, v, fmt))
         if stepped:

@@ -12,6 +12,7 @@ from statepager.core import residency, slices, support
 from statepager.core.atomic import UndoCopies
 from statepager.core.hooks import Hooks
 from statepager.core.plan import Bucket
+from statepager.core.state_access import held
 from statepager.formats import codecs
 from statepager.formats.stored import StoredForm, residual_masters
 
@@ -229,14 +230,6 @@ class StateLayout:
             if any(k not in named and self.pager.owns(v) for k, v in state.items()):
                 return True
         return False
-
-
-def held(optimizer, p, default=None):
-    """p's state dict as the optimizer holds it, or `default` where it has none (.get: no
-    entry is made, as a defaultdict's [] would); never paged in on access
-    (statepager.core.state_access), also where state_in_buckets() runs outside the
-    Pager's lock."""
-    return dict.get(optimizer.state, p, default)
 
 
 def _tensor_key(v):

@@ -8,7 +8,8 @@ from statepager.core import slices
 from statepager.core import plan as planning
 from statepager.core.hooks import Hooks
 from statepager.core.late_reads import ExceptionCounts
-from statepager.core.layout import StateLayout, held
+from statepager.core.layout import StateLayout
+from statepager.core.state_access import held
 from statepager.core.plan import Bucket
 from statepager.core.residency import nbytes
 from statepager.util.units import MiB

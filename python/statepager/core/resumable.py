@@ -26,6 +26,7 @@ import torch
 from statepager import _C
 from statepager.core.atomic import (UndoCopies, copy_groups, rebuild_mirrors, restore_groups,
                                     restore_state)
+from statepager.core.state_access import held
 from statepager.util.flat import copy_each
 
 # Each undo copy starts on a multiple of this many bytes of its bucket's buffer (the
@@ -72,9 +73,8 @@ class ResumableStep:
         """Before the bucket steps: what its step changes outside the pager, kept; its
         undo copies queued on the current stream, ahead of its step's kernels."""
         params = [*bucket.params, *(c.param for c in bucket.chunks)]
-        state = self.optimizer.state
-        kept = self.undo.copy_state({p: dict.get(state, p) for p in params if p in state},  # as held
-                                    part=True)
+        kept = self.undo.copy_state({p: held(self.optimizer, p) for p in params
+                                     if p in self.optimizer.state}, part=True)
         self._open = _Open(bucket, params, kept, [(p, p.grad) for p in params],
                            copy_groups(self.optimizer.param_groups),
                            [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms

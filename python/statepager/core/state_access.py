@@ -34,6 +34,14 @@ from statepager.util.units import MiB
 
 
 
+def held(optimizer, p, default=None):
+    """p's state dict as the optimizer holds it, or `default` where it has none (.get: no
+    entry is made, as a defaultdict's [] would); never paged in on access, also outside
+    the Pager's lock (state_in_buckets()), and without PagedState's check of it (the step's
+    own reads)."""
+    return dict.get(optimizer.state, p, default)
+
+
 class PagedState(collections.defaultdict):
     """optimizer.state of an attached optimizer (see the module doc)."""
 

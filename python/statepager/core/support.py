@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from statepager import _C
+from statepager.core.state_access import held
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -109,8 +110,7 @@ class DeferredState:
         a gradient, the moments from zeros_like(p); False when torch would create none
         now (no gradient, state already there, or a sparse gradient, which torch's step
         refuses itself)."""
-        # The state as held (dict.get: no entry made, nothing paged in), as the step sees it.
-        if p.grad is None or p.grad.is_sparse or len(dict.get(self.optimizer.state, p, ())) != 0:
+        if p.grad is None or p.grad.is_sparse or len(held(self.optimizer, p, ())) != 0:
             return False
         from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
