@@ -100,6 +100,8 @@ struct Job {
   std::vector<Residency> before;       // their states before (restored on failure)
   std::vector<Residency> after;        // page-out: their states once done (file or host)
   std::vector<std::pair<uintptr_t, size_t>> zero_fills;
+  std::vector<ExtentId> unfilled;      // a page-in's ZERO extents mapped without a fill
+                                       // (Pager::page_in's overwrite), sorted
   // A page-out of unchanged extents (Pager::release_unchanged): those whose bytes also
   // lie at rest go back there without a write (unmapped once the fence passes), in
   // these states; the others are in `extents`, written.

@@ -256,7 +256,12 @@ class Pager {
   // keep their host range (its room stays taken while they are resident), so that
   // handing them back writes nothing. A page-in not for a read that names a resident
   // extent makes it forget (its caller may write it).
-  Ticket page_in(const std::vector<ExtentId>& bucket, bool for_read = false);
+  // overwrite: more extents of the bucket, which the caller writes whole before reading
+  // any byte of them (scratch): one in ZERO state is mapped without its zero fill, its
+  // bytes undefined until written, so that the page-in waits for no copy queue; the
+  // others page in like the bucket's.
+  Ticket page_in(const std::vector<ExtentId>& bucket, bool for_read = false,
+                 const std::vector<ExtentId>& overwrite = {});
   // reuse_after > 0: the bucket will be paged in again once about that many more bytes
   // have been named in page-ins (of any bucket, resident extents included: the clock
   // the spill choice compares, see the class comment); 0: not known. Extents already at

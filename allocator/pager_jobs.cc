@@ -43,9 +43,14 @@ bool take_start(Job& job) {
 
 }  // namespace
 
-Ticket Pager::page_in(const std::vector<ExtentId>& bucket, bool for_read) {
-  return submit(std::make_shared<Job>(for_read ? JobKind::kPageInForRead : JobKind::kPageIn),
-                bucket);
+Ticket Pager::page_in(const std::vector<ExtentId>& bucket, bool for_read,
+                      const std::vector<ExtentId>& overwrite) {
+  auto job = std::make_shared<Job>(for_read ? JobKind::kPageInForRead : JobKind::kPageIn);
+  if (overwrite.empty()) return submit(std::move(job), bucket);
+  job->unfilled = sorted_unique(overwrite);  // submit() keeps the ZERO ones
+  std::vector<ExtentId> all = bucket;
+  all.insert(all.end(), overwrite.begin(), overwrite.end());
+  return submit(std::move(job), all);
 }
 
 Ticket Pager::page_out(const std::vector<ExtentId>& bucket, uintptr_t stream,
@@ -212,11 +217,16 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
       throw;
     }
   }
+  std::vector<ExtentId> unfilled;  // of job->unfilled, those it moves from ZERO
   for (ExtentId id : job->extents) {
     Extent& e = extents_.at(id);
     job->before.push_back(e.state);
     if (!out && e.state == Residency::kZero) {
-      add_zero_fill(job->zero_fills, e.addr, page_in_bytes(e.bytes));
+      if (std::binary_search(job->unfilled.begin(), job->unfilled.end(), id)) {
+        unfilled.push_back(id);
+      } else {
+        add_zero_fill(job->zero_fills, e.addr, page_in_bytes(e.bytes));
+      }
     }
     if (!out && e.state == Residency::kHost) {  // one host allocation: one mapping
       append_joined(job->host_copies,
@@ -225,6 +235,7 @@ Ticket Pager::submit(Ticket job, const std::vector<ExtentId>& bucket, uintptr_t 
     }
     e.state = out ? Residency::kPagingOut : Residency::kPagingIn;
   }
+  job->unfilled = std::move(unfilled);
   if (!out) {
     try {
       ref_pages_locked(lock, job->extents, &job->maps);
@@ -462,7 +473,8 @@ void Pager::complete(Job& job) {
       counters_.mapped_read_bytes += job.mapped_bytes;
       counters_.buckets_in++;
       for (size_t i = 0; i < job.extents.size(); i++) {  // their bytes, not the fills' rounding
-        if (job.before[i] == Residency::kZero) {
+        if (job.before[i] == Residency::kZero &&
+            !std::binary_search(job.unfilled.begin(), job.unfilled.end(), job.extents[i])) {
           counters_.zero_filled_bytes += extents_.at(job.extents[i]).bytes;
         }
       }

@@ -511,10 +511,13 @@ PYBIND11_MODULE(_C, m) {
              return self.pager->store_name(self.pager->store_of(self.extent_of(t)));
            })
       .def("page_in",
-           [](PyPager& self, const std::vector<torch::Tensor>& tensors, bool for_read) {
-             return PyTicket{self.pager->page_in(self.extents_of(tensors), for_read)};
+           [](PyPager& self, const std::vector<torch::Tensor>& tensors, bool for_read,
+              const std::vector<torch::Tensor>& overwrite) {
+             return PyTicket{self.pager->page_in(self.extents_of(tensors), for_read,
+                                                 self.extents_of(overwrite))};
            },
-           py::arg("tensors"), py::arg("for_read") = false, release_gil())
+           py::arg("tensors"), py::arg("for_read") = false,
+           py::arg("overwrite") = std::vector<torch::Tensor>{}, release_gil())
       .def("release_unchanged",
            [](PyPager& self, const std::vector<torch::Tensor>& tensors, uintptr_t stream,
               uint64_t reuse_after) {

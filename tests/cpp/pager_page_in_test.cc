@@ -82,6 +82,36 @@ TEST_P(PageInJoins, SmallNeighboursFillAndCopyAsOne) {
   EXPECT_EQ(s.bytes_read + s.bytes_from_host, (kCount + kCount / 2) * kBytes);  // bytes, not blocks
 }
 
+// overwrite: ZERO extents are mapped without a fill (no device call, no zero-filled bytes
+// counted); one with bytes at rest among them still reads them; the bucket's own extents
+// are filled as before. The pages come back to be written and paged like any other.
+TEST_P(PageInJoins, OverwriteMapsZeroExtentsWithoutAFill) {
+  Pager& pager = *pager_;
+  const ExtentId stored = pager.create(kBytes), scratch = pager.create(kBytes);
+  const ExtentId kept = pager.create(kBytes), zero = pager.create(kBytes);
+  const std::vector<char> bytes = random_bytes(kBytes, 7);
+  pager.wait(pager.page_in({kept}));
+  std::memcpy(reinterpret_cast<void*>(pager.address(kept)), bytes.data(), kBytes);
+  pager.wait(pager.page_out({kept}));
+  const int fills = device_->fills;
+  const uint64_t filled = pager.stats().zero_filled_bytes;
+  pager.wait(pager.page_in({stored}, false, {scratch, kept}));
+  EXPECT_EQ(device_->fills - fills, 1);  // `stored` alone
+  EXPECT_EQ(pager.stats().zero_filled_bytes - filled, kBytes);
+  for (ExtentId id : {stored, scratch, kept}) {
+    EXPECT_EQ(pager.residency(id), Residency::kResident) << "extent " << id;
+  }
+  EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(pager.address(kept)), bytes.data(), kBytes), 0);
+  EXPECT_EQ(pager.residency(zero), Residency::kZero);
+  // Only ZERO extents: nothing to copy or fill, done once mapped.
+  pager.wait(pager.page_in({}, false, {zero}));
+  EXPECT_EQ(device_->fills - fills, 1);
+  std::memset(reinterpret_cast<void*>(pager.address(zero)), 5, kBytes);
+  pager.wait(pager.page_out({zero, scratch}));
+  pager.wait(pager.page_in({zero}));
+  EXPECT_EQ(reinterpret_cast<const char*>(pager.address(zero))[kBytes - 1], 5);
+}
+
 // In an epoch a page-out takes fresh store ranges (copy-on-write) in address order, not in
 // the order the extents were created (a bucket's order): the next page-in joins them.
 // Here the second half of the extents, created last, reuses the addresses of a released

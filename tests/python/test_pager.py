@@ -33,6 +33,22 @@ def test_deferred_tensor_has_no_memory_until_page_in(store_dir):
         assert p.stats()["bytes_read"] == 0 and p.stats()["read_requests"] == 0
 
 
+def test_overwrite_maps_scratch_without_a_zero_fill(store_dir):
+    with Pager(store_dir, page_size=64 * KiB) as p:
+        stored, scratch, written = (p.empty(10_000) for _ in range(3))
+        p.page_in(written)
+        written.fill_(3.0)
+        p.page_out(written)
+        h = p.page_in_async([stored], overwrite=[scratch, written])
+        h.wait()
+        assert all(p.is_resident(t) for t in (stored, scratch, written))
+        assert p.stats()["zero_filled_bytes"] == 2 * 40_000  # stored's, and written's first
+        assert torch.count_nonzero(stored) == 0
+        assert bool((written == 3.0).all())  # bytes at rest are read, overwrite or not
+        with pytest.raises(statepager.UsageError, match="not created by this Pager"):
+            p.page_in_async([], overwrite=[torch.zeros(3)])
+
+
 @pytest.mark.parametrize("page_size", [64 * KiB, 2 * MiB])
 def test_round_trip_is_bit_exact_with_identity_kept(store_dir, page_size):
     gen = torch.Generator().manual_seed(1)

@@ -169,15 +169,19 @@ class Pager:
     # -- paging ----------------------------------------------------------------------
 
     @serialized
-    def page_in_async(self, tensors: Iterable[torch.Tensor], for_read: bool = False
-                      ) -> PageHandle:
+    def page_in_async(self, tensors: Iterable[torch.Tensor], for_read: bool = False,
+                      overwrite: Iterable[torch.Tensor] = ()) -> PageHandle:
         """for_read: the caller will only read them and hand them back with
         services.release_unchanged_async(): where their bytes lie at rest is remembered (their
         host-tier copies stay, that room taken while they are resident), so that handing
-        them back writes nothing."""
+        them back writes nothing. overwrite: more tensors to page in, which the caller
+        writes whole before reading any of their bytes (scratch): a 'zero' one is mapped
+        without its zero fill (its bytes undefined until written), so the page-in waits
+        for no copy; the others page in like `tensors`."""
         self.services.check_not_paused("page_in()")
-        return PageHandle(self._core, self._core.page_in(args.tensors("page_in", tensors),
-                                                   args.flag("for_read", for_read)))
+        return PageHandle(self._core, self._core.page_in(
+            args.tensors("page_in", tensors), args.flag("for_read", for_read),
+            args.tensors("page_in(overwrite=...)", overwrite)))
 
     @serialized
     def page_out_async(self, tensors: Iterable[torch.Tensor], reuse_after: int = 0) -> PageHandle:

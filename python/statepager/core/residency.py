@@ -11,11 +11,10 @@ from statepager.formats.stored import decode_residuals, encode_residuals
 
 
 def incoming(b: Bucket, fused: list | None) -> list:
-    """What a bucket's page-in brings in the step: its stored forms and the scratch
-    its decode fills (zero-filled, nothing read): not that of moments the fused step
-    reads in their stored form (`fused`: StateLayout.fused_forms(b)). Paged in with
-    the rest, the scratch costs the step no wait of its own (a page-in is a round trip
-    through the I/O thread, its zero fill queued behind the next bucket's copies)."""
+    """What a bucket's step needs resident: its stored forms (paged in), then the scratch
+    its decode fills (mapped as it steps, unfilled: Note [Scratch is mapped as its bucket
+    steps]): not that of moments the fused step reads in their stored form (`fused`:
+    StateLayout.fused_forms(b))."""
     if not b.working:
         return b.stored
     fused = {id(f) for f in fused or ()}
@@ -34,9 +33,10 @@ def decode(pager, b: Bucket, check_params: bool = True, skip=(),
     forms = [f for f in b.forms if id(f) not in skip]
     working = [f.working for f in forms if f.scratch and id(f.working) not in resident]
     if working:
-        # Zero-filled scratch. Not asked again where incoming() brought it: a call takes
-        # the Pager's lock, which the I/O thread holds while it settles buckets.
-        pager.page_in(working)
+        # Scratch, written whole by the decode. Not asked again where incoming() brought
+        # it: a call takes the Pager's lock, which the I/O thread holds while it settles
+        # buckets.
+        pager.page_in_async((), overwrite=working).wait()
     for f in forms:
         if f.fmt != "residual":
             f.decode()
