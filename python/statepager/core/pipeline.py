@@ -1,8 +1,9 @@
 """One streamed step's pipeline (statepager.core.binding): its buckets paged in ahead,
 stepped one at a time (statepager.core.bucket_step) and paged out: bucket i + k is read
-while bucket i steps and the buckets before it are written. Page-ins run `ahead`
-buckets past the next to step (planner.page_ins_ahead), each admitted once its pages
-fit in the window beside those that page-outs still hold (statepager.core.page_ins,
+while bucket i steps and the buckets before it are written. Page-ins run at least
+`ahead` buckets past the next to step (planner.page_ins_ahead), each admitted once its
+pages fit in the window beside those that page-outs still hold and the room kept for
+the scratch mapped as each bucket steps (statepager.core.page_ins,
 statepager.core.room).
 
 A Pipeline is made when the step starts (its set-up: what each bucket's page-in
@@ -79,7 +80,11 @@ class Pipeline:
         self._sched = _Schedule(named_in, scratch, self.ahead)
         page = pager.page_size
         self._followed: dict | None = None  # the stats() where a step following it began
-        limit = planner.window_parts()[0] // page
+        # The window, within hbm_budget beside the residual masters' scratch held apart
+        # (the window planned before the state existed may have been less than it is).
+        window, held_bytes = planner.window_parts()
+        budget = self.before["hbm_budget"]
+        limit = (window if budget is None else min(window, budget - held_bytes)) // page
         room = follows.page_ins.room if follows is not None else Room(limit, page)
         room.limit = limit  # shared: this plan's window from now on
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
@@ -125,7 +130,7 @@ class Pipeline:
         try:
             page_ins.first(fill)
         except BaseException:
-            _settle(list(page_ins.handles.values()) + list(page_ins.aheads.values()))
+            _settle(page_ins.in_flight())
             self._hand_back(list(page_ins.handles))
             raise
 
@@ -196,10 +201,13 @@ class Pipeline:
         came meanwhile, nothing is left in flight."""
         try:
             with interrupts.deferred():  # not between a page-in issued and its handle kept
-                if fill and not self._next:
-                    self.page_ins.fill()
+                page_ins, i = self.page_ins, self._next
+                if i < len(self.buckets):
+                    page_ins.scratch(i, wait=False)
+                if fill and not i:
+                    page_ins.fill()
                 else:
-                    self.page_ins.issue(self._next, wait=False)
+                    page_ins.issue(i, wait=False)
         except BaseException as error:
             self._fail(error)
             raise
@@ -229,9 +237,10 @@ class Pipeline:
         return self._stats(t0)
 
     def advance(self, room: bool = True) -> None:
-        """Steps the next bucket once its page-in is done, issues its page-out, and the
-        page-in of the bucket `ahead` past it once the window has room: waiting for it,
-        or (room=False) where page-outs have made it already."""
+        """Steps the next bucket once its page-in is done and its scratch mapped,
+        issues its page-out, maps the next bucket's scratch where the window has room,
+        and issues the page-ins through the bucket `ahead` past it once the window has
+        room: waiting for it, or (room=False) where page-outs have made it already."""
         i = self._next
         self._next = i + 1
         buckets, atomic, stats, page_ins = self.buckets, self.atomic, self.stats, self.page_ins
@@ -244,9 +253,14 @@ class Pipeline:
             page_ins.issue(i, wait=False, through=i + self.ahead)  # as many as when it steps
             stats.wait_out_seconds += time.monotonic() - t0
             t0 = time.monotonic()
-        h = page_ins.handles.pop(i)
+        page_ins.scratch(i, wait=True)
+        stats.wait_out_seconds += time.monotonic() - t0
+        t0 = time.monotonic()
+        h, scratch = page_ins.handles.pop(i), page_ins.scratch_handles.pop(i, None)
         self._open = i
         h.wait()
+        if scratch is not None:
+            scratch.wait()
         self._done_in.append(h)
         t_in = time.monotonic()
         stats.wait_in_seconds += t_in - t0
@@ -276,6 +290,8 @@ class Pipeline:
         self._hold_until_landed(i, held, handles)
         self._done_out.append(handles[0])
         t0 = time.monotonic()
+        if self._next < n:  # mapped while this bucket's work runs
+            page_ins.scratch(self._next, wait=False)
         page_ins.issue(self._next, wait=room)
         stats.wait_out_seconds += time.monotonic() - t0
 
@@ -319,9 +335,8 @@ class Pipeline:
                                f"exceptions failed too ({failed!r}): its masters may "
                                "not decode")
             page_ins = self.page_ins
-            _settle(list(page_ins.handles.values())
-                    + [h for handles in self._outs for h in handles]
-                    + self._counting.handles + list(page_ins.aheads.values()))
+            _settle(page_ins.in_flight() + [h for handles in self._outs for h in handles]
+                    + self._counting.handles)
             open_ = [] if self._open is None else [self._open]
             self._hand_back(open_ + list(page_ins.handles), error)
 
@@ -368,7 +383,7 @@ class Pipeline:
         epoch's abort waits for any left, an interrupt here notwithstanding), their pages
         dropped unwritten (an atomic step's, abandoned; a resumable one's, handed back)."""
         try:
-            _settle(list(self.page_ins.handles.values()) + list(self.page_ins.aheads.values()))
+            _settle(self.page_ins.in_flight())
         finally:
             if self._for_read:
                 self._hand_back(list(self.page_ins.handles))

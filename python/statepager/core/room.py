@@ -57,13 +57,13 @@ class Room:
         self._take(counted)
         self._lanes.setdefault(lane, collections.deque()).append((handle, counted))
 
-    def fits(self, counted: tuple[list, int]) -> bool:
+    def fits(self, counted: tuple[list, int], spare: int = 0) -> bool:
         """Whether `counted` fits beside the pages held now (holds whose handles are done
-        let go first)."""
+        let go first) and `spare` pages kept free."""
         self._poll()
         pages, new = counted
         extra = sum(1 for p in pages if p not in self._refs)
-        return len(self._refs) + self._new + extra + new <= self.limit
+        return len(self._refs) + self._new + extra + new + spare <= self.limit
 
     def held_pages(self) -> int:
         """The pages held now (holds whose handles are done let go first)."""
