@@ -93,9 +93,10 @@ class PageIns:
             self._page_in(self.due)
 
     def scratch(self, i: int, wait: bool) -> bool:
-        """Bucket i steps next: maps its scratch, unfilled (its page-in issued before): now where the
-        window has room, else (wait) once the page-outs that make it have landed (the
-        room kept for it is then free). Whether it is mapped or being mapped."""
+        """Bucket i steps next: maps its scratch, unfilled (its page-in issued before):
+        now where the window has room, else (wait) once the page-outs that make it have
+        landed (the room kept for it is then free). Whether it is mapped or being
+        mapped."""
         self.next = i
         if i >= self.due or i in self.scratch_handles or not self._scratch[i]:
             return i < self.due
@@ -120,8 +121,9 @@ class PageIns:
                 or bool(outs) and all(h.done() for h in outs[0]))
 
     def _spare(self, skip: int | None = None) -> int:
-        """Pages kept free for the scratch of the next SCRATCH_AHEAD buckets to step that
-        is not mapped yet (but bucket `skip`'s)."""
+        """Pages kept free for the scratch not mapped yet of the next SCRATCH_AHEAD
+        buckets to step whose page-ins are issued (but bucket `skip`'s): a bucket's
+        page-in keeps room for it once it is among them."""
         stop = min(self.next + SCRATCH_AHEAD, self.due, len(self.buckets))
         return sum(len(self.scratch_holds(k)[0]) for k in range(self.next, stop)
                    if k != skip and self._scratch[k] and k not in self.scratch_handles)
