@@ -59,15 +59,6 @@ class PageIns:
         """The handles of every page-in and read-ahead issued and not taken by a step."""
         return [*self.handles.values(), *self.scratch_handles.values(), *self.aheads.values()]
 
-    def first(self, fill: bool = False) -> None:
-        """A step's first page-ins: those the window has room for (fill: a begun step's,
-        Note [A begun step fills the window]), following a step in flight once it has
-        let go of each bucket."""
-        if fill:
-            self.fill()
-        else:
-            self.issue(0, wait=False)
-
     def issue(self, stepped: int, wait: bool, through: int | None = None) -> None:
         """Issues the page-ins due, `stepped` buckets having stepped, each once its pages
         fit in the window beside those held and the room kept for scratch: through
@@ -81,13 +72,7 @@ class PageIns:
             if not self._admitted(self.due, wait):
                 return
             self._page_in(self.due)
-        if through is None:
-            self.fill()
-
-    def fill(self) -> None:
-        """Page-ins in order while each fits in the window beside what is held and the
-        room kept for scratch. Waits for nothing."""
-        while self.due < len(self.buckets):
+        while through is None and self.due < len(self.buckets):
             if not self._admitted(self.due, wait=False):
                 return
             self._page_in(self.due)

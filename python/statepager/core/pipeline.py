@@ -123,12 +123,12 @@ class Pipeline:
         """Page-ins in flight beyond the bucket stepping (planner.page_ins_ahead)."""
         return page_ins_ahead(self._depth)
 
-    def start(self, fill: bool = False) -> None:
-        """Issues the first page-ins (the rest as buckets step); fill: a begun step's,
-        as far as the window holds (PageIns.fill). None left in flight where one fails."""
+    def start(self) -> None:
+        """Issues the first page-ins, as far as the window holds (the rest as buckets
+        step). None left in flight where one fails."""
         page_ins = self.page_ins
         try:
-            page_ins.first(fill)
+            page_ins.issue(0, wait=False)
         except BaseException:
             _settle(page_ins.in_flight())
             self._hand_back(list(page_ins.handles))
@@ -195,19 +195,15 @@ class Pipeline:
             self._fail(error)
             raise
 
-    def pump(self, fill: bool = False) -> None:
+    def pump(self) -> None:
         """Issues the page-ins due whose room page-outs have already made, waiting for
-        nothing; fill: a begun step's, as start(fill=True). Where one fails, or a Ctrl-C
-        came meanwhile, nothing is left in flight."""
+        nothing. Where one fails, or a Ctrl-C came meanwhile, nothing is left in flight."""
         try:
             with interrupts.deferred():  # not between a page-in issued and its handle kept
                 page_ins, i = self.page_ins, self._next
                 if i < len(self.buckets):
                     page_ins.scratch(i, wait=False)
-                if fill and not i:
-                    page_ins.fill()
-                else:
-                    page_ins.issue(i, wait=False)
+                page_ins.issue(i, wait=False)
         except BaseException as error:
             self._fail(error)
             raise

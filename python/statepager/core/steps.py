@@ -218,7 +218,7 @@ class Steps:
         run = self._begun
         if run is not None:
             try:
-                run.pump(fill=True)
+                run.pump()
             except BaseException as error:  # the pipeline left nothing in flight
                 self._begun = None
                 if not isinstance(error, Exception):  # an interrupt
@@ -241,7 +241,7 @@ class Steps:
                 log.debug("statepager %s: begin_step() left to step() (%r)", self.name, error)
                 return
             try:
-                run = self.start(step, follows, fill=True)
+                run = self.start(step, follows)
                 run.setup_seconds = time.monotonic() - t0
                 held.poll()
                 self._begun = run  # last: from here on the begun step is ended as such
@@ -293,9 +293,9 @@ class Steps:
                              self._mirror())
 
     def start(self, atomic: AtomicStep | ResumableStep | None,
-              follows: Pipeline | None = None, fill: bool = False) -> Pipeline:
-        """A step's pipeline, its first page-ins issued (the rest as buckets step;
-        fill: Pipeline.start). A resumable step's buckets not stepped, from rest
+              follows: Pipeline | None = None) -> Pipeline:
+        """A step's pipeline, its first page-ins issued (the rest as buckets step). A
+        resumable step's buckets not stepped, from rest
         (those a failed page-out left resident written now: Note [Resumable steps]; on
         their way there: `follows`)."""
         resumed = atomic is not None and atomic is self.pending
@@ -308,7 +308,7 @@ class Steps:
         run = Pipeline(buckets, self.layout, self.planner, self.stepper, atomic,
                        step=self._steps + 1, host_budget=self.host_budget,
                        fused_groups=self._fused_groups(), resumed=resumed, follows=follows)
-        run.start(fill)
+        run.start()
         return run
 
     def _step_all(self) -> None:
