@@ -8,23 +8,41 @@ namespace statepager {
 
 Arena::Arena(uintptr_t base, size_t bytes) : base_(base), size_(bytes) { free_[base] = bytes; }
 
-uintptr_t Arena::allocate(size_t bytes, size_t align) {
+uintptr_t Arena::allocate(size_t bytes, size_t align, ArenaEnd end) {
   if (bytes == 0) throw UsageError("Arena::allocate: zero bytes");
-  for (auto it = free_.begin(); it != free_.end(); ++it) {
-    const uintptr_t start = (it->first + align - 1) & ~(uintptr_t(align) - 1);
-    const uintptr_t end = it->first + it->second;
-    if (start >= end || bytes > end - start) continue;  // (start + bytes could wrap)
-    const uintptr_t range_start = it->first;
-    free_.erase(it);
-    if (start > range_start) free_[range_start] = start - range_start;
-    if (start + bytes < end) free_[start + bytes] = end - (start + bytes);
-    used_[start] = bytes;
-    allocated_bytes_ += bytes;
-    return start;
+  const uintptr_t mask = ~(uintptr_t(align) - 1);
+  if (end == ArenaEnd::kLow) {
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      const uintptr_t start = (it->first + align - 1) & mask;
+      const uintptr_t stop = it->first + it->second;
+      if (start >= stop || bytes > stop - start) continue;  // (start + bytes could wrap)
+      take(it, start, bytes);
+      return start;
+    }
+  } else {
+    for (auto it = free_.end(); it != free_.begin();) {
+      --it;
+      const uintptr_t stop = it->first + it->second;
+      if (bytes > stop - it->first) continue;
+      const uintptr_t start = (stop - bytes) & mask;
+      if (start < it->first) continue;
+      take(it, start, bytes);
+      return start;
+    }
   }
   throw OutOfMemoryError("the pager's address arena (" + std::to_string(size_ >> 30) +
                          " GiB) has no free range of " + std::to_string(bytes) +
                          " bytes: create the Pager with a larger arena_size");
+}
+
+void Arena::take(std::map<uintptr_t, size_t>::iterator it, uintptr_t start, size_t bytes) {
+  const uintptr_t range_start = it->first;
+  const uintptr_t stop = it->first + it->second;
+  free_.erase(it);
+  if (start > range_start) free_[range_start] = start - range_start;
+  if (start + bytes < stop) free_[start + bytes] = stop - (start + bytes);
+  used_[start] = bytes;
+  allocated_bytes_ += bytes;
 }
 
 void Arena::free(uintptr_t addr) {

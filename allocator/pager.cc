@@ -159,7 +159,9 @@ void Pager::check_open() const {
   if (closed_) throw UsageError("this Pager is closed: create a new one");
 }
 
-ExtentId Pager::create(size_t bytes, unsigned store) { return create_pieces({bytes}, store)[0]; }
+ExtentId Pager::create(size_t bytes, unsigned store, ArenaEnd end) {
+  return create_pieces({bytes}, store, end)[0];
+}
 
 size_t Pager::check_pieces(const std::vector<size_t>& pieces) const {
   if (pieces.empty()) throw UsageError("a tensor of no pieces");
@@ -183,7 +185,8 @@ size_t Pager::check_pieces(const std::vector<size_t>& pieces) const {
   return total;
 }
 
-std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, unsigned store) {
+std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, unsigned store,
+                                           ArenaEnd end) {
   const size_t total = check_pieces(pieces);
   check_owner();
   std::unique_lock lock(mu_);
@@ -196,7 +199,7 @@ std::vector<ExtentId> Pager::create_pieces(const std::vector<size_t>& pieces, un
     for (size_t bytes : pieces) {
       offsets.push_back(stores_[store]->space.allocate(file_range_bytes(bytes), kFileAlign));
     }
-    addr = pool_.allocate(std::max<size_t>(total, 1), kAddressAlign);
+    addr = pool_.allocate(std::max<size_t>(total, 1), kAddressAlign, end);
   } catch (...) {
     for (uint64_t offset : offsets) stores_[store]->space.free(offset);
     throw;

@@ -187,16 +187,18 @@ class Pager {
   Pager& operator=(const Pager&) = delete;
 
   // A new extent of `bytes` in ZERO state in store `store`: address reserved, nothing
-  // mapped, no file I/O. UsageError when `bytes` exceeds the whole arena (arena_size);
-  // OutOfMemoryError when the arena has no free range that large.
-  ExtentId create(size_t bytes, unsigned store = 0);
+  // mapped, no file I/O; the address from the arena's `end` (kHigh: keeps extents paged
+  // together apart from the rest, see Arena). UsageError when `bytes` exceeds the whole
+  // arena (arena_size); OutOfMemoryError when the arena has no free range that large.
+  ExtentId create(size_t bytes, unsigned store = 0, ArenaEnd end = ArenaEnd::kLow);
   // One tensor's bytes as adjacent extents ("pieces"), so that a part of a tensor larger
   // than a bucket can be paged on its own: pieces[i] bytes each, one after the other from
   // one address, every piece but the last a positive multiple of 4 KiB (so that each
   // starts a file block and its own pages). Each piece is an extent as create() makes
   // (paged, stored and released on its own). Returns their ids in address order. Errors
   // as create(), and UsageError for empty or misaligned pieces; nothing is created then.
-  std::vector<ExtentId> create_pieces(const std::vector<size_t>& pieces, unsigned store = 0);
+  std::vector<ExtentId> create_pieces(const std::vector<size_t>& pieces, unsigned store = 0,
+                                     ArenaEnd end = ArenaEnd::kLow);
   // The UsageErrors of create_pieces() that depend on the pieces alone (misaligned or no
   // pieces, more bytes than the arena), raised before any store is opened; returns their
   // total bytes. Thread-safe: reads only what construction fixed.

@@ -59,7 +59,9 @@ Pool::~Pool() {
   }
 }
 
-uintptr_t Pool::allocate(size_t bytes, size_t align) { return arena_.allocate(bytes, align); }
+uintptr_t Pool::allocate(size_t bytes, size_t align, ArenaEnd end) {
+  return arena_.allocate(bytes, align, end);
+}
 
 void Pool::free(uintptr_t addr) { arena_.free(addr); }
 

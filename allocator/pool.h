@@ -56,7 +56,7 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   // Address ranges; nothing is mapped by these.
-  uintptr_t allocate(size_t bytes, size_t align);
+  uintptr_t allocate(size_t bytes, size_t align, ArenaEnd end = ArenaEnd::kLow);
   void free(uintptr_t addr);
   void split(uintptr_t addr, size_t offset) { arena_.split(addr, offset); }
   bool contains(uintptr_t addr, size_t bytes) const;

@@ -439,8 +439,12 @@ PYBIND11_MODULE(_C, m) {
       .def("empty",
            [](PyPager& self, std::vector<int64_t> shape, at::ScalarType scalar,
               const std::string& store, std::optional<std::vector<int64_t>> strides,
-              std::optional<std::vector<size_t>> pieces) {
+              std::optional<std::vector<size_t>> pieces, const std::string& arena_end) {
              const size_t bytes = tensor_bytes(shape, strides, scalar);
+             if (arena_end != "low" && arena_end != "high") {
+               throw UsageError("Pager.empty: arena_end " + arena_end +
+                                ": use 'low' (the default) or 'high'");
+             }
              std::vector<size_t> sizes = pieces.value_or(std::vector<size_t>{bytes});
              const size_t total = self.pager->check_pieces(sizes);  // before the store opens
              if (total != bytes) {
@@ -449,7 +453,8 @@ PYBIND11_MODULE(_C, m) {
                                 ": the pieces must add up to the tensor's bytes");
              }
              const std::vector<ExtentId> ids =
-                 self.pager->create_pieces(sizes, self.pager->open_store(store));
+                 self.pager->create_pieces(sizes, self.pager->open_store(store),
+                                           arena_end == "high" ? ArenaEnd::kHigh : ArenaEnd::kLow);
              std::shared_ptr<Pager> keep = self.pager;
              // Pager::release waits for no bucket (a tensor still paging is freed when its
              // bucket completes), only for the device's queued work where the tensor was
@@ -479,7 +484,8 @@ PYBIND11_MODULE(_C, m) {
              return t;
            },
            py::arg("shape"), py::arg("dtype"), py::arg("store") = "",
-           py::arg("strides") = py::none(), py::arg("pieces") = py::none())
+           py::arg("strides") = py::none(), py::arg("pieces") = py::none(),
+           py::arg("arena_end") = "low")
       // Host memory the device's copies reach directly (Device::alloc_staging: pinned on
       // CUDA), exactly `nbytes` rounded to 4 KiB: torch's pinned allocator would round each
       // allocation up to a power of two. Freed with the tensor; the pager outlives it.

@@ -111,6 +111,26 @@ def test_scratch_comes_in_with_the_buckets_page_in(store_dir, moments, mains):
         assert 0 < opt.binding.last.peak_mapped_bytes <= opt.binding.window_bytes
 
 
+def test_stored_forms_pack_apart_from_their_working_tensors(store_dir):
+    """Every bucket's stored forms lie one after another at the arena's top, apart from the
+    fp32 working tensors made beside them at the first step (the moments) or before it
+    (the mains), so that a step's page-ins touch no page for bytes it does not bring."""
+    m = model()
+    with Pager(store_dir, page_size=64 * KiB) as pager:
+        opt = PagedAdamW(m.parameters(), pager=pager, lr=1e-3, bucket_size=128 * KiB,
+                         moments="q8", mains="residual")
+        train(m, opt, 2)
+        assert len(opt.binding.buckets) >= 3
+        spans = lambda ts: sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                                  for t in ts)
+        stored = spans(t for b in opt.binding.buckets for t in b.stored)
+        working = spans(t for b in opt.binding.buckets for t in b.working)
+        assert stored and working
+        assert max(end for _, end in working) <= stored[0][0]
+        gaps = [b[0] - a[1] for a, b in zip(stored, stored[1:])]
+        assert all(0 <= g < 4 * KiB for g in gaps), gaps  # what 4 KiB alignment leaves
+
+
 def stored_bytes(opt) -> list:
     """Copies of every stored tensor of the optimizer's state (not decoded)."""
     return [t.clone() for b in opt.binding.stored_in_buckets() for t in b.stored]

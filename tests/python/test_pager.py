@@ -49,6 +49,22 @@ def test_overwrite_maps_scratch_without_a_zero_fill(store_dir):
             p.page_in_async([], overwrite=[torch.zeros(3)])
 
 
+def test_arena_end_places_tensors_apart(store_dir):
+    with Pager(store_dir, page_size=64 * KiB) as p:
+        low = [p.empty(1000) for _ in range(2)]
+        high = [p.empty(1000, arena_end="high") for _ in range(2)]
+        assert low[1].data_ptr() == low[0].data_ptr() + 4 * KiB  # first fit, upwards
+        assert high[1].data_ptr() == high[0].data_ptr() - 4 * KiB  # last fit, downwards
+        assert high[1].data_ptr() - low[1].data_ptr() > (1 << 30)
+        p.page_in(high)
+        high[0].fill_(2.0)
+        p.page_out(high)
+        p.page_in(high[0])
+        assert bool((high[0] == 2.0).all())  # paged as any other
+        with pytest.raises(statepager.UsageError, match="arena_end"):
+            p.empty(10, arena_end="top")
+
+
 @pytest.mark.parametrize("page_size", [64 * KiB, 2 * MiB])
 def test_round_trip_is_bit_exact_with_identity_kept(store_dir, page_size):
     gen = torch.Generator().manual_seed(1)

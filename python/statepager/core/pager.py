@@ -134,17 +134,20 @@ class Pager:
 
     def empty(self, *shape, dtype: torch.dtype = torch.float32, store: str = "",
               strides: Sequence[int] | None = None,
-              pieces: Sequence[int] | None = None) -> torch.Tensor:
+              pieces: Sequence[int] | None = None, arena_end: str = "low") -> torch.Tensor:
         """A deferred tensor: address reserved, no memory and no I/O until page_in().
         `store`: the store its bytes go to ("" the default one); `strides`: its layout
         (None: contiguous); `pieces`: byte sizes of consecutive parts of its bytes paged
         on their own through views (services.piece_views), all but the last multiples of
-        4 KiB."""
+        4 KiB; `arena_end`: "low" (first fit from the arena's bottom) or "high" (from its
+        top): tensors paged together share pages best with nothing else between them
+        (Note [Stored forms pack at the arena's top])."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
         return self._core.empty(args.shape(shape), args.dtype(dtype), args.text("store", store),
                                 None if strides is None else args.shape(strides, "strides"),
-                                None if pieces is None else args.integers("pieces", pieces))
+                                None if pieces is None else args.integers("pieces", pieces),
+                                args.choice("arena_end", arena_end, ("low", "high")))
 
     def empty_like(self, t: torch.Tensor, dtype: torch.dtype | None = None,
                    pieces: Sequence[int] | None = None) -> torch.Tensor:

@@ -56,19 +56,22 @@ class StoredForm:
         def pieces(size_of) -> list[int] | None:
             return None if bounds is None else [size_of(stop - start) for start, stop in bounds]
 
+        def empty(numel, dtype, size_of):  # Note [Stored forms pack at the arena's top]
+            return pager.empty(numel, dtype=dtype, pieces=pieces(size_of), arena_end="high")
+
         if fmt == "fp32":
             self.tensors = [working]
         elif fmt == "bf16":
-            self.tensors = [pager.empty(n, dtype=torch.bfloat16, pieces=pieces(lambda k: 2 * k))]
+            self.tensors = [empty(n, torch.bfloat16, lambda k: 2 * k)]
         elif fmt == "q8":
-            self.tensors = [pager.empty(n, dtype=torch.uint8, pieces=pieces(lambda k: k)),
-                            pager.empty(codecs.q8_num_blocks(n), dtype=torch.float32,
-                                        pieces=pieces(lambda k: 4 * codecs.q8_num_blocks(k)))]
+            self.tensors = [empty(n, torch.uint8, lambda k: k),
+                            empty(codecs.q8_num_blocks(n), torch.float32,
+                                  lambda k: 4 * codecs.q8_num_blocks(k))]
         elif fmt == "residual":
             if model_param is None or model_param.dtype != torch.bfloat16:
                 raise ValueError("the 'residual' mains format needs a bf16 model parameter "
                                  "for every master: use mains='fp32' for this model")
-            self.tensors = [pager.empty(n, dtype=torch.int16, pieces=pieces(lambda k: 2 * k))]
+            self.tensors = [empty(n, torch.int16, lambda k: 2 * k)]
         else:
             raise ValueError(f"unknown format {fmt!r}: use one of {MOMENT_FORMATS + MAIN_FORMATS}")
 
