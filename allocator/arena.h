@@ -1,4 +1,4 @@
-// Arena: first-fit allocator of address ranges inside one reservation.
+// Arena: allocator of address ranges inside one reservation, from either end.
 //
 // The arena hands out ranges; it never touches memory. Neighbouring allocations are
 // neighbours in the address space, so small tensors share pages. Allocations come from

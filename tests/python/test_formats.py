@@ -121,8 +121,9 @@ def test_stored_forms_pack_apart_from_their_working_tensors(store_dir):
                          moments="q8", mains="residual")
         train(m, opt, 2)
         assert len(opt.binding.buckets) >= 3
-        spans = lambda ts: sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                                  for t in ts)
+
+        def spans(ts):
+            return sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts)
         stored = spans(t for b in opt.binding.buckets for t in b.stored)
         working = spans(t for b in opt.binding.buckets for t in b.working)
         assert stored and working
