@@ -54,8 +54,10 @@ def test_environment_gives_defaults_and_flags_win():
            "STATEPAGER_MOMENTS": "bf16", "STATEPAGER_HOST_BUDGET": "2G"}
     assert options_from(parse([], env)) == Options("/env/sp", hbm_budget=1 << 30,
                                                    host_budget=2 << 30, moments="bf16")
-    o = options_from(parse(["--statepager-moments", "q8", "--statepager-dir", "/flag"], env))
+    o = options_from(parse(["--statepager-moments", "q8", "--statepager-dir", "/flag",
+                            "--statepager-stationary-bytes", "2G"], env))
     assert (o.directory, o.moments, o.hbm_budget) == ("/flag", "q8", 1 << 30)
+    assert o.stationary_bytes == 2 << 30
 
 
 @pytest.mark.parametrize("var, value, words", [
@@ -63,6 +65,7 @@ def test_environment_gives_defaults_and_flags_win():
     ("STATEPAGER_HBM_BUDGET", "0", "more than 0"),
     ("STATEPAGER_HOST_BUDGET", "8X", "not a size"),
     ("STATEPAGER_DEPTH", "1", "at least 2"),
+    ("STATEPAGER_STATIONARY_BYTES", "most", "not a size"),
     ("STATEPAGER_MOMENTS", "int4", "fp32, bf16, q8"),
 ])
 def test_bad_environment_value_names_the_variable(var, value, words):

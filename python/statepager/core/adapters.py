@@ -18,7 +18,8 @@ from statepager import _C
 class Adapter:
     name: str                          # e.g. "Megatron", for error messages
     matches: Callable[[object], bool]  # whether the optimizer is one of its framework's
-    # attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, atomic)
+    # attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, atomic,
+    #        stationary_bytes)
     attach: Callable
     # Pager.attach options it sets itself per parameter: passing them is refused.
     sets: tuple = ()

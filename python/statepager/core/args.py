@@ -204,6 +204,18 @@ def bucketing(bucket_size, depth) -> tuple[int | None, int | None]:
             optional_integer("depth", depth, minimum=2))
 
 
+def stationary(stationary_bytes, atomic) -> int:
+    """attach()'s stationary_bytes (bytes, at least 0) with its atomic (atomicity()):
+    an all-or-nothing step writes every bucket before it commits."""
+    nbytes = integer("stationary_bytes", stationary_bytes)
+    if nbytes and atomic == "step":
+        raise _C.UsageError(
+            f"stationary_bytes = {nbytes} keeps buckets mapped between steps, which "
+            "all-or-nothing steps (atomic='step') cannot: their commit needs every bucket "
+            "written. Use atomic='bucket' (resumable, the default) or stationary_bytes=0")
+    return nbytes
+
+
 def parse_size(text: str) -> int:
     """'4G', '512M', '1.5GiB', '1048576' -> bytes (binary units: K = 1024); ValueError for
     anything else."""

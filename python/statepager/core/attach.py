@@ -11,7 +11,9 @@ raises leaves each bucket stepped or not, and the next step() finishes it
 (statepager.core.resumable); True or "step" makes it all or nothing: one that raises
 changes nothing (statepager.core.atomic; the store and the host tier need room for a
 second copy of the state); False steps in place, and a failed step may leave a bucket
-partly stepped. Either atomic kind's retry steps once. A parameter
+partly stepped. Either atomic kind's retry steps once. stationary_bytes: the first
+buckets whose stored forms take at most this many bytes stay mapped between steps, within
+hbm_budget, and move no byte (Note [Stationary buckets]; not with atomic="step"). A parameter
 whose state is larger than bucket_size steps in chunks of consecutive elements over
 consecutive buckets when the optimizer's step is torch's Adam step and its pager tensors
 are made of pieces (statepager.core.slices; the binding makes the state so; an fp32
@@ -44,7 +46,7 @@ from statepager.core.binding import StreamedOptimizer
 
 
 def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, name, atomic,
-           hooks=None, bind=True):
+           stationary_bytes=0, hooks=None, bind=True):
     """Pager.attach, under the Pager's lock: the binding (a StreamedOptimizer, or an
     adapter's own for an optimizer of another framework), which Pager.attach records.
     Every argument is checked before anything is made: the binding's store
@@ -52,6 +54,7 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, n
     bucket_size, depth = args.bucketing(bucket_size, depth)
     log_steps, atomic = args.flag("log_steps", log_steps), args.atomicity(atomic)
     moments, mains = args.formats(moments, mains)
+    stationary_bytes = args.stationary(stationary_bytes, atomic)
     hooks = Hooks.of(hooks)
     name = args.optimizer_name(name)
     pager.services.check_not_paused("attach()")
@@ -64,7 +67,7 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, n
                                               "hooks": hooks.given() or None})
         return adapter.attach(pager, optimizer, bucket_size=bucket_size, depth=depth,
                               log_steps=log_steps, moments=moments, mains=mains,
-                              atomic=atomic)
+                              atomic=atomic, stationary_bytes=stationary_bytes)
     args.optimizer(optimizer)
     guard.refuse_model_params(pager, optimizer)
     name = f"opt{len(pager.bindings)}" if name is None else name
@@ -73,4 +76,5 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, n
                             "Pager: give each attach() its own name")
     return StreamedOptimizer(pager, optimizer, hooks, bucket_size=bucket_size, depth=depth,
                              log_steps=log_steps, moments=moments, mains=mains,
-                             name=name, atomic=atomic, bind=bind)
+                             name=name, atomic=atomic, stationary_bytes=stationary_bytes,
+                             bind=bind)

@@ -62,7 +62,7 @@ class StreamedOptimizer:
                  bucket_size: int | None, depth: int | None, log_steps: bool,
                  moments: str = "fp32",
                  mains: str = "fp32", name: str = "opt0", atomic: str | bool = "bucket",
-                 bind: bool = True):
+                 stationary_bytes: int = 0, bind: bool = True):
         # Pager.attach checked the arguments.
         if optimizer in _attached:
             raise _C.UsageError("this optimizer is already attached to a Pager")
@@ -82,7 +82,7 @@ class StreamedOptimizer:
         # None: chosen from the page size and the budget (statepager.core.defaults).
         chosen = defaults.bucketing(pager.page_size, pager.hbm_budget, bucket_size, depth)
         self._planner = Planner(self._layout, bucket_size=chosen[0], depth=chosen[1],
-                                hooks=hooks)
+                                hooks=hooks, stationary_bytes=stationary_bytes)
         self._stepper = BucketStepper(self._layout, hooks)
         self._steps = Steps(self, self._layout, self._planner, self._stepper, undo, name=name,
                             hooks=hooks, atomic=atomic, log_steps=log_steps,
@@ -146,6 +146,7 @@ class StreamedOptimizer:
     @serialized
     def atomic(self, value) -> None:
         value = args.atomicity(value)
+        args.stationary(self._planner.stationary_bytes, value)
         if value == "step" and self.overlap is not None:
             raise _C.UsageError("atomic='step' cannot step under the forward: call "
                                 "overlap_forward(...).remove() first")
@@ -218,7 +219,7 @@ class StreamedOptimizer:
     def state_changed(self) -> None:
         """Paged state entries were added or replaced outside a step (a checkpoint load):
         the buckets take them in."""
-        self.end_begun_step()
+        self.to_rest()
         for b in self.buckets:
             self._layout.fill(b)
         self.pager.services.keep_at_least(self._planner.window())
@@ -267,7 +268,7 @@ class StreamedOptimizer:
         (for state_dict(), load_state_dict() and checkpoints through the device, which
         read and write whole state entries: one such parameter's state is resident at
         once, beyond the step's window)."""
-        self.end_begun_step()
+        self.to_rest()
         yield from self._planner.whole(self.buckets)
 
     # -- the state between steps, bucket by bucket -----------------------------------
@@ -310,7 +311,7 @@ class StreamedOptimizer:
         rebuild_mains: the caller overwrites the masters from changed model params, so
         their stored form is not checked against them. See Note
         [Reads and loads in the step's pieces] in docs/design.md."""
-        self.end_begun_step()
+        self.to_rest()
         pager = self.pager
         for b in self.buckets:
             if write:
@@ -415,6 +416,12 @@ class StreamedOptimizer:
         waited for and their pages dropped, nothing written. Lets go of the state read
         since the last step (statepager.core.state_access)."""
         self._steps.end_begun()
+
+    @serialized
+    def to_rest(self) -> None:
+        """end_begun_step(), then the stationary buckets paged out, for what reads or
+        replaces the state whole (Note [Stationary buckets])."""
+        self._steps.to_rest()
 
 
     # -- steps under the forward (statepager.core.overlap) -------------------------

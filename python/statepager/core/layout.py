@@ -39,6 +39,16 @@ class StateLayout:
         self._forms: dict[int, dict[str, StoredForm]] = {}
         self._forms_from: dict[int, tuple] = {}
 
+    def mirror(self):
+        """What a failed step rewrites from restored fp32 masters: their model parameters
+        (the model_param hook; None with residual mains)."""
+        return self.hooks.model_param if self.mains == "fp32" else None
+
+    def fused_groups(self) -> tuple | None:
+        """What decides, per param group, whether the fused step may run it (None without
+        it): a step begun under other options starts again."""
+        return self.fused.groups_key() if self.fused else None
+
     def resident(self, p) -> bool:
         """True for parameters whose state stays in ordinary memory (keep_resident)."""
         keep = self.hooks.keep_resident

@@ -28,7 +28,8 @@ class PagedAdamW(torch.optim.AdamW):
                  weight_decay=1e-2, amsgrad=False, foreach=None, fused=None,
                  bucket_size: int | None = None, depth: int | None = None,
                  log_steps: bool = False,
-                 moments: str = "fp32", mains: str = "fp32", atomic="bucket"):
+                 moments: str = "fp32", mains: str = "fp32", atomic="bucket",
+                 stationary_bytes: int = 0):
         # Every argument is checked before the masters (pager tensors) are made.
         if not isinstance(pager, Pager):
             raise _C.UsageError(f"pager must be a statepager.Pager, not "
@@ -37,6 +38,7 @@ class PagedAdamW(torch.optim.AdamW):
         bucket_size, depth = args.bucketing(bucket_size, depth)
         log_steps, atomic = args.flag("log_steps", log_steps), args.atomicity(atomic)
         moments, mains = args.formats(moments, mains)
+        stationary_bytes = args.stationary(stationary_bytes, atomic)
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                      amsgrad=args.flag("amsgrad", amsgrad),
                      foreach=args.optional_flag("foreach", foreach),
@@ -57,7 +59,7 @@ class PagedAdamW(torch.optim.AdamW):
         super().__init__(master_groups, **hyper)
         self.binding = pager.attach(
             self, bucket_size=bucket_size, depth=depth, log_steps=log_steps, moments=moments,
-            mains=mains, atomic=atomic, hooks=Hooks(
+            mains=mains, atomic=atomic, stationary_bytes=stationary_bytes, hooks=Hooks(
                 before_bucket=self._load_grads, after_bucket=self._store_params,
                 model_param=self.model_param, before_chunk=self._load_grads_of_chunk,
                 after_chunk=self._store_chunk))

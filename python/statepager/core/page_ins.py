@@ -17,13 +17,17 @@ class PageIns:
     resident (residency.incoming: its stored forms, then its scratch); `outs`: the
     pipeline's page-out handles per bucket stepped, oldest first, waited for (and popped)
     to make room; `counting`: its ExceptionCounts; `follows`: the Pipeline whose
-    page-outs the page-ins follow (Pipeline.released), or None. Used under the Pager's
-    lock, like Room."""
+    page-outs the page-ins follow (Pipeline.released), or None; `stationary[j]`: bucket
+    j stays mapped between steps (Note [Stationary buckets]): its stored forms hold no
+    room (the window keeps theirs apart) and are paged in to be written, not for a read.
+    Used under the Pager's lock, like Room."""
 
     def __init__(self, pager, buckets: list, incoming: list, room: Room, new_pages, *,
-                 ahead: int, for_read: bool, read_ahead: int, outs, counting, follows):
+                 ahead: int, for_read: bool, read_ahead: int, outs, counting, follows,
+                 stationary: list):
         self.pager, self.buckets, self.room = pager, buckets, room
         self.ahead, self.follows = ahead, follows
+        self.stationary = stationary
         cut = [len(b.stored) for b in buckets]
         self._stored = [x[:n] for x, n in zip(incoming, cut)]
         self._scratch = [x[n:] for x, n in zip(incoming, cut)]
@@ -43,7 +47,8 @@ class PageIns:
         of its state yet to be created."""
         counted = self._counted.get(j)
         if counted is None:
-            counted = self.room.count(self._stored[j], self._new_pages(self.buckets[j]))
+            counted = (([], 0) if self.stationary[j] else
+                       self.room.count(self._stored[j], self._new_pages(self.buckets[j])))
             self._counted[j] = counted
         return counted
 
@@ -146,11 +151,15 @@ class PageIns:
     def _page_in(self, j: int) -> None:
         """Issues bucket j's page-in, and the read-aheads past it."""
         pager, buckets, aheads = self.pager, self.buckets, self.aheads
-        self.handles[j] = pager.page_in_async(self._stored[j], for_read=self._for_read)
+        # A stationary bucket is not handed back where its step fails (its undo copies
+        # put it back), and what is paged in for a read would go back to stale bytes.
+        self.handles[j] = pager.page_in_async(self._stored[j],
+                                              for_read=self._for_read and not self.stationary[j])
         self.room.hold(j, self.holds(j))
         self.due = j + 1
         for k in range(max(j + 1, max(aheads, default=0) + 1),
                        min(j + self._read_ahead + 1, len(buckets))):
             if not self._released(k):
                 break  # read ahead by a later page-in's call
-            aheads[k] = pager.read_ahead_async(buckets[k].stored)
+            if not self.stationary[k]:
+                aheads[k] = pager.read_ahead_async(buckets[k].stored)

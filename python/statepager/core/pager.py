@@ -297,14 +297,15 @@ class Pager:
     def attach(self, optimizer, *, bucket_size: int | None = None, depth: int | None = None,
                moments: str = "fp32", mains: str = "fp32", atomic="bucket",
                name: str | None = None, hooks=None, log_steps: bool = False,
-               bind: bool = True):
+               stationary_bytes: int = 0, bind: bool = True):
         """Streams `optimizer`'s state through this pager: each step pages buckets of
         about `bucket_size` bytes in, steps them and pages them out, within the pages of
         `depth` consecutive buckets (None: chosen to fit hbm_budget). Returns its binding. The
         keywords (bind=False: planned; its bind() attaches it): statepager.core.attach."""
         return attach.attach(
             self, optimizer, bucket_size=bucket_size, depth=depth, log_steps=log_steps,
-            moments=moments, mains=mains, name=name, atomic=atomic, hooks=hooks, bind=bind)
+            moments=moments, mains=mains, name=name, atomic=atomic,
+            stationary_bytes=stationary_bytes, hooks=hooks, bind=bind)
 
     @property
     def bindings(self) -> tuple:
@@ -344,7 +345,7 @@ class Pager:
         once and touches nothing of the parent's (store, lock, threads, memory)."""
         self._core.check_owner()
         try:
-            self.services.end_begun_steps()
+            self.services.end_begun_steps(to_rest=False)
         finally:
             self._core.close()
         scope.retire_pool_of(id(self))

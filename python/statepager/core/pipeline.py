@@ -82,9 +82,14 @@ class Pipeline:
         self._followed: dict | None = None  # the stats() where a step following it began
         # The window, within hbm_budget beside the residual masters' scratch held apart
         # (the window planned before the state existed may have been less than it is).
+        # The stationary buckets' stored forms (Note [Stationary buckets]) are mapped apart
+        # from the room its page-ins share, for the buckets of its plan, stepped or not.
         window, held_bytes = planner.window_parts()
+        apart = held_bytes + planner.stationary_pages() * page
         budget = self.before["hbm_budget"]
-        limit = (window if budget is None else min(window, budget - held_bytes)) // page
+        limit = (window if budget is None else min(window, budget - apart)) // page
+        kept = {id(b) for b in planner.stationary_buckets()}
+        self.stationary = [id(b) in kept for b in buckets]
         room = follows.page_ins.room if follows is not None else Room(limit, page)
         room.limit = limit  # shared: this plan's window from now on
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
@@ -111,7 +116,8 @@ class Pipeline:
         self.page_ins = PageIns(pager, buckets, self.incoming, room, planner.new_pages,
                                 ahead=self.ahead, for_read=self._for_read,
                                 read_ahead=read_ahead, outs=self._outs,
-                                counting=self._counting, follows=follows)
+                                counting=self._counting, follows=follows,
+                                stationary=self.stationary)
         # All or nothing: residual masters' params checked once the last bucket stepped.
         self._checks = ParamChecks() if isinstance(atomic, AtomicStep) else None
         self._open: int | None = None  # the bucket between its page-in's wait and page-out
@@ -279,12 +285,17 @@ class Pipeline:
         self._open = None  # stepped: whole, resident until its page-out lands
         if self._for_read:
             atomic.stepped(b)
-        handles = residency.release(self.pager, b, wait=False, keep=held,
-                                    reuse_after=self._sched.reuse_after(i))
+        if self.stationary[i]:  # its stored forms stay mapped: its scratch dropped alone
+            drop = residency.dropped(b, held)
+            handles = [self.pager.discard_async(drop)] if drop else []
+            self._done_out.append(_NOTHING_WRITTEN)
+        else:
+            handles = residency.release(self.pager, b, wait=False, keep=held,
+                                        reuse_after=self._sched.reuse_after(i))
+            self._done_out.append(handles[0])
         self._outs.append(handles)
         self._landing[id(b)] = handles
         self._hold_until_landed(i, held, handles)
-        self._done_out.append(handles[0])
         t0 = time.monotonic()
         if self._next < n:  # mapped while this bucket's work runs
             page_ins.scratch(self._next, wait=False)
@@ -293,11 +304,15 @@ class Pipeline:
 
     def _hold_until_landed(self, i: int, held: list, handles: list) -> None:
         """Bucket i, stepped and released (`handles`), holds its stored forms' pages until
-        its page-out lands and its dropped scratch's (what its page-in mapped, or all of it
-        where the step made its state) until its discard does."""
+        its page-out lands (a stationary bucket's are kept apart) and its dropped
+        scratch's (what its page-in mapped, or all of it where the step made its state)
+        until its discard does."""
         window, b = self.page_ins.room, self.buckets[i]
         window.let_go(i)
-        window.hold_until("page-outs", handles[0], window.count(b.stored))
+        if self.stationary[i]:
+            handles = [None, *handles]
+        else:
+            window.hold_until("page-outs", handles[0], window.count(b.stored))
         if len(handles) > 1:  # its scratch, but what ExceptionCounts holds
             scratch = residency.dropped(b, held)
             if not self.page_ins.holds(i)[1]:  # the fused step's moments have none mapped
@@ -344,9 +359,13 @@ class Pipeline:
         abort returns theirs)."""
         if not self._for_read:
             return
-        buckets = [self.buckets[k] for k in indices]
         try:
-            residency.to_rest(self.pager, buckets, unchanged=True)
+            residency.to_rest(self.pager, [self.buckets[k] for k in indices
+                                           if not self.stationary[k]], unchanged=True)
+            # A stationary bucket stays mapped: its scratch dropped, its stored forms as
+            # its undo copies were (put_back), where it was stepping.
+            self.pager.discard_async([t for k in indices if self.stationary[k]
+                                      for t in self.buckets[k].working]).wait()
             self.atomic.put_back()
         except BaseException as failed:
             if error is None:
@@ -410,6 +429,14 @@ class _Schedule:
 
     def reuse_after(self, i: int) -> int:
         return max(1, self._step + self._issued[i] - self._now[i])
+
+
+class _NothingWritten:
+    """A stationary bucket's page-out in the step's timeline: nothing moved."""
+    times = (0.0, 0.0)
+
+
+_NOTHING_WRITTEN = _NothingWritten()
 
 
 def _settle(handles) -> None:

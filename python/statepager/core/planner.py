@@ -26,9 +26,15 @@ class Planner:
     """The plan of one binding: its buckets, filled (StateLayout.fill), and the param
     groups' layout they were made for."""
 
-    def __init__(self, layout: StateLayout, *, bucket_size: int, depth: int, hooks: Hooks):
+    def __init__(self, layout: StateLayout, *, bucket_size: int, depth: int, hooks: Hooks,
+                 stationary_bytes: int = 0):
         self.layout = layout
         self.bucket_size, self.depth = bucket_size, depth
+        # The first buckets whose stored forms take at most this many bytes at rest stay
+        # mapped between steps (Note [Stationary buckets]); `stationary` of them in the plan.
+        self.stationary_bytes = stationary_bytes
+        self.stationary = 0
+        self._stationary_pages = 0  # stationary_pages() as last counted
         self.hooks = hooks  # chunks need chunk hooks beside bucket hooks
         self.buckets: list[Bucket] = []
         # None: buckets in param-group order, small parameters dealt over them
@@ -71,8 +77,28 @@ class Planner:
             layout.fill(b, to_store)
         self._planned_for = self.groups_layout()
         self.buckets = buckets
+        self.stationary = self._stationary_count(buckets)
         self._pages_of = {}
         return buckets
+
+    def _stationary_count(self, buckets: list[Bucket]) -> int:
+        """How many of the first buckets take at most stationary_bytes at rest (state yet
+        to be created estimated as the plan estimates it)."""
+        layout, total, count = self.layout, 0, 0
+        groups = layout.optimizer.param_groups
+        for b in buckets if self.stationary_bytes else ():
+            total += sum(layout.planned_bytes(p, groups[g], at_rest=True)
+                         for g, params in enumerate(b.groups) for p in params)
+            total += sum(layout.planned_bytes(c.param, groups[c.group], at_rest=True)
+                         * (c.stop - c.start) // c.param.numel() for c in b.chunks)
+            if total > self.stationary_bytes:
+                break
+            count += 1
+        return count
+
+    def stationary_buckets(self) -> list[Bucket]:
+        """The plan's first `stationary` buckets, which stay mapped between steps."""
+        return self.buckets[:self.stationary]
 
     def _chunking(self, p, nbytes: int) -> list[tuple[int, int]] | None:
         """The chunks p steps in when its `nbytes` are more than a bucket and it can: the
@@ -137,9 +163,21 @@ class Planner:
                     yield whole
 
     def window(self) -> int:
-        """Physical bytes the step's pipeline maps at most (window_parts)."""
+        """Physical bytes the step's pipeline maps at most (window_parts), the stationary
+        buckets' stored forms included."""
         bucket, held_bytes = self.window_parts()
-        return bucket + held_bytes
+        return bucket + held_bytes + self.stationary_pages() * self.layout.pager.page_size
+
+    def stationary_pages(self) -> int:
+        """The pages the stationary buckets' stored forms map (state yet to be created
+        counted as _pages counts it)."""
+        page = self.layout.pager.page_size
+        try:
+            self._stationary_pages = _held([(page_runs(b.stored, page), self.new_pages(b))
+                                            for b in self.stationary_buckets()])
+        except RuntimeError:  # a closed Pager's tensors have no data: as last counted
+            pass
+        return self._stationary_pages
 
     def refuse_a_window_over(self, budget: int | None) -> None:
         """UsageError when the pipeline's window is more than hbm_budget (None: none)."""
@@ -149,6 +187,10 @@ class Planner:
         residual = (f" + the residual masters' scratch of {ExceptionCounts.LAG} buckets, "
                     f"held until their exceptions are counted ({held / MiB:.0f} MiB)"
                     if held else "")
+        stationary = window - buckets - held
+        if stationary:
+            residual += (f" + the stored forms of the {self.stationary} stationary buckets "
+                         f"({stationary / MiB:.0f} MiB: lower stationary_bytes)")
         raise _C.UsageError(
             f"hbm_budget {budget / MiB:.0f} MiB cannot hold the step's pipeline: the pages "
             f"of {self.depth} consecutive buckets of {self.bucket_size / MiB:g} MiB, each "
@@ -163,10 +205,11 @@ class Planner:
 
     def window_parts(self) -> tuple[int, int]:
         """The pages `depth` consecutive buckets map at most, each page they share counted
-        once (see Note [The window counts the pages its buckets touch]), and the residual
+        once (see Note [The window counts the pages its buckets touch]; a stationary
+        bucket's stored forms counted apart, stationary_pages), and the residual
         masters' scratch of the last ExceptionCounts.LAG buckets stepped."""
         page = self.layout.pager.page_size
-        pages = [self._pages(b) for b in self.buckets]
+        pages = [self._pages(b, i < self.stationary) for i, b in enumerate(self.buckets)]
         depth = min(self.depth, len(pages))
         window = max((_held(pages[i:i + depth]) for i in range(len(pages) - depth + 1)),
                      default=0)
@@ -175,15 +218,17 @@ class Planner:
         held_bytes = ExceptionCounts.LAG * (scratch + 2 * page) if scratch else 0
         return window * page, held_bytes
 
-    def _pages(self, b: Bucket) -> tuple[list, int]:
+    def _pages(self, b: Bucket, stationary: bool = False) -> tuple[list, int]:
         """The pages bucket b's step maps: (the runs of pages its incoming tensors touch,
         by address, as sorted disjoint (first, last) pairs; the pages of state yet to be
         created, planned beyond them: its bytes in whole pages and two more, as the arena
         makes a bucket's new state in one or two runs, its tensors one after another or
-        around a hole). Counted anew each time (one call into C++), kept for a closed
-        Pager, whose tensors have no data."""
+        around a hole); of a stationary bucket, its scratch's alone. Counted anew each
+        time (one call into C++), kept for a closed Pager, whose tensors have no data."""
         try:
-            counted = (page_runs(b.incoming, self.layout.pager.page_size), self.new_pages(b))
+            counted = ((page_runs(b.incoming[len(b.stored):], self.layout.pager.page_size), 0)
+                       if stationary else
+                       (page_runs(b.incoming, self.layout.pager.page_size), self.new_pages(b)))
         except RuntimeError:
             if id(b) not in self._pages_of:
                 raise

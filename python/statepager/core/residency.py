@@ -98,11 +98,14 @@ def dropped(b: Bucket, keep=()) -> list:
     return [t for t in b.working if id(t) not in kept]
 
 
-def to_rest(pager, buckets: list, unchanged: bool = False) -> None:
+def to_rest(pager, buckets: list, unchanged: bool = False, staying=()) -> None:
     """The buckets' stored forms paged out and their scratch dropped, once a step that
     left some resident (its page-out failed) ends. unchanged: stored forms paged in
     for a read go back to their bytes at rest without a write
-    (pager.services.release_unchanged_async); the others are written."""
+    (pager.services.release_unchanged_async); the others are written. staying: buckets
+    left as they are (stationary: Note [Stationary buckets])."""
+    if staying:
+        buckets = [b for b in buckets if all(b is not s for s in staying)]
     stored = [t for b in buckets for t in b.stored]
     if unchanged:
         pager.services.release_unchanged_async(stored).wait()

@@ -55,9 +55,13 @@ class ResumableStep:
     page-out is issued, and put_back() after a failure."""
 
     def __init__(self, pager, optimizer, buckets: list, undo: UndoCopies,
-                 rebuild_mirror: Callable | None = None):
+                 rebuild_mirror: Callable | None = None, stationary=()):
+        """stationary: those of `buckets` that stay mapped between steps (Note [Stationary
+        buckets]): with no bytes at rest to go back to, their stored forms are among
+        their undo copies."""
         self.pager, self.optimizer, self.buckets = pager, optimizer, buckets
         self.undo, self.rebuild_mirror = undo, rebuild_mirror
+        self._stationary = {id(b) for b in stationary}
         self._stepped: set[int] = set()  # id() of the buckets stepped
         self._open: _Open | None = None
 
@@ -79,7 +83,9 @@ class ResumableStep:
                            copy_groups(self.optimizer.param_groups),
                            [(f, f.exceptions_as_set, f.fingerprint) for f in bucket.forms
                             if f.fmt == "residual"],
-                           undo_copies(bucket.undo_targets))
+                           undo_copies(bucket.undo_targets + bucket.stored
+                                       if id(bucket) in self._stationary
+                                       else bucket.undo_targets))
 
     def writing(self, bucket) -> None:
         """Before after_bucket: it may write model parameters."""

@@ -119,16 +119,21 @@ class PagerServices:
             raise _C.UsageError(f"this Pager is paused: call resume() first ({what} pages "
                                 "tensors in or out, and a paused Pager holds no memory)")
 
-    def end_begun_steps(self, finish: bool = False) -> None:
+    def end_begun_steps(self, finish: bool = False, to_rest: bool = True) -> None:
         """Ends the bindings' steps begun and not taken up (StreamedOptimizer.begin_step)
-        before what reads or moves all the state (pause, checkpoints, close), and lets
-        go of the state read since the last step (statepager.core.state_access); finish:
-        steps a failure left pending are finished first (StreamedOptimizer.finish_step)."""
+        and puts their stationary buckets at rest (StreamedOptimizer.to_rest) before what
+        reads or moves all the state (pause, checkpoints, close), and lets go of the state
+        read since the last step (statepager.core.state_access); finish:
+        steps a failure left pending are finished first (StreamedOptimizer.finish_step);
+        to_rest=False: the stationary buckets stay (close() drops them)."""
         self.reads.release()
         for binding in self.bindings if finish else ():
             binding.finish_step()
         for binding in self.bindings:
-            binding.end_begun_step()
+            if to_rest:
+                binding.to_rest()
+            else:
+                binding.end_begun_step()
 
     # -- the state at rest, between steps (statepager.checkpoint builds on these) ------
 

@@ -159,6 +159,8 @@ class Reads:
                 "param group): page it in with pager.page_in(t) to read it")
         if self.pager.is_resident(form.working) and key not in self._open:
             return value  # resident already (an optimizer stepping in place, or its owner's)
+        if any(self.pager.is_resident(t) for t in form.tensors):
+            binding.to_rest()  # a stationary bucket's: the read's epoch opens at rest
         tensors = form.tensors + ([form.working] if form.scratch else [])
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._make_room(nbytes, max(self.pager.keep, nbytes))

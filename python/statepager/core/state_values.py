@@ -108,7 +108,7 @@ class Undo:
     def __init__(self, binding):
         optimizer = binding.optimizer
         self.binding, self.state, self.groups = binding, optimizer.state, optimizer.param_groups
-        binding.end_begun_step()
+        binding.to_rest()  # the epoch opens over the state at rest
         self.forms = binding.forms_kept()
         self.epoch = begin_epoch_at_rest(binding.pager, binding.buckets)
 

@@ -66,7 +66,7 @@ class Steps:
         ended first) when they changed since the last plan."""
         if self.planner.changed():
             self.finish_pending()  # over the plan it started with
-            self.end_begun()
+            self.to_rest()
             for i, group in enumerate(self.layout.optimizer.param_groups):
                 self.layout.check_group(group, i)
             self.planner.plan()
@@ -267,6 +267,12 @@ class Steps:
             run, self._begun = self._begun, None
             run.end()
 
+    def to_rest(self) -> None:
+        """StreamedOptimizer.to_rest (Note [Stationary buckets])."""
+        self.end_begun()
+        with interrupts.deferred():
+            residency.to_rest(self.pager, self.planner.stationary_buckets())
+
     def _end_others_begun(self) -> None:
         """Ends the other bindings' begun steps on this Pager: their page-ins would take
         this step's room and count in its stats."""
@@ -274,23 +280,14 @@ class Steps:
             if binding is not self.owner:
                 binding.end_begun_step()
 
-    def _mirror(self):
-        """What AtomicStep rewrites from restored fp32 masters: their model parameters."""
-        return self.hooks.model_param if self.layout.mains == "fp32" else None
-
-    def _fused_groups(self) -> tuple | None:
-        """What decides, per param group, whether the fused step may run it (None without
-        it): a step begun under other options starts again."""
-        return self.layout.fused.groups_key() if self.layout.fused else None
-
     def _new_step(self) -> AtomicStep | ResumableStep:
         """The atomic step begin() or step() starts: a pending one, else a new one."""
         if self.atomic == "step":
-            return AtomicStep(self.owner, self.undo, self._mirror())
+            return AtomicStep(self.owner, self.undo, self.layout.mirror())
         if self.pending is not None:
             return self.pending
         return ResumableStep(self.pager, self.layout.optimizer, self.planned(), self.undo,
-                             self._mirror())
+                             self.layout.mirror(), self.planner.stationary_buckets())
 
     def start(self, atomic: AtomicStep | ResumableStep | None,
               follows: Pipeline | None = None) -> Pipeline:
@@ -301,13 +298,14 @@ class Steps:
         resumed = atomic is not None and atomic is self.pending
         if isinstance(atomic, ResumableStep):
             if follows is None:
-                residency.to_rest(self.pager, atomic.buckets, unchanged=True)
+                residency.to_rest(self.pager, atomic.buckets, unchanged=True,
+                                  staying=self.planner.stationary_buckets())
             buckets = atomic.remaining()
         else:
             buckets = self.planned()
         run = Pipeline(buckets, self.layout, self.planner, self.stepper, atomic,
                        step=self._steps + 1, host_budget=self.host_budget,
-                       fused_groups=self._fused_groups(), resumed=resumed, follows=follows)
+                       fused_groups=self.layout.fused_groups(), resumed=resumed, follows=follows)
         run.start()
         return run
 
@@ -333,7 +331,7 @@ class Steps:
     def _takes_up(self, run: Pipeline) -> bool:
         """Whether step() takes up the begun `run`: begun as it steps (a pending step
         finishing, or a new one of this binding's atomic kind), under the same options."""
-        if run.fused_groups != self._fused_groups():
+        if run.fused_groups != self.layout.fused_groups():
             return False
         if self.pending is not None:
             return run.atomic is self.pending
@@ -383,7 +381,7 @@ class Steps:
         try:
             run, self._begun = self._begun, None
             step = run.atomic if run is not None else AtomicStep(self.owner, self.undo,
-                                                                 self._mirror())
+                                                                 self.layout.mirror())
             snapshot = False
             try:
                 held.poll()

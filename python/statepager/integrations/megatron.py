@@ -62,8 +62,9 @@ from statepager.integrations.megatron_member import MegatronMember
 
 def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | None = None,
            log_steps: bool = False, moments: str = "fp32", mains: str = "fp32",
-           atomic="bucket"):
-    """Streams every member of `optimizer` through `pager`. Returns the MegatronBinding;
+           atomic="bucket", stationary_bytes: int = 0):
+    """Streams every member of `optimizer` through `pager` (stationary_bytes: the first
+    member's, Megatron's dense optimizer). Returns the MegatronBinding;
     refuses (UsageError) a megatron-core outside the supported range and configurations
     it cannot page exactly, before changing anything."""
     megatron_version.check_version()
@@ -80,7 +81,8 @@ def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | Non
             binding.members.append(MegatronMember(
                 pager, view, f"{i}-{kind}", begins_step=not binding.members,
                 bucket_size=bucket_size, depth=depth, log_steps=log_steps, moments=moments,
-                mains=mains, atomic=atomic))
+                mains=mains, atomic=atomic,
+                stationary_bytes=0 if binding.members else stationary_bytes))
     except BaseException:
         for m in reversed(binding.members):
             m.undo_adoption()

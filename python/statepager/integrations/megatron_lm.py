@@ -187,7 +187,8 @@ class Run:
         def attach():
             binding = self.pager.attach(optimizer, bucket_size=o.bucket_size, depth=o.depth,
                                         moments=o.moments, mains=o.mains,
-                                        atomic=o.attach_atomic())
+                                        atomic=o.attach_atomic(),
+                                        stationary_bytes=o.stationary_bytes)
             if o.overlap_forward == "on":
                 binding.overlap_forward(*model_chunks)
             return binding
@@ -203,7 +204,7 @@ class Run:
                   f"{o.host_budget or 'none'}, pages of {self.pager.page_size / MiB:g} MiB, "
                   f"buckets of {self.pager.bindings[0].bucket_size / MiB:g} MiB x "
                   f"{self.pager.bindings[0].depth}, moments {o.moments}, mains "
-                  f"{o.mains})",
+                  f"{o.mains}, stationary {o.stationary_bytes / MiB:g} MiB)",
                   flush=True)
         return optimizer
 

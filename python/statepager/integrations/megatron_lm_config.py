@@ -37,6 +37,7 @@ class Options:
     page_size: int | None = None    # None: chosen from the device and hbm_budget
     bucket_size: int | None = None  # None (and depth): chosen to fit hbm_budget
     depth: int | None = None
+    stationary_bytes: int = 0       # the first buckets' stored forms kept mapped
     moments: str = "fp32"
     mains: str = "fp32"
     atomic: str = "bucket"          # ATOMIC; attach_atomic() gives attach()'s value
@@ -66,6 +67,10 @@ _FLAGS = (
     ("depth", "STATEPAGER_DEPTH", "depth", "depth",
      "the step's window in buckets: the pages of this many consecutive buckets, at "
      "least 2 (default: 4, fewer to fit hbm_budget)"),
+    ("stationary-bytes", "STATEPAGER_STATIONARY_BYTES", "stationary_bytes", "size",
+     "optimizer state that stays on the device between steps, within hbm_budget: the "
+     "first buckets up to this many bytes at rest are never paged out, e.g. 2G (default: "
+     "none; needs --statepager-atomic bucket or off)"),
     ("moments", "STATEPAGER_MOMENTS", "moments", MOMENTS,
      "on-disk format of Adam's moments: fp32 (default, exact), bf16 or q8"),
     ("mains", "STATEPAGER_MAINS", "mains", MAINS,

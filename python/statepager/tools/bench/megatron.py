@@ -88,7 +88,7 @@ def bench_megatron(args) -> dict:
     drawn = timeline_config(args)
     model = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq",
                                            "micro_batch", "warmup", "steps",
-                                           "bucket_size", "depth", "page_size", "hbm_budget",
+                                           "bucket_size", "depth", "stationary_bytes", "page_size", "hbm_budget",
                                            "host_budget", "no_map_ram", "fio_jobs",
                                            "device_time", "checkpoint")}
     model["bucket"] = model.pop("bucket_size")  # the results' key, read by the reports
@@ -104,7 +104,8 @@ def bench_megatron(args) -> dict:
             bar.phase(f"{name}: {CONFIGS[name]['what']}")
             spec = dict(model, config=name, store=os.path.join(work, name), example=example())
             spec["page_size"], spec["depth"] = streaming(
-                CONFIGS[name].get("moments"), args.bucket_size, args.page_size, args.depth)
+                CONFIGS[name].get("moments"), args.bucket_size, args.page_size, args.depth,
+                CONFIGS[name].get("stationary", False))
             if name == drawn:
                 spec.update({k: getattr(args, k) and os.path.abspath(getattr(args, k))
                              for k in ("trace", "plot", "iteration_trace", "iteration_plot")})

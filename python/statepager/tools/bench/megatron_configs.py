@@ -55,6 +55,15 @@ CONFIGS = {
     "host-q8-overlap": dict(pager=True, host=True, overlap=True, moments="q8",
                             mains="residual", what="statepager, q8 moments, residual mains, "
                                                    "host tier, steps under the forward"),
+    # The same, the first buckets up to --stationary-bytes kept mapped between steps.
+    "host-fp32-overlap-stationary": dict(pager=True, host=True, overlap=True, stationary=True,
+                                         moments="fp32", mains="fp32",
+                                         what="statepager, fp32, host tier, steps under the "
+                                              "forward, stationary buckets"),
+    "host-q8-overlap-stationary": dict(pager=True, host=True, overlap=True, stationary=True,
+                                       moments="q8", mains="residual",
+                                       what="statepager, q8 moments, residual mains, host "
+                                            "tier, steps under the forward, stationary buckets"),
     # The same, its page-ins begun after the backward (as without page_in_during_backward).
     "host-q8-overlap-late": dict(pager=True, host=True, overlap=True, early=False, moments="q8",
                                  mains="residual", what="statepager, q8 moments, residual "
@@ -114,6 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(streaming()): 4 keeps two page-ins in flight, so that a bucket's page "
                         "mapping overlaps another's copies (attach's own default is 3: one "
                         "bucket less of HBM); 6 with q8 moments")
+    p.add_argument("--stationary-bytes", type=size, default=size("2G"),
+                   help="attach(stationary_bytes=...) of the *-stationary configurations: "
+                        "the first buckets' stored forms up to it stay mapped between steps "
+                        "(default 2G)")
     p.add_argument("--page-size", type=size, default=None,
                    help="the pager's page_size (default per format, streaming(): the bucket "
                         "size, at most 256M, 128M with q8 moments; smaller pages map less "
@@ -192,17 +205,17 @@ def host_budget(numels: list[int], moments: str, mains: str, copies: int = 2) ->
 
 
 def streaming(moments: str | None, bucket: int, page: int | None,
-              depth: int | None) -> tuple[int, int]:
+              depth: int | None, stationary: bool = False) -> tuple[int, int]:
     """The page size and depth a configuration streams with (Note [Pages for compact
     formats] in docs/design.md): those given, else the bucket size in whole CUDA pages
     (2 MiB) at most 256 MiB (the largest measured: a 512 MiB bucket maps two) at depth 4;
     with q8 moments, whose tensors are a quarter of fp32's, pages of at most 128 MiB at
-    depth 6."""
+    depth 6; stationary (buckets kept mapped beside the window), at depth 3."""
     compact = moments == "q8"
     granularity = 2 * MiB
     largest = (128 if compact else 256) * MiB
     return (page or min(largest, -(-bucket // granularity) * granularity),
-            depth or (6 if compact else 4))
+            depth or (3 if stationary else 6 if compact else 4))
 
 
 def timeline_config(args) -> str | None:

@@ -65,6 +65,10 @@ CONFIGS = {
     "host-q8-overlap": dict(paged=dict(host=True, moments="q8", mains="residual", overlap=True),
                             what="statepager, q8 moments, residual mains, host tier, steps "
                                  "under the forward"),
+    "host-q8-overlap-stationary": dict(
+        paged=dict(host=True, moments="q8", mains="residual", overlap=True, stationary=True),
+        what="statepager, q8 moments, residual mains, host tier, steps under the forward, "
+             "stationary buckets"),
     # --optimizer muon: the layer-wise chain, Muon for the matrices and Adam for the rest.
     "muon-unpaged": dict(flags=["--optimizer", "muon"],
                          what="unpaged, Muon (layer-wise, Adam for the rest)"),
@@ -98,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default per format, as bench megatron's")
     p.add_argument("--page-size", type=size, default=None,
                    help="default per format, as bench megatron's")
+    p.add_argument("--stationary-bytes", type=size, default=size("2G"),
+                   help="the *-stationary configurations' --statepager-stationary-bytes "
+                        "(default 2G)")
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' --statepager-host-budget (default: "
                         "twice their state, from the GPT's parameter count)")
@@ -162,7 +169,7 @@ def command(name: str, args, work: str) -> list[str]:
         module = ["-m", "statepager.megatron_lm"]
         moments, mains = paged.get("moments", "fp32"), paged.get("mains", "fp32")
         page, depth = megatron_configs.streaming(moments, args.bucket_size, args.page_size,
-                                                 args.depth)
+                                                 args.depth, paged.get("stationary", False))
         flags += ["--statepager-dir", os.path.join(work, f"{name}-{{rank}}"),
                   "--statepager-bucket-size", str(args.bucket_size),
                   "--statepager-page-size", str(page),
@@ -173,6 +180,8 @@ def command(name: str, args, work: str) -> list[str]:
             flags += ["--statepager-host-budget", str(budget)]
         if paged.get("overlap"):
             flags += ["--statepager-overlap-forward", "on"]
+        if paged.get("stationary"):
+            flags += ["--statepager-stationary-bytes", str(args.stationary_bytes)]
     flags += args.megatron_args
     script = os.path.join(args.megatron_lm, "pretrain_gpt.py")
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -129,7 +129,9 @@ def config_lines(c: dict) -> list[str]:
         if "bucket_size" in p:
             notes.append(f"pages of {p['page_size'] // MiB} MiB, buckets of "
                          f"{p['bucket_size'] // MiB} MiB x depth {p['depth']}, atomic="
-                         f"{p['atomic']!r}")
+                         f"{p['atomic']!r}"
+                         + (f", stationary {p['stationary_bytes'] / GiB:g} GiB"
+                            if p.get("stationary_bytes") else ""))
         notes.append(f"{p['buckets']} buckets, largest {p['largest_bucket'] / MiB:.0f} MiB; pool "
                      f"peak mapped {p['peak_mapped'] / GiB:.2f} GiB of a window of "
                      f"{p['window'] / GiB:.2f} GiB")

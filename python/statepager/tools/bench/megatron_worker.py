@@ -142,7 +142,9 @@ def run_config(spec: dict) -> dict:
             depth=None if defaults else spec["depth"],
             moments=config.get("moments", "fp32"), mains=config.get("mains", "fp32"),
             optimizer_options=config.get("optimizer_options"),
-            attach_options={k: config[k] for k in ("atomic",) if k in config})
+            attach_options={**{k: config[k] for k in ("atomic",) if k in config},
+                            **({"stationary_bytes": spec["stationary_bytes"]}
+                               if config.get("stationary") else {})})
         if config.get("overlap"):
             binding.overlap_forward(model, page_in_during_backward=config.get("early", True))
         opt_times = []
@@ -230,6 +232,7 @@ def run_config(spec: dict) -> dict:
                 buckets=sum(s.buckets for s in binding.last),
                 page_size=pager.page_size, bucket_size=binding.bindings[0].bucket_size,
                 depth=binding.bindings[0].depth, atomic=binding.bindings[0].atomic,
+                stationary_bytes=spec["stationary_bytes"] if config.get("stationary") else 0,
                 largest_bucket=max(b.nbytes for s in binding.bindings for b in s.buckets),
                 # The members step one after another: the largest one's window.
                 window=max(s.window_bytes for s in binding.bindings),

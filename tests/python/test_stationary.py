@@ -1,0 +1,196 @@
+"""Stationary buckets (attach(stationary_bytes=...)): the first buckets whose stored forms
+fit stay mapped between steps and move no byte, the rest stream as before. Training so
+is bit-identical to training without them, in place, resumable and under the forward;
+a step that fails in a stationary bucket is finished bit-identically by the next; what
+reads or replaces the state whole (state_dict(), checkpoints, pause(), opt.state) finds
+it at rest; all-or-nothing steps refuse them."""
+import pytest
+import torch
+
+from statepager import Pager, checkpoint
+from statepager import _C
+
+from small_jobs import KiB
+from test_overlap import model_and_opt, result, same, train
+
+PAGE = 16 * KiB
+STATIONARY = 160 * KiB  # of the small model's 445 KiB of moments: 2 to 4 buckets
+
+
+def stored_bytes(buckets):
+    return sum(t.numel() * t.element_size() for b in buckets for t in b.stored)
+
+
+def run(tmp_path, name, steps=5, overlap=False, **attach):
+    """Trains the small model of test_overlap: (losses, result, bytes written by the steps
+    after the first, binding)."""
+    with Pager(str(tmp_path / name), "cpu", page_size=PAGE) as pager:
+        model, opt, binding, _ = model_and_opt(pager, overlap, **attach)
+        losses = train(model, opt, 1)
+        before = pager.stats()
+        losses += train(model, opt, steps - 1, first=1)
+        moved = pager.stats()["bytes_written"] - before["bytes_written"]
+        return losses, result(model, opt), moved, binding
+
+
+@pytest.mark.parametrize("atomic", ["bucket", False])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stationary_buckets_are_bit_identical_and_move_nothing(tmp_path, atomic, overlap):
+    ref = run(tmp_path, "ref", atomic=atomic, overlap=overlap)
+    got = run(tmp_path, "st", atomic=atomic, overlap=overlap, stationary_bytes=STATIONARY)
+    assert ref[0] == got[0]
+    assert same(ref[1], got[1])
+    # Four steps after the first: none writes the stationary buckets' stored bytes.
+    n = got[3]._planner.stationary
+    assert 2 <= n < len(got[3].buckets)
+    kept = stored_bytes(got[3].buckets[:n])
+    assert ref[2] - got[2] == 4 * kept
+
+
+def test_stationary_bytes_through_attach(tmp_path):
+    with Pager(str(tmp_path / "a"), "cpu", page_size=PAGE) as pager:
+        model, opt, binding, _ = model_and_opt(pager, False, stationary_bytes=STATIONARY)
+        assert binding._planner.stationary_bytes == STATIONARY
+        train(model, opt, 2)
+        n = binding._planner.stationary
+        assert n >= 1
+        stationary = binding.buckets[:n]
+        assert all(pager.is_resident(t) for b in stationary for t in b.stored)
+        assert not any(pager.is_resident(t) for b in binding.buckets[n:] for t in b.stored)
+        # The window counts their pages, so attach's check holds them within hbm_budget.
+        window = binding.window_bytes
+        assert window >= binding._planner.stationary_pages() * PAGE > 0
+    assert binding.window_bytes == window  # a closed Pager's, as last counted
+
+
+def test_what_reads_the_state_whole_finds_it_at_rest(tmp_path):
+    ref = run(tmp_path, "ref", steps=3)
+    with Pager(str(tmp_path / "b"), "cpu", page_size=PAGE) as pager:
+        model, opt, binding, _ = model_and_opt(pager, False, stationary_bytes=STATIONARY)
+        train(model, opt, 3)
+        n = binding._planner.stationary
+        first = binding.buckets[0].stored[0]
+        assert pager.is_resident(first)
+        state = opt.state_dict()  # reads the stationary buckets at rest
+        assert not pager.is_resident(first)
+        assert same(ref[1], result(model, opt))
+        train(model, opt, 1, first=3)
+        assert pager.is_resident(first)
+        # opt.state: a read of a narrow form opens at rest; an fp32 entry reads in place.
+        p = next(model.parameters())
+        value = opt.state[p]["exp_avg"].clone()
+        assert torch.isfinite(value).all()
+        checkpoint.save(pager, str(tmp_path / "ckpt"))
+        assert not any(pager.is_resident(t) for b in binding.buckets[:n] for t in b.stored)
+        train(model, opt, 1, first=4)
+        pager.pause()
+        pager.resume()
+        train(model, opt, 1, first=5)
+        assert state["state"]
+
+
+def test_a_step_that_fails_in_a_stationary_bucket_is_finished_bit_identically(tmp_path):
+    ref = run(tmp_path, "ref", steps=4)
+    with Pager(str(tmp_path / "c"), "cpu", page_size=PAGE) as pager:
+        model, opt, binding, _ = model_and_opt(pager, False, stationary_bytes=STATIONARY)
+        losses = train(model, opt, 2)
+        assert binding._planner.stationary >= 2
+        calls = {"n": 0}
+
+        def after_bucket(params):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second stationary bucket, stepped and not written
+                raise RuntimeError("injected")
+        binding.after_bucket = after_bucket
+        x = torch.randn(8, model[0].in_features, generator=torch.Generator().manual_seed(2))
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        with pytest.raises(RuntimeError, match="injected"):
+            opt.step()
+        assert binding.pending
+        binding.after_bucket = None
+        opt.step()  # finishes it
+        losses.append(loss.item())
+        losses += train(model, opt, 1, first=3)
+        assert losses == ref[0]
+        assert same(ref[1], result(model, opt))
+
+
+def test_all_or_nothing_steps_refuse_stationary_buckets(tmp_path):
+    with Pager(str(tmp_path / "d"), "cpu", page_size=PAGE) as pager:
+        with pytest.raises(_C.UsageError, match="stationary_bytes"):
+            model_and_opt(pager, False, atomic="step", stationary_bytes=1 << 20)
+        _, _, binding, _ = model_and_opt(pager, False, stationary_bytes=1 << 20, name="b")
+        with pytest.raises(_C.UsageError, match="atomic='step'"):
+            binding.atomic = "step"
+        with pytest.raises(_C.UsageError, match="stationary_bytes"):
+            model_and_opt(pager, False, stationary_bytes=-1, name="c")
+
+
+def test_a_budget_counts_the_stationary_buckets(tmp_path):
+    with Pager(str(tmp_path / "e"), "cpu", page_size=PAGE, hbm_budget=256 * KiB) as pager:
+        with pytest.raises(_C.UsageError, match="stationary"):
+            model_and_opt(pager, False, stationary_bytes=1 << 30)
+
+
+def q8_run(tmp_path, name, device, steps, overlap, fail_in=None, **attach):
+    """PagedAdamW with q8 moments and residual mains over a bf16 model (the fused step,
+    the masters' scratch and its late exception counts): (losses, model bits, state bits,
+    binding's stationary count). fail_in: the after_bucket call (1-based) of step 3 that
+    raises once its model params are written; the next step() finishes the step."""
+    from statepager.core.optim import PagedAdamW
+    page = 2 << 20 if device == "cuda" else 16 * KiB
+    with Pager(str(tmp_path / name), device, page_size=page) as pager:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(6)]).to(
+            device, torch.bfloat16)
+        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
+                         depth=3, mains="residual", moments="q8", **attach)
+        binding = opt.binding
+        if overlap:
+            binding.overlap_forward(model)
+        losses = []
+        for i in range(steps):
+            if i == 3 and fail_in:
+                written, calls = binding.after_bucket, []
+
+                def failing(params):
+                    written(params)
+                    calls.append(1)
+                    if len(calls) == fail_in:
+                        raise RuntimeError("injected")
+                binding.after_bucket = failing
+            x = torch.randn(8, 96, generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            loss = model(x.to(device, torch.bfloat16)).float().square().mean()
+            loss.backward()
+            try:
+                opt.step()
+            except RuntimeError:
+                binding.after_bucket = written
+                opt.step()
+            losses.append(loss.item())
+        binding.complete_step_in_flight()
+        n = binding._planner.stationary
+        return losses, result(model, opt), n
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_q8_residual_stationary_buckets_are_bit_identical(tmp_path, device, overlap):
+    ref = q8_run(tmp_path, "ref", device, 5, overlap)
+    got = q8_run(tmp_path, "st", device, 5, overlap, stationary_bytes=48 * KiB)
+    assert got[2] >= 2
+    assert ref[0] == got[0]
+    assert same(ref[1], got[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_q8_step_failing_in_a_stationary_bucket_is_finished_bit_identically(tmp_path,
+                                                                              device):
+    ref = q8_run(tmp_path, "ref", device, 5, False)
+    got = q8_run(tmp_path, "st", device, 5, False, fail_in=2, stationary_bytes=48 * KiB)
+    assert got[2] >= 2
+    assert ref[0] == got[0]
+    assert same(ref[1], got[1])
