@@ -4,6 +4,8 @@ is bit-identical to training without them, in place, resumable and under the for
 a step that fails in a stationary bucket is finished bit-identically by the next; what
 reads or replaces the state whole (state_dict(), checkpoints, pause(), opt.state) finds
 it at rest; all-or-nothing steps refuse them."""
+import copy
+
 import pytest
 import torch
 
@@ -194,3 +196,34 @@ def test_a_q8_step_failing_in_a_stationary_bucket_is_finished_bit_identically(tm
     assert got[2] >= 2
     assert ref[0] == got[0]
     assert same(ref[1], got[1])
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_a_load_replaces_stationary_state(tmp_path, how):
+    """Saved after 3 steps, trained 2 more, loaded back and trained the same 2: the same
+    losses and state as the first time (the stationary buckets, mapped when the load
+    came, take the loaded bytes)."""
+    with Pager(str(tmp_path / "l"), "cpu", page_size=PAGE) as pager:
+        model, opt, binding, _ = model_and_opt(pager, False, stationary_bytes=STATIONARY)
+        train(model, opt, 3)
+        assert binding._planner.stationary >= 2
+        params = [p.detach().clone() for p in model.parameters()]
+        if how == "checkpoint":
+            checkpoint.save(pager, str(tmp_path / "ckpt"))
+        else:
+            saved = copy.deepcopy(opt.state_dict())  # torch's holds the step counts
+        losses = train(model, opt, 2, first=3)
+        assert pager.is_resident(binding.buckets[0].stored[0])  # stationary again
+        first = losses, result(model, opt)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), params):
+                p.copy_(v)
+        if how == "checkpoint":
+            checkpoint.load(pager, str(tmp_path / "ckpt"))
+        else:
+            opt.load_state_dict(saved)
+        losses = train(model, opt, 2, first=3)
+        assert pager.is_resident(binding.buckets[0].stored[0])
+        again = losses, result(model, opt)
+        assert first[0] == again[0]
+        assert same(first[1], again[1])
