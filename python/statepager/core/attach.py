@@ -69,6 +69,7 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, n
                               log_steps=log_steps, moments=moments, mains=mains,
                               atomic=atomic, stationary_bytes=stationary_bytes)
     args.optimizer(optimizer)
+    _refuse_stationary_beside_others(pager, stationary_bytes)
     guard.refuse_model_params(pager, optimizer)
     name = f"opt{len(pager.bindings)}" if name is None else name
     if any(b.name == name for b in pager.bindings):
@@ -78,3 +79,15 @@ def attach(pager, optimizer, *, bucket_size, depth, log_steps, moments, mains, n
                              log_steps=log_steps, moments=moments, mains=mains,
                              name=name, atomic=atomic, stationary_bytes=stationary_bytes,
                              bind=bind)
+
+
+def _refuse_stationary_beside_others(pager, stationary_bytes: int) -> None:
+    """Stationary buckets stay mapped while another optimizer on the Pager steps, beside
+    its window, which attach checked against hbm_budget alone (Note [Stationary
+    buckets]): they need the Pager to themselves."""
+    others = [b.name for b in pager.bindings]
+    if (stationary_bytes and others) or any(b.stationary_bytes for b in pager.bindings):
+        raise _C.UsageError(
+            f"stationary_bytes needs its optimizer alone on the Pager, which has "
+            f"{', '.join(repr(n) for n in others)} attached: give each optimizer a Pager of "
+            "its own, or stationary_bytes=0")

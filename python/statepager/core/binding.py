@@ -70,6 +70,7 @@ class StreamedOptimizer:
         self.pager = pager
         self.optimizer = optimizer
         self.name = name
+        self.stationary_bytes = stationary_bytes  # Note [Stationary buckets]
         self.moments, self.mains = moments, mains
         self.hooks = hooks
         # False within state_dict_by_reference().
@@ -418,10 +419,10 @@ class StreamedOptimizer:
         self._steps.end_begun()
 
     @serialized
-    def to_rest(self) -> None:
-        """end_begun_step(), then the stationary buckets paged out, for what reads or
-        replaces the state whole (Note [Stationary buckets])."""
-        self._steps.to_rest()
+    def to_rest(self, keep_reads: bool = False) -> None:
+        """end_begun_step(), then the stationary buckets paged out (Note [Stationary
+        buckets]); keep_reads (a read of opt.state): the reads before it stay."""
+        self._steps.to_rest(keep_reads)
 
 
     # -- steps under the forward (statepager.core.overlap) -------------------------

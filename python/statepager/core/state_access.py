@@ -157,10 +157,12 @@ class Reads:
                 f"opt.state[p][{name!r}] (size {tuple(value.shape)}) is a pager tensor the "
                 f"attached optimizer {binding.name!r} does not page (its parameter is in no "
                 "param group): page it in with pager.page_in(t) to read it")
+        if key not in self._open and any(self.pager.is_resident(t) for t in form.tensors):
+            # A stationary bucket's (Note [Stationary buckets]): read at rest, in an epoch,
+            # as the others are; the reads before it stay.
+            binding.to_rest(keep_reads=True)
         if self.pager.is_resident(form.working) and key not in self._open:
             return value  # resident already (an optimizer stepping in place, or its owner's)
-        if any(self.pager.is_resident(t) for t in form.tensors):
-            binding.to_rest()  # a stationary bucket's: the read's epoch opens at rest
         tensors = form.tensors + ([form.working] if form.scratch else [])
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._make_room(nbytes, max(self.pager.keep, nbytes))

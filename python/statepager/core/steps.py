@@ -267,15 +267,17 @@ class Steps:
             run, self._begun = self._begun, None
             run.end()
 
-    def to_rest(self) -> None:
+    def to_rest(self, keep_reads: bool = False) -> None:
         """StreamedOptimizer.to_rest (Note [Stationary buckets])."""
-        self.end_begun()
-        with interrupts.deferred():
-            residency.to_rest(self.pager, self.planner.stationary_buckets())
+        stationary = self.planner.stationary_buckets()
+        if not keep_reads or (stationary and self._begun is not None):
+            self.end_begun()  # a begun step counts on the stationary buckets being mapped
+        if stationary:
+            with interrupts.deferred():
+                residency.to_rest(self.pager, stationary)
 
     def _end_others_begun(self) -> None:
-        """Ends the other bindings' begun steps on this Pager: their page-ins would take
-        this step's room and count in its stats."""
+        """Ends the other bindings' begun steps (their page-ins would take this step's room)."""
         for binding in self.pager.bindings:
             if binding is not self.owner:
                 binding.end_begun_step()

@@ -63,8 +63,8 @@ from statepager.integrations.megatron_member import MegatronMember
 def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | None = None,
            log_steps: bool = False, moments: str = "fp32", mains: str = "fp32",
            atomic="bucket", stationary_bytes: int = 0):
-    """Streams every member of `optimizer` through `pager` (stationary_bytes: the first
-    member's, Megatron's dense optimizer). Returns the MegatronBinding;
+    """Streams every member of `optimizer` through `pager` (stationary_bytes: of a
+    single member). Returns the MegatronBinding;
     refuses (UsageError) a megatron-core outside the supported range and configurations
     it cannot page exactly, before changing anything."""
     megatron_version.check_version()
@@ -74,6 +74,12 @@ def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | Non
         problem = view.unsupported() or _resumable_problem(view, atomic)
         if problem is not None:
             raise _C.UsageError(f"statepager cannot page this Megatron optimizer: {problem}")
+    if stationary_bytes and len(views) > 1:
+        raise _C.UsageError(
+            f"stationary_bytes needs a single member, and this Megatron optimizer chains "
+            f"{len(views)} (dense and expert, or Muon's layer-wise chain): each steps beside "
+            "the others' stationary buckets (Note [Stationary buckets]). Use "
+            "stationary_bytes=0")
     binding = MegatronBinding(optimizer)
     try:  # every member planned (its window checked) before any is attached
         for i, view in views:
@@ -81,8 +87,7 @@ def attach(pager, optimizer, *, bucket_size: int | None = None, depth: int | Non
             binding.members.append(MegatronMember(
                 pager, view, f"{i}-{kind}", begins_step=not binding.members,
                 bucket_size=bucket_size, depth=depth, log_steps=log_steps, moments=moments,
-                mains=mains, atomic=atomic,
-                stationary_bytes=0 if binding.members else stationary_bytes))
+                mains=mains, atomic=atomic, stationary_bytes=stationary_bytes))
     except BaseException:
         for m in reversed(binding.members):
             m.undo_adoption()
