@@ -88,8 +88,8 @@ class Pipeline:
         apart = held_bytes + planner.stationary_pages() * page
         budget = self.before["hbm_budget"]
         limit = (window if budget is None else min(window, budget - apart)) // page
-        kept = {id(b) for b in planner.stationary_buckets()}
-        self.stationary = [id(b) in kept for b in buckets]
+        stationary = {id(b) for b in planner.stationary_buckets()}
+        self.stationary = [id(b) in stationary for b in buckets]
         room = follows.page_ins.room if follows is not None else Room(limit, page)
         room.limit = limit  # shared: this plan's window from now on
         # With a host tier, the `depth` buckets past the page-ins in flight are read from
@@ -287,38 +287,37 @@ class Pipeline:
             atomic.stepped(b)
         if self.stationary[i]:  # its stored forms stay mapped: its scratch dropped alone
             drop = residency.dropped(b, held)
-            handles = [self.pager.discard_async(drop)] if drop else []
-            self._done_out.append(_NOTHING_WRITTEN)
+            out, discard = None, (self.pager.discard_async(drop) if drop else None)
         else:
-            handles = residency.release(self.pager, b, wait=False, keep=held,
-                                        reuse_after=self._sched.reuse_after(i))
-            self._done_out.append(handles[0])
+            out, *rest = residency.release(self.pager, b, wait=False, keep=held,
+                                           reuse_after=self._sched.reuse_after(i))
+            discard = rest[0] if rest else None
+        handles = [h for h in (out, discard) if h is not None]
         self._outs.append(handles)
         self._landing[id(b)] = handles
-        self._hold_until_landed(i, held, handles)
+        self._hold_until_landed(i, held, out, discard)
+        self._done_out.append(_NOTHING_WRITTEN if out is None else out)
         t0 = time.monotonic()
         if self._next < n:  # mapped while this bucket's work runs
             page_ins.scratch(self._next, wait=False)
         page_ins.issue(self._next, wait=room)
         stats.wait_out_seconds += time.monotonic() - t0
 
-    def _hold_until_landed(self, i: int, held: list, handles: list) -> None:
-        """Bucket i, stepped and released (`handles`), holds its stored forms' pages until
-        its page-out lands (a stationary bucket's are kept apart) and its dropped
-        scratch's (what its page-in mapped, or all of it where the step made its state)
-        until its discard does."""
+    def _hold_until_landed(self, i: int, held: list, out, discard) -> None:
+        """Bucket i, stepped, holds its stored forms' pages until its page-out `out` lands
+        (None: a stationary bucket's, kept apart) and its dropped scratch's (what its
+        page-in mapped, or all of it where the step made its state) until its `discard`
+        does (None: nothing dropped)."""
         window, b = self.page_ins.room, self.buckets[i]
         window.let_go(i)
-        if self.stationary[i]:
-            handles = [None, *handles]
-        else:
-            window.hold_until("page-outs", handles[0], window.count(b.stored))
-        if len(handles) > 1:  # its scratch, but what ExceptionCounts holds
+        if out is not None:
+            window.hold_until("page-outs", out, window.count(b.stored))
+        if discard is not None:  # its scratch, but what ExceptionCounts holds
             scratch = residency.dropped(b, held)
             if not self.page_ins.holds(i)[1]:  # the fused step's moments have none mapped
                 mapped = {id(t) for t in self.incoming[i]}
                 scratch = [t for t in scratch if id(t) in mapped]
-            window.hold_until("discards", handles[1], window.count(scratch))
+            window.hold_until("discards", discard, window.count(scratch))
 
     def finish(self) -> float:
         """After the last bucket: the exceptions read and the checks verified, every
