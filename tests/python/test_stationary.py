@@ -52,7 +52,7 @@ def test_stationary_buckets_are_bit_identical_and_move_nothing(tmp_path, atomic,
 def test_stationary_bytes_through_attach(tmp_path):
     with Pager(str(tmp_path / "a"), "cpu", page_size=PAGE) as pager:
         model, opt, binding, _ = model_and_opt(pager, False, stationary_bytes=STATIONARY)
-        assert binding._planner.stationary_bytes == STATIONARY
+        assert binding.stationary_bytes == STATIONARY
         train(model, opt, 2)
         n = binding._planner.stationary
         assert n >= 1
