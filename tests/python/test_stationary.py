@@ -257,3 +257,30 @@ def test_a_load_replaces_stationary_state(tmp_path, how):
         again = losses, result(model, opt)
         assert first[0] == again[0]
         assert same(first[1], again[1])
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_reads_inside_state_in_buckets_keep_the_bucket_it_paged_in(tmp_path, write):
+    """binding.state_in_buckets() puts the stationary buckets at rest, then pages each
+    bucket in for its caller: a read of opt.state there is served from that bucket (it
+    is not put at rest under the caller), and holds the values of a run without them."""
+    def entries(binding, opt):
+        out = []
+        for b in binding.state_in_buckets(write=write):
+            first = opt.state[b.params[0]]["exp_avg"].clone()
+            assert all(binding.pager.is_resident(t) for t in b.stored), \
+                "the bucket it paged in stays resident"
+            for p in b.params:
+                out.append([opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")])
+            assert torch.equal(first, out[-len(b.params)][0])
+        return out
+    seen = []
+    for stationary in (0, STATIONARY):
+        with Pager(str(tmp_path / f"r{stationary}"), "cpu", page_size=PAGE) as pager:
+            model, opt, binding, _ = model_and_opt(pager, False, stationary_bytes=stationary)
+            train(model, opt, 3)
+            seen.append(entries(binding, opt))
+            seen.append(entries(binding, opt))  # once more: at rest now, and read so again
+    assert len(seen[0]) > 2
+    assert all(torch.equal(a, b) for x in seen[1:] for xs, ys in zip(seen[0], x)
+               for a, b in zip(xs, ys))

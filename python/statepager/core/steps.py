@@ -46,17 +46,16 @@ class Steps:
         self._begun: Pipeline | None = None  # begin()'s, until step() takes it up
         self.pending: ResumableStep | None = None  # a resumable step that failed partway
         self.in_flight: Pipeline | None = None  # a deferred step's, until complete
+        self.stationary_mapped = False  # left mapped by a step (Note [Stationary buckets])
 
     def finish_pending(self) -> None:
-        """Completes a step in flight, then steps the buckets a failed resumable step left
-        (StreamedOptimizer.finish_step)."""
+        """StreamedOptimizer.finish_step: a step in flight completed, then a pending one."""
         self.complete_in_flight()
         if self.pending is not None:
             self.step()
 
     def drop_pending(self) -> None:
-        """Forgets a pending step (its state replaced by a load): the next step starts
-        anew. Its buckets left resident go to rest."""
+        """Forgets a pending step (a load replaced its state), its resident buckets to rest."""
         pending, self.pending = self.pending, None
         if pending is not None:
             residency.to_rest(self.pager, pending.buckets, unchanged=True)
@@ -253,9 +252,7 @@ class Steps:
         finally:
             held.release()
 
-    @property
-    def begun(self) -> bool:
-        return self._begun is not None
+    begun = property(lambda self: self._begun is not None)
 
     def end_begun(self) -> None:
         """StreamedOptimizer.end_begun_step (a step in flight completed first)."""
@@ -268,13 +265,15 @@ class Steps:
             run.end()
 
     def to_rest(self, keep_reads: bool = False) -> None:
-        """StreamedOptimizer.to_rest (Note [Stationary buckets])."""
-        stationary = self.planner.stationary_buckets()
+        """StreamedOptimizer.to_rest (Note [Stationary buckets]): nothing to page out where
+        no step left them mapped (at rest, or paged in by the entry point that reads)."""
+        stationary = self.planner.stationary_buckets() if self.stationary_mapped else []
         if not keep_reads or (stationary and self._begun is not None):
             self.end_begun()  # a begun step counts on the stationary buckets being mapped
         if stationary:
             with interrupts.deferred():
                 residency.to_rest(self.pager, stationary)
+                self.stationary_mapped = False
 
     def _end_others_begun(self) -> None:
         """Ends the other bindings' begun steps (their page-ins would take this step's room)."""
@@ -308,6 +307,7 @@ class Steps:
         run = Pipeline(buckets, self.layout, self.planner, self.stepper, atomic,
                        step=self._steps + 1, host_budget=self.host_budget,
                        fused_groups=self.layout.fused_groups(), resumed=resumed, follows=follows)
+        self.stationary_mapped |= bool(self.planner.stationary)
         run.start()
         return run
 
