@@ -16,22 +16,24 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 
+@pytest.mark.parametrize("overlap", [True, "thread"])
 @pytest.mark.parametrize("atomic", ["bucket", False])
-def test_steps_under_the_forward_are_bit_identical_on_cuda(tmp_path, atomic):
+def test_steps_under_the_forward_are_bit_identical_on_cuda(tmp_path, atomic, overlap):
     base = run(tmp_path, "base", False, device="cuda", atomic=atomic)
-    paged = run(tmp_path, "under", True, device="cuda", atomic=atomic)
+    paged = run(tmp_path, "under", overlap, device="cuda", atomic=atomic)
     assert paged[2].last.buckets > 2
     assert base[0] == paged[0]
     assert same(base[1], paged[1])
 
 
-def test_the_forward_waits_on_the_device_not_the_host(tmp_path):
-    """The pre-hooks queue the buckets' steps on the binding's stream and an event wait on
-    the forward's: after the forward is launched, the host has not waited for the last
-    bucket's step kernels (they may still run), yet the loss is the one of the stepped
-    params."""
+@pytest.mark.parametrize("overlap", [True, "thread"])
+def test_the_forward_waits_on_the_device_not_the_host(tmp_path, overlap):
+    """The pre-hooks (or the step's thread) queue the buckets' steps on the binding's
+    stream and an event wait on the forward's: after the forward is launched, the host
+    has not waited for the last bucket's step kernels (they may still run), yet the loss
+    is the one of the stepped params."""
     with Pager(str(tmp_path / "s"), "cuda", page_size=2 * MiB) as pager:
-        model, opt, binding, _ = model_and_opt(pager, True)
+        model, opt, binding, _ = model_and_opt(pager, overlap)
         train(model, opt, 2)
         run_ = binding.step_in_flight
         assert run_ is not None and run_.stepped == 0

@@ -313,13 +313,27 @@ def test_failed_resumable_step_finishes_before_the_grads_are_zeroed(gpt, case, s
     assert_same(base, paged)
 
 
-@pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
-                                  "bf16-grads-q8-moments", "fp32-grads-reduce-in-backward",
-                                  "q8-residual-reduce-in-backward", "bf16-grads-overlap",
-                                  "fp32-grads-overlap", "q8-residual-overlap",
-                                  "moe-fp32-grads-overlap",
-                                  pytest.param("muon-layer-wise", marks=needs_emerging)])
-def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
+UNDER_THE_FORWARD = ["bf16-grads", "fp32-grads", "bf16-grads-residual-mains",
+                     "bf16-grads-q8-moments", "fp32-grads-reduce-in-backward",
+                     "q8-residual-reduce-in-backward", "bf16-grads-overlap",
+                     "fp32-grads-overlap", "q8-residual-overlap", "moe-fp32-grads-overlap",
+                     "muon-layer-wise"]
+# With the buckets stepped on a thread of their own (Note [A thread steps the buckets
+# under the forward]).
+ON_A_THREAD = ["bf16-grads", "fp32-grads", "q8-residual-reduce-in-backward",
+               "bf16-grads-overlap", "fp32-grads-overlap", "q8-residual-overlap",
+               "moe-fp32-grads-overlap"]
+# With the state in the Pager's host tier, with and without the thread.
+IN_THE_HOST_TIER = [("bf16-grads", False), ("fp32-grads-overlap", False),
+                    ("bf16-grads", True), ("fp32-grads-overlap", True),
+                    ("q8-residual-overlap", True)]
+
+
+@pytest.mark.parametrize("case, step_thread, host_tier", [
+    pytest.param(c, thread, host, marks=[needs_emerging] if "muon" in c else [])
+    for c, thread, host in [(c, False, False) for c in UNDER_THE_FORWARD]
+    + [(c, True, False) for c in ON_A_THREAD] + [(c, t, True) for c, t in IN_THE_HOST_TIER]])
+def test_steps_under_the_forward_match_unpaged(gpt, case, step_thread, host_tier, store_dir):
     """binding.overlap_forward(model): Megatron's step() returns with the buckets left to
     the next forward, each stepped (and its mains in the param buffer, its grads zeroed)
     before the first module using it runs, and before a param all-gather reads them
@@ -328,15 +342,18 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
     dense + expert) only the last member's steps are left to the forward: each earlier
     one completes when the next begins. With grad syncs in the backward
     (overlap_grad_reduce) and activations larger than the window, each step's page-ins
-    begin in the backward before it (Note [Page-ins during backward])."""
+    begin in the backward before it (Note [Page-ins during backward]). step_thread: the
+    same, the buckets stepped on a thread of their own while the forward runs; host_tier:
+    the state kept in the Pager's host tier. 20 steps."""
     options = dict(CASES[case])
     attach = options.pop("attach", {})
-    setup = gpt.Setup(steps=6, **options)
+    setup = gpt.Setup(steps=20, **options)
     base = run(gpt, setup)
-    with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
+    with Pager(store_dir, "cuda", page_size=2 * MiB,
+               host_budget=64 * MiB if host_tier else 0) as pager:
         model, optimizer, scheduler, binding = gpt.build(setup, pager, bucket_size=1 * MiB,
                                                          **attach)
-        binding.overlap_forward(model)
+        binding.overlap_forward(model, step_thread=step_thread)
         member_binding = binding.bindings[-1]  # a chain's earlier members complete as it starts
         losses = []
         for i in range(setup.steps):
@@ -351,15 +368,18 @@ def test_steps_under_the_forward_match_unpaged(gpt, case, store_dir):
                  snapshot(optimizer, binding), None)
         if setup.overlap_grad_reduce:  # the first step's at least: none in flight before it
             assert binding.early.steps_begun >= 1, "a step's page-ins began in the backward"
+        if host_tier:
+            assert pager.stats()["bytes_to_host"] > 0 and pager.stats()["spilled_bytes"] == 0
     if attach.get("moments") == "q8":  # lossy by design: the same as q8 without overlap
         with Pager(store_dir + "-q8", "cuda", page_size=2 * MiB) as pager:
             base = run(gpt, setup, pager, bucket_size=1 * MiB, **attach)
     assert_same(base, paged, state_entries(optimizer))
 
 
-@pytest.mark.parametrize("case", ["bf16-grads", "fp32-grads-overlap", "q8-residual-overlap",
-                                  "q8-residual-reduce-in-backward"])
-def test_stationary_buckets_match_unpaged(gpt, case, store_dir):
+@pytest.mark.parametrize("case, step_thread", [
+    ("bf16-grads", False), ("fp32-grads-overlap", False), ("q8-residual-overlap", False),
+    ("q8-residual-reduce-in-backward", False), ("q8-residual-overlap", True)])
+def test_stationary_buckets_match_unpaged(gpt, case, step_thread, store_dir):
     """attach(stationary_bytes=...) (Note [Stationary buckets]): the first buckets stay
     mapped between steps and the steps after the first write none of their bytes; the
     training is bit-identical to unpaged Megatron (q8 moments: to the same pager without
@@ -379,7 +399,7 @@ def test_stationary_buckets_match_unpaged(gpt, case, store_dir):
             setup, pager, bucket_size=1 * MiB, attach_options=dict(stationary_bytes=stationary),
             **attach)
         if overlap:
-            binding.overlap_forward(model)
+            binding.overlap_forward(model, step_thread=step_thread)
         first = binding.bindings[0]
         losses = [gpt.train_step(setup, model, optimizer, scheduler, 0)]
         stationary = first.buckets[:first._planner.stationary]
@@ -402,10 +422,13 @@ def test_stationary_buckets_match_unpaged(gpt, case, store_dir):
     assert_same(base, paged, state_entries(optimizer))
 
 
+@needs_emerging
 def test_stationary_buckets_refuse_a_chain(gpt, store_dir):
-    """A chain's members step one after another, each beside the others' stationary
-    buckets, which no window counts: refused at attach, before anything changes."""
-    setup = gpt.Setup(steps=1, **CASES["moe"])
+    """A chain's members (Muon's layer-wise chain: Muon and Adam; at one rank, the MoE
+    optimizer is a chain of one) step one after another, each beside the others'
+    stationary buckets, which no window counts: refused at attach, before anything
+    changes."""
+    setup = gpt.Setup(steps=1, **CASES["muon-layer-wise"])
     with Pager(store_dir, "cuda", page_size=2 * MiB) as pager:
         with pytest.raises(_C.UsageError, match="single member"):
             gpt.build(setup, pager, bucket_size=1 * MiB,

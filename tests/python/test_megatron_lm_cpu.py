@@ -733,3 +733,17 @@ def test_megatron_s_optimizer_checkpoint_takes_residual_mains():
     options = check(megatron_args(statepager_optimizer_checkpoint="megatron",
                                   statepager_mains="residual"))
     assert (options.optimizer_checkpoint, options.mains) == ("megatron", "residual")
+
+
+def test_the_step_thread_needs_steps_under_the_forward():
+    """--statepager-step-thread on steps the buckets of a step under the forward: refused
+    without --statepager-overlap-forward on, by flag or environment; passed on with it."""
+    args = parse(["--statepager-dir", "/d", "--statepager-step-thread", "on"])
+    with pytest.raises(RefusedConfiguration, match="add --statepager-overlap-forward on"):
+        check(megatron_args(statepager_step_thread="on"))
+    assert options_from(args).step_thread == "on"
+    both = dict(statepager_overlap_forward="on", statepager_step_thread="on")
+    assert check(megatron_args(**both)) == Options("/sp", overlap_forward="on",
+                                                   step_thread="on")
+    env = {"STATEPAGER_DIR": "/d", "STATEPAGER_STEP_THREAD": "on"}
+    assert options_from(parse([], env)).step_thread == "on"

@@ -3,8 +3,10 @@ its buckets not stepped; each steps before the first module of the next forward 
 uses its parameters runs, the rest when the forward ends. Training so is bit-identical
 to training without it, whatever reads the state in between (state_dict(), reads,
 checkpoints) completes the step first, and a bucket that fails under the forward raises
-from the forward, the step pending as a failed step() leaves it."""
+from the forward, the step pending as a failed step() leaves it. With step_thread
+(overlap "thread" below) the buckets step on a thread of their own, and the same holds."""
 import os
+import threading
 import time
 
 import pytest
@@ -30,7 +32,8 @@ def model_and_opt(pager, overlap, split_groups=False, depth=3, **attach):
               if split_groups else model.parameters())
     opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
     binding = pager.attach(opt, bucket_size=48 * KiB, depth=depth, **attach)
-    handle = binding.overlap_forward(model) if overlap else None
+    handle = (binding.overlap_forward(model, step_thread=overlap == "thread") if overlap
+              else None)
     return model, opt, binding, handle
 
 
@@ -74,13 +77,17 @@ def run(tmp_path, name, overlap, steps=5, watch=None, device="cpu", lr_decay=Non
         return losses, result(model, opt), binding
 
 
+UNDER = [True, "thread"]  # overlap_forward(model), and with step_thread=True
+
+
+@pytest.mark.parametrize("overlap", UNDER)
 @pytest.mark.parametrize("atomic, lr_decay", [("bucket", None), (False, None), ("bucket", 0.5)])
-def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic, lr_decay):
+def test_steps_under_the_forward_are_bit_identical(tmp_path, atomic, lr_decay, overlap):
     """With an LR scheduler too: its step between step() and the forward sets the next
     step's lr, which the buckets stepped under the forward do not take."""
     base = run(tmp_path, "base", False, atomic=atomic, lr_decay=lr_decay)
     left = []
-    paged = run(tmp_path, "under", True, atomic=atomic, lr_decay=lr_decay,
+    paged = run(tmp_path, "under", overlap, atomic=atomic, lr_decay=lr_decay,
                 watch=lambda binding, i: left.append(
                     binding.step_in_flight is not None
                     and binding.step_in_flight.stepped == 0))
@@ -357,7 +364,8 @@ class ParamGatherGroup:
             self.next.start_param_sync()
 
 
-def test_megatron_param_gathers_in_the_forward_read_stepped_params(tmp_path):
+@pytest.mark.parametrize("overlap", UNDER)
+def test_megatron_param_gathers_in_the_forward_read_stepped_params(tmp_path, overlap):
     """Megatron's overlap_param_gather over stand-ins of DDP's bucket groups (two layers
     each, in the reverse of the forward's order, as DDP builds them; not the step's
     buckets): each group's all-gather is dispatched by a forward pre-hook, the next
@@ -368,7 +376,7 @@ def test_megatron_param_gathers_in_the_forward_read_stepped_params(tmp_path):
 
     base = run(tmp_path, "base", False)
     with Pager(str(tmp_path / "gather"), "cpu", page_size=16 * KiB) as pager:
-        model, opt, binding, handle = model_and_opt(pager, True)
+        model, opt, binding, handle = model_and_opt(pager, overlap)
         groups = [ParamGatherGroup([p for m in model[i:i + 2] for p in m.parameters()])
                   for i in reversed(range(0, LAYERS, 2))]
         for earlier, later in zip(groups[1:], groups):  # the forward's order
@@ -407,15 +415,17 @@ def test_megatron_hooks_the_param_gathers_only_with_overlap_param_gather(
                         lambda chunks, before: hooked.append(chunks))
     view = SimpleNamespace(buffers=lambda: [object()], data_parallel_size=lambda: 1,
                            overlaps_param_gather=lambda: overlaps_param_gather)
-    member_binding = SimpleNamespace(overlap_forward=lambda *chunks, forward_param: "overlap")
+    member_binding = SimpleNamespace(
+        overlap_forward=lambda *chunks, forward_param, step_thread: "overlap")
     member = SimpleNamespace(megatron=view, binding=member_binding, model_param_of=None)
     binding = megatron.MegatronBinding(optimizer=None, members=[member])
     assert binding.overlap_forward("chunk", page_in_during_backward=False) == ["overlap"]
     assert hooked == ([("chunk",)] if overlaps_param_gather else [])
 
 
+@pytest.mark.parametrize("overlap", UNDER)
 def test_a_bucket_failing_in_a_param_gather_raises_from_the_forward_and_the_step_resumes(
-        tmp_path):
+        tmp_path, overlap):
     """A bucket stepped for the next group's all-gather (dispatched ahead of the forward,
     by the first module's pre-hook) fails: the forward raises before any module ran, the
     group's all-gather is not dispatched, the step is pending and finishes exactly."""
@@ -423,7 +433,7 @@ def test_a_bucket_failing_in_a_param_gather_raises_from_the_forward_and_the_step
 
     base = run(tmp_path, "base", False, steps=4)
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
-        model, opt, binding, handle = model_and_opt(pager, True)
+        model, opt, binding, handle = model_and_opt(pager, overlap)
         groups = [ParamGatherGroup([p for m in model[i:i + 2] for p in m.parameters()])
                   for i in reversed(range(0, LAYERS, 2))]
         for earlier, later in zip(groups[1:], groups):
@@ -645,20 +655,21 @@ def test_what_needs_the_state_completes_the_step_first(tmp_path, reader):
         assert same(base[1], result(model, opt))
 
 
+@pytest.mark.parametrize("overlap", UNDER)
 @pytest.mark.parametrize("failing_bucket", [2, 1])
 def test_a_bucket_failing_under_the_forward_raises_from_it_and_the_step_resumes(
-        tmp_path, failing_bucket):
+        tmp_path, failing_bucket, overlap):
     """The step is owed since step() returned, whether some bucket stepped (2: the second
     fails) or none (1): it is pending, what did not step has its grads back, and the next
     zero_grad() finishes it."""
     base = run(tmp_path, "base", False, steps=4)
     with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
-        model, opt, binding, _ = model_and_opt(pager, True)
+        model, opt, binding, _ = model_and_opt(pager, overlap)
         losses = train(model, opt, 2)
         calls = []
 
         def failing(params):
-            calls.append(1)
+            calls.append(params)
             if len(calls) == failing_bucket:
                 raise RuntimeError("injected failure under the forward")
 
@@ -669,7 +680,8 @@ def test_a_bucket_failing_under_the_forward_raises_from_it_and_the_step_resumes(
             model(x)
         binding.before_bucket = None
         assert binding.step_in_flight is None and binding.pending
-        assert all(p.grad is not None for p in model.parameters()), \
+        stepped = {id(p) for params in calls[:-1] for p in params}
+        assert all(p.grad is not None for p in model.parameters() if id(p) not in stepped), \
             "what did not step has its grads back, for the step that finishes it"
         opt.zero_grad()  # finishes the pending step with them, then sets them to None
         assert not binding.pending
@@ -730,19 +742,20 @@ def _case(case, pager):
     return model, opt, binding, scheduler, late_zero, shape, dtype
 
 
+@pytest.mark.parametrize("overlap", UNDER)
 @pytest.mark.parametrize("case", ["paged-adamw", "paged-adamw-chunks", "transformer",
                                   "tensor-lr"])
-def test_models_and_optimizers_under_the_forward_are_bit_identical(tmp_path, case):
+def test_models_and_optimizers_under_the_forward_are_bit_identical(tmp_path, case, overlap):
     """PagedAdamW (it reads the model params' grads, which zero_grad() sets to None before
     the forward), a parameter stepping in chunks over buckets that earlier modules'
     hooks step in part, a module reading a child's parameters without calling it, and a
     tensor lr that an LR scheduler changes in place before the forward."""
     out = []
-    for overlap in (False, True):
-        with Pager(str(tmp_path / f"s{overlap}"), "cpu", page_size=16 * KiB) as pager:
+    for under in (False, overlap):
+        with Pager(str(tmp_path / f"s{under}"), "cpu", page_size=16 * KiB) as pager:
             model, opt, binding, scheduler, late_zero, shape, dtype = _case(case, pager)
-            if overlap:
-                binding.overlap_forward(model)
+            if under:
+                binding.overlap_forward(model, step_thread=under == "thread")
             losses = []
             for i in range(3):
                 x = torch.randn(*shape, generator=torch.Generator().manual_seed(i)).to(dtype)
@@ -756,7 +769,7 @@ def test_models_and_optimizers_under_the_forward_are_bit_identical(tmp_path, cas
                 if scheduler is not None:
                     scheduler.step()
                 losses.append(loss.item())
-            if overlap:
+            if under:
                 assert binding.step_in_flight is not None and binding.last.buckets > 1
             binding.complete_step_in_flight()
             out.append((losses, [bits(p) for p in model.parameters()]))
@@ -856,9 +869,10 @@ def test_a_resumable_step_under_the_forward_copies_each_bucket_on_the_device_as_
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
+@pytest.mark.parametrize("overlap", UNDER)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies(tmp_path,
-                                                                                 device):
+def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies(
+        tmp_path, device, overlap):
     """Residual masters under the forward: the second bucket's after_bucket has written its
     model params, then raises. Its undo copies put them back (on CUDA, before what the
     forward's stream reads next), the step is pending, and training finishes it
@@ -886,7 +900,7 @@ def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies
     for fail in (False, True):
         with Pager(str(tmp_path / f"s{fail}"), device, page_size=page) as pager:
             model, opt, binding = setup(pager)
-            binding.overlap_forward(model)
+            binding.overlap_forward(model, step_thread=overlap == "thread")
             losses = [iteration(model, opt, i) for i in range(3)]
             if fail:
                 before = [bits(p) for p in model.parameters()]

@@ -424,16 +424,16 @@ class StreamedOptimizer:
         buckets]); keep_reads (a read of opt.state): the reads before it stay."""
         self._steps.to_rest(keep_reads)
 
-
     # -- steps under the forward (statepager.core.overlap) -------------------------
 
     @serialized
-    def overlap_forward(self, *modules, forward_param=None) -> ForwardOverlap:
-        """Steps under the next forward of `modules` from the next step() on
-        (statepager.core.overlap); remove() on what it returns ends it."""
+    def overlap_forward(self, *modules, forward_param=None, step_thread=False) -> ForwardOverlap:
+        """Steps under the next forward of `modules` from the next step() on (core/overlap),
+        on a thread of their own with step_thread; remove() on what it returns ends it."""
         if self.overlap is not None:
             raise _C.UsageError("overlap_forward() is set already: remove() it first")
-        self.overlap = ForwardOverlap(self, modules, self._planner, forward_param)
+        self.overlap = ForwardOverlap(self, modules, self._planner, forward_param,
+                                      step_thread)
         return self.overlap
 
     @property

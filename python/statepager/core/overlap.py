@@ -17,7 +17,11 @@ module of `modules` that holds parameters, and a forward hook on each of `module
 - the forward hook steps whatever is left, so that backward never meets a bucket not
   stepped; the last page-outs are waited for by whatever the pager does next;
 - what reads parameters outside their modules' forwards (Megatron's param all-gathers)
-  calls before_reading() first, which steps theirs as a pre-hook does.
+  calls before_reading() first, which steps theirs as a pre-hook does;
+- with step_thread, the first hook starts a thread (statepager.core.step_thread) that
+  steps every bucket in order, and each hook only waits for its buckets: on the host
+  until the thread has stepped them, then on the device (Note [A thread steps the
+  buckets under the forward]).
 The modules' parameters are found as the optimizer's, or as forward_param(p) of one
 (Megatron's bf16 model parameter of an fp32 main).
 On the host backend the same happens in order, without streams.
@@ -25,21 +29,25 @@ On the host backend the same happens in order, without streams.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from statepager import _C
 from statepager.core.serial import lock_of
+from statepager.core.step_thread import StepThread
 from statepager.util import streams
 
 
 class ForwardOverlap:
     """The forward hooks of one binding (`binding`, a StreamedOptimizer, planned by
     `planner`) over `modules`.
-    Thread-safety: its hooks take the Pager's lock, as the binding's entry points do.
-    remove() finishes a step in flight and takes the hooks off."""
+    Thread-safety: its hooks take the Pager's lock, as the binding's entry points do
+    (with step_thread, only where no thread steps the buckets). remove() finishes a step
+    in flight and takes the hooks off."""
 
-    def __init__(self, binding, modules: tuple, planner, forward_param=None):
+    def __init__(self, binding, modules: tuple, planner, forward_param=None,
+                 step_thread: bool = False):
         if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
             raise _C.UsageError("overlap_forward(*modules) takes the torch.nn.Module(s) "
                                 "whose forward uses the optimizer's parameters, e.g. "
@@ -50,6 +58,12 @@ class ForwardOverlap:
                 "all-or-nothing step (atomic='step') cannot: attach with "
                 "atomic='bucket' (the default) or atomic=False")
         self.binding, self._planner = binding, planner
+        self.step_thread = bool(step_thread)
+        self._thread: StepThread | None = None  # the step in flight's, once started
+        # Whether the step's stream waits for the forward's work since step() already.
+        self._released = False
+        # The calling thread's time in the hooks, in all (bench megatron reports it).
+        self.hook_seconds = 0.0
         # What the forward uses for an optimizer parameter: forward_param(p), else the
         # model parameter model_param writes from it, else p itself.
         self._forward_param = forward_param or binding.hooks.model_param
@@ -86,7 +100,10 @@ class ForwardOverlap:
             self._handles.append(m.register_forward_hook(self._after_forward))
 
     def remove(self) -> None:
-        """Finishes a step in flight, then takes the hooks off (idempotent)."""
+        """Finishes a step in flight, then takes the hooks off (idempotent). A bucket
+        that failed on the step's thread raises here, the hooks left on."""
+        if self._thread is not None:
+            self._thread.join()
         with lock_of(self.binding):
             self.binding.end_begun_step()
             for h in self._handles:
@@ -104,6 +121,7 @@ class ForwardOverlap:
         index = self._index
         self._holders, self._grads, self._last, self._events = {}, {}, {}, {}
         self._waited = {}
+        self._thread, self._released = None, False
         self._options = [_options(g) for g in self.binding.optimizer.param_groups]
         for i, b in enumerate(run.buckets):
             for p in _params(b):
@@ -139,9 +157,8 @@ class ForwardOverlap:
         options_now = [_options(g, copy=False) for g in groups]
         for g, kept in zip(groups, self._options):
             g.update(kept)
-        if self._stream is not None and first == 0:
-            # After what ran since step() returned (an integration's param sync, say).
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        if not self._released:
+            self._release()
         try:
             with (torch.cuda.stream(self._stream) if self._stream is not None
                   else contextlib.nullcontext()):
@@ -190,6 +207,13 @@ class ForwardOverlap:
                 for h in self._holders[id(p)]:
                     h.grad = self._grads.get(id(h))
 
+    def _release(self) -> None:
+        """Before the step's first bucket: its stream after what ran on the current one
+        since step() returned (an integration's param sync, say)."""
+        self._released = True
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+
     def joined(self) -> None:
         """The current stream after everything queued on the binding's: a step completed
         outside the forward's hooks (the forward that follows waits for none)."""
@@ -204,34 +228,90 @@ class ForwardOverlap:
         the device: what runs next on it (a module's forward, an integration's param
         all-gather) reads them stepped. key: an object that names `params` while they
         stay the same (the count of buckets they need is kept per key)."""
+        t0 = time.perf_counter()
+        try:
+            if self.step_thread:
+                self._wait_for_thread(lambda: self._need(params, key))
+            else:
+                self._step_for(params, key)
+        finally:
+            self.hook_seconds += time.perf_counter() - t0
+
+    def _step_for(self, params, key) -> None:
+        """before_reading() without step_thread: steps them here."""
         with lock_of(self.binding):
-            run = self.binding.step_in_flight
-            if run is None:
+            if self.binding.step_in_flight is None:
                 return
-            need = self._needs.get(id(key)) if key is not None else None
-            if need is None:
-                need = 1 + max((self._index.get(id(p), -1) for p in params), default=-1)
-                if key is not None:
-                    self._needs[id(key)] = need
+            need = self._need(params, key)
             # Back to the forward's launches once its buckets have stepped: page-ins that
             # wait for room are issued by a later hook (Pipeline.pump).
             self.binding.step_in_flight_to(need, lazy=True)
             if need:
                 self._wait(need - 1)
 
+    def _need(self, params, key) -> int:
+        """How many buckets `params` (named by key, where given) need stepped."""
+        need = self._needs.get(id(key)) if key is not None else None
+        if need is None:
+            need = 1 + max((self._index.get(id(p), -1) for p in params), default=-1)
+            if key is not None:
+                self._needs[id(key)] = need
+        return need
+
+    def _wait_for_thread(self, need_of) -> None:
+        """before_reading() with step_thread: the thread started at the step's first
+        hook; then, waiting for no lock, until it has stepped need_of() buckets (or, where
+        it returned short of them, a step completed elsewhere, stepped here), then on the
+        device for the last of them."""
+        thread = self._thread
+        if thread is None:
+            with lock_of(self.binding):
+                run = self.binding.step_in_flight
+                if run is None:
+                    return
+                if run.stepped < len(run.buckets):
+                    if not self._released:
+                        self._release()
+                    thread = self._thread = StepThread(self.binding, run,
+                                                       self.binding.step_in_flight_to)
+                    thread.start()
+        need = need_of()
+        if thread is None or not self._joined_where_failed(thread.wait_for, need):
+            with lock_of(self.binding):
+                if self.binding.step_in_flight is not None:
+                    self.binding.step_in_flight_to(need)
+        if need:
+            self._wait(need - 1)
+
+    def _joined_where_failed(self, wait, *args):
+        """wait(*args) on the step's thread; where a bucket failed on it, the current
+        stream then waits for what the failure queued (its buckets put back) and the
+        error raises here, on the training thread."""
+        try:
+            return wait(*args)
+        except BaseException:
+            self.joined()
+            raise
+
     def _before_module(self, module, inputs) -> None:
         # Its children's parameters too: it may read them without calling them.
         self.before_reading(module.parameters(), key=module)
 
     def _after_forward(self, module, inputs, output) -> None:
-        with lock_of(self.binding):
-            run = self.binding.step_in_flight
-            if run is None:
-                return
-            n = len(run.buckets)
-            self.binding.step_in_flight_to(n)
-            if n:
-                self._wait(n - 1)
+        t0 = time.perf_counter()
+        try:
+            if self._thread is not None:
+                self._joined_where_failed(self._thread.join)
+            with lock_of(self.binding):
+                run = self.binding.step_in_flight
+                if run is None:
+                    return
+                n = len(run.buckets)
+                self.binding.step_in_flight_to(n)
+                if n:
+                    self._wait(n - 1)
+        finally:
+            self.hook_seconds += time.perf_counter() - t0
 
     def _wait(self, i: int) -> None:
         """The current stream waits, on the device, for bucket i's step."""

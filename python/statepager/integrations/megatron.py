@@ -148,7 +148,8 @@ class MegatronBinding:
                     if m.binding.begun:
                         m.binding.end_begun_step()
 
-    def overlap_forward(self, *model_chunks, page_in_during_backward: bool = True) -> list:
+    def overlap_forward(self, *model_chunks, page_in_during_backward: bool = True,
+                        step_thread: bool = False) -> list:
         """Each member's steps end under the next forward of `model_chunks` (the DDP
         model chunks; StreamedOptimizer.overlap_forward): Megatron's step() returns once
         the first page-ins are issued, and each bucket's mains reach the param buffer
@@ -159,8 +160,9 @@ class MegatronBinding:
         overlap_param_gather (without it Megatron all-gathers every param at the end
         of step()); in a ChainedOptimizer a member's step in flight completes when the
         next one starts. page_in_during_backward: the next step's first page-ins begin
-        in the backward before it (PageInsDuringBackward). Returns the members'
-        ForwardOverlaps."""
+        in the backward before it (PageInsDuringBackward). step_thread: the buckets step
+        on a thread of their own (Note [A thread steps the buckets under the forward]).
+        Returns the members' ForwardOverlaps."""
         held = [[id(b) for b in m.megatron.buffers()] for m in self.members]
         flat = [b for ids in held for b in ids]
         if not all(held) or len(set(flat)) < len(flat):
@@ -179,7 +181,8 @@ class MegatronBinding:
                     "overlap_param_gather (Megatron-LM: --overlap-param-gather): without "
                     "it Megatron all-gathers every param at the end of step(), before the "
                     "forward has stepped their mains")
-        overlaps = [m.binding.overlap_forward(*model_chunks, forward_param=m.model_param_of)
+        overlaps = [m.binding.overlap_forward(*model_chunks, forward_param=m.model_param_of,
+                                              step_thread=step_thread)
                     for m in self.members]
         # Without overlap_param_gather (one rank) the all-gather at the end of step()
         # gathers each param onto itself: left alone, or it would step every bucket.

@@ -190,7 +190,7 @@ class Run:
                                         atomic=o.attach_atomic(),
                                         stationary_bytes=o.stationary_bytes)
             if o.overlap_forward == "on":
-                binding.overlap_forward(*model_chunks)
+                binding.overlap_forward(*model_chunks, step_thread=o.step_thread == "on")
             return binding
 
         # Ranks may differ (a layer-wise chain gives each its own matrices): one refused

@@ -42,6 +42,7 @@ class Options:
     mains: str = "fp32"
     atomic: str = "bucket"          # ATOMIC; attach_atomic() gives attach()'s value
     overlap_forward: str = "off"    # ON_OFF: steps under the next forward
+    step_thread: str = "off"        # ON_OFF: ... on a thread of their own
     optimizer_checkpoint: str = "statepager"  # OPTIMIZER_CHECKPOINT
 
     def attach_atomic(self) -> str | bool:
@@ -84,6 +85,9 @@ _FLAGS = (
      "on: each step ends under the next forward, each bucket stepped before the first "
      "layer that uses it (more than one data-parallel rank needs --overlap-param-gather; "
      "default off)"),
+    ("step-thread", "STATEPAGER_STEP_THREAD", "step_thread", ON_OFF,
+     "on (with --statepager-overlap-forward on): the buckets step on a thread of their "
+     "own while the forward runs, which waits for each only on the device (default off)"),
     ("optimizer-checkpoint", "STATEPAGER_OPTIMIZER_CHECKPOINT", "optimizer_checkpoint",
      OPTIMIZER_CHECKPOINT,
      "who saves and loads the optimizer state: statepager (default: the store's ranges "
@@ -263,6 +267,9 @@ def refusals(args, options: Options | None = None) -> list[str]:
                    "are zeroed: add --use-distributed-optimizer (--optimizer muon then "
                    "builds the layer-wise one), or pass --statepager-atomic step (SGD, "
                    "which Megatron's DistributedOptimizer refuses)")
+    if options.step_thread == "on" and options.overlap_forward != "on":
+        out.append("--statepager-step-thread on steps the buckets under the forward: add "
+                   "--statepager-overlap-forward on, or drop --statepager-step-thread")
     return out
 
 

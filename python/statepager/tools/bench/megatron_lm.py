@@ -69,6 +69,22 @@ CONFIGS = {
         paged=dict(host=True, moments="q8", mains="residual", overlap=True, stationary=True),
         what="statepager, q8 moments, residual mains, host tier, steps under the forward, "
              "stationary buckets"),
+    # The same, the buckets stepped on a thread of their own (--statepager-step-thread on).
+    "fp32-overlap-thread": dict(paged=dict(overlap=True, thread=True),
+                                what="statepager, fp32, store on --dir, steps under the "
+                                     "forward on a thread"),
+    "host-fp32-overlap-thread": dict(paged=dict(host=True, overlap=True, thread=True),
+                                     what="statepager, fp32, host tier, steps under the "
+                                          "forward on a thread"),
+    "host-q8-overlap-thread": dict(
+        paged=dict(host=True, moments="q8", mains="residual", overlap=True, thread=True),
+        what="statepager, q8 moments, residual mains, host tier, steps under the forward on "
+             "a thread"),
+    "host-q8-overlap-stationary-thread": dict(
+        paged=dict(host=True, moments="q8", mains="residual", overlap=True, stationary=True,
+                   thread=True),
+        what="statepager, q8 moments, residual mains, host tier, steps under the forward on "
+             "a thread, stationary buckets"),
     # --optimizer muon: the layer-wise chain, Muon for the matrices and Adam for the rest.
     "muon-unpaged": dict(flags=["--optimizer", "muon"],
                          what="unpaged, Muon (layer-wise, Adam for the rest)"),
@@ -182,6 +198,8 @@ def command(name: str, args, work: str) -> list[str]:
             flags += ["--statepager-overlap-forward", "on"]
         if paged.get("stationary"):
             flags += ["--statepager-stationary-bytes", str(args.stationary_bytes)]
+        if paged.get("thread"):
+            flags += ["--statepager-step-thread", "on"]
     flags += args.megatron_args
     script = os.path.join(args.megatron_lm, "pretrain_gpt.py")
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone",

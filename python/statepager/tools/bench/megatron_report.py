@@ -154,6 +154,11 @@ def config_lines(c: dict) -> list[str]:
                          f"stepped two before), for page-outs to land {ms['page_outs']:.1f} ms "
                          "(room in the window, the last ones)")
         if p.get("under_forward"):
+            if p.get("in_hooks_s"):
+                where = ("waiting for the step's thread, which steps the buckets" if
+                         p.get("step_thread") else "stepping buckets and waiting for copies")
+                notes.append(f"the training thread's time in the forward's hooks (median): "
+                             f"{1e3 * p['in_hooks_s']['median']:.1f} ms an iteration, {where}")
             held = p.get("held_back") or {}
             why = (f"; grad-sync starts that began none: {held['the step in flight']} with "
                    f"the step in flight still paging, {held['room']} without room for its "

@@ -145,8 +145,11 @@ def run_config(spec: dict) -> dict:
             attach_options={**{k: config[k] for k in ("atomic",) if k in config},
                             **({"stationary_bytes": spec["stationary_bytes"]}
                                if config.get("stationary") else {})})
+        overlaps = []  # the members' ForwardOverlaps
         if config.get("overlap"):
-            binding.overlap_forward(model, page_in_during_backward=config.get("early", True))
+            overlaps = binding.overlap_forward(
+                model, page_in_during_backward=config.get("early", True),
+                step_thread=config.get("thread", False))
         opt_times = []
         _timed(optimizer, opt_times)
         torch.cuda.synchronize()
@@ -159,6 +162,7 @@ def run_config(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         del opt_times[:]
         steps, moved, pool, loop_host, pipelines, parts = [], [], [], [], [], []
+        in_hooks = []  # per timed iteration, the training thread's time in the forward's hooks
         skipped = 0
         counters = ("bytes_read", "bytes_written", "bytes_from_host", "bytes_to_host",
                     "spilled_bytes", "mapped_read_bytes", "mapped_written_bytes")
@@ -166,11 +170,13 @@ def run_config(spec: dict) -> dict:
             for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
                 before = pager.stats() if pager else None
                 last_before = binding.last if pager else None
+                hooks_before = sum(o.hook_seconds for o in overlaps)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 losses.append(gpt.train_step(setup, model, optimizer, scheduler, i))
                 torch.cuda.synchronize()
                 steps.append(time.perf_counter() - t0)
+                in_hooks.append(sum(o.hook_seconds for o in overlaps) - hooks_before)
                 if pager is not None:
                     after = pager.stats()
                     if any(a is b for a, b in zip(binding.last, last_before)):
@@ -179,6 +185,7 @@ def run_config(spec: dict) -> dict:
                         skipped += 1
                         steps.pop()
                         opt_times.pop()
+                        in_hooks.pop()
                         continue
                     moved.append({k: after[k] - before[k] for k in counters})
                     # The step's own peak: one under the forward ends in the next
@@ -224,7 +231,8 @@ def run_config(spec: dict) -> dict:
                              for i, k in enumerate(("stepping", "page_ins", "device", "page_outs"))},
                 pipeline_s=spread(pipelines),
                 parts_s=opt_step_parts(opt_times, parts, under_forward),
-                under_forward=under_forward,
+                under_forward=under_forward, step_thread=bool(config.get("thread")),
+                in_hooks_s=spread(in_hooks),
                 begun_in_backward=binding.early.steps_begun if binding.early else 0,
                 held_back=dict(binding.early.held_back) if binding.early else {},
                 peak_mapped=max(p[0] for p in pool),

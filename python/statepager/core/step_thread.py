@@ -1,0 +1,91 @@
+"""A step in flight's buckets stepped on a thread of their own, while the training thread
+runs the forward (see Note [A thread steps the buckets under the forward] in
+docs/design.md).
+
+A StepThread is started by the forward's first hook (ForwardOverlap, statepager.core.
+overlap) and steps the buckets of that step, in order, holding the Pager's lock from its
+first bucket to its last: every other entry point (a state read, a save, a zero_grad in
+place) waits for the step to be whole, as it would for a step() on another thread. The
+forward's hooks take no lock: each waits, releasing the GIL, until the thread has
+stepped the buckets it needs (stepped(), published once their event is recorded), and
+then only on the device. A bucket that fails on the thread ends the step as it would on
+the training thread (a resumable step pending); the error is raised on the training
+thread by the next hook that waits, or by whatever completes the step (raise_failure()).
+
+Thread-safety: started, waited for and joined from one training thread; the thread itself
+touches the step only while holding the Pager's lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from statepager.core.serial import lock_of
+
+
+class StepThread:
+    """Steps `run`'s buckets (a Pipeline, the binding's step in flight) through `advance`
+    (StreamedOptimizer.step_in_flight_to, which records each bucket's event) on a thread
+    of its own. `binding`: whose Pager's lock it holds, and whose step in flight `run`
+    must still be for it to go on."""
+
+    def __init__(self, binding, run, advance):
+        self._binding, self._run, self._advance = binding, run, advance
+        self._changed = threading.Condition()
+        self._stepped = 0     # buckets stepped, each one's event recorded
+        self._done = False    # the thread has returned
+        self._failure: BaseException | None = None  # a bucket's, not yet raised
+        self._thread = threading.Thread(target=self._steps, name="statepager-step",
+                                        daemon=False)
+        self._device = binding.pager.device
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stepped(self) -> int:
+        """How many buckets it has stepped, each one's event recorded."""
+        return self._stepped
+
+    def wait_for(self, n: int) -> bool:
+        """Waits (the GIL released) until n buckets have stepped or the thread has
+        returned; True when they have. A failure on the thread raises here."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._stepped >= n or self._done)
+        self.raise_failure()
+        return self._stepped >= n
+
+    def join(self) -> None:
+        """Waits for the thread to return; a failure on it raises here."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._done)
+        self._thread.join()
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Raises, once, the error a bucket failed with on the thread."""
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _steps(self) -> None:
+        run, binding = self._run, self._binding
+        try:
+            with _on(self._device), lock_of(binding):
+                while binding.step_in_flight is run and run.stepped < len(run.buckets):
+                    self._advance(run.stepped + 1)
+                    with self._changed:
+                        self._stepped = run.stepped
+                        self._changed.notify_all()
+        except BaseException as error:  # the step ended as a failed step() ends it
+            self._failure = error
+        finally:
+            with self._changed:
+                self._done = True
+                self._changed.notify_all()
+
+
+def _on(device: torch.device):
+    """The thread's current CUDA device (each thread has its own): the Pager's."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
