@@ -27,6 +27,17 @@ def x_of(i: int) -> torch.Tensor:
     return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
 
 
+def finish_like(base, model, opt, losses, loss) -> None:
+    """The third iteration's backward and step after its forward gave `loss`, a fourth,
+    then losses and state held to `base`, the run without steps under the forward."""
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    losses += train(model, opt, 1, first=3)
+    assert losses == base[0]
+    assert same(base[1], result(model, opt))
+
+
 def test_the_thread_steps_every_bucket_while_the_forward_waits_at_its_first_layer(tmp_path):
     """A pre-hook of the first layer (after statepager's) holds the forward until every
     bucket has stepped: the thread steps them without the forward's hooks, each on it.
@@ -51,12 +62,7 @@ def test_the_thread_steps_every_bucket_while_the_forward_waits_at_its_first_laye
         assert seen == [True], "every bucket stepped while the forward waited"
         assert len(threads) == n
         assert all(t is not threading.main_thread() for t in threads)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        losses += train(model, opt, 1, first=3)
-        assert losses == base[0]
-        assert same(base[1], result(model, opt))
+        finish_like(base, model, opt, losses, loss)
 
 
 @pytest.mark.parametrize("reader", ["state_dict", "read"])
@@ -82,12 +88,7 @@ def test_a_read_of_the_state_in_the_forward_waits_for_the_whole_step(tmp_path, r
         loss = model(x_of(2)).square().mean()
         hook.remove()
         assert seen == [None], "the read completed the step"
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        losses += train(model, opt, 1, first=3)
-        assert losses == base[0]
-        assert same(base[1], result(model, opt))
+        finish_like(base, model, opt, losses, loss)
 
 
 def test_remove_waits_for_the_thread_and_completes_the_step(tmp_path):
@@ -102,13 +103,8 @@ def test_remove_waits_for_the_thread_and_completes_the_step(tmp_path):
         loss = model(x_of(2)).square().mean()
         hook.remove()
         assert binding.step_in_flight is None and binding.overlap is None
-        loss.backward()
-        opt.step()
+        finish_like(base, model, opt, losses, loss)
         assert binding.step_in_flight is None, "stepped in step(), without the forward"
-        losses.append(loss.item())
-        losses += train(model, opt, 1, first=3)
-        assert losses == base[0]
-        assert same(base[1], result(model, opt))
 
 
 def test_a_failure_on_the_thread_raises_once_on_the_training_thread(tmp_path):

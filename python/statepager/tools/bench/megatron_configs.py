@@ -64,22 +64,6 @@ CONFIGS = {
                                        moments="q8", mains="residual",
                                        what="statepager, q8 moments, residual mains, host "
                                             "tier, steps under the forward, stationary buckets"),
-    # The same, the buckets stepped on a thread of their own (overlap_forward(step_thread=True)).
-    "fp32-overlap-thread": dict(pager=True, overlap=True, thread=True, moments="fp32",
-                                mains="fp32", what="statepager, fp32, store on --dir, steps "
-                                                   "under the forward on a thread"),
-    "host-fp32-overlap-thread": dict(pager=True, host=True, overlap=True, thread=True,
-                                     moments="fp32", mains="fp32",
-                                     what="statepager, fp32, host tier, steps under the "
-                                          "forward on a thread"),
-    "host-q8-overlap-thread": dict(pager=True, host=True, overlap=True, thread=True,
-                                   moments="q8", mains="residual",
-                                   what="statepager, q8 moments, residual mains, host tier, "
-                                        "steps under the forward on a thread"),
-    "host-q8-overlap-stationary-thread": dict(
-        pager=True, host=True, overlap=True, stationary=True, thread=True, moments="q8",
-        mains="residual", what="statepager, q8 moments, residual mains, host tier, steps "
-                               "under the forward on a thread, stationary buckets"),
     # The same, its page-ins begun after the backward (as without page_in_during_backward).
     "host-q8-overlap-late": dict(pager=True, host=True, overlap=True, early=False, moments="q8",
                                  mains="residual", what="statepager, q8 moments, residual "
@@ -93,6 +77,11 @@ CONFIGS = {
     "muon-fp32": dict(pager=True, setup=MUON, moments="fp32", mains="fp32",
                       what="statepager, Muon (layer-wise), fp32, store on --dir"),
 }
+# Steps under the forward on a thread of their own (overlap_forward(step_thread=True)).
+CONFIGS.update({f"{name}-thread": dict(CONFIGS[name], thread=True,
+                                       what=CONFIGS[name]["what"] + ", on a thread")
+                for name in ("fp32-overlap", "host-fp32-overlap", "host-q8-overlap",
+                             "host-q8-overlap-stationary")})
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "q8", "host-fp32", "host-q8"]
 
 

@@ -69,28 +69,17 @@ CONFIGS = {
         paged=dict(host=True, moments="q8", mains="residual", overlap=True, stationary=True),
         what="statepager, q8 moments, residual mains, host tier, steps under the forward, "
              "stationary buckets"),
-    # The same, the buckets stepped on a thread of their own (--statepager-step-thread on).
-    "fp32-overlap-thread": dict(paged=dict(overlap=True, thread=True),
-                                what="statepager, fp32, store on --dir, steps under the "
-                                     "forward on a thread"),
-    "host-fp32-overlap-thread": dict(paged=dict(host=True, overlap=True, thread=True),
-                                     what="statepager, fp32, host tier, steps under the "
-                                          "forward on a thread"),
-    "host-q8-overlap-thread": dict(
-        paged=dict(host=True, moments="q8", mains="residual", overlap=True, thread=True),
-        what="statepager, q8 moments, residual mains, host tier, steps under the forward on "
-             "a thread"),
-    "host-q8-overlap-stationary-thread": dict(
-        paged=dict(host=True, moments="q8", mains="residual", overlap=True, stationary=True,
-                   thread=True),
-        what="statepager, q8 moments, residual mains, host tier, steps under the forward on "
-             "a thread, stationary buckets"),
     # --optimizer muon: the layer-wise chain, Muon for the matrices and Adam for the rest.
     "muon-unpaged": dict(flags=["--optimizer", "muon"],
                          what="unpaged, Muon (layer-wise, Adam for the rest)"),
     "muon-host-fp32": dict(flags=["--optimizer", "muon"], paged=dict(host=True),
                            what="statepager, Muon (layer-wise), fp32, host tier"),
 }
+# Steps under the forward on a thread of their own (--statepager-step-thread on).
+CONFIGS.update({f"{name}-thread": dict(paged=dict(CONFIGS[name]["paged"], thread=True),
+                                       what=CONFIGS[name]["what"] + ", on a thread")
+                for name in ("fp32-overlap", "host-fp32-overlap", "host-q8-overlap",
+                             "host-q8-overlap-stationary")})
 DEFAULT_CONFIGS = ["unpaged", "offload", "fp32", "host-fp32", "host-q8", "host-q8-overlap"]
 _LINE = re.compile(r"\[([0-9-]+ [0-9:.]+)\] iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per "
                    r"iteration \(ms\): ([0-9.]+) \|")
