@@ -4,6 +4,9 @@ the buckets while the forward's hooks only wait for theirs, what reads the state
 the forward waits for the whole step, a bucket failing on the thread raises on the
 training thread, and training is bit-identical throughout (tests/python/test_overlap.py
 holds the rest of the steps under the forward to the same, with and without the thread)."""
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -133,3 +136,51 @@ def test_a_failure_on_the_thread_raises_once_on_the_training_thread(tmp_path):
         losses += train(model, opt, 2, first=2)
         assert losses == base[0]
         assert same(base[1], result(model, opt))
+
+
+CHILD_FORWARD = """
+import os, sys, time, warnings, torch
+warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+sys.path.insert(0, sys.argv[2])
+from statepager import Pager
+from test_overlap import WIDTH, model_and_opt, train
+with Pager(sys.argv[1], "cpu", page_size=16 << 10) as pager:
+    model, opt, binding, handle = model_and_opt(pager, "thread")
+    train(model, opt, 2)
+    forked = []
+
+    def fork(module, inputs):  # the step's thread stepping meanwhile
+        if forked:
+            return
+        pid = os.fork()
+        if pid == 0:
+            forked.append(0)
+            try:  # what a forward's hook does (torch's own compute may hang in a child)
+                handle.before_reading(list(model.parameters()))
+                print("child: the hook returned")
+            except Exception as error:
+                print("child:", type(error).__name__)
+            sys.stdout.flush()
+            os._exit(0)
+        forked.append(pid)
+    model[2].register_forward_pre_hook(fork)
+    model(torch.zeros(2, WIDTH))
+    _, status = os.waitpid(forked[0], 0)
+    print("child exit", os.waitstatus_to_exitcode(status))
+    binding.complete_step_in_flight()
+    print("parent: done")
+"""
+
+
+def test_a_child_forked_while_the_thread_steps_does_not_wait_for_it(tmp_path):
+    """A child forked while the step's thread runs has no such thread: a forward's hook
+    there does not wait for it, and meets the Pager's refusal of a child's calls; the
+    parent goes on."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", CHILD_FORWARD, str(tmp_path / "s"), here],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "child exit 0" in lines and "parent: done" in lines, done.stdout
+    child = [line for line in lines if line.startswith("child:")]
+    assert child and child[0] != "child: the hook returned", done.stdout

@@ -13,12 +13,16 @@ the training thread (a resumable step pending); the error is raised on the train
 thread by the next hook that waits, or by whatever completes the step (raise_failure()).
 
 Thread-safety: started, waited for and joined from one training thread; the thread itself
-touches the step only while holding the Pager's lock.
+touches the step only while holding the Pager's lock. A forked child has no such thread:
+there each StepThread counts as returned, and what waits for it takes the Pager's lock
+itself, which refuses a child's calls (Note [A Pager across fork]).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import weakref
 
 import torch
 
@@ -40,6 +44,7 @@ class StepThread:
         self._thread = threading.Thread(target=self._steps, name="statepager-step",
                                         daemon=False)
         self._device = binding.pager.device
+        _live.add(self)
 
     def start(self) -> None:
         self._thread.start()
@@ -84,6 +89,15 @@ class StepThread:
             with self._changed:
                 self._done = True
                 self._changed.notify_all()
+
+
+    def _forget(self) -> None:
+        """In a forked child: returned, its condition anew (the parent's may be held)."""
+        self._changed, self._done = threading.Condition(), True
+
+
+_live: "weakref.WeakSet[StepThread]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [t._forget() for t in list(_live)])
 
 
 def _on(device: torch.device):
