@@ -88,6 +88,10 @@ def test_each_configuration_runs_pretrain_gpt_with_its_flags(tmp_path):
                      "--statepager-moments", "q8", "--statepager-mains", "residual",
                      "--statepager-host-budget", str(budget),
                      "--statepager-overlap-forward", "on"]
+    threaded = megatron_lm.command("host-q8-overlap-thread", args, "/w")
+    assert threaded[9 + len(flags):] == [
+        "/w/host-q8-overlap-thread-{rank}" if f == "/w/host-q8-overlap-{rank}" else f
+        for f in extra] + ["--statepager-step-thread", "on"]
     muon = megatron_lm.command("muon-host-fp32", args, "/w")
     assert muon[9:9 + len(flags) + 2] == flags + ["--optimizer", "muon"]
     assert "--statepager-host-budget" in muon
