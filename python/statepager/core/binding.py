@@ -420,8 +420,8 @@ class StreamedOptimizer:
 
     @serialized
     def to_rest(self, keep_reads: bool = False) -> None:
-        """end_begun_step(), then the stationary buckets paged out (Note [Stationary
-        buckets]); keep_reads (a read of opt.state): the reads before it stay."""
+        """end_begun_step(), then the stationary buckets a step left mapped paged out (Note
+        [Stationary buckets]); keep_reads (a read of opt.state): the reads before it stay."""
         self._steps.to_rest(keep_reads)
 
     # -- steps under the forward (statepager.core.overlap) -------------------------

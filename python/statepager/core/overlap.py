@@ -34,7 +34,7 @@ import time
 import torch
 
 from statepager import _C
-from statepager.core.serial import lock_of
+from statepager.core.serial import holding, lock_of
 from statepager.core.step_thread import StepThread
 from statepager.util import streams
 
@@ -102,8 +102,8 @@ class ForwardOverlap:
     def remove(self) -> None:
         """Finishes a step in flight, then takes the hooks off (idempotent). A bucket
         that failed on the step's thread raises here, the hooks left on."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None and not holding(self.binding.pager):
+            self._thread.join()  # one holding the lock completes the step itself
         with lock_of(self.binding):
             self.binding.end_begun_step()
             for h in self._handles:
@@ -177,8 +177,10 @@ class ForwardOverlap:
             for h, g in zip(holders, now):
                 h.grad = g
         finally:
-            for g, options in zip(groups, options_now):
-                g.update(options)
+            for g, options, kept in zip(groups, options_now, self._options):
+                for k, v in options.items():
+                    if g.get(k) is kept.get(k):  # not set meanwhile (by another thread)
+                        g[k] = v
             if self._stream is not None and run.stepped > first:
                 event = torch.cuda.Event()
                 event.record(self._stream)
@@ -230,7 +232,8 @@ class ForwardOverlap:
         stay the same (the count of buckets they need is kept per key)."""
         t0 = time.perf_counter()
         try:
-            if self.step_thread:
+            # Under an entry point holding the lock, the thread could never take it.
+            if self.step_thread and not holding(self.binding.pager):
                 self._wait_for_thread(lambda: self._need(params, key))
             else:
                 self._step_for(params, key)
@@ -265,16 +268,18 @@ class ForwardOverlap:
         device for the last of them."""
         thread = self._thread
         if thread is None:
+            if self.binding.step_in_flight is None:
+                return  # without the lock, which another member's thread may hold
             with lock_of(self.binding):
-                run = self.binding.step_in_flight
+                run, thread = self.binding.step_in_flight, self._thread
                 if run is None:
                     return
-                if run.stepped < len(run.buckets):
+                if thread is None and run.stepped < len(run.buckets):
                     if not self._released:
                         self._release()
-                    thread = self._thread = StepThread(self.binding, run,
-                                                       self.binding.step_in_flight_to)
+                    thread = StepThread(self.binding, run, self.binding.step_in_flight_to)
                     thread.start()
+                    self._thread = thread  # once started: no hook waits for one that is not
         need = need_of()
         if thread is None or not self._joined_where_failed(thread.wait_for, need):
             with lock_of(self.binding):
@@ -300,7 +305,7 @@ class ForwardOverlap:
     def _after_forward(self, module, inputs, output) -> None:
         t0 = time.perf_counter()
         try:
-            if self._thread is not None:
+            if self._thread is not None and not holding(self.binding.pager):
                 self._joined_where_failed(self._thread.join)
             with lock_of(self.binding):
                 run = self.binding.step_in_flight

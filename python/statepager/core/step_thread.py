@@ -5,21 +5,23 @@ docs/design.md).
 A StepThread is started by the forward's first hook (ForwardOverlap, statepager.core.
 overlap) and steps the buckets of that step, in order, holding the Pager's lock from its
 first bucket to its last: every other entry point (a state read, a save, a zero_grad in
-place) waits for the step to be whole, as it would for a step() on another thread. The
-forward's hooks take no lock: each waits, releasing the GIL, until the thread has
-stepped the buckets it needs (stepped(), published once their event is recorded), and
-then only on the device. A bucket that fails on the thread ends the step as it would on
-the training thread (a resumable step pending); the error is raised on the training
-thread by the next hook that waits, or by whatever completes the step (raise_failure()).
+place) waits for the step to be whole, as it would for a step() on another thread. While
+it runs, the forward's hooks take no lock: each waits, releasing the GIL, until the
+thread has stepped the buckets it needs (stepped(), published once their event is
+recorded), and then on the device. A bucket that fails on the thread ends the step as it
+would on the training thread (a resumable step pending); the error is raised, once, on
+the training thread by the next hook that waits for the thread, unless a step has
+finished since (raise_failure() then logs it).
 
 Thread-safety: started, waited for and joined from one training thread; the thread itself
 touches the step only while holding the Pager's lock. A forked child has no such thread:
-there each StepThread counts as returned, and what waits for it takes the Pager's lock
-itself, which refuses a child's calls (Note [A Pager across fork]).
+there each StepThread counts as returned, and its hooks go on as without one (what needs
+the Pager meets its refusal of a child's calls: Note [A Pager across fork]).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import weakref
@@ -27,6 +29,8 @@ import weakref
 import torch
 
 from statepager.core.serial import lock_of
+
+log = logging.getLogger("statepager")
 
 
 class StepThread:
@@ -41,9 +45,12 @@ class StepThread:
         self._stepped = 0     # buckets stepped, each one's event recorded
         self._done = False    # the thread has returned
         self._failure: BaseException | None = None  # a bucket's, not yet raised
+        self._last = binding.last  # the binding's last finished step's stats, at the start
         self._thread = threading.Thread(target=self._steps, name="statepager-step",
                                         daemon=False)
         self._device = binding.pager.device
+        # Thread-local: what the training thread's step() would create state on.
+        self._default_device = torch.get_default_device()
         _live.add(self)
 
     def start(self) -> None:
@@ -69,14 +76,23 @@ class StepThread:
         self.raise_failure()
 
     def raise_failure(self) -> None:
-        """Raises, once, the error a bucket failed with on the thread."""
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
+        """Raises, once, the error a bucket failed with on the thread; where a step has
+        finished since (the failed one, pending, finished by step()), logs it instead."""
+        with self._changed:
+            failure, self._failure = self._failure, None
+        if failure is None:
+            return
+        if self._binding.last is not self._last:
+            log.warning("statepager %s: a bucket failed on the step's thread (%r); the step "
+                        "has been finished since", self._binding.name, failure)
+            return
+        raise failure
 
     def _steps(self) -> None:
         run, binding = self._run, self._binding
         try:
+            if self._default_device.type != "cpu":  # else torch's own, without a mode
+                torch.set_default_device(self._default_device)
             with _on(self._device), lock_of(binding):
                 while binding.step_in_flight is run and run.stepped < len(run.buckets):
                     self._advance(run.stepped + 1)
@@ -84,12 +100,12 @@ class StepThread:
                         self._stepped = run.stepped
                         self._changed.notify_all()
         except BaseException as error:  # the step ended as a failed step() ends it
-            self._failure = error
+            with self._changed:
+                self._failure = error
         finally:
             with self._changed:
                 self._done = True
                 self._changed.notify_all()
-
 
     def _forget(self) -> None:
         """In a forked child: returned, its condition anew (the parent's may be held)."""

@@ -87,7 +87,8 @@ _FLAGS = (
      "default off)"),
     ("step-thread", "STATEPAGER_STEP_THREAD", "step_thread", ON_OFF,
      "on (with --statepager-overlap-forward on): the buckets step on a thread of their "
-     "own while the forward runs, which waits for each only on the device (default off)"),
+     "own while the forward runs, each layer waiting only until its buckets are stepped "
+     "(default off)"),
     ("optimizer-checkpoint", "STATEPAGER_OPTIMIZER_CHECKPOINT", "optimizer_checkpoint",
      OPTIMIZER_CHECKPOINT,
      "who saves and loads the optimizer state: statepager (default: the store's ranges "
