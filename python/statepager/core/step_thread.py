@@ -7,7 +7,7 @@ overlap) and steps the buckets of that step, in order, holding the Pager's lock 
 first bucket to its last: every other entry point (a state read, a save, a zero_grad in
 place) waits for the step to be whole, as it would for a step() on another thread. While
 it runs, the forward's hooks take no lock: each waits, releasing the GIL, until the
-thread has stepped the buckets it needs (stepped(), published once their event is
+thread has stepped the buckets it needs (a count published once their event is
 recorded), and then on the device. A bucket that fails on the thread ends the step as it
 would on the training thread (a resumable step pending); the error is raised, once, on
 the training thread by the next hook that waits for the thread, unless a step has
@@ -55,10 +55,6 @@ class StepThread:
 
     def start(self) -> None:
         self._thread.start()
-
-    def stepped(self) -> int:
-        """How many buckets it has stepped, each one's event recorded."""
-        return self._stepped
 
     def wait_for(self, n: int) -> bool:
         """Waits (the GIL released) until n buckets have stepped or the thread has
