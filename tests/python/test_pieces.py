@@ -209,3 +209,16 @@ def test_copy_each_and_zero_each_over_mixed_dtypes_and_views():
     zero_each([buffer[0:2], buffer[8:10], targets[2]])
     assert buffer.tolist() == [0.0, 0.0, 7.0, 7.0, 5.0, 6.0, 8.0, 8.0, 0.0, 0.0, 11.0, 12.0]
     assert targets[2].tolist() == [0.0] * 3
+
+
+def test_zero_each_fills_runs_end_to_end_and_nothing_between():
+    """Views end to end in one buffer (a grad buffer's, in any order) are zeroed as runs,
+    without the elements between runs; a view with gaps, another dtype's view of the
+    same bytes and another storage that happens to follow are each zeroed alone."""
+    buffer = torch.arange(16, dtype=torch.float32) + 1
+    other = torch.ones(4)
+    strided = buffer[12:16:2]
+    zero_each([buffer[4:6], buffer[0:2], buffer[2:4], buffer[8:10], strided, other,
+               buffer[6:7].view(torch.int32), torch.empty(0)])
+    assert buffer.tolist() == [0.0] * 7 + [8.0] + [0.0] * 2 + [11.0, 12.0, 0.0, 14.0, 0.0, 16.0]
+    assert other.tolist() == [0.0] * 4

@@ -169,8 +169,9 @@ def test_a_budget_counts_the_stationary_buckets(tmp_path):
 def q8_run(tmp_path, name, device, steps, overlap, fail_in=None, **attach):
     """PagedAdamW with q8 moments and residual mains over a bf16 model (the fused step,
     the masters' scratch and its late exception counts): (losses, model bits, state bits,
-    binding's stationary count). fail_in: the after_bucket call (1-based) of step 3 that
-    raises once its model params are written; the next step() finishes the step."""
+    binding's stationary count). fail_in: the stationary bucket (1-based) whose after_bucket
+    call in step 3 raises once its model params are written; the next step() finishes
+    the step."""
     from statepager.core.optim import PagedAdamW
     page = 2 << 20 if device == "cuda" else 16 * KiB
     with Pager(str(tmp_path / name), device, page_size=page) as pager:
@@ -182,7 +183,7 @@ def q8_run(tmp_path, name, device, steps, overlap, fail_in=None, **attach):
         binding = opt.binding
         if overlap:
             binding.overlap_forward(model)
-        losses = []
+        losses, failed = [], []
         for i in range(steps):
             if i == 3 and fail_in:
                 written, calls = binding.after_bucket, []
@@ -191,6 +192,8 @@ def q8_run(tmp_path, name, device, steps, overlap, fail_in=None, **attach):
                     written(params)
                     calls.append(1)
                     if len(calls) == fail_in:
+                        bucket = binding._planner.stationary_buckets()[fail_in - 1]
+                        failed.append(params is bucket.params)
                         raise RuntimeError("injected")
                 binding.after_bucket = failing
             x = torch.randn(8, 96, generator=torch.Generator().manual_seed(i))
@@ -204,6 +207,7 @@ def q8_run(tmp_path, name, device, steps, overlap, fail_in=None, **attach):
                 opt.step()
             losses.append(loss.item())
         binding.complete_step_in_flight()
+        assert failed == ([True] if fail_in else []), "failed once, in a stationary bucket"
         n = binding._planner.stationary
         return losses, result(model, opt), n
 
