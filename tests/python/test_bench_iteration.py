@@ -48,9 +48,27 @@ def test_lanes_are_merged_per_kind_from_the_first_event():
     assert s["copies_in_phase_ms"] == {"forward": {"h2d": 10.0, "d2h": 6.0},
                                        "backward": {"h2d": 0.0, "d2h": 0.0},
                                        "optimizer.step": {"h2d": 0.0, "d2h": 0.0}}
+    # The forward (0..50) has copies 4..19 alone: its longest stretch without one is 19..50.
+    assert s["forward_without_copies_ms"] == [19.0, 31.0]
     late = iteration.lanes_of(EVENTS + [  # a page-out after the forward's end
         event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50_000, 5_000, bytes=1)])
     assert iteration.summary(late)["copies_in_phase_ms"]["backward"]["d2h"] == 4.0
+
+
+def test_the_forward_without_copies_is_its_longest_uncovered_stretch():
+    """Copies that start before the forward, touch each other or end after it: what is
+    left of the forward, and its longest piece (none: a forward copies cover whole)."""
+    spans = [(0.0, 50.0)]
+    assert iteration._uncovered(spans, [(-5.0, 3.0), (10.0, 12.0), (12.0, 20.0),
+                                         (45.0, 60.0)]) == [(3.0, 10.0), (20.0, 45.0)]
+    assert iteration._uncovered(spans, [(-1.0, 51.0)]) == []
+    assert iteration._uncovered([(0.0, 5.0), (8.0, 9.0)], []) == [(0.0, 5.0), (8.0, 9.0)]
+    counts = iteration.lanes_of(EVENTS + [  # an exception count's few bytes at 30 ms
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 31_000, 5, bytes=16)])
+    assert iteration.summary(counts)["forward_without_copies_ms"] == [19.0, 31.0]
+    covered = {"lanes": {k: [] for k, _, _ in iteration.LANES}, "span_ms": 50.0}
+    covered["lanes"].update(forward=[[0.0, 50.0]], h2d=[[0.0, 50.0]])
+    assert iteration.summary(covered)["forward_without_copies_ms"] == [0.0, 0.0]
 
 
 def test_an_iteration_without_its_phases_is_refused_by_name():

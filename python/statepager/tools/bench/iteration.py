@@ -22,6 +22,9 @@ from statepager.tools.bench.device_time import kernel_name, trace_events
 
 # The training step's record_function ranges (examples/megatron_gpt.py train_step).
 PHASES = ("forward", "backward", "optimizer.step")
+# Copies shorter than this (ms) are not the state's (summary): its pages are 2 MiB or more,
+# 0.04 ms at 50 GB/s.
+SMALL_COPY_MS = 0.02
 # (key, label, colour): the host's phases, then the device's lanes.
 LANES = (("forward", "host: forward", "#5D6D7E"),
          ("backward", "host: backward", "#85929E"),
@@ -72,16 +75,40 @@ def lanes_of(events: list) -> dict:
 
 def summary(timeline: dict) -> dict:
     """Milliseconds: each lane busy, the copies (either way) busy, how much of that ran
-    while the model's kernels ran, and each way's copies while the host ran each phase
-    (steps under the forward: how far page-outs lag into the backward)."""
+    while the model's kernels ran, each way's copies while the host ran each phase
+    (steps under the forward: how far page-outs lag into the backward), and the
+    forward's longest stretch with no copy of the state either way, from when (what a
+    step under it left the links idle for: buckets that step without a copy, a window
+    full). A copy of the state is one of SMALL_COPY_MS or more: the residual exception
+    counts' few bytes, copied every bucket, are not."""
     lanes = {k: [tuple(i) for i in v] for k, v in timeline["lanes"].items()}
     busy = {k: sum(e - s for s, e in v) for k, v in lanes.items()}
     copies = interval_union(lanes["h2d"] + lanes["d2h"])
+    state = [(s, e) for s, e in copies if e - s >= SMALL_COPY_MS]
+    idle = max(_uncovered(lanes["forward"], state), key=lambda i: i[1] - i[0],
+               default=(0.0, 0.0))
     return {"span_ms": timeline["span_ms"], "busy_ms": busy,
             "copies_ms": sum(e - s for s, e in copies),
             "copies_under_compute_ms": interval_overlap(copies, lanes["compute"]),
             "copies_in_phase_ms": {phase: {way: interval_overlap(lanes[way], lanes[phase])
-                                           for way in ("h2d", "d2h")} for phase in PHASES}}
+                                           for way in ("h2d", "d2h")} for phase in PHASES},
+            "forward_without_copies_ms": [idle[0], idle[1] - idle[0]]}
+
+
+def _uncovered(spans: list, covered: list) -> list:
+    """The parts of disjoint sorted `spans` that disjoint sorted `covered` leaves out."""
+    out = []
+    for s, e in spans:
+        at = s
+        for cs, ce in covered:
+            if ce <= at or cs >= e:
+                continue
+            if cs > at:
+                out.append((at, cs))
+            at = max(at, ce)
+        if at < e:
+            out.append((at, e))
+    return out
 
 
 def write(path: str, timeline: dict, title: str) -> None:

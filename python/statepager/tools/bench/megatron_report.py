@@ -212,7 +212,9 @@ def _iteration_line(t: dict) -> str:
             f"{b['d2h']:.1f}), {t['copies_under_compute_ms']:.1f} ms of them under the "
             f"model's kernels" + "".join(
                 f"; while the host ran {phase} h2d {ways['h2d']:.1f}, d2h {ways['d2h']:.1f}"
-                for phase, ways in t["copies_in_phase_ms"].items()))
+                for phase, ways in t["copies_in_phase_ms"].items())
+            + "; the forward's longest stretch without a copy of the state {1:.1f} ms, from "
+              "{0:.1f} ms".format(*t["forward_without_copies_ms"]))
 
 
 def _device_time_line(t: dict) -> str:
