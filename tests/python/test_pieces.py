@@ -213,12 +213,26 @@ def test_copy_each_and_zero_each_over_mixed_dtypes_and_views():
 
 def test_zero_each_fills_runs_end_to_end_and_nothing_between():
     """Views end to end in one buffer (a grad buffer's, in any order) are zeroed as runs,
-    without the elements between runs; a view with gaps, another dtype's view of the
-    same bytes and another storage that happens to follow are each zeroed alone."""
+    without the elements between runs; a view with gaps, a view of another dtype that
+    follows a run, another storage whose bytes follow a run's, and a tensor autograd
+    tracks are each zeroed alone, as torch's multi-tensor zero would."""
     buffer = torch.arange(16, dtype=torch.float32) + 1
-    other = torch.ones(4)
+    buffer[6] = 7.1  # 0x40e33333
     strided = buffer[12:16:2]
-    zero_each([buffer[4:6], buffer[0:2], buffer[2:4], buffer[8:10], strided, other,
-               buffer[6:7].view(torch.int32), torch.empty(0)])
-    assert buffer.tolist() == [0.0] * 7 + [8.0] + [0.0] * 2 + [11.0, 12.0, 0.0, 14.0, 0.0, 16.0]
-    assert other.tolist() == [0.0] * 4
+    zero_each([buffer[4:6], buffer[0:2], buffer[2:4], buffer[8:10], strided,
+               buffer[6:7].view(torch.bfloat16)[:1], torch.empty(0)])
+    # buffer[6]'s low two bytes alone (0x40e30000): the run 0..6 did not grow by a float32.
+    assert buffer[:6].tolist() == [0.0] * 6 and buffer[6].item() == 7.09375
+    assert buffer[7:].tolist() == [8.0] + [0.0] * 2 + [11.0, 12.0, 0.0, 14.0, 0.0, 16.0]
+    # Two storages from one host buffer's start, of 4 and 8 floats: a view of the second
+    # right after the first's bytes.
+    raw = bytearray(torch.ones(8).numpy().tobytes())
+    first, second = (torch.frombuffer(raw, dtype=torch.float32, count=n) for n in (4, 8))
+    zero_each([first, second[4:6]])
+    assert torch.frombuffer(raw, dtype=torch.float32).tolist() == [0.0] * 6 + [1.0] * 2
+    # A tracked view beside an untracked one: each as torch records it.
+    x = torch.arange(1.0, 9.0).requires_grad_()
+    base = x * 1
+    zero_each([base[0:2], base[2:4].detach()])
+    (base * torch.arange(1.0, 9.0)).sum().backward()
+    assert x.grad.tolist() == [0.0, 0.0] + [float(i) for i in range(3, 9)]

@@ -51,11 +51,12 @@ def zero_each(tensors: list) -> None:
 
 def _runs(tensors: list) -> tuple[list, list]:
     """([(first tensor, elements)] of each run of contiguous tensors end to end in one
-    storage, by address; [the others]): what zero_each fills as one view per run."""
+    storage, by address; [the others]): what zero_each fills as one view per run. A tensor
+    autograd tracks is one of the others: a run's fill would be recorded on its first."""
     keyed, rest = [], []
     for t in tensors:
-        if t.is_contiguous() and t.numel():
-            keyed.append((t.untyped_storage().data_ptr(), t.data_ptr(), t))
+        if t.is_contiguous() and t.numel() and not t.requires_grad:
+            keyed.append((t.untyped_storage()._cdata, t.data_ptr(), t))  # the storage itself
         elif t.numel():
             rest.append(t)
     keyed.sort(key=lambda k: (k[0], k[1]))
