@@ -56,7 +56,9 @@ def _runs(tensors: list) -> tuple[list, list]:
     keyed, rest = [], []
     for t in tensors:
         if t.is_contiguous() and t.numel() and not t.requires_grad:
-            keyed.append((t.untyped_storage()._cdata, t.data_ptr(), t))  # the storage itself
+            # Storages of one start and size: a run within one lies within each.
+            storage = t.untyped_storage()
+            keyed.append(((storage.data_ptr(), storage.nbytes()), t.data_ptr(), t))
         elif t.numel():
             rest.append(t)
     keyed.sort(key=lambda k: (k[0], k[1]))
