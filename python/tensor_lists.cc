@@ -2,11 +2,17 @@
 #include "python/tensor_lists.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
 #include "backing/errors.h"
+
+#ifdef STATEPAGER_WITH_KERNELS
+#include "kernels/codecs.h"  // KernelError
+#include "kernels/copies.h"
+#endif
 
 namespace py = pybind11;
 
@@ -44,60 +50,114 @@ torch::Tensor flat(const torch::Tensor& t) {
   return t.is_contiguous() ? t.view(-1) : t.as_strided({t.numel()}, {1}, t.storage_offset());
 }
 
-// (what, its copy) per target with elements, copied now on the current stream: a dense
-// target as its flat view, its copy a slice of one buffer on its device, each slice
-// starting on a multiple of `align` bytes; a target with gaps or overlaps as itself, its
-// copy a tensor of its own. The copies go as one multi-tensor copy per dtype.
-std::vector<std::pair<torch::Tensor, torch::Tensor>> dense_copies(
-    const std::vector<torch::Tensor>& targets, int64_t align) {
+// A copy of each target with elements, taken by dense_copies: a dense target's bytes (in
+// memory order) in one buffer on the targets' device, each at a multiple of `align`
+// bytes; a target with gaps or overlaps copied as a tensor of its own. pairs() makes the
+// (target, its copy) views only when asked (a put-back, a test): making them as the copies
+// are taken cost the step's host a few tensor operations per target.
+class DenseCopies {
+ public:
+  struct Entry {
+    torch::Tensor target;
+    int64_t offset;     // in the buffer; -1: `own` holds the copy
+    torch::Tensor own;  // a target with gaps: its copy
+  };
+
+  DenseCopies(torch::Tensor buffer, std::vector<Entry> entries)
+      : buffer_(std::move(buffer)), entries_(std::move(entries)) {}
+
+  size_t size() const { return entries_.size(); }
+
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> pairs() const {
+    torch::NoGradGuard no_grad;  // the views record nothing for autograd
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
+    out.reserve(entries_.size());
+    for (const Entry& e : entries_) {
+      if (e.offset < 0) {
+        out.emplace_back(e.target, e.own);
+      } else {
+        const int64_t bytes = e.target.numel() * static_cast<int64_t>(e.target.element_size());
+        out.emplace_back(flat(e.target),
+                         buffer_.slice(0, e.offset, e.offset + bytes).view(e.target.scalar_type()));
+      }
+    }
+    return out;
+  }
+
+ private:
+  torch::Tensor buffer_;  // undefined where no target is dense
+  std::vector<Entry> entries_;
+};
+
+// The dense targets' bytes into their places in `buffer`, now on `stream` (CUDA: one
+// batched copy where the kernels are built; the host backend: memcpy).
+void copy_into(const torch::Tensor& buffer, const std::vector<DenseCopies::Entry>& entries,
+               uintptr_t stream) {
+  auto* base = static_cast<char*>(buffer.data_ptr());
+  if (!buffer.is_cuda()) {
+    for (const auto& e : entries) {
+      if (e.offset >= 0) {
+        std::memcpy(base + e.offset, e.target.data_ptr(),
+                    e.target.numel() * e.target.element_size());
+      }
+    }
+    return;
+  }
+#ifdef STATEPAGER_WITH_KERNELS
+  std::vector<kernels::ByteCopy> copies;
+  for (const auto& e : entries) {
+    if (e.offset >= 0) {
+      copies.push_back({e.target.data_ptr(), base + e.offset,
+                        e.target.numel() * static_cast<int64_t>(e.target.element_size())});
+    }
+  }
+  try {
+    kernels::copy_bytes(copies, buffer.get_device(), reinterpret_cast<void*>(stream));
+  } catch (const kernels::KernelError& err) {
+    throw DeviceError(err.what());
+  }
+#else
+  (void)stream;  // torch's copies, on the current stream
+  for (const auto& e : entries) {
+    if (e.offset >= 0) {
+      const int64_t bytes = e.target.numel() * static_cast<int64_t>(e.target.element_size());
+      buffer.slice(0, e.offset, e.offset + bytes).view(e.target.scalar_type()).copy_(
+          flat(e.target));
+    }
+  }
+#endif
+}
+
+// dense_copies(targets, align, stream): a DenseCopies of the targets, their bytes copied
+// now on `stream` (the cuda_stream of the current torch stream; 0 on the host backend).
+DenseCopies dense_copies(const std::vector<torch::Tensor>& targets, int64_t align,
+                         uintptr_t stream) {
   if (align <= 0) throw UsageError("dense_copies: align must be positive");
-  torch::NoGradGuard no_grad;  // the views and copies record nothing for autograd
-  std::vector<torch::Tensor> kept;
-  std::vector<int64_t> sizes;  // 0: not dense
+  torch::NoGradGuard no_grad;  // the copies record nothing for autograd
+  std::vector<DenseCopies::Entry> entries;
   int64_t total = 0;
   for (const torch::Tensor& t : targets) {
     if (t.numel() == 0) continue;
-    if (!kept.empty() && t.device() != kept.front().device()) {
+    if (!entries.empty() && t.device() != entries.front().target.device()) {
       throw UsageError("dense_copies: the targets lie on more than one device");
     }
-    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-    sizes.push_back(t.is_non_overlapping_and_dense() ? (bytes + align - 1) / align * align : 0);
-    total += sizes.back();
-    kept.push_back(t);
+    if (t.is_non_overlapping_and_dense()) {
+      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+      entries.push_back({t, total, {}});
+      total += (bytes + align - 1) / align * align;
+    } else {
+      torch::Tensor own = torch::empty_like(t);
+      own.copy_(t);
+      entries.push_back({t, -1, own});
+    }
   }
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> pairs;
-  if (kept.empty()) return pairs;
   torch::Tensor buffer;
   if (total > 0) {
     buffer = torch::empty({total}, torch::TensorOptions().dtype(torch::kUInt8).device(
-                                       kept.front().device()));
+                                       entries.front().target.device()));
+    copy_into(buffer, entries, stream);
   }
-  int64_t at = 0;
-  for (size_t i = 0; i < kept.size(); i++) {
-    const torch::Tensor& t = kept[i];
-    if (sizes[i] > 0) {
-      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-      pairs.emplace_back(flat(t), buffer.slice(0, at, at + bytes).view(t.scalar_type()));
-    } else {
-      pairs.emplace_back(t, torch::empty_like(t));
-    }
-    at += sizes[i];
-  }
-  // One multi-tensor copy per dtype: torch copies a list that mixes them pair by pair.
-  std::vector<std::vector<torch::Tensor>> copies, sources;
-  std::vector<torch::ScalarType> dtypes;
-  for (const auto& [what, copy] : pairs) {
-    const auto k = std::find(dtypes.begin(), dtypes.end(), what.scalar_type()) - dtypes.begin();
-    if (k == static_cast<long>(dtypes.size())) {
-      dtypes.push_back(what.scalar_type());
-      copies.emplace_back();
-      sources.emplace_back();
-    }
-    copies[k].push_back(copy);
-    sources[k].push_back(what);
-  }
-  for (size_t k = 0; k < dtypes.size(); k++) torch::_foreach_copy_(copies[k], sources[k]);
-  return pairs;
+  return DenseCopies(std::move(buffer), std::move(entries));
 }
 
 }  // namespace
@@ -106,11 +166,15 @@ void bind_tensor_lists(py::module_& m) {
   m.def("page_runs", &page_runs, py::arg("tensors"), py::arg("page"),
         "The pages of `page` bytes the tensors' elements touch, by address (data_ptr() to "
         "data_ptr() + numel * element_size), as sorted disjoint (first, last) runs");
-  m.def("dense_copies", &dense_copies, py::arg("targets"), py::arg("align"),
-        "[(target, its copy)] for each target with elements, copied now on the current "
-        "stream: a dense target as its flat view in memory order, its copy a slice of one "
-        "buffer starting on a multiple of `align` bytes; others as themselves, each copy a "
-        "tensor of its own");
+  py::class_<DenseCopies>(m, "DenseCopies")
+      .def("__len__", &DenseCopies::size)
+      .def("pairs", &DenseCopies::pairs,
+           "[(target, its copy)]: a dense target as its flat view in memory order, its "
+           "copy a slice of the buffer; others as themselves, each copy a tensor of its own");
+  m.def("dense_copies", &dense_copies, py::arg("targets"), py::arg("align"), py::arg("stream"),
+        "A DenseCopies of each target with elements, copied now on `stream` (the current "
+        "torch stream's cuda_stream; 0 on the host backend): the dense ones into one buffer, "
+        "each starting on a multiple of `align` bytes");
 }
 
 }  // namespace statepager

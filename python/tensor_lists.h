@@ -6,10 +6,12 @@
 
 namespace statepager {
 
-// Adds page_runs and dense_copies to `m`. Both hold the GIL: page_runs reads addresses,
-// dense_copies queues its copies on the current stream and waits for none (its buffer
-// comes from torch's caching allocator, as a Python torch.empty's would). Errors are
-// UsageError (bad arguments) or torch's own (a closed Pager's tensor has no data).
+// Adds page_runs and dense_copies (with its DenseCopies) to `m`. Both hold the GIL:
+// page_runs reads addresses, dense_copies queues its copies on the stream it is given
+// (the current torch stream's) and waits for none (its buffer comes from torch's caching
+// allocator, as a Python torch.empty's would, on the current stream). A DenseCopies owns
+// its buffer and keeps its targets alive. Errors are UsageError (bad arguments),
+// DeviceError (a refused launch) or torch's own (a closed Pager's tensor has no data).
 void bind_tensor_lists(pybind11::module_& m);
 
 }  // namespace statepager

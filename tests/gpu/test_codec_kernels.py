@@ -616,3 +616,32 @@ def test_store_crc_kernel_gives_the_cpus_crc32c():
     assert got == want
     with pytest.raises(statepager.UsageError, match="within x"):
         statepager._C.kernels.crc32c(x, [(9 * MiB, 1)], torch.cuda.current_stream().cuda_stream)
+
+
+def test_undo_copies_kernel_copies_every_byte_of_every_target():
+    """The undo copies' batched copy (kernels/copies.cu): targets of every alignment the
+    copy words take (16, 4 and 1 bytes), sizes around its chunks (64 KiB), more than one
+    launch takes, dense ones transposed, one with gaps, on a stream of their own: each
+    copy holds the target's bytes, and copied back each target has them again."""
+    from statepager.core.resumable import undo_copies
+    g = torch.Generator().manual_seed(6)
+    raw = torch.randint(0, 256, (3 * MiB,), dtype=torch.uint8, generator=g).cuda()
+    targets = [raw[o:o + n] for o in (0, 1, 4, 16, 4099)
+               for n in (1, 3, 15, 16, 17, 65535, 65536, 65537, 200_001)]
+    targets += [raw[k * 97:k * 97 + 33 + k] for k in range(160)]  # past one launch's entries
+    targets += [torch.randn(300, 500, generator=g).cuda().t(),  # dense, not contiguous
+                torch.randn(40, 60, generator=g).cuda()[:, ::3]]  # gaps
+    before = [t.clone() for t in targets]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        copies = undo_copies(targets)
+    torch.cuda.current_stream().wait_stream(stream)
+    pairs = copies.pairs()
+    assert len(pairs) == len(targets)
+    assert all(torch.equal(view, copy) for view, copy in pairs)  # the targets' views, as taken
+    for t in targets:
+        t.zero_()
+    for t, c in pairs:
+        t.copy_(c)
+    assert all(torch.equal(t, b) for t, b in zip(targets, before))

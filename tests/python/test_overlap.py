@@ -830,10 +830,10 @@ def test_a_resumable_step_under_the_forward_copies_each_bucket_on_the_device_as_
 
     def logged(targets):
         run = binding.step_in_flight
-        pairs = undo_copies(targets)
+        taken = undo_copies(targets)
         copies.append((None if run is None else run.stepped,
-                       [(t.data_ptr(), c.device) for t, c in pairs]))
-        return pairs
+                       [(t.data_ptr(), c.device) for t, c in taken.pairs()]))
+        return taken
     monkeypatch.setattr(resumable, "undo_copies", logged)
     out = []
     for overlap in (False, True):

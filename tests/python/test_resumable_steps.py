@@ -231,8 +231,9 @@ def test_undo_copies_hold_each_target_and_put_it_back():
                base[:, ::2],  # gaps
                torch.empty(0), torch.empty(4, 0)]
     before = [t.clone() for t in targets]
-    pairs = undo_copies(targets)
-    assert len(pairs) == 6
+    copies = undo_copies(targets)
+    pairs = copies.pairs()
+    assert len(copies) == len(pairs) == 6
     buffer = pairs[0][1].untyped_storage().data_ptr()
     shared = [c for t, c in pairs if c.untyped_storage().data_ptr() == buffer]
     assert len(shared) == 5 and all((c.data_ptr() - buffer) % 64 == 0 for c in shared)
@@ -241,9 +242,9 @@ def test_undo_copies_hold_each_target_and_put_it_back():
     for t, c in pairs:
         t.copy_(c)
     assert all(torch.equal(a, b) for a, b in zip(targets, before))
-    assert undo_copies([torch.empty(0), torch.empty(3, 0)]) == []
+    assert len(undo_copies([torch.empty(0), torch.empty(3, 0)])) == 0
     leaf = torch.nn.Parameter(torch.randn(4, 4, generator=g))  # copied in grad mode
-    (view, copy), = undo_copies([leaf.t()])
+    (view, copy), = undo_copies([leaf.t()]).pairs()
     assert view.grad_fn is None and not copy.requires_grad  # autograd records nothing
 
 

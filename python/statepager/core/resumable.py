@@ -27,6 +27,7 @@ from statepager import _C
 from statepager.core.atomic import (UndoCopies, copy_groups, rebuild_mirrors, restore_groups,
                                     restore_state)
 from statepager.core.state_access import held
+from statepager.util import streams
 from statepager.util.flat import copy_each
 
 # Each undo copy starts on a multiple of this many bytes of its bucket's buffer (the
@@ -44,7 +45,7 @@ class _Open:
     grads: list             # [(param, its grad)]
     groups: list            # copy_groups: the param groups' options (their step counters)
     forms: list             # [(residual form, its exceptions, its fingerprint)]
-    undo: list              # [(what its step overwrites outside the pager, its copy)]
+    undo: "_C.DenseCopies"  # what its step overwrites outside the pager, copied
     written: bool = False   # after_bucket may have written model parameters
 
 
@@ -114,8 +115,9 @@ class ResumableStep:
         if opened is None:
             return
         b = opened.bucket
+        pairs = opened.undo.pairs()
         with torch.no_grad():
-            copy_each([t for t, _ in opened.undo], [c for _, c in opened.undo])
+            copy_each([t for t, _ in pairs], [c for _, c in pairs])
         if opened.written and self.rebuild_mirror is not None:
             rebuild_mirrors(self.pager, b, self.rebuild_mirror)
         restore_state(self.optimizer.state, opened.state, opened.params)
@@ -126,9 +128,11 @@ class ResumableStep:
             f.exceptions, f.fingerprint = exceptions, fingerprint
 
 
-def undo_copies(targets: list) -> list:
-    """[(target, its copy)] for each target with elements, copied now on the current
-    stream into one buffer on the targets' device (a dense target's elements in memory
-    order; one with gaps gets a tensor of its own): Note [A resumable step's undo copies
-    stay on the device]. One call into C++ for the bucket."""
-    return _C.dense_copies(targets, _ALIGN)
+def undo_copies(targets: list) -> "_C.DenseCopies":
+    """A copy of each target with elements, taken now on the current stream into one
+    buffer on the targets' device (a dense target's bytes in memory order, one batched
+    copy; one with gaps gets a tensor of its own); .pairs() gives (target, its copy):
+    Note [A resumable step's undo copies stay on the device]. One call into C++ for the
+    bucket."""
+    device = targets[0].device if targets else None
+    return _C.dense_copies(targets, _ALIGN, streams.current(device) if device else 0)
