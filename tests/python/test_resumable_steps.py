@@ -248,6 +248,44 @@ def test_undo_copies_hold_each_target_and_put_it_back():
     assert view.grad_fn is None and not copy.requires_grad  # autograd records nothing
 
 
+def test_a_state_snapshot_copies_each_unpaged_tensor_as_it_is_now(tmp_path):
+    """UndoCopies.copy_state, called per bucket step after step: each unpaged tensor's copy
+    holds its value of now, whether it is the tensor of the step before (changed in
+    place), a new one in its entry, or one resized in place; the pager's tensors are kept,
+    never copied (one whose bytes were set elsewhere is copied); restored, the state is its
+    tensors with those values, in its order."""
+    from statepager.core.atomic import UndoCopies, restore_state
+    with Pager(str(tmp_path / "s"), page_size=16 * KiB) as pager:
+        p = torch.nn.Parameter(torch.zeros(4))
+        paged = pager.empty(4, dtype=torch.float32)
+        step = torch.tensor(1.0)
+        state = {p: {"step": step, "exp_avg": paged}}
+        undo = UndoCopies(pager)
+
+        def snapshot_then_change(change):
+            saved = undo.copy_state(state, part=True)
+            ours = pager.owns(paged)
+            want = {n: v.clone() for n, v in state[p].items() if not (ours and v is paged)}
+            assert (saved[p]["exp_avg"] == (paged, None)) == ours
+            change()
+            restore_state(state, saved, [p])
+            assert list(state[p]) == ["step", "exp_avg"] and state[p]["exp_avg"] is paged
+            assert all(torch.equal(state[p][n], w) for n, w in want.items())
+
+        snapshot_then_change(lambda: step.add_(1))
+        step.add_(5)  # the same tensor, another value
+        snapshot_then_change(lambda: step.add_(1))
+        state[p]["step"] = torch.tensor(9.0)  # another tensor in its entry
+        snapshot_then_change(lambda: state[p]["step"].add_(1))
+        state[p]["step"] = torch.tensor([3.0, 4.0])
+        snapshot_then_change(lambda: state[p]["step"].add_(1))
+        state[p]["step"].resize_(1)  # resized in place: same tensor and bytes, new shape
+        snapshot_then_change(lambda: state[p]["step"].add_(1))
+        assert state[p]["step"].shape == (1,)
+        paged.data = torch.full((4,), 2.0)  # the same tensor, its bytes no longer the pager's
+        snapshot_then_change(lambda: paged.add_(1))
+
+
 def chunked(store, atomic="bucket"):
     """AdamW over one parameter of 3 x 2^18 elements stepping in chunks of 2^18 (three
     buckets), with chunk hooks."""
