@@ -134,5 +134,5 @@ def undo_copies(targets: list) -> "_C.DenseCopies":
     copy; one with gaps gets a tensor of its own); .pairs() gives (target, its copy):
     Note [A resumable step's undo copies stay on the device]. One call into C++ for the
     bucket."""
-    device = targets[0].device if targets else None
-    return _C.dense_copies(targets, _ALIGN, streams.current(device) if device else 0)
+    stream = streams.current(targets[0].device) if targets else 0
+    return _C.dense_copies(targets, _ALIGN, stream)
