@@ -1,9 +1,9 @@
-// Many tensors in one launch (codecs.cu, adamw.cu). A bucket of the 1.34 B GPT holds up
-// to ~200 small parameters, and a launch per tensor per kernel cost the host ~2,600
-// launches a step, on the step's critical path. A Batch holds up to kMax entries and the
-// first of the grid's CTAs that works on each; it is passed by value as the kernel's
-// parameter (__grid_constant__: read in place, never copied), so a launch needs no device
-// memory and no copy. A CTA finds its entry by binary search.
+// Many tensors in one launch (codecs.cu, adamw.cu, copies.cu). A bucket of the 1.34 B GPT
+// holds up to ~200 small parameters, and a launch per tensor per kernel cost the host
+// ~2,600 launches a step, on the step's critical path. A Batch holds up to kMax entries
+// and the first of the grid's CTAs that works on each; it is passed by value as the
+// kernel's parameter (__grid_constant__: read in place, never copied), so a launch needs
+// no device memory and no copy. A CTA finds its entry by binary search.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -10,7 +10,7 @@ namespace statepager::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kChunk = 64 * 1024;  // bytes a CTA copies: 16 loads of 16 bytes a thread
+constexpr int64_t kChunk = 64 * 1024;  // bytes a CTA copies (16 words of 16 bytes a thread)
 
 template <class Word>
 __device__ __forceinline__ void copy_words(const char* src, char* dst, int64_t begin,

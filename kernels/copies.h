@@ -9,8 +9,9 @@
 
 namespace statepager::kernels {
 
-// `bytes` bytes from src to dst; the ranges of one call must not overlap. Any alignment
-// (16-byte loads where src, dst and bytes allow them).
+// `bytes` bytes from src to dst. The destinations of one call overlap neither each other
+// nor any source (sources may overlap). Any alignment: 16-byte words where src, dst and
+// bytes are multiples of 16, else 4-byte or single-byte ones for the whole range.
 struct ByteCopy {
   const void* src;
   void* dst;

@@ -1,4 +1,4 @@
-// Launch helpers shared by the kernels' host functions (codecs.cu, adamw.cu).
+// Launch helpers shared by the kernels' host functions (codecs.cu, adamw.cu, copies.cu).
 #pragma once
 
 #include <cuda_runtime.h>

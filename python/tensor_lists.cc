@@ -2,8 +2,8 @@
 #include "python/tensor_lists.h"
 
 #include <algorithm>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -52,15 +52,17 @@ torch::Tensor flat(const torch::Tensor& t) {
 
 // A copy of each target with elements, taken by dense_copies: a dense target's bytes (in
 // memory order) in one buffer on the targets' device, each at a multiple of `align`
-// bytes; a target with gaps or overlaps copied as a tensor of its own. pairs() makes the
-// (target, its copy) views only when asked (a put-back, a test): making them as the copies
-// are taken cost the step's host a few tensor operations per target.
+// bytes; a target with gaps or overlaps, or a lazily conjugated or negated view (whose
+// bytes are not its values), copied as a tensor of its own. pairs() makes the (target,
+// its copy) views only when asked (a put-back, a test): making them as the copies are
+// taken cost the step's host a few tensor operations per target.
 class DenseCopies {
  public:
   struct Entry {
     torch::Tensor target;
     int64_t offset;     // in the buffer; -1: `own` holds the copy
-    torch::Tensor own;  // a target with gaps: its copy
+    int64_t bytes;      // the target's, when copied into the buffer
+    torch::Tensor own;  // a target copied as a tensor of its own
   };
 
   DenseCopies(torch::Tensor buffer, std::vector<Entry> entries)
@@ -75,61 +77,69 @@ class DenseCopies {
     for (const Entry& e : entries_) {
       if (e.offset < 0) {
         out.emplace_back(e.target, e.own);
-      } else {
-        const int64_t bytes = e.target.numel() * static_cast<int64_t>(e.target.element_size());
-        out.emplace_back(flat(e.target),
-                         buffer_.slice(0, e.offset, e.offset + bytes).view(e.target.scalar_type()));
+        continue;
       }
+      if (!in_buffer(e.target) || byte_size(e.target) != e.bytes) {
+        throw UsageError("DenseCopies.pairs: a target was resized or re-laid out since its "
+                         "copy was taken: its copy no longer matches it");
+      }
+      out.emplace_back(flat(e.target), buffer_.slice(0, e.offset, e.offset + e.bytes)
+                                           .view(e.target.scalar_type()));
     }
     return out;
   }
 
+  // Whether t's bytes are its values, dense in memory order: copied into the buffer.
+  static bool in_buffer(const torch::Tensor& t) {
+    return t.is_non_overlapping_and_dense() && !t.is_conj() && !t.is_neg();
+  }
+
+  static int64_t byte_size(const torch::Tensor& t) {
+    return t.numel() * static_cast<int64_t>(t.element_size());
+  }
+
  private:
-  torch::Tensor buffer_;  // undefined where no target is dense
+  torch::Tensor buffer_;  // undefined where no target is in it
   std::vector<Entry> entries_;
 };
 
-// The dense targets' bytes into their places in `buffer`, now on `stream` (CUDA: one
-// batched copy where the kernels are built; the host backend: memcpy).
+// The dense targets' bytes into their places in `buffer`, now: on the host backend by
+// memcpy; on CUDA on `stream`, in one batched copy where the kernels are built; else (or
+// on another device) by torch's copies, on the current stream.
 void copy_into(const torch::Tensor& buffer, const std::vector<DenseCopies::Entry>& entries,
                uintptr_t stream) {
   auto* base = static_cast<char*>(buffer.data_ptr());
-  if (!buffer.is_cuda()) {
+  if (buffer.is_cpu()) {
     for (const auto& e : entries) {
-      if (e.offset >= 0) {
-        std::memcpy(base + e.offset, e.target.data_ptr(),
-                    e.target.numel() * e.target.element_size());
-      }
+      if (e.offset >= 0) std::memcpy(base + e.offset, e.target.data_ptr(), e.bytes);
     }
     return;
   }
 #ifdef STATEPAGER_WITH_KERNELS
-  std::vector<kernels::ByteCopy> copies;
-  for (const auto& e : entries) {
-    if (e.offset >= 0) {
-      copies.push_back({e.target.data_ptr(), base + e.offset,
-                        e.target.numel() * static_cast<int64_t>(e.target.element_size())});
+  if (buffer.is_cuda()) {
+    std::vector<kernels::ByteCopy> copies;
+    for (const auto& e : entries) {
+      if (e.offset >= 0) copies.push_back({e.target.data_ptr(), base + e.offset, e.bytes});
     }
+    try {
+      kernels::copy_bytes(copies, buffer.get_device(), reinterpret_cast<void*>(stream));
+    } catch (const kernels::KernelError& err) {
+      throw DeviceError(err.what());
+    }
+    return;
   }
-  try {
-    kernels::copy_bytes(copies, buffer.get_device(), reinterpret_cast<void*>(stream));
-  } catch (const kernels::KernelError& err) {
-    throw DeviceError(err.what());
-  }
-#else
-  (void)stream;  // torch's copies, on the current stream
+#endif
   for (const auto& e : entries) {
     if (e.offset >= 0) {
-      const int64_t bytes = e.target.numel() * static_cast<int64_t>(e.target.element_size());
-      buffer.slice(0, e.offset, e.offset + bytes).view(e.target.scalar_type()).copy_(
+      buffer.slice(0, e.offset, e.offset + e.bytes).view(e.target.scalar_type()).copy_(
           flat(e.target));
     }
   }
-#endif
 }
 
 // dense_copies(targets, align, stream): a DenseCopies of the targets, their bytes copied
-// now on `stream` (the cuda_stream of the current torch stream; 0 on the host backend).
+// now; `stream` must be the cuda_stream of the targets' device's current torch stream (0
+// on the host backend), where the buffer is allocated and the other copies run.
 DenseCopies dense_copies(const std::vector<torch::Tensor>& targets, int64_t align,
                          uintptr_t stream) {
   if (align <= 0) throw UsageError("dense_copies: align must be positive");
@@ -141,14 +151,14 @@ DenseCopies dense_copies(const std::vector<torch::Tensor>& targets, int64_t alig
     if (!entries.empty() && t.device() != entries.front().target.device()) {
       throw UsageError("dense_copies: the targets lie on more than one device");
     }
-    if (t.is_non_overlapping_and_dense()) {
-      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-      entries.push_back({t, total, {}});
+    if (DenseCopies::in_buffer(t)) {
+      const int64_t bytes = DenseCopies::byte_size(t);
+      entries.push_back({t, total, bytes, {}});
       total += (bytes + align - 1) / align * align;
     } else {
       torch::Tensor own = torch::empty_like(t);
       own.copy_(t);
-      entries.push_back({t, -1, own});
+      entries.push_back({t, -1, 0, own});
     }
   }
   torch::Tensor buffer;
@@ -170,7 +180,8 @@ void bind_tensor_lists(py::module_& m) {
       .def("__len__", &DenseCopies::size)
       .def("pairs", &DenseCopies::pairs,
            "[(target, its copy)]: a dense target as its flat view in memory order, its "
-           "copy a slice of the buffer; others as themselves, each copy a tensor of its own");
+           "copy a slice of the buffer; others as themselves, each copy a tensor of its own. "
+           "UsageError where a target was resized or re-laid out since");
   m.def("dense_copies", &dense_copies, py::arg("targets"), py::arg("align"), py::arg("stream"),
         "A DenseCopies of each target with elements, copied now on `stream` (the current "
         "torch stream's cuda_stream; 0 on the host backend): the dense ones into one buffer, "

@@ -10,7 +10,8 @@ namespace statepager {
 // page_runs reads addresses, dense_copies queues its copies on the stream it is given
 // (the current torch stream's) and waits for none (its buffer comes from torch's caching
 // allocator, as a Python torch.empty's would, on the current stream). A DenseCopies owns
-// its buffer and keeps its targets alive. Errors are UsageError (bad arguments),
+// its buffer and keeps its targets alive; its targets must keep their size and layout
+// until pairs() (which refuses one that did not). Errors are UsageError (bad arguments),
 // DeviceError (a refused launch) or torch's own (a closed Pager's tensor has no data).
 void bind_tensor_lists(pybind11::module_& m);
 

@@ -645,3 +645,8 @@ def test_undo_copies_kernel_copies_every_byte_of_every_target():
     for t, c in pairs:
         t.copy_(c)
     assert all(torch.equal(t, b) for t, b in zip(targets, before))
+    # Copies end to end (align 1): a word past a range's end would land in the next copy,
+    # at every offset a destination may have.
+    odd = [raw[o:o + n] for o in (0, 3, 16) for n in (1, 5, 17, 4099, 65537)]
+    adjacent = statepager._C.dense_copies(odd, 1, torch.cuda.current_stream().cuda_stream)
+    assert all(torch.equal(view, copy) for view, copy in adjacent.pairs())

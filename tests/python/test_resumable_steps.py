@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+import statepager
 from statepager import checkpoint
 from statepager import Hooks, Pager
 
@@ -218,9 +219,11 @@ def fail_after_writing(params):
 
 def test_undo_copies_hold_each_target_and_put_it_back():
     """undo_copies: dense targets (contiguous, transposed, channels_last, of any dtype)
-    share one buffer, each at a 64-byte boundary; one with gaps gets its own copy; one
-    without elements none (nor does a list of only such: no buffer). Copied back, each
-    target has its bits again. A parameter's view and copy record nothing for autograd."""
+    share one buffer, each at a 64-byte boundary; one with gaps, and a lazily conjugated
+    or negated view (its bytes are not its values), get copies of their own; one without
+    elements none (nor does a list of only such: no buffer). Copied back, each target has
+    its bits again. A parameter's view and copy record nothing for autograd. A target
+    resized since its copy was taken has no pair: its copy no longer fits it."""
     from statepager.core.resumable import undo_copies
     g = torch.Generator().manual_seed(0)
     base = torch.randn(6, 10, generator=g)
@@ -229,11 +232,13 @@ def test_undo_copies_hold_each_target_and_put_it_back():
                    memory_format=torch.channels_last),
                torch.randn(9, generator=g).to(torch.bfloat16), torch.arange(3) > 1,
                base[:, ::2],  # gaps
+               torch.randn(3, dtype=torch.complex64, generator=g).conj(),
+               torch.randn(4, generator=g)._neg_view(),
                torch.empty(0), torch.empty(4, 0)]
     before = [t.clone() for t in targets]
     copies = undo_copies(targets)
     pairs = copies.pairs()
-    assert len(copies) == len(pairs) == 6
+    assert len(copies) == len(pairs) == 8
     buffer = pairs[0][1].untyped_storage().data_ptr()
     shared = [c for t, c in pairs if c.untyped_storage().data_ptr() == buffer]
     assert len(shared) == 5 and all((c.data_ptr() - buffer) % 64 == 0 for c in shared)
@@ -246,6 +251,11 @@ def test_undo_copies_hold_each_target_and_put_it_back():
     leaf = torch.nn.Parameter(torch.randn(4, 4, generator=g))  # copied in grad mode
     (view, copy), = undo_copies([leaf.t()]).pairs()
     assert view.grad_fn is None and not copy.requires_grad  # autograd records nothing
+    grown = torch.arange(10.0)
+    copies = undo_copies([grown, torch.arange(5.0)])
+    grown.resize_(20)
+    with pytest.raises(statepager.UsageError, match="resized"):
+        copies.pairs()
 
 
 def test_a_state_snapshot_copies_each_unpaged_tensor_as_it_is_now(tmp_path):

@@ -134,5 +134,5 @@ def undo_copies(targets: list) -> "_C.DenseCopies":
     copy; one with gaps gets a tensor of its own); .pairs() gives (target, its copy):
     Note [A resumable step's undo copies stay on the device]. One call into C++ for the
     bucket."""
-    stream = streams.current(targets[0].device) if targets else 0
-    return _C.dense_copies(targets, _ALIGN, stream)
+    device = next((t.device for t in targets if t.numel()), None)  # those copied
+    return _C.dense_copies(targets, _ALIGN, 0 if device is None else streams.current(device))
