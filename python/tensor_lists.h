@@ -6,8 +6,9 @@
 
 namespace statepager {
 
-// Adds page_runs and dense_copies (with its DenseCopies) to `m`. Both hold the GIL:
-// page_runs reads addresses, dense_copies queues its copies on the stream it is given
+// Adds page_runs, dense_copies (with its DenseCopies), counts_after and set_counts to `m`.
+// All hold the GIL: page_runs reads addresses, the counters' calls read and write CPU
+// scalars in place, dense_copies queues its copies on the stream it is given
 // (the current torch stream's) and waits for none (its buffer comes from torch's caching
 // allocator, as a Python torch.empty's would, on the current stream). A DenseCopies owns
 // its buffer and keeps its targets alive; its targets must keep their size and layout

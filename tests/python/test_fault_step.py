@@ -17,7 +17,7 @@ import torch
 import statepager
 from statepager import checkpoint
 from statepager import PagedAdamW, Pager
-from statepager.core.atomic import KEPT_BYTES, UndoCopies
+from statepager.core.atomic import KEPT_BYTES, UndoCopies, restore_state
 from statepager.formats import codecs
 
 from compare import same
@@ -720,19 +720,26 @@ def test_a_group_changed_after_begin_step_steps_as_changed(tmp_path, device):
 
 
 def test_the_snapshot_copies_unpaged_state_keeping_small_copies(store_dir):
-    """UndoCopies.copy_state: each unpaged state tensor is copied with its bits; a copy of
-    at most KEPT_BYTES is kept and reused by the next snapshot while its tensor's shape,
-    dtype and device stay; larger ones and sparse ones are new each time; paged tensors
-    and other values are not copied; a parameter gone lets its copies go."""
+    """UndoCopies.copy_state: each unpaged state tensor is copied with its bits: a scalar
+    on the host as its number (a NaN as a tensor, its payload kept), others as tensors; a
+    copy of at most KEPT_BYTES is kept and reused by the next snapshot while its tensor's
+    shape, dtype and device stay; larger ones and sparse ones are new each time; paged
+    tensors and other values are not copied; a parameter gone lets its copies go;
+    restore_state puts every bit back in the same tensors."""
     with Pager(store_dir, page_size=64 * 1024) as pager:
         undo = UndoCopies(pager)
         a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
         paged = pager.empty(16)
         pager.page_in(paged)
         large = torch.randn(KEPT_BYTES // 4 + 1)
+        nan = torch.tensor(0x7FC00123, dtype=torch.int32).view(torch.float32)  # a payload
         state = {a: {"step": torch.tensor(3.0), "exp_avg": paged, "large": large, "lr": 0.1,
-                     "sparse": torch.eye(3).to_sparse()},
+                     "sparse": torch.eye(3).to_sparse(), "small": torch.tensor([1.0, 2.0]),
+                     "nan": nan, "count": torch.tensor(7, dtype=torch.int64)},
                  b: {"step": torch.tensor(5.0)}}
+
+        def bits(t):
+            return t.to_dense().reshape(-1).view(torch.uint8)
 
         def snapshot():
             saved = undo.copy_state(state)
@@ -742,23 +749,32 @@ def test_the_snapshot_copies_unpaged_state_keeping_small_copies(store_dir):
                     assert value is v
                     if name in ("exp_avg", "lr"):
                         assert copy is None
+                    elif v.dim() == 0 and name != "nan":
+                        assert not isinstance(copy, torch.Tensor) and copy == v.item()
                     else:
-                        assert copy is not v and torch.equal(copy.to_dense(), v.to_dense())
+                        assert copy is not v and torch.equal(bits(copy), bits(v))
             return saved
 
         first = snapshot()
-        state[a]["step"].add_(1)  # as a step does, in place
+        state[a]["small"].add_(1)  # as a step does, in place
         state[b]["step"] = torch.tensor([5.0, 6.0])  # another shape
         second = snapshot()
-        assert second[a]["step"][1] is first[a]["step"][1]  # kept: refilled with 4.0
-        assert second[a]["step"][1].item() == 4.0
-        assert second[b]["step"][1] is not first[b]["step"][1]
+        assert second[a]["small"][1] is first[a]["small"][1]  # kept: refilled
+        assert second[a]["small"][1].tolist() == [2.0, 3.0]
+        assert isinstance(second[b]["step"][1], torch.Tensor)
         assert second[a]["large"][1] is not first[a]["large"][1]
         assert second[a]["sparse"][1] is not first[a]["sparse"][1]
+        before = {n: bits(v).clone() for n, v in state[a].items() if isinstance(v, torch.Tensor)
+                  and n != "exp_avg"}
+        for name in ("step", "small", "nan", "count", "large"):
+            state[a][name].add_(1)
+        restore_state(state, second)
+        assert all(torch.equal(bits(state[a][n]), w) for n, w in before.items())
+        assert state[a]["nan"] is nan and state[a]["count"].dtype == torch.int64
         state[b]["step"] = torch.tensor([5.0, 6.0], dtype=torch.float64)  # another dtype
         del state[a]
         third = snapshot()
         assert third[b]["step"][1].dtype == torch.float64
         assert set(third) == {b}
-        state[a] = {"step": torch.tensor(9.0)}
-        assert snapshot()[a]["step"][1] is not second[a]["step"][1]  # let go with a
+        state[a] = {"small": torch.tensor([9.0, 9.0])}
+        assert snapshot()[a]["small"][1] is not second[a]["small"][1]  # let go with a

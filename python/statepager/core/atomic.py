@@ -86,10 +86,14 @@ class UndoCopies:
         """param -> {name: (value, copy of it or None)} of an optimizer's state: unpaged
         tensors (step counters, the state of resident parameters, sparse state) are
         copied, as the step may update them in place; paged ones and other values are
-        kept as they are. The copies of tensors of at most KEPT_BYTES are kept for the
-        next step; larger ones (a resident parameter's moments) are made per step and
-        let go with it, so that between steps their memory serves other tensors.
-        part: `state` is some parameters' (a bucket's): the others' kept copies stay."""
+        kept as they are. A scalar on the host (a step counter) is copied as its number
+        (item(): restore_state fills it back, every bit; a NaN, whose payload a number
+        may not keep, as a tensor): a tensor copy and its multi-tensor copy cost the
+        step's host ~3 us a counter. The copies of other tensors of at most KEPT_BYTES
+        are kept for the next step; larger ones (a resident parameter's moments) are
+        made per step and let go with it, so that between steps their memory serves
+        other tensors. part: `state` is some parameters' (a bucket's): the others' kept
+        copies stay."""
         entries = [(p, name, v) for p, values in state.items() for name, v in values.items()]
         owned = self.pager.services.owns_each(v for _, _, v in entries)
         saved = {p: {} for p in state}
@@ -100,11 +104,13 @@ class UndoCopies:
                 if isinstance(v, torch.Tensor) and not mine:
                     if v.layout != torch.strided:  # sparse: no multi-tensor copy
                         copy = v.clone()
+                    elif v.dim() == 0 and v.is_cpu and (number := v.item()) == number:
+                        copy = number  # (not NaN)
                     elif v.numel() * v.element_size() > KEPT_BYTES:
                         copy = torch.empty_like(v)
                     else:
                         copy = kept[(id(p), name)] = self._state_copy((id(p), name), v)
-                    if copy.layout == torch.strided:
+                    if isinstance(copy, torch.Tensor) and copy.layout == torch.strided:
                         targets.append(copy)
                         sources.append(v)
                 saved[p][name] = (v, copy)
@@ -370,6 +376,8 @@ def restore_state(state, saved: dict, params=None) -> None:
             for name in [n for n in current if n not in entries]:
                 del current[name]
             for name, (value, copy) in entries.items():
-                if copy is not None:
+                if isinstance(copy, torch.Tensor):
                     value.copy_(copy)
+                elif copy is not None:  # a scalar's number
+                    value.fill_(copy)
                 current[name] = value

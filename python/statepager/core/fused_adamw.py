@@ -134,36 +134,59 @@ class FusedStep:
         groups = self.optimizer.param_groups
         hypers = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in groups]
         calls = FusedCalls.of(bucket, forms)
-        stepped = [(hypers[gi], p, p.grad, m, v, fmt)
-                   for gi, p, m, v, fmt in calls.whole if p.grad is not None]
-        # The counts after the step (as _multi_tensor_adam adds to CPU counts), stored
-        # once the kernels are queued: a refused call leaves them as they were.
-        counts = [held(self.optimizer, p)["step"] for _, p, _, _, _, _ in stepped]
-        after = list(torch._foreach_add(counts, _ONE, alpha=1.0)) if counts else []  # a tuple
-        for c, m, v, fmt in calls.chunks:
-            if c.param.grad is not None:
-                counts.append(held(self.optimizer, c.param)["step"])
-                after.append(self.binding.counters_before(c.param)["step"].add(_ONE, alpha=1.0))
-                stepped.append((hypers[c.group], c.of(c.param), c.of(c.param.grad), m, v, fmt))
-        if stepped:
-            hyper, params, grads, ms, vs, fmts = zip(*stepped)
-            _C.kernels.adamw_step_many(
-                list(params), list(grads), list(ms), list(vs), list(fmts), list(hyper),
-                [a.item() for a in after], streams.current(params[0].device))
-            copy_each(counts, after)
+        params, grads = calls.params, [p.grad for p in calls.params]
+        # Each count is set to its value before the step plus one (as _multi_tensor_adam
+        # adds to CPU counts) once the kernels are queued: a refused call leaves them as
+        # they were. A chunk steps from its parameter's count before the step.
+        counts = [held(self.optimizer, p)["step"] for p in params]
+        if any(g is None for g in grads) or calls.chunks:
+            stepped = [i for i, g in enumerate(grads) if g is not None]
+            params, grads, counts = ([x[i] for i in stepped] for x in (params, grads, counts))
+            group_of, ms, vs, fmts = ([x[i] for i in stepped] for x in (
+                calls.group_of, calls.ms, calls.vs, calls.fmts))
+            before = list(counts)
+            for c, m, v, fmt in calls.chunks:
+                if c.param.grad is not None:
+                    counts.append(held(self.optimizer, c.param)["step"])
+                    before.append(self.binding.counters_before(c.param)["step"])
+                    params.append(c.of(c.param))
+                    grads.append(c.of(c.param.grad))
+                    group_of.append(c.group)
+                    ms.append(m)
+                    vs.append(v)
+                    fmts.append(fmt)
+        else:
+            group_of, ms, vs, fmts, before = calls.group_of, calls.ms, calls.vs, calls.fmts, counts
+        if not params:
+            return
+        after = _C.counts_after(before)  # None for counters of other dtypes: torch's add
+        added = None if after is not None else torch._foreach_add(before, _ONE, alpha=1.0)
+        _C.kernels.adamw_step_many(
+            params, grads, ms, vs, fmts, [hypers[gi] for gi in group_of],
+            after if added is None else [a.item() for a in added],
+            streams.current(params[0].device))
+        if added is None:
+            _C.set_counts(counts, after)
+        else:
+            copy_each(counts, list(added))
 
 
 class FusedCalls:
     """What FusedStep.step takes of a bucket's plan and moment forms, gathered once and
-    kept on the bucket while its forms stay (a step asks anew, moment_forms()): per
-    whole parameter (its group's index, it, its moments' stored tensors, their format),
-    then per chunk (it, its moments' stored tensors, their format)."""
+    kept on the bucket while its forms stay (a step asks anew, moment_forms()): its whole
+    parameters, each one's param group (index), its moments' stored tensors and their
+    format, as the kernel call takes them; then per chunk (it, its moments' stored
+    tensors, their format)."""
 
     def __init__(self, bucket, forms: list):
         self.forms = forms
         whole = [(gi, p) for gi, params in enumerate(bucket.groups) for p in params]
         moments = [(_stored(m), _stored(v), m.fmt) for m, v in zip(forms[0::2], forms[1::2])]
-        self.whole = [(gi, p, *mv) for (gi, p), mv in zip(whole, moments)]
+        self.group_of = [gi for gi, _ in whole]
+        self.params = [p for _, p in whole]
+        self.ms = [m for m, _, _ in moments[:len(whole)]]
+        self.vs = [v for _, v, _ in moments[:len(whole)]]
+        self.fmts = [fmt for _, _, fmt in moments[:len(whole)]]
         self.chunks = [(c, *mv) for c, mv in zip(bucket.chunks, moments[len(whole):])]
 
     @staticmethod

@@ -225,7 +225,9 @@ class StateLayout:
         groups = self.optimizer.param_groups
         for group, params in zip(groups, bucket.groups):
             for p in params:
-                if not self.resident(p):
+                # Those with state first: create() makes none for them, and the check of
+                # residency (a hook) costs more.
+                if not held(self.optimizer, p) and not self.resident(p):
                     created |= self.deferred.create(group, p, self.pager.empty_like)
         for c in bucket.chunks:
             created |= self.deferred.create(groups[c.group], c.param,

@@ -88,6 +88,7 @@ class ForwardOverlap:
         self._grads: dict[int, torch.Tensor | None] = {}  # id(holder) -> its grad kept
         self._options: list[dict] = []  # per param group, its options at step()
         self._last: dict[int, int] = {}   # id(param) -> its last bucket (chunks: several)
+        self._bucket_holders: list = []  # per bucket: (holder, its param's last bucket)
         self._index: dict[int, int] = {}  # ... and id(its model param) -> that bucket
         # id(module or key) -> how many buckets it waits for, kept while _index stays
         self._needs: dict[int, int] = {}
@@ -130,6 +131,8 @@ class ForwardOverlap:
                 self._holders[id(p)] = holders
                 self._grads.update((id(h), h.grad) for h in holders)
                 self._last[id(p)] = i
+        self._bucket_holders = [[(h, self._last[id(p)]) for p in _params(b)
+                                 for h in self._holders[id(p)]] for b in run.buckets]
         self._index = dict(self._last)
         for holders in self._holders.values():
             for used in holders[1:]:
@@ -148,11 +151,13 @@ class ForwardOverlap:
         (the grads now put back after), the param groups' options of step() (the ones
         now put back after), on the binding's stream, an event after them."""
         first = run.stepped
-        holders = [h for b in run.buckets[first:n] for p in _params(b)
-                   for h in self._holders[id(p)]]
+        held = [x for i in range(first, min(n, len(run.buckets)))
+                for x in self._bucket_holders[i]]
+        holders = [h for h, _ in held]
         now = [h.grad for h in holders]
+        kept = self._grads
         for h in holders:
-            h.grad = self._grads.get(id(h))
+            h.grad = kept.get(id(h))
         groups = self.binding.optimizer.param_groups
         options_now = [_options(g, copy=False) for g in groups]
         for g, kept in zip(groups, self._options):
@@ -167,13 +172,11 @@ class ForwardOverlap:
             self._give_back_grads(run, first)
             raise
         else:
-            for b in run.buckets[first:n]:
-                for p in _params(b):
-                    for h in self._holders[id(p)]:
-                        if self._last[id(p)] < run.stepped:  # its last chunk stepped too
-                            self._grads.pop(id(h), None)
-                        else:  # later chunks step with the grad its hooks put in place
-                            self._grads[id(h)] = h.grad
+            for h, last in held:
+                if last < run.stepped:  # its last chunk stepped too
+                    kept.pop(id(h), None)
+                else:  # later chunks step with the grad its hooks put in place
+                    kept[id(h)] = h.grad
             for h, g in zip(holders, now):
                 h.grad = g
         finally:

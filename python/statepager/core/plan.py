@@ -47,6 +47,9 @@ class Bucket:
     masters: ResidualMasters | None = None
     undo_targets: list = field(default_factory=list)
     fused_calls: FusedCalls | None = None
+    # residency's split of its forms by format, for the forms a step skips (made again
+    # for other forms or another skip): (forms, skip, (bf16 and q8, residual, fp32)).
+    coded: tuple | None = None
 
 
 def plan(groups: list, bucket_size: int, planned_bytes: Callable, chunking: Callable,

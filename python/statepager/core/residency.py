@@ -29,19 +29,17 @@ def decode(pager, b: Bucket, check_params: bool = True, skip=(),
     rounding): now (a device sync), the bucket not stepped if any changed, or, given
     `checks`, at the end of the step (an atomic step, rolled back if any changed).
     resident: tensors known to be paged in (a step's incoming(), its page-in waited for)."""
-    skip, resident = {id(s) for s in skip}, {id(t) for t in resident}
-    forms = [f for f in b.forms if id(f) not in skip]
-    working = [f.working for f in forms if f.scratch and id(f.working) not in resident]
+    coded, residual, _ = _coded(b, skip)
+    resident_ids = {id(t) for t in resident}
+    working = [f.working for f in coded + residual if id(f.working) not in resident_ids]
     if working:
         # Scratch, written whole by the decode. Not asked again where incoming() brought
         # it: a call takes the Pager's lock, which the I/O thread holds while it settles
         # buckets.
         pager.page_in_async((), overwrite=working).wait()
-    for f in forms:
-        if f.fmt != "residual":
-            f.decode()
+    for f in coded:
+        f.decode()
     # Without check_params nobody reads `changed`: the params' checksums are skipped.
-    residual = [f for f in forms if f.fmt == "residual"]
     changed = decode_residuals(residual, check_params, _masters(b, residual))
     if changed is None or not check_params:
         return
@@ -56,13 +54,25 @@ def encode(b: Bucket, skip=()) -> list:
     masters' exceptions, pending, as [(forms, codecs.PendingExceptions)] (empty
     without residual masters): until they are finished, the bucket's scratch must
     stay as it is."""
-    skip = {id(s) for s in skip}
-    forms = [f for f in b.forms if id(f) not in skip]
-    for f in forms:
-        if f.fmt != "residual":
-            f.encode()
-    residual = [f for f in forms if f.fmt == "residual"]
+    coded, residual, _ = _coded(b, skip)
+    for f in coded:
+        f.encode()
     return [(residual, encode_residuals(residual, _masters(b, residual)))] if residual else []
+
+
+def _coded(b: Bucket, skip) -> tuple[list, list, list]:
+    """Of the bucket's forms but those in `skip`: (those with a codec, bf16 or q8; the
+    residual ones; the fp32 ones, stored as their working tensors), kept on the bucket
+    for the `skip` last asked (a step asks with the same moments each time)."""
+    kept, skip = b.coded, list(skip)
+    if kept is not None and kept[0] is b.forms and kept[1] == skip:
+        return kept[2]
+    skipped = {id(f) for f in skip}
+    forms = [f for f in b.forms if id(f) not in skipped]
+    split = ([f for f in forms if f.fmt in ("bf16", "q8")],
+             [f for f in forms if f.fmt == "residual"], [f for f in forms if f.fmt == "fp32"])
+    b.coded = (b.forms, skip, split)
+    return split
 
 
 def _masters(b: Bucket, residual: list) -> codecs.ResidualMasters | None:
