@@ -210,6 +210,9 @@ void set_counts(const std::vector<torch::Tensor>& counts, const std::vector<doub
     } else {
       *counts[i].data_ptr<double>() = values[i];
     }
+    if (!counts[i].is_inference()) {
+      counts[i].unsafeGetTensorImpl()->bump_version();  // an in-place write, as torch's
+    }
   }
 }
 

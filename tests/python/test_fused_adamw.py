@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import statepager
-from statepager import PagedAdamW, Pager
+from statepager import PagedAdamW, Pager, _C
 from statepager.util.flat import flat_view
 from statepager.core import fused_adamw
 from statepager.formats import codecs as C
@@ -79,7 +79,8 @@ def model(seed=0):
                                torch.nn.Linear(300, 6)).bfloat16()
 
 
-def train(moments, mains, store_dir, steps=4, foreach=True, **kwargs):
+def train(moments, mains, store_dir, steps=4, foreach=True, drop=None, **kwargs):
+    """drop: (step, parameter index) whose grad is None at that step."""
     m = model()
     with Pager(store_dir, device="cpu", page_size=64 * KiB) as pager:
         opt = PagedAdamW(m.parameters(), pager=pager, lr=1e-2, weight_decay=0.1,
@@ -90,6 +91,8 @@ def train(moments, mains, store_dir, steps=4, foreach=True, **kwargs):
             x, y = torch.randn(8, 40, generator=g).bfloat16(), torch.randn(8, 6, generator=g)
             opt.zero_grad()
             torch.nn.functional.mse_loss(m(x).float(), y).backward()
+            if drop is not None and drop[0] == i:
+                list(m.parameters())[drop[1]].grad = None
             opt.step()
         sd = opt.state_dict()
     return [p.detach().clone() for p in m.parameters()], sd
@@ -123,6 +126,22 @@ def test_fused_run_is_the_unfused_run(tmp_path, moments, mains, fused_on_cpu):
     if moments == "q8":
         # Decoded: the stand-in's own (2 per call) and state_dict()'s; not by the step.
         assert len(decodes) == 2 * len(calls) + 2 * 4
+    same(unfused, fused)
+
+
+def test_a_parameter_without_a_grad_keeps_its_state_and_count(tmp_path, fused_on_cpu):
+    """A parameter whose grad is None at a step is left out of its bucket's fused call, as
+    torch's step leaves it: its moments and step count stay, the others step, bit for bit
+    the unfused run."""
+    calls, _ = fused_on_cpu
+    fused_adamw.use_fused(False)
+    try:
+        unfused = train("q8", "residual", str(tmp_path / "a"), drop=(2, 1))
+    finally:
+        fused_adamw.use_fused(True)
+    fused = train("q8", "residual", str(tmp_path / "b"), drop=(2, 1))
+    assert calls == ["q8"] * (4 * 4 - 1)
+    assert fused[1]["state"][1]["step"].item() == 3.0 and fused[1]["state"][0]["step"] == 4.0
     same(unfused, fused)
 
 
@@ -195,3 +214,30 @@ def test_a_refused_call_leaves_the_step_counts(tmp_path, fused_on_cpu, monkeypat
         with pytest.raises(statepager.UsageError, match="refused"):
             opt.step()
         assert [float(opt.state[p]["step"]) for p in m.parameters()] == counts == [1.0] * 4
+
+
+def test_step_counts_are_added_and_set_as_torch_adds_them():
+    """_C.counts_after: each float32 or float64 counter plus one, rounded as torch's add of
+    a float32 one rounds it (in the counter's dtype), every value bit for bit; None where
+    any counter is of another dtype, has more than one element or lies off the host.
+    _C.set_counts writes each in place (its version bumped, as an in-place op's), after
+    checking all of them: a bad one refuses the call with nothing written."""
+    one = torch.tensor(1.0)
+    values = [0.0, 1.0, 3.5, 2.0 ** 24, 2.0 ** 24 - 1, 1.0000001, 2.0 ** 53, -1.0, 1e38]
+    counts = [torch.tensor(v, dtype=dt) for v in values for dt in (torch.float32, torch.float64)]
+    after = _C.counts_after(counts)
+    want = [a.item() for a in torch._foreach_add(counts, one, alpha=1.0)]
+    assert after == want and all(type(a) is float for a in after)
+    assert _C.counts_after([]) == []
+    for other in (torch.tensor(3), torch.tensor(3.0, dtype=torch.bfloat16),
+                  torch.tensor([1.0, 2.0]), torch.tensor(1.0, device="meta")):
+        assert _C.counts_after([torch.tensor(1.0), other]) is None
+    versions = [c._version for c in counts]
+    _C.set_counts(counts, after)
+    assert [c.item() for c in counts] == want
+    assert all(c._version > v for c, v in zip(counts, versions))
+    kept = [c.clone() for c in counts]
+    for bad, values in (([counts[0], torch.tensor(5)], [1.0, 2.0]), (counts[:2], [1.0])):
+        with pytest.raises(statepager.UsageError, match="set_counts"):
+            _C.set_counts(bad, values)
+    assert all(torch.equal(c, k) for c, k in zip(counts, kept))
