@@ -173,10 +173,11 @@ DenseCopies dense_copies(const std::vector<torch::Tensor>& targets, int64_t alig
 
 // Step counters (torch's Adam keeps one per parameter: a 0-dim CPU tensor) read and
 // written as numbers: what a multi-tensor add and copy and an item() per counter cost the
-// fused step's host ~50 microseconds a bucket. Float32 and float64 counters only; the
+// fused step's host ~50 microseconds a bucket. Float32 and float64 counters only, not
+// inference tensors (which torch refuses to write in place outside inference mode); the
 // caller takes torch's way for others (nullopt).
 bool plain_counter(const torch::Tensor& t) {
-  return t.is_cpu() && t.numel() == 1 && t.layout() == torch::kStrided &&
+  return t.is_cpu() && t.numel() == 1 && t.layout() == torch::kStrided && !t.is_inference() &&
          (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kFloat64);
 }
 
@@ -201,7 +202,7 @@ void set_counts(const std::vector<torch::Tensor>& counts, const std::vector<doub
   for (const torch::Tensor& t : counts) {
     if (!plain_counter(t)) {
       throw UsageError("set_counts: each counter must be a one-element float32 or float64 "
-                       "CPU tensor");
+                       "CPU tensor, not an inference tensor");
     }
   }
   for (size_t i = 0; i < counts.size(); i++) {
@@ -210,9 +211,7 @@ void set_counts(const std::vector<torch::Tensor>& counts, const std::vector<doub
     } else {
       *counts[i].data_ptr<double>() = values[i];
     }
-    if (!counts[i].is_inference()) {
-      counts[i].unsafeGetTensorImpl()->bump_version();  // an in-place write, as torch's
-    }
+    counts[i].unsafeGetTensorImpl()->bump_version();  // an in-place write, as torch's
   }
 }
 

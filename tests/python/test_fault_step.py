@@ -720,12 +720,13 @@ def test_a_group_changed_after_begin_step_steps_as_changed(tmp_path, device):
 
 
 def test_the_snapshot_copies_unpaged_state_keeping_small_copies(store_dir):
-    """UndoCopies.copy_state: each unpaged state tensor is copied with its bits: a scalar
-    on the host as its number (a NaN as a tensor, its payload kept), others as tensors; a
-    copy of at most KEPT_BYTES is kept and reused by the next snapshot while its tensor's
-    shape, dtype and device stay; larger ones and sparse ones are new each time; paged
-    tensors and other values are not copied; a parameter gone lets its copies go;
-    restore_state puts every bit back in the same tensors."""
+    """UndoCopies.copy_state: each unpaged state tensor is copied with its bits: a count
+    on the host (a float32 or float64 scalar holding a whole number) as its number, others
+    (a NaN with a payload, a fraction, an int64) as tensors; a copy of at most KEPT_BYTES
+    is kept and reused by the next snapshot while its tensor's shape, dtype and device
+    stay; larger ones and sparse ones are new each time; paged tensors and other values
+    are not copied; a parameter gone lets its copies go; restore_state puts every bit
+    back in the same tensors."""
     with Pager(store_dir, page_size=64 * 1024) as pager:
         undo = UndoCopies(pager)
         a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
@@ -735,7 +736,8 @@ def test_the_snapshot_copies_unpaged_state_keeping_small_copies(store_dir):
         nan = torch.tensor(0x7FC00123, dtype=torch.int32).view(torch.float32)  # a payload
         state = {a: {"step": torch.tensor(3.0), "exp_avg": paged, "large": large, "lr": 0.1,
                      "sparse": torch.eye(3).to_sparse(), "small": torch.tensor([1.0, 2.0]),
-                     "nan": nan, "count": torch.tensor(7, dtype=torch.int64)},
+                     "nan": nan, "count": torch.tensor(7, dtype=torch.int64),
+                     "half": torch.tensor(0.5), "f64": torch.tensor(-0.0, dtype=torch.float64)},
                  b: {"step": torch.tensor(5.0)}}
 
         def bits(t):
@@ -749,8 +751,8 @@ def test_the_snapshot_copies_unpaged_state_keeping_small_copies(store_dir):
                     assert value is v
                     if name in ("exp_avg", "lr"):
                         assert copy is None
-                    elif v.dim() == 0 and name != "nan":
-                        assert not isinstance(copy, torch.Tensor) and copy == v.item()
+                    elif name in ("step", "f64") and v.dim() == 0:
+                        assert type(copy) is float and copy == v.item()
                     else:
                         assert copy is not v and torch.equal(bits(copy), bits(v))
             return saved
@@ -766,7 +768,7 @@ def test_the_snapshot_copies_unpaged_state_keeping_small_copies(store_dir):
         assert second[a]["sparse"][1] is not first[a]["sparse"][1]
         before = {n: bits(v).clone() for n, v in state[a].items() if isinstance(v, torch.Tensor)
                   and n != "exp_avg"}
-        for name in ("step", "small", "nan", "count", "large"):
+        for name in ("step", "small", "nan", "count", "large", "half", "f64"):
             state[a][name].add_(1)
         restore_state(state, second)
         assert all(torch.equal(bits(state[a][n]), w) for n, w in before.items())

@@ -219,7 +219,8 @@ def test_a_refused_call_leaves_the_step_counts(tmp_path, fused_on_cpu, monkeypat
 def test_step_counts_are_added_and_set_as_torch_adds_them():
     """_C.counts_after: each float32 or float64 counter plus one, rounded as torch's add of
     a float32 one rounds it (in the counter's dtype), every value bit for bit; None where
-    any counter is of another dtype, has more than one element or lies off the host.
+    any counter is of another dtype, has more than one element, lies off the host or is an
+    inference tensor (torch refuses to write those in place).
     _C.set_counts writes each in place (its version bumped, as an in-place op's), after
     checking all of them: a bad one refuses the call with nothing written."""
     one = torch.tensor(1.0)
@@ -229,15 +230,18 @@ def test_step_counts_are_added_and_set_as_torch_adds_them():
     want = [a.item() for a in torch._foreach_add(counts, one, alpha=1.0)]
     assert after == want and all(type(a) is float for a in after)
     assert _C.counts_after([]) == []
+    with torch.inference_mode():
+        inference = torch.tensor(1.0)
     for other in (torch.tensor(3), torch.tensor(3.0, dtype=torch.bfloat16),
-                  torch.tensor([1.0, 2.0]), torch.tensor(1.0, device="meta")):
+                  torch.tensor([1.0, 2.0]), torch.tensor(1.0, device="meta"), inference):
         assert _C.counts_after([torch.tensor(1.0), other]) is None
     versions = [c._version for c in counts]
     _C.set_counts(counts, after)
     assert [c.item() for c in counts] == want
     assert all(c._version > v for c, v in zip(counts, versions))
     kept = [c.clone() for c in counts]
-    for bad, values in (([counts[0], torch.tensor(5)], [1.0, 2.0]), (counts[:2], [1.0])):
+    for bad, values in (([counts[0], torch.tensor(5)], [1.0, 2.0]), (counts[:2], [1.0]),
+                        ([counts[0], inference], [1.0, 2.0])):
         with pytest.raises(statepager.UsageError, match="set_counts"):
             _C.set_counts(bad, values)
     assert all(torch.equal(c, k) for c, k in zip(counts, kept))

@@ -487,6 +487,26 @@ def test_a_step_in_flight_is_settled_once_the_forward_has_stepped_it(tmp_path):
         assert binding.step_in_flight is not None
 
 
+@pytest.mark.parametrize("overlap", UNDER)
+def test_the_grads_a_step_kept_go_once_the_forward_stepped_them(tmp_path, overlap):
+    """The grads step() kept for the forward's buckets are let go as their buckets step:
+    after zero_grad() and the next forward no grad of the step before is alive, and the
+    param groups hold their options alone."""
+    import gc
+    import weakref
+    with Pager(str(tmp_path / "s"), "cpu", page_size=16 * KiB) as pager:
+        model, opt, binding, handle = model_and_opt(pager, overlap, split_groups=True)
+        train(model, opt, 2)
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        keys = [set(g) for g in opt.param_groups]
+        opt.zero_grad()
+        model(torch.zeros(2, WIDTH))
+        handle.remove()  # a thread's step joined
+        gc.collect()
+        assert [g() is None for g in grads] == [True] * len(grads)
+        assert [set(g) for g in opt.param_groups] == keys
+
+
 @pytest.mark.parametrize("split_groups", [False, True])
 def test_each_module_runs_after_its_bucket_stepped(tmp_path, split_groups):
     """Buckets follow the modules' order, whatever the param groups' order."""

@@ -53,6 +53,9 @@ from statepager.formats.stored import params_changed_since_encoded, residual_for
 # copy_state() keeps copies of unpaged state tensors up to this size between steps: step
 # counters and other scalars, a few bytes per parameter.
 KEPT_BYTES = 4096
+# The dtypes of the step counters copy_state() keeps as numbers (torch's optimizers'
+# scalar dtypes).
+_COUNTERS = (torch.float32, torch.float64)
 
 
 class UndoCopies:
@@ -86,10 +89,11 @@ class UndoCopies:
         """param -> {name: (value, copy of it or None)} of an optimizer's state: unpaged
         tensors (step counters, the state of resident parameters, sparse state) are
         copied, as the step may update them in place; paged ones and other values are
-        kept as they are. A scalar on the host (a step counter) is copied as its number
-        (item(): restore_state fills it back, every bit; a NaN, whose payload a number
-        may not keep, as a tensor): a tensor copy and its multi-tensor copy cost the
-        step's host ~3 us a counter. The copies of other tensors of at most KEPT_BYTES
+        kept as they are. A count on the host (a float32 or float64 scalar holding a whole
+        number: a step counter) is copied as its number, which restore_state fills back
+        bit for bit: a tensor copy and its multi-tensor copy cost the step's host ~3 us a
+        counter (other scalars stay tensors: a number may not keep their bits, under
+        torch.set_flush_denormal say). The copies of other tensors of at most KEPT_BYTES
         are kept for the next step; larger ones (a resident parameter's moments) are
         made per step and let go with it, so that between steps their memory serves
         other tensors. part: `state` is some parameters' (a bucket's): the others' kept
@@ -104,8 +108,9 @@ class UndoCopies:
                 if isinstance(v, torch.Tensor) and not mine:
                     if v.layout != torch.strided:  # sparse: no multi-tensor copy
                         copy = v.clone()
-                    elif v.dim() == 0 and v.is_cpu and (number := v.item()) == number:
-                        copy = number  # (not NaN)
+                    elif v.dim() == 0 and v.is_cpu and v.dtype in _COUNTERS and \
+                            (number := v.item()).is_integer():
+                        copy = number  # a count: its number holds every bit
                     elif v.numel() * v.element_size() > KEPT_BYTES:
                         copy = torch.empty_like(v)
                     else:

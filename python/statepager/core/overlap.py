@@ -155,9 +155,9 @@ class ForwardOverlap:
                 for x in self._bucket_holders[i]]
         holders = [h for h, _ in held]
         now = [h.grad for h in holders]
-        kept = self._grads
+        grads = self._grads
         for h in holders:
-            h.grad = kept.get(id(h))
+            h.grad = grads.get(id(h))
         groups = self.binding.optimizer.param_groups
         options_now = [_options(g, copy=False) for g in groups]
         for g, kept in zip(groups, self._options):
@@ -174,9 +174,9 @@ class ForwardOverlap:
         else:
             for h, last in held:
                 if last < run.stepped:  # its last chunk stepped too
-                    kept.pop(id(h), None)
+                    grads.pop(id(h), None)
                 else:  # later chunks step with the grad its hooks put in place
-                    kept[id(h)] = h.grad
+                    grads[id(h)] = h.grad
             for h, g in zip(holders, now):
                 h.grad = g
         finally:

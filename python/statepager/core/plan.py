@@ -48,7 +48,7 @@ class Bucket:
     undo_targets: list = field(default_factory=list)
     fused_calls: FusedCalls | None = None
     # residency's split of its forms by format, for the forms a step skips (made again
-    # for other forms or another skip): (forms, skip, (bf16 and q8, residual, fp32)).
+    # for other forms or another skip): (forms, skip, (bf16 and q8, residual)).
     coded: tuple | None = None
 
 

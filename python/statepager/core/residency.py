@@ -29,7 +29,7 @@ def decode(pager, b: Bucket, check_params: bool = True, skip=(),
     rounding): now (a device sync), the bucket not stepped if any changed, or, given
     `checks`, at the end of the step (an atomic step, rolled back if any changed).
     resident: tensors known to be paged in (a step's incoming(), its page-in waited for)."""
-    coded, residual, _ = _coded(b, skip)
+    coded, residual = _coded(b, skip)
     resident_ids = {id(t) for t in resident}
     working = [f.working for f in coded + residual if id(f.working) not in resident_ids]
     if working:
@@ -54,23 +54,23 @@ def encode(b: Bucket, skip=()) -> list:
     masters' exceptions, pending, as [(forms, codecs.PendingExceptions)] (empty
     without residual masters): until they are finished, the bucket's scratch must
     stay as it is."""
-    coded, residual, _ = _coded(b, skip)
+    coded, residual = _coded(b, skip)
     for f in coded:
         f.encode()
     return [(residual, encode_residuals(residual, _masters(b, residual)))] if residual else []
 
 
-def _coded(b: Bucket, skip) -> tuple[list, list, list]:
+def _coded(b: Bucket, skip) -> tuple[list, list]:
     """Of the bucket's forms but those in `skip`: (those with a codec, bf16 or q8; the
-    residual ones; the fp32 ones, stored as their working tensors), kept on the bucket
-    for the `skip` last asked (a step asks with the same moments each time)."""
+    residual ones), kept on the bucket for the `skip` last asked (a step asks with the
+    same moments each time). fp32 forms are their own working tensors: nothing to code."""
     kept, skip = b.coded, list(skip)
     if kept is not None and kept[0] is b.forms and kept[1] == skip:
         return kept[2]
     skipped = {id(f) for f in skip}
     forms = [f for f in b.forms if id(f) not in skipped]
     split = ([f for f in forms if f.fmt in ("bf16", "q8")],
-             [f for f in forms if f.fmt == "residual"], [f for f in forms if f.fmt == "fp32"])
+             [f for f in forms if f.fmt == "residual"])
     b.coded = (b.forms, skip, split)
     return split
 
