@@ -366,10 +366,8 @@ class MegatronMember:
             return
         # Read in the step's pieces (within the budget attach accepted), written nowhere.
         for main, start, stop, entries in self.binding.state_in_pieces():
-            model_param = self.model_of.get(id(main))
-            if model_param is not None and "param" in entries:
-                target = flat_view(self.megatron.param_buffer_slice(model_param))
-                target[start:stop].copy_(entries["param"])
+            if id(main) in self.model_of and "param" in entries:
+                flat_view(self._buffer_slice(main))[start:stop].copy_(entries["param"])
 
     @serialized
     @torch.no_grad()
