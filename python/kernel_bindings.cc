@@ -152,11 +152,23 @@ void param_checksum(const torch::Tensor& param, const torch::Tensor& rows, const
   });
 }
 
-// The rows scratch of the checksums of `params` (each its own rows, as they run at once):
-// need()s `rows` holds ceil(n / 4096) per param; returns each param's offset into it.
-std::vector<int64_t> rows_of(const torch::Tensor& rows, const std::vector<torch::Tensor>& params,
-                             int dev) {
-  check(rows, "rows", torch::kInt64, dev);
+// Scratch of a call on device `dev`, from torch's caching allocator on the device's current
+// stream (the stream the caller passes): as a tensor the caller allocated would be.
+torch::Tensor int64_on(int dev, int64_t n) {
+  return torch::empty({n}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA, dev));
+}
+
+// A zero `bad` flag (one uint8 the kernels set, never clear) on `dev`.
+torch::Tensor bad_flag(int dev) {
+  return torch::zeros({1}, torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, dev));
+}
+
+// The flag as the callers read it: a 0-dim bool, a view (no kernel).
+torch::Tensor as_bool(const torch::Tensor& bad) { return bad.view(torch::kBool).view({}); }
+
+// The offsets of `params`' checksum rows in one scratch (each its own rows, as they run at
+// once: ceil(n / 4096) each), and their total.
+std::pair<std::vector<int64_t>, int64_t> rows_of(const std::vector<torch::Tensor>& params) {
   std::vector<int64_t> at;
   at.reserve(params.size());
   int64_t total = 0;
@@ -164,18 +176,7 @@ std::vector<int64_t> rows_of(const torch::Tensor& rows, const std::vector<torch:
     at.push_back(total);
     total += (p.numel() + kernels::kChecksumRow - 1) / kernels::kChecksumRow;
   }
-  need(rows.numel() >= total, "rows must have one element per 4096 elements of each param");
-  return at;
-}
-
-// The `bad` flag (one uint8) and `sums` scratch (k int64) of a call over k params: their
-// device.
-int check_bad_and_sums(const torch::Tensor& bad, const torch::Tensor& sums, size_t k) {
-  const int dev = check(bad, "bad", torch::kUInt8);
-  need(bad.numel() == 1, "bad must be one element");
-  check(sums, "sums", torch::kInt64, dev);
-  need(sums.numel() == static_cast<int64_t>(k), "sums must have one element per param");
-  return dev;
+  return {at, total};
 }
 
 void check_fingerprint(const torch::Tensor& fingerprint, int dev) {
@@ -184,53 +185,56 @@ void check_fingerprint(const torch::Tensor& fingerprint, int dev) {
 }
 
 // param_checksum of k params in one call, each compared with its fingerprint (a 1-element
-// int64 of the same device): `bad` (one uint8, zero on entry) is set when any differs.
-// `rows` is scratch (rows_of), `sums` k int64 of scratch.
-void params_changed_many(const std::vector<torch::Tensor>& params,
-                         const std::vector<torch::Tensor>& fingerprints,
-                         const torch::Tensor& rows, const torch::Tensor& sums,
-                         const torch::Tensor& bad, uintptr_t stream) {
+// int64 of the same device). Returns a 0-dim bool on their device, True when any differs.
+torch::Tensor params_changed_many(const std::vector<torch::Tensor>& params,
+                                  const std::vector<torch::Tensor>& fingerprints,
+                                  uintptr_t stream) {
   const size_t k = params.size();
   need(fingerprints.size() == k, "params and fingerprints differ in length");
-  if (k == 0) return;
-  const int dev = check_bad_and_sums(bad, sums, k);
+  need(k > 0, "params must not be empty");
+  const int dev = check(params[0], "param", torch::kBFloat16);
   for (size_t i = 0; i < k; i++) {
     need(check(params[i], "param", torch::kBFloat16) == dev,
          "the params of one call must be on one device");
     check_fingerprint(fingerprints[i], dev);
   }
-  const std::vector<int64_t> at = rows_of(rows, params, dev);
+  const auto [at, rows] = rows_of(params);
+  const torch::Tensor scratch = int64_on(dev, rows + int64_t(k));  // rows, then the sums
+  const torch::Tensor bad = bad_flag(dev);
+  int64_t* const sums = scratch.data_ptr<int64_t>() + rows;
   std::vector<kernels::Checksum> sums_of;
   sums_of.reserve(k);
   for (size_t i = 0; i < k; i++) {
-    sums_of.push_back({bf16_bits(params[i]), params[i].numel(), rows.data_ptr<int64_t>() + at[i],
-                       sums.data_ptr<int64_t>() + i, fingerprints[i].data_ptr<int64_t>()});
+    sums_of.push_back({bf16_bits(params[i]), params[i].numel(), scratch.data_ptr<int64_t>() + at[i],
+                       sums + i, fingerprints[i].data_ptr<int64_t>()});
   }
-  py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
-  launch([&] { kernels::param_checksum(sums_of, bad.data_ptr<uint8_t>(), dev, as_stream(stream)); });
+  {
+    py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
+    launch([&] { kernels::param_checksum(sums_of, bad.data_ptr<uint8_t>(), dev, as_stream(stream)); });
+  }
+  return as_bool(bad);
 }
 
 // The residual masters of one bucket, k of them (lists of equal length k): what
 // residual_rebuild and a comparison of param_checksum with the fingerprint do per master,
 // in one call, so that a bucket of many small parameters costs the host no Python and no
 // launch per master. fingerprints[i] (a 1-element int64, or None: not checked) is the
-// checksum the residual was encoded against; `bad` is set when any differs or any master
-// does not round to its param. `rows` is scratch (rows_of, of the fingerprinted params),
-// `sums` k int64 of scratch.
-void residual_rebuild_many(const std::vector<torch::Tensor>& params,
-                           const std::vector<torch::Tensor>& residuals,
-                           const std::vector<torch::Tensor>& mains,
-                           const std::vector<torch::Tensor>& exc_idx,
-                           const std::vector<torch::Tensor>& exc_bits,
-                           const std::vector<std::optional<torch::Tensor>>& fingerprints,
-                           const torch::Tensor& rows, const torch::Tensor& sums,
-                           const torch::Tensor& bad, uintptr_t stream) {
+// checksum the residual was encoded against. Returns a 0-dim bool on the masters' device,
+// True when any param differs from its fingerprint or any master does not round to its
+// param.
+torch::Tensor residual_rebuild_many(const std::vector<torch::Tensor>& params,
+                                    const std::vector<torch::Tensor>& residuals,
+                                    const std::vector<torch::Tensor>& mains,
+                                    const std::vector<torch::Tensor>& exc_idx,
+                                    const std::vector<torch::Tensor>& exc_bits,
+                                    const std::vector<std::optional<torch::Tensor>>& fingerprints,
+                                    uintptr_t stream) {
   const size_t k = mains.size();
   need(params.size() == k && residuals.size() == k && exc_idx.size() == k &&
            exc_bits.size() == k && fingerprints.size() == k,
        "params, residuals, mains, exc_idx, exc_bits and fingerprints differ in length");
-  if (k == 0) return;
-  const int dev = check_bad_and_sums(bad, sums, k);
+  need(k > 0, "mains must not be empty");
+  const int dev = check(mains[0], "main", torch::kFloat32);
   std::vector<kernels::ResidualRebuild> masters;
   std::vector<torch::Tensor> checked;  // the fingerprinted params
   std::vector<size_t> checked_at;
@@ -248,76 +252,93 @@ void residual_rebuild_many(const std::vector<torch::Tensor>& params,
                        exc_idx[i].data_ptr<int64_t>(), exc_bits[i].data_ptr<int32_t>(),
                        exc_idx[i].numel()});
   }
+  const torch::Tensor bad = bad_flag(dev);
   std::vector<kernels::Checksum> sums_of;
+  torch::Tensor scratch;  // rows, then the sums
   if (!checked.empty()) {
-    const std::vector<int64_t> at = rows_of(rows, checked, dev);
+    const auto [at, rows] = rows_of(checked);
+    scratch = int64_on(dev, rows + int64_t(checked.size()));
+    int64_t* const sums = scratch.data_ptr<int64_t>() + rows;
     for (size_t j = 0; j < checked.size(); j++) {
       const size_t i = checked_at[j];
       sums_of.push_back({bf16_bits(params[i]), params[i].numel(),
-                         rows.data_ptr<int64_t>() + at[j], sums.data_ptr<int64_t>() + i,
+                         scratch.data_ptr<int64_t>() + at[j], sums + j,
                          fingerprints[i]->data_ptr<int64_t>()});
     }
   }
-  py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
-  launch([&] {
-    if (!sums_of.empty()) {
-      kernels::param_checksum(sums_of, bad.data_ptr<uint8_t>(), dev, as_stream(stream));
-    }
-    kernels::residual_rebuild(masters, bad.data_ptr<uint8_t>(), dev, as_stream(stream));
-  });
+  {
+    py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
+    launch([&] {
+      if (!sums_of.empty()) {
+        kernels::param_checksum(sums_of, bad.data_ptr<uint8_t>(), dev, as_stream(stream));
+      }
+      kernels::residual_rebuild(masters, bad.data_ptr<uint8_t>(), dev, as_stream(stream));
+    });
+  }
+  return as_bool(bad);
 }
 
-// The residual masters of one bucket encoded in one call: per master i, its param's
-// checksum into fingerprints[i] (given fingerprints) and residual_encode with room for
-// capacities[i] exceptions, at the next offset of exc_idx/exc_bits (one buffer each for
-// all, at least the capacities' sum), counted into counts[i] (zero on entry). `rows` is
-// scratch (rows_of) when fingerprints are asked for.
-void residual_encode_many(const std::vector<torch::Tensor>& mains,
-                          const std::vector<torch::Tensor>& params,
-                          const std::vector<torch::Tensor>& residuals,
-                          const std::vector<int64_t>& capacities, const torch::Tensor& exc_idx,
-                          const torch::Tensor& exc_bits, const torch::Tensor& counts,
-                          const std::optional<torch::Tensor>& fingerprints,
-                          const torch::Tensor& rows, uintptr_t stream) {
+// The residual masters of one bucket encoded in one call: per master i, residual_encode
+// with room for capacities[i] exceptions, at the next offset of one exceptions' buffer for
+// all, counted into counts[i]; given `fingerprints`, also its param's checksum into
+// fingerprints[i]. Returns (exc_idx int64, exc_bits int32: the capacities' sum each;
+// counts int64[k]; fingerprints int64[k] or None), all on the masters' device.
+py::tuple residual_encode_many(const std::vector<torch::Tensor>& mains,
+                               const std::vector<torch::Tensor>& params,
+                               const std::vector<torch::Tensor>& residuals,
+                               const std::vector<int64_t>& capacities, bool fingerprints,
+                               uintptr_t stream) {
   const size_t k = mains.size();
   need(params.size() == k && residuals.size() == k && capacities.size() == k,
        "mains, params, residuals and capacities differ in length");
-  if (k == 0) return;
-  const int dev = check_residual(mains[0], params[0], residuals[0], exc_idx, exc_bits);
-  check(counts, "counts", torch::kInt64, dev);
-  need(counts.numel() == static_cast<int64_t>(k), "counts must have one element per master");
-  if (fingerprints) {
-    check(*fingerprints, "fingerprints", torch::kInt64, dev);
-    need(fingerprints->numel() == counts.numel(), "fingerprints must have one element per master");
+  need(k > 0, "mains must not be empty");
+  int64_t room = 0;
+  for (const int64_t c : capacities) {
+    need(c >= 0, "capacities must not be negative");
+    room += c;
   }
+  const int dev = check(mains[0], "main", torch::kFloat32);
+  const auto [at, rows] = fingerprints ? rows_of(params) : std::pair{std::vector<int64_t>{}, int64_t{0}};
+  // One buffer for the exceptions' indices, their bits (int32, two to an element) and the
+  // checksums' rows; one for the counts (zeroed) and fingerprints.
+  const int64_t bits_room = (room + 1) / 2;
+  const torch::Tensor listed = int64_on(dev, room + bits_room + rows);
+  const torch::Tensor exc_idx = listed.narrow(0, 0, room);
+  const torch::Tensor exc_bits = listed.narrow(0, room, bits_room).view(torch::kInt32).narrow(0, 0, room);
+  const torch::Tensor counted = int64_on(dev, 2 * int64_t(k));
+  const torch::Tensor counts = counted.narrow(0, 0, int64_t(k));
+  counts.zero_();
+  const torch::Tensor sums = counted.narrow(0, int64_t(k), int64_t(k));
   std::vector<kernels::ResidualEncode> masters;
   masters.reserve(k);
-  int64_t room = 0;
+  int64_t offset = 0;
   for (size_t i = 0; i < k; i++) {
     need(check_residual(mains[i], params[i], residuals[i], exc_idx, exc_bits) == dev,
          "the masters of one call must be on one device");
-    need(capacities[i] >= 0, "capacities must not be negative");
     masters.push_back({mains[i].data_ptr<float>(), bf16_bits(params[i]),
                        residuals[i].data_ptr<int16_t>(), mains[i].numel(),
-                       exc_idx.data_ptr<int64_t>() + room, exc_bits.data_ptr<int32_t>() + room,
+                       exc_idx.data_ptr<int64_t>() + offset, exc_bits.data_ptr<int32_t>() + offset,
                        capacities[i], counts.data_ptr<int64_t>() + i});
-    room += capacities[i];
+    offset += capacities[i];
   }
-  need(exc_idx.numel() >= room, "exc_idx and exc_bits must hold the capacities' sum");
   std::vector<kernels::Checksum> sums_of;
   if (fingerprints) {
-    const std::vector<int64_t> at = rows_of(rows, params, dev);
+    int64_t* const row = listed.data_ptr<int64_t>() + room + bits_room;
     sums_of.reserve(k);
     for (size_t i = 0; i < k; i++) {
-      sums_of.push_back({bf16_bits(params[i]), params[i].numel(), rows.data_ptr<int64_t>() + at[i],
-                         fingerprints->data_ptr<int64_t>() + i, nullptr});
+      sums_of.push_back({bf16_bits(params[i]), params[i].numel(), row + at[i],
+                         sums.data_ptr<int64_t>() + i, nullptr});
     }
   }
-  py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
-  launch([&] {
-    if (!sums_of.empty()) kernels::param_checksum(sums_of, nullptr, dev, as_stream(stream));
-    kernels::residual_encode(masters, dev, as_stream(stream));
-  });
+  {
+    py::gil_scoped_release unlocked;  // a launch waits when the device's queue is full
+    launch([&] {
+      if (!sums_of.empty()) kernels::param_checksum(sums_of, nullptr, dev, as_stream(stream));
+      kernels::residual_encode(masters, dev, as_stream(stream));
+    });
+  }
+  return py::make_tuple(exc_idx, exc_bits, counts,
+                        fingerprints ? py::cast(sums) : py::none());
 }
 
 // `t` holds n elements laid out as `param` (same strides, dense): the fused step walks
@@ -435,15 +456,12 @@ void bind_kernels(py::module_& m) {
   k.def("param_checksum", &param_checksum, py::arg("param"), py::arg("rows"), py::arg("out"),
         py::arg("stream"));
   k.def("params_changed_many", &params_changed_many, py::arg("params"),
-        py::arg("fingerprints"), py::arg("rows"), py::arg("sums"), py::arg("bad"),
-        py::arg("stream"));
+        py::arg("fingerprints"), py::arg("stream"));
   k.def("residual_rebuild_many", &residual_rebuild_many, py::arg("params"),
         py::arg("residuals"), py::arg("mains"), py::arg("exc_idx"), py::arg("exc_bits"),
-        py::arg("fingerprints"), py::arg("rows"), py::arg("sums"), py::arg("bad"),
-        py::arg("stream"));
+        py::arg("fingerprints"), py::arg("stream"));
   k.def("residual_encode_many", &residual_encode_many, py::arg("mains"), py::arg("params"),
-        py::arg("residuals"), py::arg("capacities"), py::arg("exc_idx"), py::arg("exc_bits"),
-        py::arg("counts"), py::arg("fingerprints"), py::arg("rows"), py::arg("stream"));
+        py::arg("residuals"), py::arg("capacities"), py::arg("fingerprints"), py::arg("stream"));
   k.def("adamw_step_many", &adamw_step_many, py::arg("params"), py::arg("grads"),
         py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("formats"), py::arg("hypers"),
         py::arg("steps"), py::arg("stream"));

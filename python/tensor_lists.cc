@@ -215,6 +215,47 @@ void set_counts(const std::vector<torch::Tensor>& counts, const std::vector<doub
   }
 }
 
+// The exceptions the residual encode listed for each of its masters (codecs.
+// PendingExceptions.finish): master i's are counts[i] of its room of capacities[i] in `idx`
+// and `bits`, one after another. Those with 0 < count <= room are copied out together, two
+// copies for all (the room's buffers then go); the others are nullopt: none, or more than
+// the room held (the caller lists them again).
+using Exceptions = std::pair<torch::Tensor, torch::Tensor>;
+std::vector<std::optional<Exceptions>> listed_exceptions(const torch::Tensor& idx,
+                                                         const torch::Tensor& bits,
+                                                         const std::vector<int64_t>& capacities,
+                                                         const std::vector<int64_t>& counts) {
+  if (capacities.size() != counts.size()) {
+    throw UsageError("listed_exceptions: capacities and counts differ in length");
+  }
+  std::vector<torch::Tensor> idx_parts, bits_parts;
+  std::vector<int64_t> sizes;
+  int64_t at = 0;
+  for (size_t i = 0; i < counts.size(); i++) {
+    if (capacities[i] < 0 || at + capacities[i] > idx.numel() || idx.numel() != bits.numel()) {
+      throw UsageError("listed_exceptions: idx and bits must be equally long and hold the "
+                       "capacities' sum");
+    }
+    if (counts[i] > 0 && counts[i] <= capacities[i]) {
+      idx_parts.push_back(idx.narrow(0, at, counts[i]));
+      bits_parts.push_back(bits.narrow(0, at, counts[i]));
+      sizes.push_back(counts[i]);
+    }
+    at += capacities[i];
+  }
+  std::vector<std::optional<Exceptions>> out(counts.size());
+  if (sizes.empty()) return out;
+  const std::vector<torch::Tensor> idx_out = torch::cat(idx_parts).split_with_sizes(sizes);
+  const std::vector<torch::Tensor> bits_out = torch::cat(bits_parts).split_with_sizes(sizes);
+  for (size_t i = 0, j = 0; i < counts.size(); i++) {
+    if (counts[i] > 0 && counts[i] <= capacities[i]) {
+      out[i] = Exceptions{idx_out[j], bits_out[j]};
+      j++;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void bind_tensor_lists(py::module_& m) {
@@ -236,6 +277,11 @@ void bind_tensor_lists(py::module_& m) {
         "unless every counter is a one-element float32 or float64 CPU tensor");
   m.def("set_counts", &set_counts, py::arg("counts"), py::arg("values"),
         "Sets each step counter (a one-element float32 or float64 CPU tensor) to its value");
+  m.def("listed_exceptions", &listed_exceptions, py::arg("idx"), py::arg("bits"),
+        py::arg("capacities"), py::arg("counts"),
+        "Per master, its listed residual exceptions (idx, bits), copied out of its room in "
+        "the encode's buffers (capacities[i] each, in order) where 0 < counts[i] <= its "
+        "room; None for the others");
 }
 
 }  // namespace statepager

@@ -6,8 +6,9 @@
 
 namespace statepager {
 
-// Adds page_runs, dense_copies (with its DenseCopies), counts_after and set_counts to `m`.
-// All hold the GIL: page_runs reads addresses, the counters' calls read and write CPU
+// Adds page_runs, dense_copies (with its DenseCopies), counts_after, set_counts and
+// listed_exceptions to `m`. All hold the GIL: page_runs reads addresses, listed_exceptions
+// queues two copies on the current stream (torch's cat), the counters' calls read and write CPU
 // scalars in place, dense_copies queues its copies on the stream it is given
 // (the current torch stream's) and waits for none (its buffer comes from torch's caching
 // allocator, as a Python torch.empty's would, on the current stream). A DenseCopies owns

@@ -650,3 +650,22 @@ def test_undo_copies_kernel_copies_every_byte_of_every_target():
     odd = [raw[o:o + n] for o in (0, 3, 16) for n in (1, 5, 17, 4099, 65537)]
     adjacent = statepager._C.dense_copies(odd, 1, torch.cuda.current_stream().cuda_stream)
     assert all(torch.equal(view, copy) for view, copy in adjacent.pairs())
+
+
+def test_late_reads_take_a_spare_that_fits():
+    """LateRead(values, spare): the values as the work queued before it left them (a
+    fill behind a long kernel), copied into the spare's pinned buffer where they fit, into
+    a new one where they do not; the spare is the LateRead's own again once read."""
+    from statepager.core.late_reads import LateRead
+    x = torch.zeros(5, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the fill lands well after the copy is queued
+    x.fill_(3)
+    first = LateRead(x)
+    assert first.get().tolist() == [3] * 5
+    spare = first.spare
+    second = LateRead(torch.arange(10, 20, device="cuda"), spare)
+    assert second.spare is spare and second.get().data_ptr() == spare[0].data_ptr()
+    assert second.get().tolist() == list(range(10, 20))
+    third = LateRead(torch.arange(spare[0].numel() + 1, device="cuda"), spare)
+    assert third.spare is not spare
+    assert third.get().tolist() == list(range(spare[0].numel() + 1))

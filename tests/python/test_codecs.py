@@ -350,3 +350,34 @@ def test_kernels_switch():
         assert not C.kernels_used(torch.zeros(1))
     finally:
         C.use_kernels(previous)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_listed_exceptions_are_copied_out_of_their_rooms(device):
+    """_C.listed_exceptions (PendingExceptions.finish on CUDA): each master with 0 < count
+    <= its room gets copies of the first `count` entries of its room, in order; a master
+    with none, or more than its room, gets None; the rooms' buffers may then change."""
+    from statepager import _C
+    capacities = [4, 3, 5, 2, 0, 6]
+    counts = [2, 0, 5, 3, 0, 1]  # 5: the room filled; 3 > 2: past the room
+    room = sum(capacities)
+    idx = torch.arange(100, 100 + room, dtype=torch.int64, device=device)
+    bits = torch.arange(-room, 0, dtype=torch.int32, device=device)
+    listed = _C.listed_exceptions(idx, bits, capacities, counts)
+    assert [x is None for x in listed] == [False, True, False, True, True, False]
+    expect = {0: (0, 2), 2: (7, 5), 5: (14, 1)}  # master -> (its room's offset, count)
+    idx_before, bits_before = idx.clone(), bits.clone()
+    idx.fill_(-1)
+    bits.fill_(7)
+    for i, (at, n) in expect.items():
+        got_idx, got_bits = listed[i]
+        assert (got_idx.dtype, got_bits.dtype) == (torch.int64, torch.int32)
+        assert torch.equal(got_idx, idx_before[at:at + n])
+        assert torch.equal(got_bits, bits_before[at:at + n])
+    assert _C.listed_exceptions(idx, bits, [3, 4], [0, 0]) == [None, None]
+    with pytest.raises(_C.UsageError, match="differ in length"):
+        _C.listed_exceptions(idx, bits, [3, 4], [0])
+    with pytest.raises(_C.UsageError, match="capacities' sum"):
+        _C.listed_exceptions(idx, bits, [room + 1], [1])
+    with pytest.raises(_C.UsageError, match="capacities' sum"):
+        _C.listed_exceptions(idx, bits[:-1], [2], [1])

@@ -951,3 +951,73 @@ def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies
             results.append((losses, [bits(p) for p in model.parameters()]))
     assert results[0][0] == results[1][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize("overlap", UNDER)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_changed_model_param_fails_the_step_from_the_forward(tmp_path, device, overlap):
+    """Residual masters under the forward: step() queues the check of every model param
+    against its master's fingerprint and returns without reading it; the first bucket reads
+    it. A param changed behind the optimizer's back (in the last bucket) then fails the
+    step from the forward, before any bucket steps: the step, owed since step() returned,
+    is pending with nothing of it stepped, no param changed. Put back, the next step()
+    finishes it as if nothing had happened: params and state bit-identical to training
+    that never failed."""
+    from statepager.core.optim import PagedAdamW
+
+    def setup(pager):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(device, torch.bfloat16)
+        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
+                         depth=3, mains="residual", moments="q8")
+        opt.binding.overlap_forward(model, step_thread=overlap == "thread")
+        return model, opt
+
+    def x_of(i):
+        return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i)).to(
+            device, torch.bfloat16)
+
+    def backward(model, opt, i):
+        opt.zero_grad()
+        loss = model(x_of(i)).float().square().mean()
+        loss.backward()
+        return loss.item()
+
+    results = []
+    page = 2 << 20 if device == "cuda" else 16 * KiB
+    for change in (False, True):
+        with Pager(str(tmp_path / f"s{change}"), device, page_size=page) as pager:
+            model, opt = setup(pager)
+            binding = opt.binding
+            losses = []
+            for i in range(3):
+                losses.append(backward(model, opt, i))
+                opt.step()
+            losses.append(backward(model, opt, 3))
+            if change:
+                binding.complete_step_in_flight()
+                bucket = binding.buckets[-1]
+                param = next(f for f in bucket.forms if f.fmt == "residual").flat_model_param
+                kept = param.detach().clone()
+                with torch.no_grad():
+                    param.add_(1.0)
+                params = [bits(p) for p in model.parameters()]
+                opt.step()  # returns: the check is queued, not read
+                with pytest.raises(ValueError, match="no longer matches"):
+                    model(x_of(4))
+                assert binding.step_in_flight is None
+                assert binding.pending and binding._steps.pending.stepped_count == 0
+                assert all(map(torch.equal, params, [bits(p) for p in model.parameters()]))
+                with torch.no_grad():
+                    param.copy_(kept)
+            opt.step()  # finishes the pending step, or steps
+            for i in range(4, 6):
+                losses.append(backward(model, opt, i))
+                opt.step()
+            state = opt.state_dict()["state"]
+            results.append((losses, [bits(p) for p in model.parameters()],
+                             [bits(v) for k in sorted(state) for _, v in sorted(state[k].items())]))
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))

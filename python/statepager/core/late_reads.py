@@ -15,16 +15,25 @@ from statepager.formats.stored import params_changed_since_encoded, residual_for
 class LateRead:
     """A device tensor's values, copied to host memory once the work queued so far on
     the current stream has made them, and read later, waiting for that copy alone (an
-    event), not for the device as a whole. On the host, the tensor itself."""
+    event), not for the device as a whole. On the host, the tensor itself. `spare`: a
+    pinned buffer and event of a LateRead read before (its `spare` once get() returned),
+    taken where the values fit: a pinned allocation and an event each cost the step's
+    host tens of microseconds a bucket."""
 
-    def __init__(self, values: torch.Tensor):
+    def __init__(self, values: torch.Tensor, spare: tuple | None = None):
         self._ready = None
+        self.spare: tuple | None = None
         if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            n = values.numel()
+            if spare is None or spare[0].numel() < n or spare[0].dtype != values.dtype:
+                # Rounded up, so that the other buckets' values fit it too.
+                spare = (torch.empty(max(64, 1 << (n - 1).bit_length()), dtype=values.dtype,
+                                     pin_memory=True), torch.cuda.Event())
+            host = spare[0][:n].view(values.shape)
             host.copy_(values, non_blocking=True)
-            self._ready = torch.cuda.Event()
+            self._ready = spare[1]
             self._ready.record(torch.cuda.current_stream(values.device))
-            values = host
+            self.spare, values = spare, host
         self._values = values
 
     def ready(self) -> bool:
@@ -32,7 +41,8 @@ class LateRead:
         return self._ready is None or self._ready.query()
 
     def get(self) -> torch.Tensor:
-        """The values (a host tensor), once copied."""
+        """The values (a host tensor), once copied: valid until `spare` is given to
+        another LateRead."""
         if self._ready is not None:
             self._ready.synchronize()
         return self._values
@@ -58,6 +68,7 @@ class ExceptionCounts:
         self._queue: collections.deque = collections.deque()
         self.handles: list = []  # the discards of the scratch let go, not yet waited for
         self.let_go: dict = {}  # a bucket's key -> the discard of its scratch held here
+        self._spare: list = []  # LateRead.spare of the counts read
 
     def hold(self, pending: list, key) -> list:
         """The bucket just stepped (named `key`), before its release: returns the
@@ -65,7 +76,8 @@ class ExceptionCounts:
         if not pending:
             return []
         values = [p.count for _, p in pending]
-        counts = LateRead(values[0] if len(values) == 1 else torch.cat(values))
+        counts = LateRead(values[0] if len(values) == 1 else torch.cat(values),
+                          self._spare.pop() if self._spare else None)
         held = [f.working for forms, _ in pending for f in forms]
         self._queue.append((key, pending, counts, held))
         return held
@@ -85,6 +97,8 @@ class ExceptionCounts:
                     form.set_exceptions(exceptions)
                 at += len(forms)
             self._queue.popleft()
+            if counts.spare is not None:  # read: its buffer is free for another bucket's
+                self._spare.append(counts.spare)
             handle = self.pager.discard_async(held)
             self.handles.append(handle)
             self.let_go[key] = handle
@@ -128,12 +142,25 @@ class ParamChecks:
         device once per step instead of once per bucket. True when done; False where
         some master's fingerprint is not known yet (its state new, or loaded), whose
         bucket's decode then checks it before the bucket steps."""
-        changed = params_changed_since_encoded(residual_forms(buckets))
+        changed = ParamChecks.queued(buckets)
         if changed is None:
             return False
+        ParamChecks.verify_queued(changed)
+        return True
+
+    @staticmethod
+    def queued(buckets: list) -> torch.Tensor | None:
+        """up_front()'s checks queued, not read: a 0-dim device bool, True where a param
+        changed, for verify_queued() before the first bucket steps (a step under the
+        forward reads it there, so that step() returns without a device sync); None
+        where some fingerprint is not known yet (as up_front())."""
+        return params_changed_since_encoded(residual_forms(buckets))
+
+    @staticmethod
+    def verify_queued(changed: torch.Tensor) -> None:
+        """Raises (refuse()) where queued()'s flag is True: a device sync."""
         if bool(changed):
             ParamChecks.refuse()
-        return True
 
     @staticmethod
     def refuse() -> None:

@@ -106,6 +106,9 @@ class Pipeline:
         read_ahead = self._depth if host_budget and not mapped else 0
         self.setup_seconds = 0.0  # StepStats.setup_seconds, so far
         self.checked = False      # residual masters' params checked up front
+        # ... or their checks queued up front, read before the first bucket steps
+        # (ParamChecks.queued): a step under the forward.
+        self.unverified = None
         self.interrupts: "interrupts.Deferral | None" = None  # an atomic step's: polled per bucket
         # The streaming, from the first advance() on.
         self._next = 0                      # the bucket advance() steps
@@ -267,6 +270,9 @@ class Pipeline:
         t_in = time.monotonic()
         stats.wait_in_seconds += t_in - t0
         counting.read()  # bucket i - LAG's, before bucket i's work is queued
+        if self.unverified is not None:  # a changed param fails the step before any bucket
+            changed, self.unverified = self.unverified, None
+            ParamChecks.verify_queued(changed)
         t1 = time.monotonic()
         stats.wait_device_seconds += t1 - t_in
         if atomic and not self._for_read:  # all or nothing: undo copies a bucket ahead

@@ -114,15 +114,15 @@ class Steps:
         try:
             try:
                 held.poll()
-                checked = ParamChecks.up_front(
-                    step.remaining() if step is not None else self.planned())
+                # Read by the first bucket (Pipeline.advance): no device sync in step().
+                changed = ParamChecks.queued(step.remaining() if step else self.planned())
                 if run is None:
                     run = self.start(step)
             except BaseException:
                 if run is not None and step is not None:
                     run.end()
                 raise
-            run.checked = checked
+            run.checked, run.unverified = changed is not None, changed
             run.setup_seconds += time.monotonic() - t0
             run.begin_steps()
             self.in_flight = run

@@ -131,11 +131,6 @@ class ResidualMasters:
         self.device = mains[0].device if mains else torch.device("cpu")
         # The encode kernel's room for each master's exceptions; RNE ties: ~1 in 2**17.
         self.capacities = [1024 + m.numel() // 2048 for m in mains]
-        self._rows = max(1, sum(-(-p.numel() // _CHECKSUM_ROW) for p in params))
-
-    def checksum_rows(self) -> torch.Tensor:
-        """param_checksum's scratch for all the params, each its own rows."""
-        return torch.empty(self._rows, dtype=torch.int64, device=self.device)
 
     def rebuild(self, exceptions: list, fingerprints: list) -> torch.Tensor:
         """residual_rebuild of every master into its main, each param also checked against
@@ -148,13 +143,9 @@ class ResidualMasters:
                       if f is not None]
             return torch.stack(flags).any()
         device = self.device
-        bad = torch.zeros(1, dtype=torch.uint8, device=device)
-        _C.kernels.residual_rebuild_many(
+        return _C.kernels.residual_rebuild_many(
             self.params, self.residuals, self.mains, [_on(i, device) for i, _ in exceptions],
-            [_on(b, device) for _, b in exceptions], fingerprints, self.checksum_rows(),
-            torch.empty(len(self.mains), dtype=torch.int64, device=device), bad,
-            streams.current(device))
-        return bad.view(()).bool()
+            [_on(b, device) for _, b in exceptions], fingerprints, streams.current(device))
 
 
 class PendingExceptions:
@@ -185,14 +176,9 @@ class PendingExceptions:
             return
         self._listed = None
         self.capacities = masters.capacities
-        room = sum(self.capacities)
-        self._idx = torch.empty(room, dtype=torch.int64, device=device)
-        self._bits = torch.empty(room, dtype=torch.int32, device=device)
-        self.count = torch.zeros(len(mains), dtype=torch.int64, device=device)
-        sums = torch.empty(len(mains), dtype=torch.int64, device=device) if fingerprints else None
-        _C.kernels.residual_encode_many(
-            mains, params, masters.residuals, self.capacities, self._idx, self._bits,
-            self.count, sums, masters.checksum_rows(), streams.current(device))
+        self._idx, self._bits, self.count, sums = _C.kernels.residual_encode_many(
+            mains, params, masters.residuals, self.capacities, fingerprints,
+            streams.current(device))
         self.fingerprints = list(sums.unbind()) if fingerprints else None
 
     def finish(self, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -205,25 +191,18 @@ class PendingExceptions:
         if self._listed is not None:
             return self._listed
         # The listed ones are copied out of the kernel's room together, two copies for
-        # all: per master, a sort here took ~1 ms of the host's time per bucket of the
-        # 1.34 B GPT (on the H200), which the step waited for.
-        listed, parts, at = [], [], 0
-        for room, count in zip(self.capacities, counts, strict=True):
-            if 0 < count <= room:
-                listed.append(count)
-                parts.append((self._idx[at:at + count], self._bits[at:at + count]))
-            at += room
-        if parts:
-            idx, bits = (torch.cat(x).split(listed) for x in zip(*parts))
-            parts = iter(zip(idx, bits))
+        # all (_C.listed_exceptions): per master, a sort here took ~1 ms of the host's time
+        # per bucket of the 1.34 B GPT (on the H200), which the step waited for.
+        listed = _C.listed_exceptions(self._idx, self._bits, self.capacities, counts)
         out = []
-        for main, param, room, count in zip(self._mains, self._params, self.capacities, counts):
+        for main, param, room, count, exceptions in zip(self._mains, self._params,
+                                                        self.capacities, counts, listed):
             if count > room:
                 out.append(_exception_list(main, _residuals(main, param)[1]))
-            elif count == 0:  # the usual case: no buffer kept alive
+            elif exceptions is None:  # the usual case: no buffer kept alive
                 out.append(_no_exceptions(main.device))
             else:
-                out.append(next(parts))
+                out.append(exceptions)
         return out
 
 
@@ -251,19 +230,7 @@ def params_changed(params: list, fingerprints: list) -> torch.Tensor:
     if not kernels_used(params[0]):
         return torch.stack([param_checksum(p) != f for p, f in zip(params, fingerprints,
                                                                     strict=True)]).any()
-    device = params[0].device
-    bad = torch.zeros(1, dtype=torch.uint8, device=device)
-    _C.kernels.params_changed_many(
-        params, fingerprints, _checksum_rows(params),
-        torch.empty(len(params), dtype=torch.int64, device=device), bad, streams.current(device))
-    return bad.view(()).bool()
-
-
-def _checksum_rows(tensors: list) -> torch.Tensor:
-    """param_checksum's scratch for all of `tensors`, each its own rows (the kernels
-    checksum them at once)."""
-    rows = sum(-(-t.numel() // _CHECKSUM_ROW) for t in tensors)
-    return torch.empty(max(1, rows), dtype=torch.int64, device=tensors[0].device)
+    return _C.kernels.params_changed_many(params, fingerprints, streams.current(params[0].device))
 
 
 def finish_exceptions(pending: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
