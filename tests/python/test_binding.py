@@ -684,6 +684,27 @@ def test_an_attached_optimizer_is_freed_with_its_binding(store_dir):
     assert [r() for r in refs] == [None, None, None]
 
 
+def test_state_key_names_each_entry_and_where_its_bytes_are():
+    """_C.state_key (what StateLayout.forms() finds forms from): the parameter's and each
+    entry's (id, data_ptr), in the entries' order, None for what is not a strided tensor;
+    data set anew changes the key, a value changed in place does not."""
+    from statepager import _C
+    p, m, step = torch.zeros(4), torch.zeros(4), torch.tensor(3.0)
+    sparse = torch.zeros(4).to_sparse()
+    state = {"step": step, "exp_avg": m, "lr": 0.5, "sparse": sparse}
+    key = _C.state_key(p, state)
+    assert key == ((id(p), p.data_ptr()),
+                   (("step", (id(step), step.data_ptr())), ("exp_avg", (id(m), m.data_ptr())),
+                    ("lr", None), ("sparse", None)))
+    m.add_(1.0)
+    assert _C.state_key(p, state) == key
+    m.data = torch.ones(4)
+    assert _C.state_key(p, state) != key
+    assert _C.state_key(p, {}) == ((id(p), p.data_ptr()), ())
+    meta = torch.empty(4, device="meta")
+    assert _C.state_key(meta, {})[0][0] == id(meta)
+
+
 def test_forms_follow_the_state_entries(store_dir):
     """A parameter's stored forms are found again from its state entries each step (the
     pager asked only when an entry is another tensor, or its data was set anew): an entry

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from statepager import _C
 from statepager.core import residency, slices, support
 from statepager.core.atomic import UndoCopies
 from statepager.core.hooks import Hooks
@@ -34,8 +35,8 @@ class StateLayout:
         # Parameters that step in chunks (by id): their chunks' (start, stop), as planned.
         self.split: dict[int, list[tuple[int, int]]] = {}
         # Per parameter (by id): its paged state entries' StoredForms, by name, and what
-        # they were found from (_tensor_key): forms() asks the pager again only when that
-        # changed.
+        # they were found from (_C.state_key: each entry's tensor and where its bytes are):
+        # forms() asks the pager again only when that changed.
         self._forms: dict[int, dict[str, StoredForm]] = {}
         self._forms_from: dict[int, tuple] = {}
 
@@ -73,8 +74,7 @@ class StateLayout:
         """(name, form) of parameter p's paged tensors, in a stable order; 'param' is the
         parameter itself when the pager owns it (an fp32 master)."""
         state = held(self.optimizer, p, {})
-        found_from = (id(p) in self.split, _tensor_key(p),
-                      tuple((name, _tensor_key(v)) for name, v in state.items()))
+        found_from = (id(p) in self.split, _C.state_key(p, state))
         if self._forms_from.get(id(p)) == found_from:
             return list(self._forms[id(p)].items())
         known = self._forms.get(id(p), {})
@@ -242,17 +242,6 @@ class StateLayout:
             if any(k not in named and self.pager.owns(v) for k, v in state.items()):
                 return True
         return False
-
-
-def _tensor_key(v):
-    """What forms() finds a state entry's form from: the tensor object and where its
-    bytes are (a tensor whose data was set anew is another); None for other values."""
-    if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
-        return None
-    try:
-        return id(v), v.data_ptr()
-    except RuntimeError:  # no storage (a meta or fake tensor): never the pager's
-        return id(v), None
 
 
 def _stored_bytes(t: torch.Tensor, fmt: str) -> int:
