@@ -228,20 +228,26 @@ std::vector<std::optional<Exceptions>> listed_exceptions(const torch::Tensor& id
   if (capacities.size() != counts.size()) {
     throw UsageError("listed_exceptions: capacities and counts differ in length");
   }
+  int64_t room = 0;
+  bool negative = false;
+  for (const int64_t c : capacities) {
+    negative |= c < 0;
+    room += c;
+  }
+  if (negative || idx.numel() != bits.numel() || room > idx.numel()) {
+    throw UsageError("listed_exceptions: idx and bits must be equally long and hold the "
+                     "capacities' sum");
+  }
   std::vector<torch::Tensor> idx_parts, bits_parts;
   std::vector<int64_t> sizes;
-  int64_t at = 0;
+  int64_t offset = 0;
   for (size_t i = 0; i < counts.size(); i++) {
-    if (capacities[i] < 0 || at + capacities[i] > idx.numel() || idx.numel() != bits.numel()) {
-      throw UsageError("listed_exceptions: idx and bits must be equally long and hold the "
-                       "capacities' sum");
-    }
     if (counts[i] > 0 && counts[i] <= capacities[i]) {
-      idx_parts.push_back(idx.narrow(0, at, counts[i]));
-      bits_parts.push_back(bits.narrow(0, at, counts[i]));
+      idx_parts.push_back(idx.narrow(0, offset, counts[i]));
+      bits_parts.push_back(bits.narrow(0, offset, counts[i]));
       sizes.push_back(counts[i]);
     }
-    at += capacities[i];
+    offset += capacities[i];
   }
   std::vector<std::optional<Exceptions>> out(counts.size());
   if (sizes.empty()) return out;
@@ -263,12 +269,12 @@ py::object tensor_key(py::handle v) {
   if (!THPVariable_Check(v.ptr())) return py::none();
   const at::Tensor& t = THPVariable_Unpack(v.ptr());
   if (t.layout() != torch::kStrided) return py::none();
-  py::object at = py::none();
+  py::object bytes = py::none();
   try {
-    at = py::int_(reinterpret_cast<uintptr_t>(t.data_ptr()));
+    bytes = py::int_(reinterpret_cast<uintptr_t>(t.data_ptr()));
   } catch (const c10::Error&) {  // no storage: never the pager's
   }
-  return py::make_tuple(reinterpret_cast<uintptr_t>(v.ptr()), at);
+  return py::make_tuple(reinterpret_cast<uintptr_t>(v.ptr()), bytes);
 }
 
 // What StateLayout.forms() finds a parameter's stored forms from: p's key and, in order,
@@ -306,7 +312,8 @@ void bind_tensor_lists(py::module_& m) {
         "Sets each step counter (a one-element float32 or float64 CPU tensor) to its value");
   m.def("state_key", &state_key, py::arg("p"), py::arg("state"),
         "(p's key, ((name, key) of each entry of its state dict, in order)): a key is "
-        "(id, data_ptr, None without storage) of a strided tensor, None for anything else");
+        "(id, data_ptr or None where it has no storage) of a strided tensor, None for "
+        "anything else");
   m.def("listed_exceptions", &listed_exceptions, py::arg("idx"), py::arg("bits"),
         py::arg("capacities"), py::arg("counts"),
         "Per master, its listed residual exceptions (idx, bits), copied out of its room in "

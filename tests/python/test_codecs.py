@@ -381,3 +381,5 @@ def test_listed_exceptions_are_copied_out_of_their_rooms(device):
         _C.listed_exceptions(idx, bits, [room + 1], [1])
     with pytest.raises(_C.UsageError, match="capacities' sum"):
         _C.listed_exceptions(idx, bits[:-1], [2], [1])
+    with pytest.raises(_C.UsageError, match="capacities' sum"):
+        _C.listed_exceptions(idx, bits, [-1, 2], [0, 0])
