@@ -889,6 +889,36 @@ def test_a_resumable_step_under_the_forward_copies_each_bucket_on_the_device_as_
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
+def residual_pager(tmp_path, name: str, device: str) -> Pager:
+    return Pager(str(tmp_path / name), device, page_size=2 << 20 if device == "cuda" else 16 * KiB)
+
+
+def residual_model_and_opt(pager, device, overlap):
+    """A bf16 model and its PagedAdamW with residual masters and q8 moments, the buckets
+    small, stepped under the forward (overlap: one of UNDER)."""
+    from statepager.core.optim import PagedAdamW
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(device, torch.bfloat16)
+    opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
+                     depth=3, mains="residual", moments="q8")
+    opt.binding.overlap_forward(model, step_thread=overlap == "thread")
+    return model, opt
+
+
+def residual_input(i, device):
+    return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i)).to(
+        device, torch.bfloat16)
+
+
+def residual_backward(model, opt, i, device):
+    """zero_grad, the forward of input i and its backward; the loss."""
+    opt.zero_grad()
+    loss = model(residual_input(i, device)).float().square().mean()
+    loss.backward()
+    return loss.item()
+
+
 @pytest.mark.parametrize("overlap", UNDER)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies(
@@ -897,30 +927,16 @@ def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies
     model params, then raises. Its undo copies put them back (on CUDA, before what the
     forward's stream reads next), the step is pending, and training finishes it
     bit-identical to one that never failed."""
-    from statepager.core.optim import PagedAdamW
-
-    def setup(pager):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(device, torch.bfloat16)
-        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
-                         depth=3, mains="residual", moments="q8")
-        return model, opt, opt.binding
-
     def iteration(model, opt, i):
-        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i))
-        opt.zero_grad()
-        loss = model(x.to(device, torch.bfloat16)).float().square().mean()
-        loss.backward()
+        loss = residual_backward(model, opt, i, device)
         opt.step()
-        return loss.item()
+        return loss
 
     results = []
-    page = 2 << 20 if device == "cuda" else 16 * KiB
     for fail in (False, True):
-        with Pager(str(tmp_path / f"s{fail}"), device, page_size=page) as pager:
-            model, opt, binding = setup(pager)
-            binding.overlap_forward(model, step_thread=overlap == "thread")
+        with residual_pager(tmp_path, f"s{fail}", device) as pager:
+            model, opt = residual_model_and_opt(pager, device, overlap)
+            binding = opt.binding
             losses = [iteration(model, opt, i) for i in range(3)]
             if fail:
                 before = [bits(p) for p in model.parameters()]
@@ -932,10 +948,9 @@ def test_a_residual_bucket_failing_under_the_forward_is_put_back_from_the_copies
                     if len(calls) == 2:
                         raise RuntimeError("injected after the second bucket's write")
                 binding.after_bucket = failing
-                x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(3))
                 opt.zero_grad()
                 with pytest.raises(RuntimeError, match="injected after the second bucket"):
-                    model(x.to(device, torch.bfloat16))
+                    model(residual_input(3, device))
                 binding.after_bucket = written
                 assert binding.pending
                 # As the first bucket left them: the second's put back.
@@ -963,38 +978,16 @@ def test_a_changed_model_param_fails_the_step_from_the_forward(tmp_path, device,
     is pending with nothing of it stepped, no param changed. Put back, the next step()
     finishes it as if nothing had happened: params and state bit-identical to training
     that never failed."""
-    from statepager.core.optim import PagedAdamW
-
-    def setup(pager):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(device, torch.bfloat16)
-        opt = PagedAdamW(model.parameters(), pager=pager, lr=1e-2, bucket_size=16 * KiB,
-                         depth=3, mains="residual", moments="q8")
-        opt.binding.overlap_forward(model, step_thread=overlap == "thread")
-        return model, opt
-
-    def x_of(i):
-        return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(i)).to(
-            device, torch.bfloat16)
-
-    def backward(model, opt, i):
-        opt.zero_grad()
-        loss = model(x_of(i)).float().square().mean()
-        loss.backward()
-        return loss.item()
-
     results = []
-    page = 2 << 20 if device == "cuda" else 16 * KiB
     for change in (False, True):
-        with Pager(str(tmp_path / f"s{change}"), device, page_size=page) as pager:
-            model, opt = setup(pager)
+        with residual_pager(tmp_path, f"s{change}", device) as pager:
+            model, opt = residual_model_and_opt(pager, device, overlap)
             binding = opt.binding
             losses = []
             for i in range(3):
-                losses.append(backward(model, opt, i))
+                losses.append(residual_backward(model, opt, i, device))
                 opt.step()
-            losses.append(backward(model, opt, 3))
+            losses.append(residual_backward(model, opt, 3, device))
             if change:
                 binding.complete_step_in_flight()
                 bucket = binding.buckets[-1]
@@ -1005,7 +998,7 @@ def test_a_changed_model_param_fails_the_step_from_the_forward(tmp_path, device,
                 params = [bits(p) for p in model.parameters()]
                 opt.step()  # returns: the check is queued, not read
                 with pytest.raises(ValueError, match="no longer matches"):
-                    model(x_of(4))
+                    model(residual_input(4, device))
                 assert binding.step_in_flight is None
                 assert binding.pending and binding._steps.pending.stepped_count == 0
                 assert all(map(torch.equal, params, [bits(p) for p in model.parameters()]))
@@ -1013,7 +1006,7 @@ def test_a_changed_model_param_fails_the_step_from_the_forward(tmp_path, device,
                     param.copy_(kept)
             opt.step()  # finishes the pending step, or steps
             for i in range(4, 6):
-                losses.append(backward(model, opt, i))
+                losses.append(residual_backward(model, opt, i, device))
                 opt.step()
             state = opt.state_dict()["state"]
             results.append((losses, [bits(p) for p in model.parameters()],
