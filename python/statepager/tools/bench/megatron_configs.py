@@ -128,10 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(streaming()): 4 keeps two page-ins in flight, so that a bucket's page "
                         "mapping overlaps another's copies (attach's own default is 3: one "
                         "bucket less of HBM); 6 with q8 moments")
-    p.add_argument("--stationary-bytes", type=size, default=size("2G"),
+    p.add_argument("--stationary-bytes", type=size, default=size("1536M"),
                    help="attach(stationary_bytes=...) of the *-stationary configurations: "
                         "the first buckets' stored forms up to it stay mapped between steps "
-                        "(default 2G)")
+                        "(default 1536M: the 1.34 B GPT's driver peak then stays below "
+                        "Megatron's offload's, which 2G reached: docs/benchmarks.md)")
     p.add_argument("--page-size", type=size, default=None,
                    help="the pager's page_size (default per format, streaming(): the bucket "
                         "size, at most 256M, 128M with q8 moments; smaller pages map less "

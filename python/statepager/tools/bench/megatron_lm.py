@@ -107,9 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default per format, as bench megatron's")
     p.add_argument("--page-size", type=size, default=None,
                    help="default per format, as bench megatron's")
-    p.add_argument("--stationary-bytes", type=size, default=size("2G"),
+    p.add_argument("--stationary-bytes", type=size, default=size("1536M"),
                    help="the *-stationary configurations' --statepager-stationary-bytes "
-                        "(default 2G)")
+                        "(default 1536M, as bench megatron's)")
     p.add_argument("--host-budget", type=size, default=None,
                    help="the host-* configurations' --statepager-host-budget (default: "
                         "twice their state, from the GPT's parameter count)")
