@@ -318,6 +318,24 @@ def test_steps_under_the_forward_say_what_held_their_page_ins_back(capsys):
             "paging, 2 without room for its page-ins") in capsys.readouterr().out
 
 
+def test_the_step_thread_says_when_it_started_and_its_cpu_time(capsys):
+    """On a thread: how long after step() the thread started, and its own CPU time;
+    nothing of it without the thread."""
+    r = canned_run()
+    pager = r["configs"][4]["pager"]
+    pager.update(under_forward=True, in_hooks_s={"n": 5, "median": 0.009, "min": 0.009,
+                                                 "max": 0.01})
+    pager["loop_host_s"].update(
+        thread_start={"n": 5, "median": 0.0042, "min": 0.004, "max": 0.005},
+        thread_cpu={"n": 5, "median": 0.061, "min": 0.06, "max": 0.07})
+    bench_megatron.print_megatron(r)
+    assert "the step's thread" not in capsys.readouterr().out
+    pager["step_thread"] = True
+    bench_megatron.print_megatron(r)
+    assert ("the step's thread (medians): started 4.2 ms after step() left the buckets to "
+            "the forward, its own CPU time 61.0 ms") in capsys.readouterr().out
+
+
 def test_the_kernels_device_time_is_shown_when_the_profiler_saw_them():
     r = canned_run()
     assert "statepager's kernels on the device" not in summary(r)  # no --device-time

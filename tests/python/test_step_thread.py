@@ -66,6 +66,14 @@ def test_the_thread_steps_every_bucket_while_the_forward_waits_at_its_first_laye
         assert len(threads) == n
         assert all(t is not threading.main_thread() for t in threads)
         finish_like(base, model, opt, losses, loss)
+        # Its stats: when the thread started after step(), and its own CPU time; none
+        # for the last step, completed without a forward.
+        stats = run_.stats
+        assert 0 < stats.thread_start_seconds < stats.loop_seconds
+        assert 0 < stats.thread_cpu_seconds < stats.loop_seconds
+        assert "its thread started" in stats.summary()
+        assert binding.last.thread_cpu_seconds == 0
+        assert "its thread" not in binding.last.summary()
 
 
 @pytest.mark.parametrize("reader", ["state_dict", "read"])

@@ -188,6 +188,12 @@ class Pipeline:
         self._t_loop = time.monotonic()
 
     @property
+    def loop_started(self) -> float:
+        """When begin_steps() ran (time.monotonic()): a deferred step, when step() left
+        its buckets to the forward."""
+        return self._t_loop
+
+    @property
     def stepped(self) -> int:
         """How many buckets have stepped (or failed to)."""
         return self._next

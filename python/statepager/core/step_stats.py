@@ -30,6 +30,11 @@ class StepStats:
                                       # device's work on it
     compute_seconds: float = 0.0    # the optimizer's own step on the buckets, queued
     wait_out_seconds: float = 0.0   # stalled waiting for page-outs (window or final flush)
+    # A step under the forward on a thread of its own (statepager.core.step_thread): how
+    # long after the step was deferred (step() returned) the thread started, and its own
+    # CPU time (time.thread_time()) over its run. Zero without the thread.
+    thread_start_seconds: float = 0.0
+    thread_cpu_seconds: float = 0.0
     read_busy_seconds: float = 0.0  # some page-in was moving bytes
     write_busy_seconds: float = 0.0 # some page-out was moving bytes
     both_busy_seconds: float = 0.0  # reads and writes were moving at the same time
@@ -69,7 +74,10 @@ class StepStats:
                 f"{self.wait_device_seconds:.3f} s; compute "
                 f"{self.compute_seconds:.3f} s; set-up {self.setup_seconds:.3f} s, loop "
                 f"{self.loop_seconds:.3f} s, commit {self.commit_seconds:.3f} s; peak mapped "
-                f"{self.peak_mapped_bytes / (1 << 20):.1f} MiB)")
+                f"{self.peak_mapped_bytes / (1 << 20):.1f} MiB"
+                + (f"; its thread started {self.thread_start_seconds:.3f} s after step(), "
+                   f"CPU {self.thread_cpu_seconds:.3f} s" if self.thread_cpu_seconds else "")
+                + ")")
 
 
 def interval_union(intervals) -> list:

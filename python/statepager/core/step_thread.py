@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
 
 import torch
@@ -54,6 +55,7 @@ class StepThread:
         _live.add(self)
 
     def start(self) -> None:
+        self._run.stats.thread_start_seconds = time.monotonic() - self._run.loop_started
         self._thread.start()
 
     def wait_for(self, n: int) -> bool:
@@ -92,11 +94,15 @@ class StepThread:
             if self._default_device.type != "cpu":  # else torch's own, without a mode
                 torch.set_default_device(self._default_device)
             with _on(self._device), lock_of(binding):
-                while binding.step_in_flight is run and run.stepped < len(run.buckets):
-                    self._advance(run.stepped + 1)
-                    with self._changed:
-                        self._stepped = run.stepped
-                        self._changed.notify_all()
+                cpu = time.thread_time()
+                try:
+                    while binding.step_in_flight is run and run.stepped < len(run.buckets):
+                        self._advance(run.stepped + 1)
+                        with self._changed:
+                            self._stepped = run.stepped
+                            self._changed.notify_all()
+                finally:  # under the lock: the step's stats are complete once it is free
+                    run.stats.thread_cpu_seconds += time.thread_time() - cpu
         except BaseException as error:  # the step ended as a failed step() ends it
             with self._changed:
                 self._failure = error

@@ -194,7 +194,8 @@ def run_config(spec: dict) -> dict:
                                  after["mapped_bytes"], after["cached_bytes"]))
                     loop_host.append([sum(getattr(s, k) for s in binding.last) for k in
                                       ("compute_seconds", "wait_in_seconds",
-                                       "wait_device_seconds", "wait_out_seconds")])
+                                       "wait_device_seconds", "wait_out_seconds",
+                                       "thread_start_seconds", "thread_cpu_seconds")])
                     pipelines.append(sum(s.seconds for s in binding.last))
                     parts.append([sum(getattr(s, k) for s in binding.last)
                                   for k in ("setup_seconds", "loop_seconds", "commit_seconds")])
@@ -228,7 +229,8 @@ def run_config(spec: dict) -> dict:
                 direct_io=stats["direct_io"], io_depth=stats["io_depth"],
                 io_block=stats["io_block"],
                 loop_host_s={k: spread([x[i] for x in loop_host])
-                             for i, k in enumerate(("stepping", "page_ins", "device", "page_outs"))},
+                             for i, k in enumerate(("stepping", "page_ins", "device", "page_outs",
+                                                    "thread_start", "thread_cpu"))},
                 pipeline_s=spread(pipelines),
                 parts_s=opt_step_parts(opt_times, parts, under_forward),
                 under_forward=under_forward, step_thread=bool(config.get("thread")),
