@@ -2,6 +2,7 @@
 #include "python/tensor_lists.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -181,6 +182,28 @@ bool plain_counter(const torch::Tensor& t) {
          (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kFloat64);
 }
 
+// Per value, its number where it is a count: a 0-dim float32 or float64 CPU tensor (strided)
+// holding a whole number, whose number then holds every bit (UndoCopies.copy_state keeps a
+// step counter so); nullopt for any other. One call for a bucket's counters instead of an
+// item() each, which lets go of the GIL (a handover to the training thread, on the step's
+// own thread).
+std::vector<std::optional<double>> whole_counts(const std::vector<torch::Tensor>& values) {
+  std::vector<std::optional<double>> out;
+  out.reserve(values.size());
+  for (const torch::Tensor& t : values) {
+    std::optional<double> count;
+    if (t.is_cpu() && t.dim() == 0 && t.layout() == torch::kStrided &&
+        (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kFloat64)) {
+      const double v = t.scalar_type() == torch::kFloat32
+                           ? static_cast<double>(*t.data_ptr<float>())
+                           : *t.data_ptr<double>();
+      if (std::isfinite(v) && std::floor(v) == v) count = v;
+    }
+    out.push_back(count);
+  }
+  return out;
+}
+
 // Each counter's value plus one, added in its own dtype as torch's add of a float32 one
 // (0-dim: the counter's float dtype wins) rounds it.
 std::optional<std::vector<double>> counts_after(const std::vector<torch::Tensor>& counts) {
@@ -308,6 +331,9 @@ void bind_tensor_lists(py::module_& m) {
   m.def("counts_after", &counts_after, py::arg("counts"),
         "Each step counter's value plus one, as torch adds it in the counter's dtype; None "
         "unless every counter is a one-element float32 or float64 CPU tensor");
+  m.def("whole_counts", &whole_counts, py::arg("values"),
+        "Per tensor, its number where it is a 0-dim float32 or float64 CPU tensor holding a "
+        "whole number; None for any other");
   m.def("set_counts", &set_counts, py::arg("counts"), py::arg("values"),
         "Sets each step counter (a one-element float32 or float64 CPU tensor) to its value");
   m.def("state_key", &state_key, py::arg("p"), py::arg("state"),

@@ -684,6 +684,20 @@ def test_an_attached_optimizer_is_freed_with_its_binding(store_dir):
     assert [r() for r in refs] == [None, None, None]
 
 
+def test_whole_counts_reads_only_scalar_float_counts_holding_whole_numbers():
+    """_C.whole_counts: the number of each 0-dim float32 or float64 CPU tensor holding a
+    whole number (its sign of zero kept); None for fractions, infinities, NaNs, other
+    dtypes and shapes."""
+    nan = torch.tensor(0x7FC00123, dtype=torch.int32).view(torch.float32)
+    values = [torch.tensor(3.0), torch.tensor(2 ** 40, dtype=torch.float64),
+              torch.tensor(-0.0), torch.tensor(2.5), torch.tensor(float("inf")), nan,
+              torch.tensor([1.0]), torch.tensor(4), torch.tensor(1.0, dtype=torch.bfloat16)]
+    got = statepager._C.whole_counts(values)
+    assert got[:3] == [3.0, 2.0 ** 40, 0.0] and str(got[2]) == "-0.0"
+    assert got[3:] == [None] * 6
+    assert statepager._C.whole_counts([]) == []
+
+
 def test_state_key_names_each_entry_and_where_its_bytes_are():
     """_C.state_key (what StateLayout.forms() finds forms from): the parameter's and each
     entry's (id, data_ptr), in the entries' order, None for what is not a strided tensor;

@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from statepager import _C
 from statepager.util.flat import copy_each
 from statepager.core import residency
 from statepager.core.late_reads import LateRead
@@ -53,9 +54,6 @@ from statepager.formats.stored import params_changed_since_encoded, residual_for
 # copy_state() keeps copies of unpaged state tensors up to this size between steps: step
 # counters and other scalars, a few bytes per parameter.
 KEPT_BYTES = 4096
-# The dtypes of the step counters copy_state() keeps as numbers (torch's optimizers'
-# scalar dtypes).
-_COUNTERS = (torch.float32, torch.float64)
 
 
 class UndoCopies:
@@ -100,16 +98,20 @@ class UndoCopies:
         copies stay."""
         entries = [(p, name, v) for p, values in state.items() for name, v in values.items()]
         owned = self.pager.services.owns_each(v for _, _, v in entries)
+        unpaged = [isinstance(v, torch.Tensor) and not mine
+                   for (_, _, v), mine in zip(entries, owned)]
+        # The counts among them, read in one call (not an item() each).
+        counts = iter(_C.whole_counts([v for (_, _, v), u in zip(entries, unpaged) if u]))
         saved = {p: {} for p in state}
         kept, targets, sources = {}, [], []
         with torch.no_grad():
-            for (p, name, v), mine in zip(entries, owned):
+            for (p, name, v), is_unpaged in zip(entries, unpaged):
                 copy = None
-                if isinstance(v, torch.Tensor) and not mine:
+                if is_unpaged:
+                    number = next(counts)
                     if v.layout != torch.strided:  # sparse: no multi-tensor copy
                         copy = v.clone()
-                    elif v.dim() == 0 and v.is_cpu and v.dtype in _COUNTERS and \
-                            (number := v.item()).is_integer():
+                    elif number is not None:
                         copy = number  # a count: its number holds every bit
                     elif v.numel() * v.element_size() > KEPT_BYTES:
                         copy = torch.empty_like(v)
