@@ -192,7 +192,8 @@ std::vector<std::optional<double>> whole_counts(const std::vector<torch::Tensor>
   out.reserve(values.size());
   for (const torch::Tensor& t : values) {
     std::optional<double> count;
-    if (t.is_cpu() && t.dim() == 0 && t.layout() == torch::kStrided &&
+    // Not a negated view: its bytes are not its value (item() resolves the bit).
+    if (t.is_cpu() && t.dim() == 0 && t.layout() == torch::kStrided && !t.is_neg() &&
         (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kFloat64)) {
       const double v = t.scalar_type() == torch::kFloat32
                            ? static_cast<double>(*t.data_ptr<float>())

@@ -687,14 +687,15 @@ def test_an_attached_optimizer_is_freed_with_its_binding(store_dir):
 def test_whole_counts_reads_only_scalar_float_counts_holding_whole_numbers():
     """_C.whole_counts: the number of each 0-dim float32 or float64 CPU tensor holding a
     whole number (its sign of zero kept); None for fractions, infinities, NaNs, other
-    dtypes and shapes."""
+    dtypes and shapes, and negated views (whose bytes are not their value)."""
     nan = torch.tensor(0x7FC00123, dtype=torch.int32).view(torch.float32)
     values = [torch.tensor(3.0), torch.tensor(2 ** 40, dtype=torch.float64),
               torch.tensor(-0.0), torch.tensor(2.5), torch.tensor(float("inf")), nan,
-              torch.tensor([1.0]), torch.tensor(4), torch.tensor(1.0, dtype=torch.bfloat16)]
+              torch.tensor([1.0]), torch.tensor(4), torch.tensor(1.0, dtype=torch.bfloat16),
+              torch._neg_view(torch.tensor(3.0))]
     got = statepager._C.whole_counts(values)
     assert got[:3] == [3.0, 2.0 ** 40, 0.0] and str(got[2]) == "-0.0"
-    assert got[3:] == [None] * 6
+    assert got[3:] == [None] * 7
     assert statepager._C.whole_counts([]) == []
 
 

@@ -159,11 +159,11 @@ def config_lines(c: dict) -> list[str]:
                          p.get("step_thread") else "stepping buckets and waiting for copies")
                 notes.append(f"the training thread's time in the forward's hooks (median): "
                              f"{1e3 * p['in_hooks_s']['median']:.1f} ms an iteration, {where}")
-            ms = {k: 1e3 * v["median"] for k, v in (p.get("loop_host_s") or {}).items()}
-            if p.get("step_thread") and ms.get("thread_cpu"):
-                notes.append(f"the step's thread (medians): started {ms['thread_start']:.1f} ms "
-                             f"after step() left the buckets to the forward, its own CPU time "
-                             f"{ms['thread_cpu']:.1f} ms")
+            thread = {k: 1e3 * v["median"] for k, v in (p.get("loop_host_s") or {}).items()}
+            if p.get("step_thread") and thread.get("thread_cpu"):
+                notes.append(f"the step's thread (medians): started "
+                             f"{thread['thread_start']:.1f} ms after step() left the buckets "
+                             f"to the forward, its own CPU time {thread['thread_cpu']:.1f} ms")
             held = p.get("held_back") or {}
             why = (f"; grad-sync starts that began none: {held['the step in flight']} with "
                    f"the step in flight still paging, {held['room']} without room for its "
